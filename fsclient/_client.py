@@ -1,0 +1,325 @@
+"""The native client: a path API over the metadata service and the striped data path.
+
+``Client`` is synchronous and thread-safe; ``AsyncClient`` exposes the same
+operations to trio code (the FUSE daemon) by running them on worker threads,
+sharing one :class:`~fsclient._core.ClientCore`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import posixpath
+import stat as _stat
+from typing import Any, Callable, Iterator
+
+import trio
+
+from wire import Attr, DirEntry, ErrorCode, StripefsError, messages as m
+
+from ._config import ClusterConfig, find_cluster
+from ._core import ClientCore
+from ._file import StripeFile, mode_flags
+
+__all__ = ["Client", "AsyncClient", "normpath", "ROOT_INO"]
+
+ROOT_INO = 1
+PREFIX = "stripefs://"
+
+
+def normpath(path: str) -> str:
+    """Canonical absolute path inside the file system.
+
+    Accepts ``stripefs://a/b``, ``/a/b`` and ``a/b``. Raises EINVAL for NUL
+    bytes and for ``..`` that would climb above the root.
+    """
+    if not isinstance(path, str):
+        path = os.fspath(path)
+    if path.startswith(PREFIX):
+        path = path[len(PREFIX):]
+    if "\x00" in path:
+        raise StripefsError(ErrorCode.INVALID, "path contains NUL", path)
+    parts: list[str] = []
+    for part in path.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not parts:
+                raise StripefsError(ErrorCode.INVALID, "'..' escapes the file system root", path)
+            parts.pop()
+        else:
+            parts.append(part)
+    return "/" + "/".join(parts)
+
+
+class Client:
+    """Connect to a stripefs cluster.
+
+    Args:
+        cluster: a ``cluster.json`` path, ``host:port`` (with ``secret``), or
+            None to use ``STRIPEFS_CLUSTER`` / the last ``stripefs up``.
+        conns_per_server: pipelined connections per storage server.
+        max_inflight: chunk requests in flight per read/write call.
+    """
+
+    def __init__(self, cluster: "str | os.PathLike[str] | ClusterConfig | None" = None, *, secret: str | None = None,
+                 conns_per_server: int = 2, max_inflight: int = 32):
+        self.config = find_cluster(cluster, secret)
+        self.core = ClientCore(self.config, conns_per_server=conns_per_server, max_inflight=max_inflight)
+
+    def close(self) -> None:
+        self.core.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- lookups ------------------------------------------------------------------------
+    def stat(self, path: str, *, follow: bool = True) -> Attr:
+        p = normpath(path)
+        try:
+            return self.core.attr(m.Resolve(path=p, follow=follow))
+        except StripefsError as exc:
+            raise StripefsError(exc.code, exc.message, p) from None
+
+    def lstat(self, path: str) -> Attr:
+        return self.stat(path, follow=False)
+
+    def exists(self, path: str) -> bool:
+        try:
+            self.stat(path)
+            return True
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    def isdir(self, path: str) -> bool:
+        try:
+            return self.stat(path).is_dir
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    def isfile(self, path: str) -> bool:
+        try:
+            return self.stat(path).is_file
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    def _parent(self, path: str) -> tuple[Attr, str, str]:
+        p = normpath(path)
+        if p == "/":
+            raise StripefsError(ErrorCode.INVALID, "the root has no parent", p)
+        head, name = posixpath.split(p)
+        parent = self.stat(head)
+        if not parent.is_dir:
+            raise StripefsError(ErrorCode.NOT_DIR, "parent is not a directory", p)
+        return parent, name, p
+
+    def _wrap(self, fn: Callable[[], Any], path: str) -> Any:
+        try:
+            return fn()
+        except StripefsError as exc:
+            if exc.filename is None:
+                raise StripefsError(exc.code, exc.message, path) from None
+            raise
+
+    # -- directories --------------------------------------------------------------------
+    def scandir(self, path: str = "/", *, attrs: bool = True) -> Iterator[DirEntry]:
+        """Entries of a directory (paginated underneath), with attributes by default."""
+        d = self.stat(path)
+        if not d.is_dir:
+            raise StripefsError(ErrorCode.NOT_DIR, "not a directory", normpath(path))
+        after = ""
+        while True:
+            reply = self.core.call(m.Readdir(ino=d.ino, after=after, limit=1000, plus=attrs))
+            entries = [DirEntry.from_wire(e) for e in reply["entries"]]
+            yield from entries
+            if not reply["more"] or not entries:
+                return
+            after = entries[-1].name
+
+    def listdir(self, path: str = "/") -> list[str]:
+        return [e.name for e in self.scandir(path, attrs=False)]
+
+    def mkdir(self, path: str, mode: int = 0o777, *, exist_ok: bool = False) -> Attr:
+        parent, name, p = self._parent(path)
+        try:
+            return self._wrap(lambda: self.core.attr(m.Mkdir(parent=parent.ino, name=name, mode=mode & 0o7777,
+                                                              uid=os.getuid(), gid=os.getgid())), p)
+        except FileExistsError:
+            if exist_ok and self.isdir(p):
+                return self.stat(p)
+            raise
+
+    def makedirs(self, path: str, mode: int = 0o777, *, exist_ok: bool = True) -> None:
+        p = normpath(path)
+        if p == "/":
+            return
+        if self.exists(p):
+            if not exist_ok or not self.isdir(p):
+                raise StripefsError(ErrorCode.EXISTS, "already exists", p)
+            return
+        self.makedirs(posixpath.dirname(p), mode, exist_ok=True)
+        self.mkdir(p, mode, exist_ok=True)
+
+    def rmdir(self, path: str) -> None:
+        parent, name, p = self._parent(path)
+        self._wrap(lambda: self.core.call(m.Rmdir(parent=parent.ino, name=name)), p)
+
+    # -- files ----------------------------------------------------------------------------
+    def open(self, path: str, mode: str = "rb", *, encoding: str | None = None, newline: str | None = None) -> Any:
+        """Open a file; modes as the builtin (``rb wb ab xb r+b`` and text modes)."""
+        flags = mode_flags(mode)
+        if flags["create"]:
+            parent, name, p = self._parent(path)
+            reply = self._wrap(lambda: self.core.call(m.Create(
+                parent=parent.ino, name=name, mode=0o666, uid=os.getuid(), gid=os.getgid(),
+                exclusive=flags["exclusive"], truncate=flags["truncate"],
+            )), p)
+            attr = Attr.from_wire(reply["attr"])
+        else:
+            p = normpath(path)
+            attr = self.stat(p)
+        if attr.is_dir:
+            raise StripefsError(ErrorCode.IS_DIR, "is a directory", p)
+        f = StripeFile(self, p, attr, readable=flags["read"], writable=flags["write"], append=flags["append"])
+        if flags["text"]:
+            return io.TextIOWrapper(f, encoding=encoding or "utf-8", newline=newline)  # type: ignore[arg-type]
+        return f
+
+    def remove(self, path: str) -> None:
+        parent, name, p = self._parent(path)
+        self._wrap(lambda: self.core.call(m.Unlink(parent=parent.ino, name=name)), p)
+
+    unlink = remove
+
+    def rename(self, src: str, dst: str, *, noreplace: bool = False, exchange: bool = False) -> None:
+        """Atomic rename (POSIX replace semantics unless ``noreplace``)."""
+        sp, sname, s = self._parent(src)
+        dp, dname, d = self._parent(dst)
+        flags = (1 if noreplace else 0) | (2 if exchange else 0)
+        self._wrap(lambda: self.core.call(m.Rename(parent=sp.ino, name=sname, new_parent=dp.ino, new_name=dname, flags=flags)), s)
+
+    def symlink(self, target: str, path: str) -> Attr:
+        parent, name, p = self._parent(path)
+        return self._wrap(lambda: self.core.attr(m.Symlink(parent=parent.ino, name=name, target=target,
+                                                            uid=os.getuid(), gid=os.getgid())), p)
+
+    def readlink(self, path: str) -> str:
+        attr = self.lstat(path)
+        return self.core.call(m.Readlink(ino=attr.ino))["target"]
+
+    def link(self, src: str, dst: str) -> Attr:
+        attr = self.lstat(src)
+        parent, name, p = self._parent(dst)
+        return self._wrap(lambda: self.core.attr(m.Link(ino=attr.ino, new_parent=parent.ino, new_name=name)), p)
+
+    def truncate(self, path: str, size: int) -> Attr:
+        attr = self.stat(path)
+        return self.core.attr(m.SetAttr(ino=attr.ino, size=size))
+
+    def chmod(self, path: str, mode: int) -> Attr:
+        return self.core.attr(m.SetAttr(ino=self.stat(path).ino, mode=mode & 0o7777))
+
+    def chown(self, path: str, uid: int, gid: int) -> Attr:
+        return self.core.attr(m.SetAttr(ino=self.stat(path).ino, uid=uid, gid=gid))
+
+    def utime(self, path: str, ns: tuple[int, int] | None = None) -> Attr:
+        import time
+
+        now = time.time_ns()
+        atime, mtime = ns if ns is not None else (now, now)
+        return self.core.attr(m.SetAttr(ino=self.stat(path).ino, atime_ns=atime, mtime_ns=mtime))
+
+    def set_layout(self, path: str, *, chunk_size: int | None = None, stripe: int | None = None) -> None:
+        """Set a directory's default layout; files created below inherit it."""
+        self.core.call(m.SetLayout(ino=self.stat(path).ino, chunk_size=chunk_size, stripe=stripe))
+
+    # -- whole-file helpers -------------------------------------------------------------
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        with self.open(path, "rb") as f:
+            size = f.size if length is None else min(length, max(0, f.size - offset))
+            buf = bytearray(max(0, size))
+            n = f.pread_into(memoryview(buf), offset)
+            return bytes(buf[:n])
+
+    def write_bytes(self, path: str, data: bytes | memoryview, *, exclusive: bool = False) -> None:
+        with self.open(path, "xb" if exclusive else "wb") as f:
+            f.write(data)
+
+    def copy(self, src: str, dst: str, *, callback: Callable[[int], None] | None = None) -> None:
+        """Copy through a reused aligned buffer, window by window (no per-chunk bytes objects)."""
+        with self.open(src, "rb") as fin, self.open(dst, "wb") as fout:
+            buf = self.core.buffers.get(fin.window * 2)
+            try:
+                view = memoryview(buf)
+                while True:
+                    n = fin.readinto(view)
+                    if not n:
+                        break
+                    fout.write(view[:n])
+                    if callback:
+                        callback(n)
+            finally:
+                view.release()
+                self.core.buffers.put(buf)
+
+    # -- cluster --------------------------------------------------------------------------
+    def statfs(self) -> dict[str, Any]:
+        return self.core.call(m.Statfs())
+
+    def status(self) -> dict[str, Any]:
+        return self.core.call(m.ClusterStatus())
+
+    def placement(self, path: str) -> list[dict[str, Any]]:
+        """Where each chunk of a file lives: ``[{index, chain, server, host, port}]``."""
+        attr = self.stat(path)
+        if attr.layout is None:
+            raise StripefsError(ErrorCode.IS_DIR, "not a regular file", normpath(path))
+        routing = self.core.routing()
+        out = []
+        nchunks = -(-attr.size // attr.layout.chunk_size)
+        for index in range(nchunks):
+            chain = attr.layout.chain_of(index)
+            sid = routing.chains[chain][0]
+            info = routing.servers[sid]
+            out.append({"index": index, "chain": chain, "server": sid, "host": info.host, "port": info.port})
+        return out
+
+
+def _isdir_mode(mode: int) -> bool:
+    return _stat.S_ISDIR(mode)
+
+
+class AsyncClient:
+    """Trio face of :class:`Client`: every method runs the sync one on a worker thread.
+
+    The data path is threads anyway (see ``_core``); this keeps blocking calls
+    off the trio loop (the FUSE daemon's) while sharing one core.
+    """
+
+    def __init__(self, client: Client, *, limiter: trio.CapacityLimiter | None = None):
+        self.sync = client
+        self.core = client.core
+        self.limiter = limiter or trio.CapacityLimiter(32)
+
+    async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs), limiter=self.limiter)
+
+    async def call(self, msg: m.Message) -> dict[str, Any]:
+        return await self.run(self.core.call, msg)
+
+    async def attr(self, msg: m.Message) -> Attr:
+        return await self.run(self.core.attr, msg)
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        fn = getattr(self.sync, name)
+        if not callable(fn):
+            raise AttributeError(name)
+
+        async def method(*args: Any, **kwargs: Any) -> Any:
+            return await self.run(fn, *args, **kwargs)
+
+        method.__name__ = name
+        return method

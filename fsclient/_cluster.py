@@ -1,0 +1,191 @@
+"""A local cluster on 127.0.0.1: ``stripefs up`` / ``stripefs down``.
+
+Everything lives under ``ROOT``::
+
+    ROOT/cluster.json      addresses, pids, auth secret (mode 0600)
+    ROOT/meta/             metadata database (meta.db, servers.json)
+    ROOT/storage-N/        one storage target per server (chunks/, target.json)
+    ROOT/logs/*.log        server logs
+
+``up`` on an existing ROOT restarts that cluster with its data (same secret,
+same metadata port when it is free, same server ids).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from wire import ErrorCode, StripefsError, new_secret
+
+from ._config import remember_cluster
+
+READY_TIMEOUT = 30.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of ours counts as dead
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def read_cluster(root: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(root, "cluster.json")) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def _write_cluster(root: str, data: dict[str, Any]) -> str:
+    path = os.path.join(root, "cluster.json")
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+    return path
+
+
+def _spawn(args: list[str], log_path: str) -> subprocess.Popen:
+    log = open(log_path, "ab")
+    try:
+        return subprocess.Popen(
+            [sys.executable, *args], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, close_fds=True,
+        )
+    finally:
+        log.close()
+
+
+def _wait_ready(proc: subprocess.Popen, ready: str, what: str, log_path: str) -> str:
+    deadline = time.monotonic() + READY_TIMEOUT
+    while time.monotonic() < deadline:
+        if os.path.exists(ready):
+            with open(ready) as f:
+                return f.read().strip()
+        if proc.poll() is not None:
+            tail = open(log_path, errors="replace").read()[-2000:]
+            raise StripefsError(ErrorCode.IO, f"{what} exited with status {proc.returncode}:\n{tail}")
+        time.sleep(0.05)
+    proc.kill()
+    raise StripefsError(ErrorCode.TIMEOUT, f"{what} did not start within {READY_TIMEOUT:.0f}s (see {log_path})")
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 << 20, stripe: int = 16) -> dict[str, Any]:
+    """Start (or restart) the cluster under ``root``; returns the cluster.json content."""
+    if replicas != 1:
+        raise StripefsError(ErrorCode.NOT_SUPPORTED, "replication (--replicas > 1) is not built yet; use 1")
+    root = os.path.abspath(root)
+    os.makedirs(os.path.join(root, "logs"), exist_ok=True)
+    old = read_cluster(root)
+    if old and any(_alive(p) for p in old.get("pids", [])):
+        if all(_alive(p) for p in old.get("pids", [])):
+            remember_cluster(os.path.join(root, "cluster.json"))
+            return old
+        down(root)
+    existing = sorted(int(d.split("-")[1]) for d in os.listdir(root) if d.startswith("storage-") and d.split("-")[1].isdigit())
+    count = max(servers, len(existing))
+    cluster = {
+        "cluster_id": (old or {}).get("cluster_id") or secrets.token_hex(8),
+        "secret": (old or {}).get("secret") or new_secret(),
+        "root": root,
+        "metadata": {"host": "127.0.0.1", "port": 0},
+        "servers": [],
+        "pids": [],
+        "chunk_size": chunk_size,
+        "stripe": stripe,
+        "replicas": replicas,
+    }
+    path = _write_cluster(root, cluster)  # secret must be on disk (0600) before servers read it
+    procs: list[subprocess.Popen] = []
+    try:
+        old_port = int((old or {}).get("metadata", {}).get("port", 0))
+        port = old_port if old_port and _port_free(old_port) else 0
+        ready = os.path.join(root, "meta.ready")
+        if os.path.exists(ready):
+            os.unlink(ready)
+        log_path = os.path.join(root, "logs", "metadata.log")
+        proc = _spawn(["-m", "metadata", "--state", os.path.join(root, "meta"), "--cluster", path, "--port", str(port),
+                       "--chunk-size", str(chunk_size), "--stripe", str(stripe), "--ready", ready], log_path)
+        procs.append(proc)
+        maddr = _wait_ready(proc, ready, "metadata service", log_path)
+        host, _, mport = maddr.rpartition(":")
+        cluster["metadata"] = {"host": host, "port": int(mport), "pid": proc.pid}
+        starting = []
+        for i in range(count):
+            sroot = os.path.join(root, f"storage-{i}")
+            os.makedirs(sroot, exist_ok=True)
+            sready = os.path.join(sroot, "ready")
+            if os.path.exists(sready):
+                os.unlink(sready)
+            slog = os.path.join(root, "logs", f"storage-{i}.log")
+            sp = _spawn(["-m", "storage", "--root", sroot, "--metadata", maddr, "--cluster", path, "--ready", sready], slog)
+            procs.append(sp)
+            starting.append((i, sp, sready, slog, sroot))
+        for i, sp, sready, slog, sroot in starting:
+            addr = _wait_ready(sp, sready, f"storage server {i}", slog)
+            h, _, p = addr.rpartition(":")
+            cluster["servers"].append({"root": sroot, "host": h, "port": int(p), "pid": sp.pid})
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    cluster["pids"] = [p.pid for p in procs]
+    _write_cluster(root, cluster)
+    remember_cluster(path)
+    return cluster
+
+
+def down(root: str, timeout: float = 10.0) -> int:
+    """Stop every process of the cluster under ``root``; returns how many were running."""
+    cluster = read_cluster(os.path.abspath(root))
+    if not cluster:
+        raise StripefsError(ErrorCode.NOT_FOUND, f"no cluster.json under {root}")
+    pids = [p for p in cluster.get("pids", []) if _alive(p)]
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    for p in pids:
+        if _alive(p):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    cluster["pids"] = []
+    _write_cluster(os.path.abspath(root), cluster)
+    return len(pids)

@@ -1,0 +1,94 @@
+"""Finding the cluster: ``cluster=`` argument, ``STRIPEFS_CLUSTER``, then the last ``stripefs up``.
+
+A cluster is named by a path to its ``cluster.json`` or by ``host:port`` of the
+metadata service (the secret then comes from ``secret=`` or ``STRIPEFS_SECRET``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from wire import ErrorCode, StripefsError
+
+__all__ = ["ClusterConfig", "find_cluster", "default_state_file", "remember_cluster"]
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    metadata: tuple[str, int]
+    secret: str
+    cluster_id: str = ""
+    path: str | None = None  # the cluster.json it came from
+
+    @classmethod
+    def from_file(cls, path: str) -> "ClusterConfig":
+        try:
+            with open(path) as f:
+                raw: dict[str, Any] = json.load(f)
+        except FileNotFoundError as exc:
+            raise StripefsError(ErrorCode.NOT_FOUND, f"no cluster file at {path}") from exc
+        except (OSError, ValueError) as exc:
+            raise StripefsError(ErrorCode.INVALID, f"cannot read cluster file {path}: {exc}") from exc
+        try:
+            host, port = raw["metadata"]["host"], int(raw["metadata"]["port"])
+            return cls((host, port), str(raw["secret"]), str(raw.get("cluster_id", "")), os.path.abspath(path))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StripefsError(ErrorCode.INVALID, f"cluster file {path} lacks metadata address or secret") from exc
+
+
+def default_state_file() -> str:
+    """Per-user file naming the cluster of the most recent ``stripefs up``."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "stripefs", "last_cluster")
+
+
+def remember_cluster(cluster_file: str) -> None:
+    path = default_state_file()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + f".{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(os.path.abspath(cluster_file))
+    os.replace(tmp, path)
+
+
+def _parse(spec: str, secret: str | None) -> ClusterConfig:
+    if os.path.isdir(spec):
+        spec = os.path.join(spec, "cluster.json")
+    if os.path.exists(spec) or spec.endswith(".json"):
+        return ClusterConfig.from_file(spec)
+    host, sep, port = spec.rpartition(":")
+    if not sep or not port.isdigit():
+        raise StripefsError(ErrorCode.INVALID, f"cluster must be a cluster.json path or host:port, got {spec!r}")
+    secret = secret or os.environ.get("STRIPEFS_SECRET")
+    if not secret:
+        raise StripefsError(ErrorCode.AUTH, f"cluster {spec} given as host:port needs a secret (secret= or STRIPEFS_SECRET)")
+    return ClusterConfig((host or "127.0.0.1", int(port)), secret)
+
+
+def find_cluster(cluster: "str | os.PathLike[str] | ClusterConfig | None" = None, secret: str | None = None) -> ClusterConfig:
+    """Resolve the cluster in the documented order.
+
+    Raises:
+        StripefsError: NOT_FOUND when nothing names a cluster.
+    """
+    if isinstance(cluster, ClusterConfig):
+        return cluster
+    if cluster:
+        return _parse(os.fspath(cluster), secret)
+    env = os.environ.get("STRIPEFS_CLUSTER")
+    if env:
+        return _parse(env, secret)
+    try:
+        with open(default_state_file()) as f:
+            last = f.read().strip()
+    except FileNotFoundError:
+        last = ""
+    if last:
+        return ClusterConfig.from_file(last)
+    raise StripefsError(
+        ErrorCode.NOT_FOUND,
+        "no stripefs cluster: pass cluster=, set STRIPEFS_CLUSTER, or start one with `stripefs up --root DIR`",
+    )

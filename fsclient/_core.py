@@ -1,0 +1,266 @@
+"""The client core: connections, routing, and the parallel chunk data path.
+
+After ``open`` the client knows the file's layout and computes chunk placement
+itself: chunk ``i`` of a file lives on chain ``layout.chains[i % stripe]``. The
+metadata service is off the data path (one call at open, one at close/fsync).
+
+Data path (threads, blocking sockets; see shared/PEERS.md for why):
+
+* every storage server gets ``conns_per_server`` pipelined connections, each
+  with a reader thread (responses land with ``recv_into`` straight in the
+  caller's buffer) and a sender thread (a caller queues requests to many
+  servers at once and never waits on one socket);
+* a read or write is cut at chunk boundaries; all pieces go out at once up to a
+  window of ``max_inflight`` per call, and complete in any order;
+* failures of a server (connection lost, restarted on a new port) refresh the
+  routing table and retry the piece: chunk writes are idempotent.
+
+Fork safety: every entry point checks the pid; a forked child (a DataLoader
+worker) drops the parent's connections and threads and reconnects lazily.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Iterator
+
+import crc32c
+
+from rpc import BufferPool, Connection, Reply
+from wire import Attr, ErrorCode, Layout, Routing, StripefsError, messages as m
+
+from ._config import ClusterConfig
+
+log = logging.getLogger(__name__)
+
+RETRIES = 4
+RETRY_DELAY = 0.2
+_LIVE: "weakref.WeakSet[ClientCore]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for core in list(_LIVE):
+        core._reset_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def split(layout: Layout, offset: int, length: int) -> Iterator[tuple[int, int, int, int]]:
+    """Cut ``[offset, offset+length)`` at chunk boundaries: ``(index, chunk_off, n, pos)``.
+
+    ``pos`` is the piece's offset relative to ``offset``.
+    """
+    cs = layout.chunk_size
+    pos = 0
+    while pos < length:
+        at = offset + pos
+        index, coff = divmod(at, cs)
+        n = min(cs - coff, length - pos)
+        yield index, coff, n, pos
+        pos += n
+
+
+class ClientCore:
+    """Shared machinery of :class:`fsclient.Client` (sync) and the async API."""
+
+    def __init__(self, config: ClusterConfig, *, conns_per_server: int = 2, max_inflight: int = 32):
+        self.config = config
+        self.conns_per_server = conns_per_server
+        self.max_inflight = max_inflight
+        self.buffers = BufferPool()
+        self._init_state()
+        _LIVE.add(self)
+
+    def _init_state(self) -> None:
+        self.pid = os.getpid()
+        self.client_id = os.urandom(16)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._meta: Connection | None = None
+        self._data: dict[int, list[Connection]] = {}
+        self._rr = itertools.count()
+        self._routing: Routing | None = None
+
+    def _reset_after_fork(self) -> None:
+        # The parent's sockets are shared with us: drop them without shutdown(), which
+        # would break the parent's connections too.
+        self._init_state()
+
+    def close(self) -> None:
+        with self._lock:
+            conns = [c for cs in self._data.values() for c in cs]
+            if self._meta is not None:
+                conns.append(self._meta)
+            self._data, self._meta = {}, None
+        if os.getpid() == self.pid:
+            for c in conns:
+                c.close()
+
+    # -- metadata ---------------------------------------------------------------------------
+    def _meta_conn(self) -> Connection:
+        if os.getpid() != self.pid:
+            self._reset_after_fork()
+        conn = self._meta
+        if conn is None or conn.broken:
+            with self._lock:
+                conn = self._meta
+                if conn is None or conn.broken:
+                    conn = self._meta = Connection(
+                        self.config.metadata, self.config.secret, self.client_id, expect_role="metadata", ids=self._ids
+                    )
+        return conn
+
+    def call(self, msg: m.Message, timeout: float = 60.0) -> dict[str, Any]:
+        """One metadata request, retried across reconnects with the same request id.
+
+        The metadata service replays its answer to a retried mutation, so a
+        retry after a lost connection cannot apply an operation twice.
+        """
+        req_id = next(self._ids)
+        deadline = time.monotonic() + timeout
+        delay = RETRY_DELAY
+        while True:
+            try:
+                return self._meta_conn().call(msg, timeout=timeout, req_id=req_id).header
+            except StripefsError as exc:
+                if exc.code not in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT) or time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def attr(self, msg: m.Message) -> Attr:
+        return Attr.from_wire(self.call(msg)["attr"])
+
+    # -- routing ----------------------------------------------------------------------------
+    def routing(self, refresh: bool = False) -> Routing:
+        if refresh or self._routing is None or os.getpid() != self.pid:
+            routing = Routing.from_wire(self.call(m.GetRouting())["routing"])
+            with self._lock:
+                old = self._routing
+                self._routing = routing
+                if old is not None:
+                    for sid, info in routing.servers.items():
+                        prev = old.servers.get(sid)
+                        if prev is not None and (prev.host, prev.port) != (info.host, info.port):
+                            for c in self._data.pop(sid, []):
+                                c.close()
+        assert self._routing is not None
+        return self._routing
+
+    def _server_for_chain(self, chain: int) -> int:
+        targets = self.routing().chains.get(chain)
+        if not targets:
+            raise StripefsError(ErrorCode.UNAVAILABLE, f"chain {chain} has no serving target")
+        return targets[0]
+
+    def data_conn(self, server_id: int) -> Connection:
+        if os.getpid() != self.pid:
+            self._reset_after_fork()
+        conns = self._data.get(server_id)
+        if conns:
+            conn = conns[next(self._rr) % len(conns)]
+            if not conn.broken:
+                return conn
+        with self._lock:
+            conns = [c for c in self._data.get(server_id, []) if not c.broken]
+            if len(conns) < self.conns_per_server:
+                info = self.routing().servers.get(server_id)
+                if info is None:
+                    raise StripefsError(ErrorCode.UNAVAILABLE, f"unknown storage server {server_id}")
+                while len(conns) < self.conns_per_server:
+                    conns.append(Connection((info.host, info.port), self.config.secret, self.client_id,
+                                            expect_role="storage", send_thread=True))
+                self._data[server_id] = conns
+            return conns[next(self._rr) % len(conns)]
+
+    # -- data path --------------------------------------------------------------------------
+    def _run_pieces(self, pieces: list[tuple[Any, ...]], submit: Any, finish: Any) -> None:
+        """Submit pieces with a bounded window; retry failed pieces after a routing refresh."""
+        attempts = [0] * len(pieces)
+        queue = deque(range(len(pieces)))
+        inflight: deque[tuple[int, Future]] = deque()
+        while queue or inflight:
+            while queue and len(inflight) < self.max_inflight:
+                i = queue.popleft()
+                try:
+                    inflight.append((i, submit(pieces[i])))
+                except StripefsError as exc:
+                    failed: Future = Future()
+                    failed.set_exception(exc)
+                    inflight.append((i, failed))
+            i, fut = inflight.popleft()
+            try:
+                finish(pieces[i], fut.result(120.0))
+            except TimeoutError as exc:
+                raise StripefsError(ErrorCode.TIMEOUT, "storage request timed out") from exc
+            except StripefsError as exc:
+                if exc.code not in (ErrorCode.UNAVAILABLE, ErrorCode.STALE_ROUTING) or attempts[i] >= RETRIES:
+                    raise
+                attempts[i] += 1
+                time.sleep(RETRY_DELAY * attempts[i])
+                self.routing(refresh=True)
+                queue.append(i)
+
+    def read_into(self, ino: int, layout: Layout, file_size: int, offset: int, dest: memoryview) -> int:
+        """Read up to ``len(dest)`` bytes at ``offset``; holes read as zeros. Returns bytes read."""
+        n = max(0, min(len(dest), file_size - offset))
+        if n == 0:
+            return 0
+        dest = dest.cast("B") if dest.format != "B" or dest.ndim != 1 else dest
+        pieces = list(split(layout, offset, n))
+
+        def submit(p: tuple[int, int, int, int]) -> Future:
+            index, coff, k, pos = p
+            conn = self.data_conn(self._server_for_chain(layout.chain_of(index)))
+            return conn.submit(m.ReadChunk(ino=ino, index=index, offset=coff, length=k), dest=dest[pos : pos + k])
+
+        def finish(p: tuple[int, int, int, int], reply: Reply) -> None:
+            _index, _coff, k, pos = p
+            if reply.nbytes < k:  # a hole or a chunk shorter than the file length: zeros
+                dest[pos + reply.nbytes : pos + k] = bytes(k - reply.nbytes)
+
+        self._run_pieces(pieces, submit, finish)
+        return n
+
+    def write_from(self, ino: int, layout: Layout, offset: int, data: memoryview) -> None:
+        """Write ``data`` at ``offset``, all chunks in parallel; returns once every piece is acked."""
+        for fut in self.submit_write(ino, layout, offset, data):
+            fut.result()
+
+    def submit_write(self, ino: int, layout: Layout, offset: int, data: memoryview) -> list[Future]:
+        """Start a write in the background; one future per call, resolving when acked.
+
+        The caller must keep ``data`` unchanged until the future resolves.
+        """
+        data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        done: Future = Future()
+
+        def run() -> None:
+            try:
+                pieces = list(split(layout, offset, len(data)))
+
+                def submit(p: tuple[int, int, int, int]) -> Future:
+                    index, coff, k, pos = p
+                    view = data[pos : pos + k]
+                    conn = self.data_conn(self._server_for_chain(layout.chain_of(index)))
+                    msg = m.WriteChunk(ino=ino, index=index, offset=coff, crc=crc32c.crc32c(view), chunk_size=layout.chunk_size)
+                    return conn.submit(msg, payload=view)
+
+                self._run_pieces(pieces, submit, lambda p, r: None)
+                done.set_result(None)
+            except BaseException as exc:  # delivered to whoever waits on the future
+                done.set_exception(exc)
+
+        if len(data) <= layout.chunk_size:
+            run()
+        else:
+            threading.Thread(target=run, name="stripefs-write", daemon=True).start()
+        return [done]

@@ -1,0 +1,329 @@
+"""File objects of the native client.
+
+Reads: large reads go straight from the servers into the caller's buffer in
+parallel; small sequential reads are served from a readahead window that is
+refilled in the background (double buffered). Writes: large writes stream
+straight from the caller's buffer; small writes gather in a page-aligned
+buffer that is sent in the background when full (write-behind, two buffers),
+so a loop of small writes (``torch.save``, ``pickle``) keeps every server busy.
+
+Consistency is close-to-open, as in 3FS and NFS: the file length is committed
+to the metadata service at ``close()``/``fsync()``; other clients see the new
+length after that. Errors of background writes surface at the next ``write``,
+``flush``, ``fsync`` or ``close``.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from wire import Attr, ErrorCode, MAX_FILE_SIZE, StripefsError, messages as m
+
+if TYPE_CHECKING:
+    from ._client import Client
+
+MAX_WINDOW = 32 << 20
+
+
+class StripeFile(io.RawIOBase):
+    """A file opened with :meth:`fsclient.Client.open`. Binary; not thread-safe."""
+
+    def __init__(self, client: "Client", path: str, attr: Attr, *, readable: bool, writable: bool, append: bool = False):
+        super().__init__()
+        if attr.layout is None:
+            raise StripefsError(ErrorCode.INVALID, "not a regular file", path)
+        self.client = client
+        self.core = client.core
+        self.name = path
+        self.attr = attr
+        self.ino = attr.ino
+        self.layout = attr.layout
+        self.size = attr.size
+        self._readable, self._writable, self._append = readable, writable, append
+        self._pos = self.size if append else 0
+        window = min(self.layout.chunk_size * min(self.layout.stripe, 8), MAX_WINDOW)
+        self.window = max(window, self.layout.chunk_size)
+        # write-behind state
+        self._wbuf: Any = None
+        self._wstart = 0
+        self._wlen = 0
+        self._inflight: list[tuple[Any, list[Future]]] = []
+        self._spare: list[Any] = []
+        self._dirty = False
+        self._written_end = 0
+        # readahead state: (start, length, buffer, future|None)
+        self._ra: list[list[Any]] = []
+
+    # -- io plumbing --------------------------------------------------------------------
+    def readable(self) -> bool:
+        return self._readable
+
+    def writable(self) -> bool:
+        return self._writable
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._check_open()
+        if whence == io.SEEK_SET:
+            pos = offset
+        elif whence == io.SEEK_CUR:
+            pos = self._pos + offset
+        elif whence == io.SEEK_END:
+            pos = self._length() + offset
+        else:
+            raise ValueError(f"invalid whence {whence}")
+        if pos < 0:
+            raise StripefsError(ErrorCode.INVALID, "negative seek position", self.name)
+        self._pos = pos
+        return pos
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError("I/O operation on closed file")
+
+    def _length(self) -> int:
+        return max(self.size, self._written_end, self._wstart + self._wlen if self._wlen else 0)
+
+    # -- reading ------------------------------------------------------------------------
+    def readinto(self, b: Any) -> int:
+        self._check_open()
+        if not self._readable:
+            raise io.UnsupportedOperation("file not open for reading")
+        n = self.pread_into(memoryview(b).cast("B"), self._pos)
+        self._pos += n
+        return n
+
+    def read(self, size: int | None = -1) -> bytes:
+        self._check_open()
+        if size is None or size < 0:
+            size = max(0, self._length() - self._pos)
+        buf = bytearray(size)
+        n = self.readinto(buf)
+        del buf[n:]
+        return bytes(buf)
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+    def pread(self, size: int, offset: int) -> bytes:
+        buf = bytearray(max(0, min(size, self._length() - offset)))
+        n = self.pread_into(memoryview(buf), offset)
+        return bytes(buf[:n])
+
+    def pread_into(self, dest: memoryview, offset: int) -> int:
+        """Read at ``offset`` into ``dest`` without moving the file position."""
+        self._check_open()
+        if self._wlen or self._inflight:
+            self._drain()
+        length = self._length()
+        want = max(0, min(len(dest), length - offset))
+        if want == 0:
+            return 0
+        if want >= self.window // 2:
+            self._ra.clear()
+            return self.core.read_into(self.ino, self.layout, length, offset, dest[:want])
+        done = 0
+        while done < want:
+            buf, start, blen = self._window_for(offset + done, length)
+            k = min(want - done, start + blen - (offset + done))
+            src = offset + done - start
+            dest[done : done + k] = memoryview(buf)[src : src + k]
+            done += k
+        return done
+
+    def _window_for(self, offset: int, length: int) -> tuple[Any, int, int]:
+        for w in self._ra:
+            start, blen, buf, fut = w
+            if start <= offset < start + blen:
+                if fut is not None:
+                    fut.result()
+                    w[3] = None
+                self._prefetch(start + blen, length)
+                return buf, start, blen
+        self._ra.clear()
+        start = offset - offset % self.layout.chunk_size
+        blen = min(self.window, length - start)
+        buf = self.core.buffers.get(self.window)
+        self.core.read_into(self.ino, self.layout, length, start, memoryview(buf)[:blen])
+        self._ra.append([start, blen, buf, None])
+        self._prefetch(start + blen, length)
+        return buf, start, blen
+
+    def _prefetch(self, start: int, length: int) -> None:
+        if start >= length or any(w[0] == start for w in self._ra):
+            return
+        while len(self._ra) > 1:
+            old = self._ra.pop(0)
+            if old[3] is not None:
+                old[3].result()
+            self.core.buffers.put(old[2])
+        blen = min(self.window, length - start)
+        buf = self.core.buffers.get(self.window)
+        fut: Future = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(self.core.read_into(self.ino, self.layout, length, start, memoryview(buf)[:blen]))
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+        threading.Thread(target=run, daemon=True, name="stripefs-readahead").start()
+        self._ra.append([start, blen, buf, fut])
+
+    # -- writing ------------------------------------------------------------------------
+    def write(self, b: Any) -> int:
+        self._check_open()
+        if not self._writable:
+            raise io.UnsupportedOperation("file not open for writing")
+        view = memoryview(b).cast("B")
+        if self._append:
+            self._pos = self._length()
+        n = self.pwrite(view, self._pos)
+        self._pos += n
+        return n
+
+    def pwrite(self, data: Any, offset: int) -> int:
+        """Write at ``offset`` without moving the file position."""
+        self._check_open()
+        view = memoryview(data).cast("B")
+        n = len(view)
+        if offset + n > MAX_FILE_SIZE:
+            raise StripefsError(ErrorCode.FILE_TOO_BIG, "write beyond the maximum file size", self.name)
+        if n == 0:
+            return 0
+        self._ra.clear()
+        self._dirty = True
+        if self._wlen and offset != self._wstart + self._wlen:
+            self._submit_buffer()
+        if not self._wlen and n >= self.window:
+            self._reap(block=False)
+            self.core.write_from(self.ino, self.layout, offset, view)
+            self._written_end = max(self._written_end, offset + n)
+            return n
+        done = 0
+        while done < n:
+            if self._wbuf is None:
+                self._wbuf = self._spare.pop() if self._spare else self.core.buffers.get(self.window)
+                self._wstart, self._wlen = offset + done, 0
+            k = min(n - done, self.window - self._wlen)
+            self._wbuf[self._wlen : self._wlen + k] = view[done : done + k]
+            self._wlen += k
+            done += k
+            if self._wlen == self.window:
+                self._submit_buffer()
+        return n
+
+    def _submit_buffer(self) -> None:
+        if not self._wlen:
+            return
+        buf, start, n = self._wbuf, self._wstart, self._wlen
+        self._wbuf, self._wlen = None, 0
+        futs = self.core.submit_write(self.ino, self.layout, start, memoryview(buf)[:n])
+        self._inflight.append((buf, futs))
+        self._written_end = max(self._written_end, start + n)
+        self._reap(block=len(self._inflight) >= 2)
+
+    def _reap(self, block: bool) -> None:
+        """Collect finished background writes; with ``block`` wait for the oldest."""
+        while self._inflight:
+            buf, futs = self._inflight[0]
+            if not block and not all(f.done() for f in futs):
+                return
+            self._inflight.pop(0)
+            try:
+                for f in futs:
+                    f.result()
+            finally:
+                self._spare.append(buf)
+            block = False
+
+    def _drain(self) -> None:
+        self._submit_buffer()
+        while self._inflight:
+            self._reap(block=True)
+
+    def flush(self) -> None:
+        """Send buffered bytes and wait until the storage servers acknowledged them."""
+        if self.closed:
+            return
+        self._drain()
+
+    def fsync(self) -> None:
+        """Flush, then commit the file length to the metadata service."""
+        self._check_open()
+        self._drain()
+        self._commit()
+
+    def _commit(self) -> None:
+        if self._dirty:
+            reply = self.core.attr(m.CommitLength(ino=self.ino, length=self._length(), mtime_ns=time.time_ns()))
+            self.size = reply.size
+            self._dirty = False
+
+    def truncate(self, size: int | None = None) -> int:
+        self._check_open()
+        if not self._writable:
+            raise io.UnsupportedOperation("file not open for writing")
+        size = self._pos if size is None else size
+        self._drain()
+        attr = self.core.attr(m.SetAttr(ino=self.ino, size=size))
+        self.size = attr.size
+        self._written_end = min(self._written_end, size)
+        self._ra.clear()
+        return size
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            if self._writable:
+                self._drain()
+                self._commit()
+        finally:
+            for w in self._ra:
+                if w[3] is not None:
+                    try:
+                        w[3].result()
+                    except StripefsError:
+                        pass
+                self.core.buffers.put(w[2])
+            self._ra.clear()
+            for buf in self._spare + ([self._wbuf] if self._wbuf is not None else []):
+                self.core.buffers.put(buf)
+            self._spare, self._wbuf = [], None
+            super().close()
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("stripefs files have no OS file descriptor")
+
+    def __repr__(self) -> str:
+        return f"<StripeFile {self.name!r} ino={self.ino} size={self._length()}>"
+
+
+def mode_flags(mode: str) -> dict[str, bool]:
+    """Parse an ``open`` mode into flags; raises ValueError like the builtin."""
+    kinds = set(mode) - {"b", "t", "+"}
+    if len(kinds) != 1 or not kinds <= {"r", "w", "a", "x"} or ("b" in mode and "t" in mode) or len(set(mode)) != len(mode):
+        raise ValueError(f"invalid mode: {mode!r}")
+    kind = kinds.pop()
+    plus = "+" in mode
+    return {
+        "read": kind == "r" or plus,
+        "write": kind != "r" or plus,
+        "create": kind in "wax",
+        "exclusive": kind == "x",
+        "truncate": kind == "w",
+        "append": kind == "a",
+        "must_exist": kind == "r",
+        "text": "b" not in mode,
+    }
+

@@ -1,0 +1,47 @@
+"""``python -m metadata``: run the metadata service (``stripefs up`` starts it for you)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import os
+
+import trio
+
+from ._server import serve_metadata
+
+
+async def _main(args: argparse.Namespace, secret: str, cluster_id: str) -> None:
+    async with trio.open_nursery() as nursery:
+        host, port = await nursery.start(functools.partial(
+            serve_metadata, args.state, secret=secret, host=args.host, port=args.port, cluster_id=cluster_id,
+            chunk_size=args.chunk_size, max_stripe=args.stripe,
+        ))
+        if args.ready:
+            tmp = args.ready + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(f"{host}:{port}")
+            os.replace(tmp, args.ready)
+        logging.info("metadata service listening on %s:%d", host, port)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m metadata")
+    p.add_argument("--state", required=True, help="directory for the namespace database")
+    p.add_argument("--cluster", required=True, help="cluster.json or secret file holding the secret")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--chunk-size", type=int, default=4 << 20)
+    p.add_argument("--stripe", type=int, default=16)
+    p.add_argument("--ready", help="file to write host:port into once serving")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s metadata %(levelname)s %(message)s")
+    with open(args.cluster) as f:
+        raw = json.load(f)
+    trio.run(_main, args, raw["secret"], raw.get("cluster_id", ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,556 @@
+"""The file system namespace: one method per metadata operation, one transaction each.
+
+Each public method of :class:`Namespace` opens exactly one store transaction, so
+an operation is atomic: it either commits whole or, on any exception (including
+the :class:`~wire._errors.StripefsError` it raises itself), leaves nothing.
+
+File data never passes through here. A file's :class:`~wire._types.Layout` says
+which storage chains hold its chunks; clients commit the file length at close or
+fsync (:meth:`Namespace.commit_length`, the 3FS model), and removals/truncations
+leave :class:`GarbageItem` work for the storage servers.
+
+Caveats:
+
+* No permission checks: uid/gid/mode are stored, enforcement is the caller's.
+* ``atime`` is set at creation and by ``setattr`` only (``noatime``).
+* ``create`` on an existing symlink raises ``EEXIST``; callers resolve symlinks
+  first (``resolve``), as the kernel does before it calls FUSE ``create``.
+* Unlinking the last name of an open file queues its removal at once: there is
+  no "orphan while open" state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import secrets
+import stat
+import time
+from wire._errors import ErrorCode, StripefsError
+from wire._types import (MAX_CHUNK, MAX_FILE_SIZE, MAX_PATH, MAX_STRIPE, MIN_CHUNK, Attr,
+                         DirEntry, Layout, validate_name)
+
+from ._store import DirRow, GarbageItem, Store, Txn
+
+__all__ = ["Namespace", "GarbageItem", "ROOT_INO", "RENAME_NOREPLACE", "RENAME_EXCHANGE"]
+
+ROOT_INO = 1
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+MAX_SYMLINKS = 40  # as Linux: ELOOP after 40 links in one resolution
+MAX_READDIR = 10_000
+
+
+def _err(code: ErrorCode, message: str) -> StripefsError:
+    return StripefsError(code, message)
+
+
+def _check_chunk_size(cs: int) -> int:
+    if not isinstance(cs, int) or cs < MIN_CHUNK or cs > MAX_CHUNK or cs & (cs - 1):
+        raise _err(ErrorCode.INVALID, f"chunk size must be a power of two in [{MIN_CHUNK}, {MAX_CHUNK}]")
+    return cs
+
+
+def _check_stripe(stripe: int) -> int:
+    if not isinstance(stripe, int) or not 1 <= stripe <= MAX_STRIPE:
+        raise _err(ErrorCode.INVALID, f"stripe must be 1..{MAX_STRIPE}")
+    return stripe
+
+
+class Namespace:
+    """POSIX-like namespace operations over a :class:`~metadata._store.Store`.
+
+    Args:
+        store: the backend; the namespace does not close it.
+        default_chunk_size: chunk size for files whose directories set none.
+        max_stripe: most chains one file is striped over, unless a directory says.
+    """
+
+    def __init__(self, store: Store, *, default_chunk_size: int = 4 * 1024 * 1024,
+                 max_stripe: int = 16) -> None:
+        self._store = store
+        self.default_chunk_size = _check_chunk_size(default_chunk_size)
+        self.max_stripe = _check_stripe(max_stripe)
+        with store.transaction() as txn:
+            if txn.get_meta("next_ino") is None:
+                txn.put_meta("next_ino", str(ROOT_INO + 1))
+                txn.put_meta("next_garbage", "1")
+            if txn.get_inode(ROOT_INO) is None:
+                now = time.time_ns()
+                txn.put_inode(Attr(ROOT_INO, stat.S_IFDIR | 0o755, 2, 0, 0, 0, now, now, now))
+                txn.put_dir(DirRow(ROOT_INO, ROOT_INO))
+
+    # ------------------------------------------------------------------ helpers
+
+    def _inode(self, txn: Txn, ino: int) -> Attr:
+        attr = txn.get_inode(ino)
+        if attr is None:
+            raise _err(ErrorCode.NOT_FOUND, f"no inode {ino}")
+        return attr
+
+    def _dir(self, txn: Txn, ino: int) -> Attr:
+        attr = self._inode(txn, ino)
+        if not attr.is_dir:
+            raise _err(ErrorCode.NOT_DIR, f"inode {ino} is not a directory")
+        return attr
+
+    def _entry(self, txn: Txn, parent: int, name: str) -> DirEntry:
+        entry = txn.get_dentry(parent, name)
+        if entry is None:
+            raise _err(ErrorCode.NOT_FOUND, f"no such file or directory: {name!r}")
+        return entry
+
+    @staticmethod
+    def _counter(txn: Txn, key: str) -> int:
+        value = int(txn.get_meta(key) or "1")
+        txn.put_meta(key, str(value + 1))
+        return value
+
+    def _touch_dir(self, txn: Txn, ino: int, now: int, nlink_delta: int = 0) -> None:
+        """A directory's entries changed: bump mtime/ctime (and nlink for subdirs)."""
+        d = self._inode(txn, ino)
+        txn.put_inode(dataclasses.replace(d, nlink=d.nlink + nlink_delta, mtime_ns=now, ctime_ns=now))
+
+    def _queue(self, txn: Txn, kind: str, attr: Attr, length: int) -> None:
+        if attr.layout is not None:  # symlinks and dirs hold no chunks
+            txn.put_garbage(GarbageItem(self._counter(txn, "next_garbage"), kind, attr.ino, length, attr.layout))
+
+    def _drop_link(self, txn: Txn, attr: Attr, now: int) -> Attr:
+        """One name of a non-directory went away: nlink--, and at 0 the inode goes."""
+        attr = dataclasses.replace(attr, nlink=attr.nlink - 1, ctime_ns=now)
+        if attr.nlink > 0:
+            txn.put_inode(attr)
+        else:
+            txn.delete_inode(attr.ino)
+            self._queue(txn, "remove", attr, 0)
+        return attr
+
+    def _drop_dir(self, txn: Txn, attr: Attr) -> None:
+        txn.delete_inode(attr.ino)
+        txn.delete_dir(attr.ino)
+
+    def _new_inode(self, txn: Txn, parent: int, name: str, mode: int, uid: int, gid: int, *,
+                   nlink: int = 1, size: int = 0, layout: Layout | None = None,
+                   target: str | None = None) -> Attr:
+        now = time.time_ns()
+        attr = Attr(self._counter(txn, "next_ino"), mode, nlink, uid, gid, size, now, now, now, layout, target)
+        txn.put_inode(attr)
+        txn.put_dentry(parent, DirEntry(name, attr.ino, mode))
+        return attr
+
+    def _new_parent_checked(self, txn: Txn, parent: int, name: str) -> None:
+        validate_name(name)
+        self._dir(txn, parent)
+        if txn.get_dentry(parent, name) is not None:
+            raise _err(ErrorCode.EXISTS, f"file exists: {name!r}")
+
+    def _inside(self, txn: Txn, ino: int, ancestor: int) -> bool:
+        """Is directory ``ino`` the directory ``ancestor`` or below it?"""
+        while True:
+            if ino == ancestor:
+                return True
+            if ino == ROOT_INO:
+                return False
+            row = txn.get_dir(ino)
+            assert row is not None, f"directory {ino} has no dirs row"
+            ino = row.parent
+
+    # ------------------------------------------------------------------ lookups
+
+    def getattr(self, ino: int) -> Attr:
+        with self._store.transaction() as txn:
+            return self._inode(txn, ino)
+
+    def lookup(self, parent: int, name: str) -> Attr:
+        validate_name(name)
+        with self._store.transaction() as txn:
+            self._dir(txn, parent)
+            return self._inode(txn, self._entry(txn, parent, name).ino)
+
+    def resolve(self, path: str, follow: bool = True) -> Attr:
+        """Walk an absolute path (a missing leading ``/`` is allowed) from the root.
+
+        Args:
+            path: like ``"/a/b"``; ``""`` and ``"/"`` are the root.
+            follow: follow a symlink in the last component too. A trailing ``/``
+                always follows, and demands a directory.
+
+        Raises:
+            StripefsError: ENOENT, ENOTDIR (a non-directory in the middle),
+                ELOOP (more than 40 symlinks), ENAMETOOLONG, EINVAL (NUL).
+        """
+        if "\x00" in path:
+            raise _err(ErrorCode.INVALID, "path contains NUL")
+        if len(path.encode("utf-8", "surrogateescape")) > MAX_PATH:
+            raise _err(ErrorCode.NAME_TOO_LONG, f"path longer than {MAX_PATH} bytes")
+        with self._store.transaction() as txn:
+            return self._walk(txn, path, follow)
+
+    def _walk(self, txn: Txn, path: str, follow: bool) -> Attr:
+        # "/f/" and "/f/." name a directory: a non-directory there is ENOTDIR.
+        parts = path.split("/")
+        must_be_dir = any(parts) and parts[-1] in ("", ".", "..")
+        todo = [c for c in path.split("/") if c not in ("", ".")][::-1]  # a stack: last pops first
+        cur = self._inode(txn, ROOT_INO)
+        links = 0
+        while todo:
+            comp = todo.pop()
+            if not cur.is_dir:
+                raise _err(ErrorCode.NOT_DIR, f"not a directory on the way to {comp!r}")
+            if comp == "..":
+                row = txn.get_dir(cur.ino)
+                cur = self._inode(txn, row.parent if row else ROOT_INO)
+                continue
+            validate_name(comp)
+            nxt = self._inode(txn, self._entry(txn, cur.ino, comp).ino)
+            if nxt.is_symlink and (todo or follow or must_be_dir):
+                links += 1
+                if links > MAX_SYMLINKS:
+                    raise _err(ErrorCode.LOOP, "too many levels of symbolic links")
+                target = nxt.target or ""
+                todo.extend(c for c in reversed(target.split("/")) if c not in ("", "."))
+                if target.startswith("/"):
+                    cur = self._inode(txn, ROOT_INO)
+                continue  # a relative target resolves from the link's directory, `cur`
+            cur = nxt
+        if must_be_dir and not cur.is_dir:
+            raise _err(ErrorCode.NOT_DIR, f"not a directory: {path!r}")
+        return cur
+
+    def readlink(self, ino: int) -> str:
+        with self._store.transaction() as txn:
+            attr = self._inode(txn, ino)
+        if not attr.is_symlink:
+            raise _err(ErrorCode.INVALID, f"inode {ino} is not a symlink")
+        return attr.target or ""
+
+    def readdir(self, ino: int, after: str = "", limit: int = 1000,
+                plus: bool = False) -> tuple[list[DirEntry], bool]:
+        """One page of a directory, in name (UTF-8 byte) order.
+
+        Args:
+            after: continue after this name (the last one of the previous page).
+            limit: page size, capped at 10000.
+            plus: also fill ``DirEntry.attr`` (and the full ``mode``).
+
+        Returns:
+            ``(entries, more)``; ``more`` says a further page exists.
+        """
+        if limit < 1:
+            raise _err(ErrorCode.INVALID, "readdir limit must be positive")
+        limit = min(limit, MAX_READDIR)
+        with self._store.transaction() as txn:
+            self._dir(txn, ino)
+            rows = txn.list_dentries(ino, after, limit + 1)
+            more = len(rows) > limit
+            rows = rows[:limit]
+            if plus:
+                attrs = [self._inode(txn, e.ino) for e in rows]
+                rows = [DirEntry(e.name, e.ino, a.mode, a) for e, a in zip(rows, attrs)]
+        return rows, more
+
+    # ------------------------------------------------------------------ creation
+
+    def _pick_layout(self, txn: Txn, parent: int, chains: list[int]) -> Layout:
+        pool = sorted(set(chains))
+        if not pool:
+            raise _err(ErrorCode.UNAVAILABLE, "no storage servers")
+        row = txn.get_dir(parent)
+        chunk = (row.chunk_size if row else None) or self.default_chunk_size
+        stripe = min((row.stripe if row else None) or self.max_stripe, len(pool))
+        # Each file gets its own shuffled chain list (3FS ChainAllocator) so that
+        # chunk 0 of every file does not land on the same chain.
+        return Layout(chunk, tuple(random.Random(secrets.randbits(64)).sample(pool, stripe))).validate()
+
+    def create(self, parent: int, name: str, mode: int, uid: int, gid: int, *, chains: list[int],
+               exclusive: bool = False, truncate: bool = False) -> tuple[Attr, bool]:
+        """Create a regular file, or open an existing one.
+
+        Args:
+            chains: the chain ids a new file may be striped over.
+            exclusive: ``O_EXCL``: an existing name is EEXIST.
+            truncate: ``O_TRUNC``: an existing file's size becomes 0.
+
+        Returns:
+            ``(attr, created)``.
+
+        Raises:
+            StripefsError: EEXIST, EISDIR, ENOENT/ENOTDIR (parent),
+                UNAVAILABLE (no chains to place a new file on).
+        """
+        validate_name(name)
+        with self._store.transaction() as txn:
+            self._dir(txn, parent)
+            entry = txn.get_dentry(parent, name)
+            if entry is not None:
+                return self._open_existing(txn, entry, exclusive, truncate), False
+            layout = self._pick_layout(txn, parent, chains)
+            attr = self._new_inode(txn, parent, name, stat.S_IFREG | (mode & 0o7777), uid, gid, layout=layout)
+            self._touch_dir(txn, parent, attr.ctime_ns)
+            return attr, True
+
+    def _open_existing(self, txn: Txn, entry: DirEntry, exclusive: bool, truncate: bool) -> Attr:
+        attr = self._inode(txn, entry.ino)
+        if exclusive or attr.is_symlink:
+            raise _err(ErrorCode.EXISTS, f"file exists: {entry.name!r}")
+        if attr.is_dir:
+            raise _err(ErrorCode.IS_DIR, f"is a directory: {entry.name!r}")
+        if truncate:
+            # Queued even at size 0: servers may hold bytes of a length not yet committed.
+            now = time.time_ns()
+            attr = dataclasses.replace(attr, size=0, mtime_ns=now, ctime_ns=now)
+            txn.put_inode(attr)
+            self._queue(txn, "truncate", attr, 0)
+        return attr
+
+    def mkdir(self, parent: int, name: str, mode: int, uid: int, gid: int) -> Attr:
+        """Make a directory; it inherits the parent's default layout."""
+        with self._store.transaction() as txn:
+            self._new_parent_checked(txn, parent, name)
+            attr = self._new_inode(txn, parent, name, stat.S_IFDIR | (mode & 0o7777), uid, gid, nlink=2)
+            prow = txn.get_dir(parent)
+            txn.put_dir(DirRow(attr.ino, parent, prow.chunk_size if prow else None, prow.stripe if prow else None))
+            self._touch_dir(txn, parent, attr.ctime_ns, nlink_delta=1)
+            return attr
+
+    def symlink(self, parent: int, name: str, target: str, uid: int, gid: int) -> Attr:
+        if not target or "\x00" in target:
+            raise _err(ErrorCode.INVALID, "symlink target must be non-empty without NUL")
+        size = len(target.encode("utf-8", "surrogateescape"))
+        if size > MAX_PATH:
+            raise _err(ErrorCode.NAME_TOO_LONG, f"symlink target longer than {MAX_PATH} bytes")
+        with self._store.transaction() as txn:
+            self._new_parent_checked(txn, parent, name)
+            attr = self._new_inode(txn, parent, name, stat.S_IFLNK | 0o777, uid, gid, size=size, target=target)
+            self._touch_dir(txn, parent, attr.ctime_ns)
+            return attr
+
+    def link(self, ino: int, new_parent: int, new_name: str) -> Attr:
+        """Add a hard link. Directories cannot be linked (EPERM)."""
+        with self._store.transaction() as txn:
+            attr = self._inode(txn, ino)
+            if attr.is_dir:
+                raise _err(ErrorCode.PERMISSION, "hard links to directories are not allowed")
+            self._new_parent_checked(txn, new_parent, new_name)
+            now = time.time_ns()
+            attr = dataclasses.replace(attr, nlink=attr.nlink + 1, ctime_ns=now)
+            txn.put_inode(attr)
+            txn.put_dentry(new_parent, DirEntry(new_name, ino, attr.mode))
+            self._touch_dir(txn, new_parent, now)
+            return attr
+
+    # ------------------------------------------------------------------ removal
+
+    def unlink(self, parent: int, name: str) -> Attr:
+        """Remove a non-directory name. Returns the inode's attr with its new nlink
+        (0: the inode is gone and a ``remove`` garbage item is queued)."""
+        validate_name(name)
+        with self._store.transaction() as txn:
+            self._dir(txn, parent)
+            attr = self._inode(txn, self._entry(txn, parent, name).ino)
+            if attr.is_dir:
+                raise _err(ErrorCode.IS_DIR, f"is a directory: {name!r}")
+            now = time.time_ns()
+            txn.delete_dentry(parent, name)
+            self._touch_dir(txn, parent, now)
+            return self._drop_link(txn, attr, now)
+
+    def rmdir(self, parent: int, name: str) -> None:
+        validate_name(name)
+        with self._store.transaction() as txn:
+            self._dir(txn, parent)
+            attr = self._inode(txn, self._entry(txn, parent, name).ino)
+            if not attr.is_dir:
+                raise _err(ErrorCode.NOT_DIR, f"not a directory: {name!r}")
+            if txn.list_dentries(attr.ino, "", 1):
+                raise _err(ErrorCode.NOT_EMPTY, f"directory not empty: {name!r}")
+            txn.delete_dentry(parent, name)
+            self._drop_dir(txn, attr)
+            self._touch_dir(txn, parent, time.time_ns(), nlink_delta=-1)
+
+    # ------------------------------------------------------------------ rename
+
+    def rename(self, parent: int, name: str, new_parent: int, new_name: str, flags: int = 0) -> None:
+        """Atomically rename, with POSIX (``renameat2``) semantics.
+
+        Raises:
+            StripefsError: ENOENT, ENOTDIR, EISDIR, ENOTEMPTY, EEXIST (NOREPLACE),
+                EINVAL (a directory into its own subtree, or bad flags).
+        """
+        if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or flags == RENAME_NOREPLACE | RENAME_EXCHANGE:
+            raise _err(ErrorCode.INVALID, f"bad rename flags {flags:#x}")
+        validate_name(name)
+        validate_name(new_name)
+        with self._store.transaction() as txn:
+            self._dir(txn, parent)
+            self._dir(txn, new_parent)
+            src = self._inode(txn, self._entry(txn, parent, name).ino)
+            dentry = txn.get_dentry(new_parent, new_name)
+            dst = self._inode(txn, dentry.ino) if dentry else None
+            if flags & RENAME_NOREPLACE and dst is not None:
+                raise _err(ErrorCode.EXISTS, f"file exists: {new_name!r}")
+            if flags & RENAME_EXCHANGE:
+                if dst is None:
+                    raise _err(ErrorCode.NOT_FOUND, f"no such file or directory: {new_name!r}")
+                self._exchange(txn, (parent, name, src), (new_parent, new_name, dst))
+                return
+            if dst is not None and dst.ino == src.ino:
+                return  # both names are links to one inode: POSIX says do nothing
+            if src.is_dir and self._inside(txn, new_parent, src.ino):
+                raise _err(ErrorCode.INVALID, "cannot move a directory into itself")
+            now = time.time_ns()
+            if dst is not None:
+                self._check_replace(txn, src, dst, new_name)
+                if dst.is_dir:
+                    self._drop_dir(txn, dst)
+                    self._touch_dir(txn, new_parent, now, nlink_delta=-1)
+                else:
+                    self._drop_link(txn, dst, now)
+            txn.delete_dentry(parent, name)
+            txn.put_dentry(new_parent, DirEntry(new_name, src.ino, src.mode))
+            txn.put_inode(dataclasses.replace(src, ctime_ns=now))
+            moved_dir = src.is_dir and parent != new_parent
+            if moved_dir:
+                txn.put_dir(dataclasses.replace(self._dirrow(txn, src.ino), parent=new_parent))
+            self._touch_dir(txn, parent, now, nlink_delta=0)
+            if new_parent != parent:
+                self._touch_dir(txn, new_parent, now, nlink_delta=1 if moved_dir else 0)
+
+    def _check_replace(self, txn: Txn, src: Attr, dst: Attr, new_name: str) -> None:
+        if src.is_dir and not dst.is_dir:
+            raise _err(ErrorCode.NOT_DIR, f"not a directory: {new_name!r}")
+        if not src.is_dir and dst.is_dir:
+            raise _err(ErrorCode.IS_DIR, f"is a directory: {new_name!r}")
+        if dst.is_dir and txn.list_dentries(dst.ino, "", 1):
+            raise _err(ErrorCode.NOT_EMPTY, f"directory not empty: {new_name!r}")
+
+    def _dirrow(self, txn: Txn, ino: int) -> DirRow:
+        row = txn.get_dir(ino)
+        assert row is not None, f"directory {ino} has no dirs row"
+        return row
+
+    def _exchange(self, txn: Txn, a: tuple[int, str, Attr], b: tuple[int, str, Attr]) -> None:
+        (pa, na, ia), (pb, nb, ib) = a, b
+        if ia.ino == ib.ino:
+            return
+        if (ia.is_dir and self._inside(txn, pb, ia.ino)) or (ib.is_dir and self._inside(txn, pa, ib.ino)):
+            raise _err(ErrorCode.INVALID, "cannot move a directory into itself")
+        now = time.time_ns()
+        txn.put_dentry(pa, DirEntry(na, ib.ino, ib.mode))
+        txn.put_dentry(pb, DirEntry(nb, ia.ino, ia.mode))
+        for attr, new_parent in ((ia, pb), (ib, pa)):
+            txn.put_inode(dataclasses.replace(attr, ctime_ns=now))
+            if attr.is_dir and pa != pb:
+                txn.put_dir(dataclasses.replace(self._dirrow(txn, attr.ino), parent=new_parent))
+        # A directory that changes parent moves one ".." link with it.
+        shift = int(ia.is_dir) - int(ib.is_dir) if pa != pb else 0
+        self._touch_dir(txn, pa, now, nlink_delta=-shift)
+        if pb != pa:
+            self._touch_dir(txn, pb, now, nlink_delta=shift)
+
+    # ------------------------------------------------------------------ attributes
+
+    def setattr(self, ino: int, *, mode: int | None = None, uid: int | None = None,
+                gid: int | None = None, atime_ns: int | None = None, mtime_ns: int | None = None,
+                size: int | None = None) -> Attr:
+        """Change attributes; ``mode`` changes permission bits only (type bits stay).
+
+        A size change sets the exact size (and mtime, unless given); shrinking
+        queues a ``truncate`` garbage item so servers drop the bytes beyond.
+
+        Raises:
+            StripefsError: ENOENT, EISDIR (size of a directory), EINVAL (size of a
+                symlink, negative size), EFBIG (size over 1 PiB).
+        """
+        with self._store.transaction() as txn:
+            old = self._inode(txn, ino)
+            now = time.time_ns()
+            new = dataclasses.replace(old, ctime_ns=now)
+            if mode is not None:
+                new = dataclasses.replace(new, mode=stat.S_IFMT(old.mode) | (mode & 0o7777))
+            if uid is not None:
+                new = dataclasses.replace(new, uid=uid)
+            if gid is not None:
+                new = dataclasses.replace(new, gid=gid)
+            if atime_ns is not None:
+                new = dataclasses.replace(new, atime_ns=atime_ns)
+            if size is not None:
+                self._check_size(old, size)
+            if size is not None and size != old.size:
+                new = dataclasses.replace(new, size=size, mtime_ns=now)
+                if size < old.size:
+                    self._queue(txn, "truncate", new, size)
+            if mtime_ns is not None:
+                new = dataclasses.replace(new, mtime_ns=mtime_ns)
+            txn.put_inode(new)
+            return new
+
+    @staticmethod
+    def _check_size(attr: Attr, size: int) -> None:
+        if attr.is_dir:
+            raise _err(ErrorCode.IS_DIR, f"inode {attr.ino} is a directory")
+        if not attr.is_file or size < 0:
+            raise _err(ErrorCode.INVALID, "size applies to regular files only, and is >= 0")
+        if size > MAX_FILE_SIZE:
+            raise _err(ErrorCode.FILE_TOO_BIG, f"size {size} over {MAX_FILE_SIZE}")
+
+    def commit_length(self, ino: int, length: int, mtime_ns: int | None = None) -> Attr:
+        """Record a client's file length at close/fsync: ``size = max(size, length)``.
+
+        The max makes concurrent and retried commits safe; shrinking is ``setattr``'s job.
+        """
+        with self._store.transaction() as txn:
+            old = self._inode(txn, ino)
+            self._check_size(old, length)
+            if length <= old.size and mtime_ns is None:
+                return old
+            now = time.time_ns()
+            new = dataclasses.replace(old, size=max(old.size, length), ctime_ns=now,
+                                      mtime_ns=mtime_ns if mtime_ns is not None else now)
+            txn.put_inode(new)
+            return new
+
+    # ------------------------------------------------------------------ layouts
+
+    def set_layout(self, dir_ino: int, chunk_size: int | None = None, stripe: int | None = None) -> None:
+        """Set a directory's default layout for new files and subdirectories.
+        ``None`` leaves that field as it is."""
+        if chunk_size is not None:
+            _check_chunk_size(chunk_size)
+        if stripe is not None:
+            _check_stripe(stripe)
+        with self._store.transaction() as txn:
+            self._dir(txn, dir_ino)
+            row = self._dirrow(txn, dir_ino)
+            txn.put_dir(dataclasses.replace(row, chunk_size=chunk_size if chunk_size is not None else row.chunk_size,
+                                            stripe=stripe if stripe is not None else row.stripe))
+
+    def get_layout(self, dir_ino: int) -> dict[str, int]:
+        """The effective defaults of a directory: ``{"chunk_size": ..., "stripe": ...}``
+        (``stripe`` is the most; a file gets fewer when fewer chains exist)."""
+        with self._store.transaction() as txn:
+            self._dir(txn, dir_ino)
+            row = self._dirrow(txn, dir_ino)
+        return {"chunk_size": row.chunk_size or self.default_chunk_size, "stripe": row.stripe or self.max_stripe}
+
+    # ------------------------------------------------------------------ garbage, status
+
+    def garbage(self, limit: int = 100) -> list[GarbageItem]:
+        """The oldest pending garbage items (they stay until ``garbage_done``)."""
+        with self._store.transaction() as txn:
+            return txn.list_garbage(max(1, min(limit, MAX_READDIR)))
+
+    def garbage_done(self, id: int) -> None:
+        """Acknowledge an item; an unknown id is fine (a retried acknowledgement)."""
+        with self._store.transaction() as txn:
+            txn.delete_garbage(id)
+
+    def counts(self) -> dict[str, int]:
+        with self._store.transaction() as txn:
+            by_type = txn.count_inodes()
+        return {
+            "inodes": sum(n for n, _ in by_type.values()),
+            "files": by_type.get(stat.S_IFREG, (0, 0))[0],
+            "dirs": by_type.get(stat.S_IFDIR, (0, 0))[0],
+            "bytes": by_type.get(stat.S_IFREG, (0, 0))[1],
+        }

@@ -1,0 +1,303 @@
+"""The metadata service: namespace, storage membership, chain table, garbage collection.
+
+Namespace operations run one at a time on a single worker thread (the store is
+a transactional database; SQLite serialises writers anyway), so the trio loop
+never blocks. Storage servers register and heartbeat here; the chain table
+(chain id -> ordered target ids) is derived from membership. With replication
+factor 1 every server is one chain of one target; chains are lists so chain
+replication can extend them.
+
+Background tasks: a liveness check (a server silent for ``OFFLINE_AFTER``
+seconds is reported offline) and the garbage collector that tells storage
+servers to drop the chunks of removed files and the tails of truncated ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import time
+from typing import Any, Callable
+
+import trio
+
+from rpc import ReplayCache, ServerConn, Service, TrioConnection, serve_rpc
+from wire import ErrorCode, FrameHead, Message, Routing, ServerInfo, StripefsError, messages as m
+
+from ._namespace import Namespace
+
+log = logging.getLogger(__name__)
+
+OFFLINE_AFTER = 5.0
+GC_INTERVAL = 0.5
+
+
+class Membership:
+    """Storage servers known to the cluster, persisted in ``servers.json``."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.servers: dict[int, ServerInfo] = {}
+        self.version = 1
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+            self.version = int(raw.get("version", 1))
+            for s in raw.get("servers", []):
+                info = ServerInfo.from_wire(s)
+                self.servers[info.server_id] = ServerInfo(**{**s, "state": "offline", "last_seen": 0.0})
+        except FileNotFoundError:
+            pass
+
+    def save(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"version": self.version, "servers": [s.to_wire() for s in self.servers.values()]}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def register(self, msg: m.RegisterServer) -> int:
+        sid = msg.server_id
+        if sid is None or sid not in self.servers:
+            sid = max(self.servers, default=0) + 1 if sid is None else sid
+        old = self.servers.get(sid)
+        info = ServerInfo(sid, msg.host, msg.port, "serving", msg.capacity, msg.used, msg.pid, time.monotonic())
+        self.servers[sid] = info
+        if old is None or (old.host, old.port, old.state) != (info.host, info.port, info.state):
+            self.version += 1
+            self.save()
+        return sid
+
+    def heartbeat(self, msg: m.Heartbeat) -> None:
+        old = self.servers.get(msg.server_id)
+        if old is None:
+            raise StripefsError(ErrorCode.NOT_FOUND, f"unknown storage server {msg.server_id}")
+        state_changed = old.state != "serving"
+        self.servers[msg.server_id] = ServerInfo(
+            old.server_id, old.host, old.port, "serving", msg.capacity, msg.used, old.pid, time.monotonic()
+        )
+        if state_changed:
+            self.version += 1
+
+    def sweep(self) -> None:
+        now = time.monotonic()
+        for sid, s in list(self.servers.items()):
+            if s.state == "serving" and now - s.last_seen > OFFLINE_AFTER:
+                log.warning("storage server %d (%s:%d) is offline", sid, s.host, s.port)
+                self.servers[sid] = ServerInfo(**{**s.to_wire(), "state": "offline"})
+                self.version += 1
+
+    def routing(self) -> Routing:
+        # Replication factor 1: chain id == server id, one target per chain.
+        return Routing(self.version, {sid: (sid,) for sid in sorted(self.servers)}, dict(self.servers))
+
+    def chain_ids(self) -> list[int]:
+        return sorted(self.servers)
+
+
+class MetadataService(Service):
+    role = "metadata"
+
+    def __init__(self, ns: Namespace, members: Membership, secret: str):
+        self.ns = ns
+        self.members = members
+        self.secret = secret
+        self.limiter = trio.CapacityLimiter(1)
+        self.replay = ReplayCache()
+        self.conns: dict[int, TrioConnection] = {}
+        self.gc_wakeup = trio.Event()
+        self.started = time.time()
+
+    async def _ns(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs), limiter=self.limiter)
+
+    async def handle(self, conn: ServerConn, head: FrameHead, msg: Message, payload: Any) -> None:
+        key = (conn.client_id, head.req_id)
+        if msg.MUTATES:
+            prior = self.replay.get(key)
+            if prior is not None:
+                if isinstance(prior, StripefsError):
+                    raise prior
+                await conn.send(head, prior)
+                return
+        try:
+            reply = await self._dispatch(msg)
+        except StripefsError as exc:
+            if msg.MUTATES:
+                self.replay.put(key, exc)
+            raise
+        if msg.MUTATES:
+            self.replay.put(key, reply)
+        await conn.send(head, reply)
+
+    async def _dispatch(self, msg: Message) -> dict[str, Any]:
+        ns = self.ns
+        if isinstance(msg, m.GetAttr):
+            return {"attr": (await self._ns(ns.getattr, msg.ino)).to_wire()}
+        if isinstance(msg, m.Lookup):
+            return {"attr": (await self._ns(ns.lookup, msg.parent, msg.name)).to_wire()}
+        if isinstance(msg, m.Resolve):
+            return {"attr": (await self._ns(ns.resolve, msg.path, msg.follow)).to_wire()}
+        if isinstance(msg, m.Create):
+            chains = self.members.chain_ids()
+            attr, created = await self._ns(
+                ns.create, msg.parent, msg.name, msg.mode, msg.uid, msg.gid,
+                chains=chains, exclusive=msg.exclusive, truncate=msg.truncate,
+            )
+            if msg.truncate and not created:
+                await self.collect(only_ino=attr.ino)
+            return {"attr": attr.to_wire(), "created": created}
+        if isinstance(msg, m.Mkdir):
+            return {"attr": (await self._ns(ns.mkdir, msg.parent, msg.name, msg.mode, msg.uid, msg.gid)).to_wire()}
+        if isinstance(msg, m.Symlink):
+            return {"attr": (await self._ns(ns.symlink, msg.parent, msg.name, msg.target, msg.uid, msg.gid)).to_wire()}
+        if isinstance(msg, m.Readlink):
+            return {"target": await self._ns(ns.readlink, msg.ino)}
+        if isinstance(msg, m.Link):
+            return {"attr": (await self._ns(ns.link, msg.ino, msg.new_parent, msg.new_name)).to_wire()}
+        if isinstance(msg, m.Readdir):
+            entries, more = await self._ns(ns.readdir, msg.ino, msg.after, msg.limit, msg.plus)
+            return {"entries": [e.to_wire() for e in entries], "more": more}
+        if isinstance(msg, m.Unlink):
+            attr = await self._ns(ns.unlink, msg.parent, msg.name)
+            self.gc_wakeup.set()
+            return {"attr": attr.to_wire()}
+        if isinstance(msg, m.Rmdir):
+            await self._ns(ns.rmdir, msg.parent, msg.name)
+            return {}
+        if isinstance(msg, m.Rename):
+            await self._ns(ns.rename, msg.parent, msg.name, msg.new_parent, msg.new_name, msg.flags)
+            self.gc_wakeup.set()
+            return {}
+        if isinstance(msg, m.SetAttr):
+            attr = await self._ns(
+                ns.setattr, msg.ino, mode=msg.mode, uid=msg.uid, gid=msg.gid,
+                atime_ns=msg.atime_ns, mtime_ns=msg.mtime_ns, size=msg.size,
+            )
+            if msg.size is not None:
+                await self.collect(only_ino=msg.ino)
+            return {"attr": attr.to_wire()}
+        if isinstance(msg, m.CommitLength):
+            return {"attr": (await self._ns(ns.commit_length, msg.ino, msg.length, msg.mtime_ns)).to_wire()}
+        if isinstance(msg, m.SetLayout):
+            await self._ns(ns.set_layout, msg.ino, msg.chunk_size, msg.stripe)
+            return {}
+        if isinstance(msg, m.GetLayout):
+            return {"layout": await self._ns(ns.get_layout, msg.ino)}
+        if isinstance(msg, m.GetRouting):
+            return {"routing": self.members.routing().to_wire()}
+        if isinstance(msg, m.Statfs):
+            return await self._statfs()
+        if isinstance(msg, m.ClusterStatus):
+            return await self._status()
+        if isinstance(msg, m.RegisterServer):
+            sid = self.members.register(msg)
+            return {"server_id": sid, "routing_version": self.members.version}
+        if isinstance(msg, m.Heartbeat):
+            self.members.heartbeat(msg)
+            return {}
+        if isinstance(msg, m.Ping):
+            return {}
+        raise StripefsError(ErrorCode.NOT_SUPPORTED, f"{type(msg).__name__} is not a metadata request")
+
+    async def _statfs(self) -> dict[str, Any]:
+        servers = [s for s in self.members.servers.values() if s.state == "serving"]
+        counts = await self._ns(self.ns.counts)
+        capacity = sum(s.capacity for s in servers)
+        used = sum(s.used for s in servers)
+        return {"capacity": capacity, "used": used, "free": max(0, capacity - used), "files": counts.get("inodes", 0)}
+
+    async def _status(self) -> dict[str, Any]:
+        routing = self.members.routing()
+        counts = await self._ns(self.ns.counts)
+        return {
+            "metadata": {"pid": os.getpid(), "uptime": time.time() - self.started, **counts},
+            "servers": [s.to_wire() for s in routing.servers.values()],
+            "chains": [{"chain_id": c, "targets": list(t)} for c, t in sorted(routing.chains.items())],
+            "routing_version": routing.version,
+        }
+
+    # -- background work -------------------------------------------------------------------
+    def _conn(self, server_id: int) -> TrioConnection | None:
+        info = self.members.servers.get(server_id)
+        if info is None:
+            return None
+        conn = self.conns.get(server_id)
+        if conn is None or conn.address != (info.host, info.port):
+            if conn is not None:
+                conn.close()
+            conn = self.conns[server_id] = TrioConnection((info.host, info.port), self.secret)
+        return conn
+
+    async def collect(self, only_ino: int | None = None) -> None:
+        """Apply queued garbage: drop chunks of removed files, tails of truncated ones."""
+        items = await self._ns(self.ns.garbage, 1000)
+        for item in items:
+            if only_ino is not None and item.ino != only_ino:
+                continue
+            try:
+                await self._apply(item)
+            except StripefsError as exc:
+                if item.kind == "remove":
+                    log.info("garbage %s of inode %d postponed: %s", item.kind, item.ino, exc.message)
+                    continue  # retried on the next pass: removing is idempotent and safe later
+                # A truncate applied late could cut newer data: give up on it, loudly.
+                log.error("truncate of inode %d to %d incomplete: %s", item.ino, item.length, exc.message)
+            await self._ns(self.ns.garbage_done, item.id)
+
+    async def _apply(self, item: Any) -> None:
+        layout = item.layout
+        cs = layout.chunk_size
+        if item.kind == "remove":
+            first, cut = 0, None
+        else:
+            first = -(-item.length // cs)
+            cut = (item.length // cs, item.length % cs) if item.length % cs else None
+        for chain in set(layout.chains):
+            conn = self._conn(chain)
+            if conn is None:
+                continue  # server no longer exists: nothing to delete there
+            await conn.call(m.RemoveChunks(ino=item.ino, from_index=first))
+        if cut is not None:
+            conn = self._conn(layout.chain_of(cut[0]))
+            if conn is not None:
+                await conn.call(m.TruncateChunk(ino=item.ino, index=cut[0], length=cut[1]))
+
+    async def background(self) -> None:
+        while True:
+            with trio.move_on_after(GC_INTERVAL):
+                await self.gc_wakeup.wait()
+            self.gc_wakeup = trio.Event()
+            self.members.sweep()
+            try:
+                await self.collect()
+            except Exception:  # never let GC take the service down
+                log.exception("garbage collection pass failed")
+
+
+async def serve_metadata(
+    state_dir: str,
+    *,
+    secret: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    cluster_id: str = "",
+    chunk_size: int = 4 << 20,
+    max_stripe: int = 16,
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the metadata of the cluster whose state lives in ``state_dir``."""
+    from ._store import SqliteStore
+
+    os.makedirs(state_dir, exist_ok=True)
+    store = await trio.to_thread.run_sync(SqliteStore, os.path.join(state_dir, "meta.db"))
+    ns = await trio.to_thread.run_sync(lambda: Namespace(store, default_chunk_size=chunk_size, max_stripe=max_stripe))
+    members = Membership(os.path.join(state_dir, "servers.json"))
+    service = MetadataService(ns, members, secret)
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id))
+        nursery.start_soon(service.background)
+        task_status.started(address)

@@ -1,0 +1,414 @@
+"""Transactional storage for the namespace: a small primitive interface, two backends.
+
+Every namespace operation (see ``_namespace.py``) runs inside one
+:meth:`Store.transaction` and touches the tables only through :class:`Txn`
+primitives, the way 3FS ops run against an ``IReadWriteTransaction``. A new
+backend (PostgreSQL, say) implements the primitives and nothing else:
+
+* ``inodes``   -- one :class:`~wire._types.Attr` per inode number;
+* ``dirs``     -- per-directory data: the parent pointer (a directory has
+  exactly one name, so ``..`` and the rename subtree check need it) and the
+  directory's default layout (chunk size, stripe), inherited by ``mkdir``;
+* ``dentries`` -- ``(parent, name) -> (ino, type bits)``, listed in name order;
+* ``garbage``  -- work left for storage servers (removed/truncated files);
+* ``meta``     -- a string key/value table for counters (next inode number).
+
+Names are stored as bytes (UTF-8, ``surrogateescape``) so that listing order is
+plain byte order in every backend; a text column would sort by the database's
+collation and could not hold the lone surrogates a FUSE name may decode to.
+
+Caveats:
+
+* Neither store is thread-safe: the caller serialises transactions (the metadata
+  server runs them one at a time from its event loop).
+* Transactions do not nest.
+"""
+
+from __future__ import annotations
+
+import abc
+import sqlite3
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from wire._types import Attr, DirEntry, Layout
+
+__all__ = ["DirRow", "GarbageItem", "Txn", "Store", "MemoryStore", "SqliteStore"]
+
+
+@dataclass(frozen=True, slots=True)
+class DirRow:
+    """Directory-only data. ``None`` layout fields mean "use the service default"."""
+
+    ino: int
+    parent: int
+    chunk_size: int | None = None
+    stripe: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GarbageItem:
+    """Work for storage servers: drop a file's chunks (``remove``) or the bytes past
+    ``length`` (``truncate``). Acknowledged with ``Namespace.garbage_done(id)``."""
+
+    id: int
+    kind: str  # "remove" | "truncate"
+    ino: int
+    length: int
+    layout: Layout
+
+
+def encode_name(name: str) -> bytes:
+    return name.encode("utf-8", "surrogateescape")
+
+
+def decode_name(raw: bytes) -> str:
+    return bytes(raw).decode("utf-8", "surrogateescape")
+
+
+class Txn(abc.ABC):
+    """The primitives one transaction offers. Rows are immutable values."""
+
+    @abc.abstractmethod
+    def get_inode(self, ino: int) -> Attr | None: ...
+
+    @abc.abstractmethod
+    def put_inode(self, attr: Attr) -> None:
+        """Insert or replace the inode row ``attr.ino``."""
+
+    @abc.abstractmethod
+    def delete_inode(self, ino: int) -> None: ...
+
+    @abc.abstractmethod
+    def get_dir(self, ino: int) -> DirRow | None: ...
+
+    @abc.abstractmethod
+    def put_dir(self, row: DirRow) -> None: ...
+
+    @abc.abstractmethod
+    def delete_dir(self, ino: int) -> None: ...
+
+    @abc.abstractmethod
+    def get_dentry(self, parent: int, name: str) -> DirEntry | None: ...
+
+    @abc.abstractmethod
+    def put_dentry(self, parent: int, entry: DirEntry) -> None:
+        """Insert or replace ``(parent, entry.name)``; ``entry.mode`` keeps type bits only."""
+
+    @abc.abstractmethod
+    def delete_dentry(self, parent: int, name: str) -> None: ...
+
+    @abc.abstractmethod
+    def list_dentries(self, parent: int, after: str, limit: int) -> list[DirEntry]:
+        """Up to ``limit`` entries of ``parent`` with name > ``after``, in name (byte) order."""
+
+    @abc.abstractmethod
+    def get_meta(self, key: str) -> str | None: ...
+
+    @abc.abstractmethod
+    def put_meta(self, key: str, value: str) -> None: ...
+
+    @abc.abstractmethod
+    def put_garbage(self, item: GarbageItem) -> None: ...
+
+    @abc.abstractmethod
+    def list_garbage(self, limit: int) -> list[GarbageItem]:
+        """The oldest ``limit`` items, by id."""
+
+    @abc.abstractmethod
+    def delete_garbage(self, item_id: int) -> None: ...
+
+    @abc.abstractmethod
+    def count_inodes(self) -> dict[int, tuple[int, int]]:
+        """``{file type bits: (inode count, sum of sizes)}``."""
+
+
+class Store(abc.ABC):
+    """A backend: hands out transactions that commit on success, roll back on exception."""
+
+    @abc.abstractmethod
+    def transaction(self) -> Any:
+        """A context manager yielding a :class:`Txn`."""
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- memory
+
+_MISSING = object()
+
+
+class _MemoryTxn(Txn):
+    """Writes straight into the store's dicts and keeps an undo log for rollback."""
+
+    def __init__(self, store: "MemoryStore") -> None:
+        self._s = store
+        self.undo: list[tuple[dict, Any, Any]] = []
+
+    def _set(self, table: dict, key: Any, value: Any) -> None:
+        self.undo.append((table, key, table.get(key, _MISSING)))
+        table[key] = value
+
+    def _del(self, table: dict, key: Any) -> None:
+        if key in table:
+            self.undo.append((table, key, table.pop(key)))
+
+    def get_inode(self, ino: int) -> Attr | None:
+        return self._s.inodes.get(ino)
+
+    def put_inode(self, attr: Attr) -> None:
+        self._set(self._s.inodes, attr.ino, attr)
+
+    def delete_inode(self, ino: int) -> None:
+        self._del(self._s.inodes, ino)
+
+    def get_dir(self, ino: int) -> DirRow | None:
+        return self._s.dirs.get(ino)
+
+    def put_dir(self, row: DirRow) -> None:
+        self._set(self._s.dirs, row.ino, row)
+
+    def delete_dir(self, ino: int) -> None:
+        self._del(self._s.dirs, ino)
+
+    def get_dentry(self, parent: int, name: str) -> DirEntry | None:
+        return self._s.dentries.get(parent, {}).get(encode_name(name))
+
+    def put_dentry(self, parent: int, entry: DirEntry) -> None:
+        row = DirEntry(entry.name, entry.ino, stat.S_IFMT(entry.mode))
+        # Per-parent dicts are never removed, so undo entries stay valid.
+        self._set(self._s.dentries.setdefault(parent, {}), encode_name(entry.name), row)
+
+    def delete_dentry(self, parent: int, name: str) -> None:
+        self._del(self._s.dentries.get(parent, {}), encode_name(name))
+
+    def list_dentries(self, parent: int, after: str, limit: int) -> list[DirEntry]:
+        table = self._s.dentries.get(parent, {})
+        start = encode_name(after)
+        return [table[k] for k in sorted(k for k in table if k > start)[:limit]]
+
+    def get_meta(self, key: str) -> str | None:
+        return self._s.meta.get(key)
+
+    def put_meta(self, key: str, value: str) -> None:
+        self._set(self._s.meta, key, value)
+
+    def put_garbage(self, item: GarbageItem) -> None:
+        self._set(self._s.garbage, item.id, item)
+
+    def list_garbage(self, limit: int) -> list[GarbageItem]:
+        return [self._s.garbage[k] for k in sorted(self._s.garbage)[:limit]]
+
+    def delete_garbage(self, item_id: int) -> None:
+        self._del(self._s.garbage, item_id)
+
+    def count_inodes(self) -> dict[int, tuple[int, int]]:
+        out: dict[int, tuple[int, int]] = {}
+        for attr in self._s.inodes.values():
+            n, size = out.get(stat.S_IFMT(attr.mode), (0, 0))
+            out[stat.S_IFMT(attr.mode)] = (n + 1, size + attr.size)
+        return out
+
+
+class MemoryStore(Store):
+    """An in-process store for tests and fakes; same semantics as :class:`SqliteStore`."""
+
+    def __init__(self) -> None:
+        self.inodes: dict[int, Attr] = {}
+        self.dirs: dict[int, DirRow] = {}
+        self.dentries: dict[int, dict[bytes, DirEntry]] = {}
+        self.meta: dict[str, str] = {}
+        self.garbage: dict[int, GarbageItem] = {}
+        self._open = False
+
+    @contextmanager
+    def transaction(self) -> Iterator[Txn]:
+        if self._open:
+            raise RuntimeError("transactions do not nest")
+        self._open = True
+        txn = _MemoryTxn(self)
+        try:
+            yield txn
+        except BaseException:
+            for table, key, old in reversed(txn.undo):
+                if old is _MISSING:
+                    table.pop(key, None)
+                else:
+                    table[key] = old
+            raise
+        finally:
+            self._open = False
+
+
+# --------------------------------------------------------------------------- SQL
+
+def _chains_text(chains: tuple[int, ...]) -> str:
+    return ",".join(map(str, chains))
+
+
+def _chains_tuple(text: str | None) -> tuple[int, ...]:
+    return tuple(int(c) for c in text.split(",")) if text else ()
+
+
+class SqlTxn(Txn):
+    """The primitives in plain SQL (``INSERT ... ON CONFLICT`` upserts, ``LIMIT``), which
+    SQLite >= 3.24 and PostgreSQL both accept. ``paramstyle`` adapts the ``?`` markers
+    for drivers that use ``%s`` (psycopg)."""
+
+    _INODE_COLS = "ino, ftype, mode, nlink, uid, gid, size, atime_ns, mtime_ns, ctime_ns, chunk_size, chains, target"
+
+    def __init__(self, cursor: Any, paramstyle: str = "qmark") -> None:
+        self._cur = cursor
+        self._fmt = paramstyle == "format"
+
+    def _q(self, sql: str, params: tuple = ()) -> Any:
+        self._cur.execute(sql.replace("?", "%s") if self._fmt else sql, params)
+        return self._cur
+
+    def get_inode(self, ino: int) -> Attr | None:
+        row = self._q(f"SELECT {self._INODE_COLS} FROM inodes WHERE ino = ?", (ino,)).fetchone()
+        if row is None:
+            return None
+        ino, _, mode, nlink, uid, gid, size, at, mt, ct, chunk, chains, target = row
+        layout = Layout(chunk, _chains_tuple(chains)) if chunk is not None else None
+        return Attr(ino, mode, nlink, uid, gid, size, at, mt, ct, layout, target)
+
+    def put_inode(self, a: Attr) -> None:
+        chunk = a.layout.chunk_size if a.layout else None
+        chains = _chains_text(a.layout.chains) if a.layout else None
+        values = (a.ino, stat.S_IFMT(a.mode), a.mode, a.nlink, a.uid, a.gid, a.size,
+                  a.atime_ns, a.mtime_ns, a.ctime_ns, chunk, chains, a.target)
+        updates = ", ".join(f"{c} = excluded.{c}" for c in self._INODE_COLS.split(", ")[1:])
+        self._q(f"INSERT INTO inodes ({self._INODE_COLS}) VALUES ({', '.join('?' * 13)}) "
+                f"ON CONFLICT (ino) DO UPDATE SET {updates}", values)
+
+    def delete_inode(self, ino: int) -> None:
+        self._q("DELETE FROM inodes WHERE ino = ?", (ino,))
+
+    def get_dir(self, ino: int) -> DirRow | None:
+        row = self._q("SELECT ino, parent, chunk_size, stripe FROM dirs WHERE ino = ?", (ino,)).fetchone()
+        return DirRow(*row) if row else None
+
+    def put_dir(self, r: DirRow) -> None:
+        self._q("INSERT INTO dirs (ino, parent, chunk_size, stripe) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (ino) DO UPDATE SET parent = excluded.parent, "
+                "chunk_size = excluded.chunk_size, stripe = excluded.stripe",
+                (r.ino, r.parent, r.chunk_size, r.stripe))
+
+    def delete_dir(self, ino: int) -> None:
+        self._q("DELETE FROM dirs WHERE ino = ?", (ino,))
+
+    def get_dentry(self, parent: int, name: str) -> DirEntry | None:
+        row = self._q("SELECT ino, mode FROM dentries WHERE parent = ? AND name = ?",
+                      (parent, encode_name(name))).fetchone()
+        return DirEntry(name, row[0], row[1]) if row else None
+
+    def put_dentry(self, parent: int, e: DirEntry) -> None:
+        self._q("INSERT INTO dentries (parent, name, ino, mode) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (parent, name) DO UPDATE SET ino = excluded.ino, mode = excluded.mode",
+                (parent, encode_name(e.name), e.ino, stat.S_IFMT(e.mode)))
+
+    def delete_dentry(self, parent: int, name: str) -> None:
+        self._q("DELETE FROM dentries WHERE parent = ? AND name = ?", (parent, encode_name(name)))
+
+    def list_dentries(self, parent: int, after: str, limit: int) -> list[DirEntry]:
+        rows = self._q("SELECT name, ino, mode FROM dentries WHERE parent = ? AND name > ? "
+                       "ORDER BY name LIMIT ?", (parent, encode_name(after), limit)).fetchall()
+        return [DirEntry(decode_name(name), ino, mode) for name, ino, mode in rows]
+
+    def get_meta(self, key: str) -> str | None:
+        row = self._q("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def put_meta(self, key: str, value: str) -> None:
+        self._q("INSERT INTO meta (key, value) VALUES (?, ?) "
+                "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (key, value))
+
+    def put_garbage(self, g: GarbageItem) -> None:
+        self._q("INSERT INTO garbage (id, kind, ino, length, chunk_size, chains) VALUES (?, ?, ?, ?, ?, ?)",
+                (g.id, g.kind, g.ino, g.length, g.layout.chunk_size, _chains_text(g.layout.chains)))
+
+    def list_garbage(self, limit: int) -> list[GarbageItem]:
+        rows = self._q("SELECT id, kind, ino, length, chunk_size, chains FROM garbage "
+                       "ORDER BY id LIMIT ?", (limit,)).fetchall()
+        return [GarbageItem(i, k, ino, n, Layout(cs, _chains_tuple(ch))) for i, k, ino, n, cs, ch in rows]
+
+    def delete_garbage(self, item_id: int) -> None:
+        self._q("DELETE FROM garbage WHERE id = ?", (item_id,))
+
+    def count_inodes(self) -> dict[int, tuple[int, int]]:
+        rows = self._q("SELECT ftype, COUNT(*), COALESCE(SUM(size), 0) FROM inodes GROUP BY ftype").fetchall()
+        return {ftype: (n, size) for ftype, n, size in rows}
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS inodes (
+    ino INTEGER PRIMARY KEY, ftype INTEGER NOT NULL, mode INTEGER NOT NULL,
+    nlink INTEGER NOT NULL, uid INTEGER NOT NULL, gid INTEGER NOT NULL, size INTEGER NOT NULL,
+    atime_ns INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, ctime_ns INTEGER NOT NULL,
+    chunk_size INTEGER, chains TEXT, target TEXT);
+CREATE TABLE IF NOT EXISTS dirs (
+    ino INTEGER PRIMARY KEY, parent INTEGER NOT NULL, chunk_size INTEGER, stripe INTEGER);
+CREATE TABLE IF NOT EXISTS dentries (
+    parent INTEGER NOT NULL, name BLOB NOT NULL, ino INTEGER NOT NULL, mode INTEGER NOT NULL,
+    PRIMARY KEY (parent, name));
+CREATE TABLE IF NOT EXISTS garbage (
+    id INTEGER PRIMARY KEY, kind TEXT NOT NULL, ino INTEGER NOT NULL, length INTEGER NOT NULL,
+    chunk_size INTEGER NOT NULL, chains TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+class SqliteStore(Store):
+    """SQLite in WAL mode with ``synchronous=FULL``: a returned commit survives power loss.
+
+    Args:
+        path: database file (``":memory:"`` works, without durability).
+        busy_timeout_s: how long to wait for another process's write lock.
+
+    One connection, opened with ``check_same_thread=False`` so a worker thread may
+    run transactions; the caller serialises them.
+    """
+
+    def __init__(self, path: str | Any, *, busy_timeout_s: float = 10.0) -> None:
+        self.path = str(path)
+        # isolation_level=None: we issue BEGIN/COMMIT ourselves, so a transaction's
+        # boundaries are exactly the `with` block.
+        self._conn = sqlite3.connect(self.path, timeout=busy_timeout_s,
+                                     isolation_level=None, check_same_thread=False)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+        self._conn.executescript(_SCHEMA)
+        self._open = False
+
+    @contextmanager
+    def transaction(self) -> Iterator[Txn]:
+        if self._open:
+            raise RuntimeError("transactions do not nest")
+        self._open = True
+        # IMMEDIATE takes the write lock up front: a read-then-write transaction
+        # cannot then fail half way with SQLITE_BUSY on lock upgrade.
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield SqlTxn(self._conn.cursor())
+            self._conn.execute("COMMIT")
+        except BaseException:
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+            raise
+        finally:
+            self._open = False
+
+    def close(self) -> None:
+        self._conn.close()

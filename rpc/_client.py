@@ -1,0 +1,311 @@
+"""Blocking client connections: many requests in flight, payloads received in place.
+
+The bulk data path runs on threads with blocking sockets: the kernel copy in
+``recv_into``/``sendall`` releases the GIL, so several connections use both
+cores (measured in shared/PEERS.md: ~30% above any single event loop).
+
+A :class:`Connection` has one reader thread that demultiplexes responses by
+request id. A caller may hand a destination ``memoryview`` with the request;
+the response payload is then received with ``recv_into`` straight into it --
+no intermediate ``bytes``. Frames are read with exact-length reads so payload
+bytes never pass through a staging buffer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import socket
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import wire
+from wire import ErrorCode, FrameDecoder, StripefsError, messages
+
+from ._server import SOCK_BUF
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT = 10.0
+
+
+@dataclass(slots=True)
+class Reply:
+    header: dict[str, Any]
+    nbytes: int = 0  # payload bytes received into the caller's buffer
+    payload: bytes | None = None  # when no destination buffer was given
+
+
+@dataclass(slots=True)
+class _Pending:
+    future: Future
+    dest: memoryview | None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
+        except OSError:
+            pass
+
+
+def unavailable(address: tuple[str, int], exc: BaseException | str) -> StripefsError:
+    return StripefsError(ErrorCode.UNAVAILABLE, f"{address[0]}:{address[1]} unavailable: {exc}")
+
+
+class Connection:
+    """One authenticated connection to a stripefs server.
+
+    Thread-safe: any thread may :meth:`submit`; one reader thread completes the
+    futures. When the peer goes away every pending request fails with
+    ``UNAVAILABLE`` and :attr:`broken` becomes true; callers open a new one.
+    """
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        secret: str,
+        client_id: bytes,
+        *,
+        expect_role: str | None = None,
+        ids: "itertools.count[int] | None" = None,
+        send_thread: bool = False,
+    ):
+        self.address = address
+        self.pid = os.getpid()
+        self._ids = ids or itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        self._plock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self.broken = False
+        try:
+            self.sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT)
+        except OSError as exc:
+            raise unavailable(address, exc) from exc
+        try:
+            _tune(self.sock)
+            self.role = self._handshake(secret, client_id, expect_role)
+            self.sock.settimeout(None)
+        except BaseException:
+            self.sock.close()
+            raise
+        self._reader = threading.Thread(target=self._read_loop, name=f"stripefs-rx-{address[1]}", daemon=True)
+        self._reader.start()
+        # With a send thread, submit() only queues: a caller fans requests out to many
+        # servers without waiting for any one socket to drain.
+        self._sendq: queue.SimpleQueue | None = None
+        if send_thread:
+            self._sendq = queue.SimpleQueue()
+            threading.Thread(target=self._send_loop, name=f"stripefs-tx-{address[1]}", daemon=True).start()
+
+    # -- handshake --------------------------------------------------------------------
+    def _recv_exact(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        while view:
+            k = self.sock.recv_into(view)
+            if k == 0:
+                raise EOFError("connection closed by peer")
+            view = view[k:]
+        return bytes(buf)
+
+    def _read_head(self, dec: FrameDecoder) -> wire.FrameHead:
+        """Read exactly one prefix + header, leaving the payload in the socket."""
+        prefix = self._recv_exact(wire.PREFIX.size)
+        hlen = wire.PREFIX.unpack(prefix)[6]
+        dec.feed(prefix)
+        if hlen <= dec.max_header:
+            dec.feed(self._recv_exact(hlen))
+        head = dec.next_head()  # validates magic, version, limits
+        if head is wire.NEED_DATA:
+            raise StripefsError(ErrorCode.PROTOCOL, "incomplete frame header")
+        return head  # type: ignore[return-value]
+
+    def _handshake(self, secret: str, client_id: bytes, expect_role: str | None) -> str:
+        dec = FrameDecoder()
+        try:
+            head = self._read_head(dec)
+            if head.msg_type != messages.Challenge.MSG_ID:
+                raise StripefsError(ErrorCode.PROTOCOL, "server did not send a challenge")
+            challenge = wire.decode_message(head.msg_type, head.header)
+            assert isinstance(challenge, messages.Challenge)
+            if expect_role and challenge.role != expect_role:
+                raise StripefsError(ErrorCode.PROTOCOL, f"expected a {expect_role} server, found {challenge.role}")
+            nonce = wire.new_nonce()
+            auth = messages.Authenticate(
+                client_id=client_id, nonce=nonce, proof=wire.client_proof(secret, challenge.nonce, nonce)
+            )
+            self.sock.sendall(wire.encode_frame(auth.MSG_ID, 0, auth.to_header()))
+            head = self._read_head(dec)
+            if head.is_error:
+                raise StripefsError.from_wire(head.header)
+            if not wire.check_proof(wire.server_proof(secret, challenge.nonce, nonce), head.header.get("proof")):
+                raise StripefsError(ErrorCode.AUTH, "server failed to prove it knows the cluster secret")
+            return challenge.role
+        except (OSError, EOFError) as exc:
+            if isinstance(exc, StripefsError):
+                raise
+            raise unavailable(self.address, exc) from exc
+
+    # -- requests ---------------------------------------------------------------------
+    def submit(
+        self,
+        msg: wire.Message,
+        payload: memoryview | bytes | None = None,
+        dest: memoryview | None = None,
+        req_id: int | None = None,
+    ) -> Future:
+        """Send ``msg`` (with an optional payload); the future resolves to a :class:`Reply`.
+
+        ``dest``: where the response payload goes (``recv_into``, no copy).
+        """
+        fut: Future = Future()
+        if self.broken:
+            fut.set_exception(unavailable(self.address, "connection is broken"))
+            return fut
+        if req_id is None:
+            req_id = next(self._ids)
+        pending = _Pending(fut, dest)
+        fut.pending = pending  # type: ignore[attr-defined]
+        with self._plock:
+            self._pending[req_id] = pending
+        plen = len(payload) if payload is not None else 0
+        try:
+            prefix = wire.encode_prefix(msg.MSG_ID, req_id, msg.to_header(), plen)
+            if self._sendq is not None:
+                self._sendq.put((prefix, payload, req_id))
+                return fut
+            with self._send_lock:
+                if plen and plen <= 65536:
+                    self.sock.sendall(prefix + bytes(payload))  # type: ignore[arg-type]
+                else:
+                    self.sock.sendall(prefix)
+                    if plen:
+                        self.sock.sendall(payload)  # type: ignore[arg-type]
+        except StripefsError as exc:
+            self._pop(req_id)
+            fut.set_exception(exc)
+        except OSError as exc:
+            self._fail_all(unavailable(self.address, exc))
+        return fut
+
+    def _send_loop(self) -> None:
+        assert self._sendq is not None
+        while True:
+            item = self._sendq.get()
+            if item is None or self.broken:
+                if item is None:
+                    return
+                continue
+            prefix, payload, req_id = item
+            try:
+                if payload is not None and len(payload) <= 65536:
+                    self.sock.sendall(prefix + bytes(payload))
+                else:
+                    self.sock.sendall(prefix)
+                    if payload is not None and len(payload):
+                        self.sock.sendall(payload)
+            except OSError as exc:
+                self._fail_all(unavailable(self.address, exc))
+
+    def call(
+        self,
+        msg: wire.Message,
+        payload: memoryview | bytes | None = None,
+        dest: memoryview | None = None,
+        timeout: float | None = 120.0,
+        req_id: int | None = None,
+    ) -> Reply:
+        fut = self.submit(msg, payload, dest, req_id)
+        try:
+            return fut.result(timeout)
+        except TimeoutError as exc:
+            self.close()
+            with fut.pending.lock:  # type: ignore[attr-defined]
+                pass  # the reader may be mid-copy into dest: let it finish before we return
+            raise StripefsError(ErrorCode.TIMEOUT, f"{type(msg).__name__} to {self.address[0]}:{self.address[1]} timed out") from exc
+
+    def _pop(self, req_id: int) -> _Pending | None:
+        with self._plock:
+            return self._pending.pop(req_id, None)
+
+    def _fail_all(self, exc: StripefsError) -> None:
+        self.broken = True
+        with self._plock:
+            pending, self._pending = self._pending, {}
+        for p in pending.values():
+            if not p.future.done():
+                p.future.set_exception(exc)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    # -- reader thread ----------------------------------------------------------------
+    def _recv_into(self, view: memoryview) -> None:
+        while view:
+            k = self.sock.recv_into(view)
+            if k == 0:
+                raise EOFError("connection closed by peer")
+            view = view[k:]
+
+    def _read_loop(self) -> None:
+        dec = FrameDecoder()
+        try:
+            while True:
+                head = self._read_head(dec)
+                pending = self._pop(head.req_id)
+                n = head.payload_len
+                if pending is None:  # late answer to a cancelled request
+                    self._discard(dec, n)
+                    continue
+                if head.is_error:
+                    self._discard(dec, n)
+                    pending.future.set_exception(StripefsError.from_wire(head.header))
+                    continue
+                if n and pending.dest is not None:
+                    if n > len(pending.dest):
+                        raise StripefsError(ErrorCode.PROTOCOL, "response payload larger than the request allows")
+                    with pending.lock:
+                        self._recv_into(pending.dest[:n])
+                    dec.payload_received(n)
+                    pending.future.set_result(Reply(head.header, n))
+                elif n:
+                    data = bytearray(n)
+                    self._recv_into(memoryview(data))
+                    dec.payload_received(n)
+                    pending.future.set_result(Reply(head.header, 0, bytes(data)))
+                else:
+                    pending.future.set_result(Reply(head.header))
+        except (OSError, EOFError, StripefsError) as exc:
+            err = exc if isinstance(exc, StripefsError) and exc.code == ErrorCode.PROTOCOL else unavailable(self.address, exc)
+            self._fail_all(err)
+        finally:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+
+    def _discard(self, dec: FrameDecoder, n: int) -> None:
+        scratch = memoryview(bytearray(min(n, 1 << 20))) if n else None
+        left = n
+        while left:
+            k = self.sock.recv_into(scratch[: min(left, len(scratch))])  # type: ignore[index]
+            if k == 0:
+                raise EOFError("connection closed by peer")
+            left -= k
+        if n:
+            dec.payload_received(n)
+
+    def close(self) -> None:
+        self._fail_all(StripefsError(ErrorCode.UNAVAILABLE, "connection closed"))
+        if self._sendq is not None:
+            self._sendq.put(None)

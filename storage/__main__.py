@@ -1,0 +1,47 @@
+"""``python -m storage``: run one storage server (``stripefs up`` starts them for you)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import os
+
+import trio
+
+from ._server import serve_storage
+
+
+async def _main(args: argparse.Namespace, secret: str, cluster_id: str) -> None:
+    host, _, port = args.metadata.rpartition(":")
+    async with trio.open_nursery() as nursery:
+        addr = await nursery.start(functools.partial(
+            serve_storage, args.root, secret=secret, metadata=(host, int(port)), host=args.host, port=args.port,
+            cluster_id=cluster_id,
+        ))
+        if args.ready:
+            tmp = args.ready + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(f"{addr[0]}:{addr[1]}")
+            os.replace(tmp, args.ready)
+        logging.info("storage server for %s listening on %s:%d", args.root, *addr)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m storage")
+    p.add_argument("--root", required=True, help="target directory holding the chunks")
+    p.add_argument("--metadata", required=True, help="host:port of the metadata service")
+    p.add_argument("--cluster", required=True, help="cluster.json or secret file holding the secret")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--ready", help="file to write host:port into once serving")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s storage %(levelname)s %(message)s")
+    with open(args.cluster) as f:
+        raw = json.load(f)
+    trio.run(_main, args, raw["secret"], raw.get("cluster_id", ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,357 @@
+"""The chunk store of one storage target: chunk files in a local directory.
+
+Layout: ``ROOT/chunks/<ino as 16 hex>/<index as 8 hex>``. A chunk file is an
+8 KiB header followed by the chunk's bytes (page-aligned, so reads can be
+served with ``sendfile`` straight from the page cache)::
+
+    0   8  magic  b"SFCHUNK1"
+    8   8  version      bumped on every write (CRAQ-style versions build on it)
+    16  8  length       bytes of data in the chunk
+    24  4  block size   CRC32C granularity (64 KiB)
+    28  4  blocks       number of CRCs that follow
+    64  4n CRC32C of each block [i*B, min((i+1)*B, length))
+
+Durability: a write is acknowledged only after ``fdatasync`` of the chunk file
+(data and header together), and after an ``fsync`` of the directory when the
+file is new. Appends and writes into holes go in place: bytes already
+acknowledged are never touched. A write that overlaps acknowledged bytes is
+copy-on-write (copy the chunk with ``copy_file_range``, patch, sync, rename),
+so a crash mid-write leaves the old chunk or the new one, never a mix.
+
+Checksums: every block has a CRC32C. Clients send the CRC of their payload and
+the server checks it before writing. A read verifies the blocks it covers once;
+later reads of verified blocks go straight to ``sendfile`` as long as the file
+was not modified behind the server's back (its mtime is remembered).
+
+Caveats:
+  * a chunk's header cache lives in this process; only one server may own a root.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import struct
+import threading
+from dataclasses import dataclass, field
+
+import crc32c
+
+from wire import ErrorCode, MAX_CHUNK, StripefsError
+
+HEADER_SIZE = 8192
+BLOCK = 64 * 1024
+MAGIC = b"SFCHUNK1"
+_HDR = struct.Struct("!8sQQII")
+_CRC_OFF = 64
+MAX_BLOCKS = (HEADER_SIZE - _CRC_OFF) // 4
+assert MAX_CHUNK // BLOCK <= MAX_BLOCKS
+
+
+def _crc(data: memoryview | bytes) -> int:
+    return crc32c.crc32c(data)
+
+
+@dataclass(slots=True)
+class ChunkMeta:
+    version: int = 0
+    length: int = 0
+    crcs: list[int] = field(default_factory=list)
+    verified: int = 0  # bitmask of blocks verified since the file last changed
+    mtime_ns: int = 0  # file mtime when verified/written by us
+
+    def pack(self) -> bytes:
+        head = _HDR.pack(MAGIC, self.version, self.length, BLOCK, len(self.crcs)).ljust(_CRC_OFF, b"\0")
+        return head + struct.pack(f"!{len(self.crcs)}I", *self.crcs)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> "ChunkMeta":
+        if len(raw) < _CRC_OFF:
+            raise StripefsError(ErrorCode.CHECKSUM, "chunk header truncated")
+        magic, version, length, block, n = _HDR.unpack_from(raw)
+        if magic != MAGIC or block != BLOCK or n > MAX_BLOCKS or n != -(-length // BLOCK):
+            raise StripefsError(ErrorCode.CHECKSUM, "chunk header is corrupt")
+        crcs = list(struct.unpack_from(f"!{n}I", raw, _CRC_OFF))
+        return cls(version, length, crcs)
+
+
+class ChunkStore:
+    """Chunk files of one target. Methods block (disk I/O): call them from worker threads."""
+
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+        self.chunk_root = os.path.join(self.root, "chunks")
+        os.makedirs(self.chunk_root, exist_ok=True)
+        self._meta: dict[tuple[int, int], ChunkMeta] = {}
+        self._locks = [threading.Lock() for _ in range(256)]
+        self._mlock = threading.Lock()
+        self.used = 0
+        self.chunks = 0
+        self._scan_usage()
+
+    # -- paths and bookkeeping ----------------------------------------------------------
+    def _dir(self, ino: int) -> str:
+        return os.path.join(self.chunk_root, f"{ino:016x}")
+
+    def path(self, ino: int, index: int) -> str:
+        return os.path.join(self._dir(ino), f"{index:08x}")
+
+    def _lock(self, ino: int, index: int) -> threading.Lock:
+        return self._locks[hash((ino, index)) & 255]
+
+    def _scan_usage(self) -> None:
+        used = chunks = 0
+        for dirpath, _dirs, files in os.walk(self.chunk_root):
+            for name in files:
+                if name.endswith(".tmp"):
+                    os.unlink(os.path.join(dirpath, name))  # an interrupted copy-on-write
+                    continue
+                try:
+                    used += max(0, os.stat(os.path.join(dirpath, name)).st_size - HEADER_SIZE)
+                    chunks += 1
+                except FileNotFoundError:
+                    pass
+        self.used, self.chunks = used, chunks
+
+    def capacity(self) -> tuple[int, int]:
+        """(total bytes, free bytes) of the file system holding the target."""
+        st = os.statvfs(self.root)
+        return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+    def _load(self, ino: int, index: int, fd: int | None = None) -> ChunkMeta | None:
+        key = (ino, index)
+        meta = self._meta.get(key)
+        if meta is not None:
+            return meta
+        own = fd is None
+        try:
+            if own:
+                fd = os.open(self.path(ino, index), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            meta = ChunkMeta.unpack(os.pread(fd, HEADER_SIZE, 0))  # type: ignore[arg-type]
+            meta.mtime_ns = os.fstat(fd).st_mtime_ns  # type: ignore[arg-type]
+        finally:
+            if own:
+                os.close(fd)  # type: ignore[arg-type]
+        with self._mlock:
+            if len(self._meta) > 200_000:
+                self._meta.clear()
+            self._meta[key] = meta
+        return meta
+
+    # -- write ----------------------------------------------------------------------------
+    def write(self, ino: int, index: int, offset: int, data: memoryview, crc: int, chunk_size: int) -> ChunkMeta:
+        """Write ``data`` at ``offset`` of a chunk, durably. Returns the new meta.
+
+        Raises:
+            StripefsError: CHECKSUM if ``crc`` does not match the payload, INVALID
+            for ranges beyond the chunk size, NO_SPACE when the disk is full.
+        """
+        end = offset + len(data)
+        if offset < 0 or chunk_size > MAX_CHUNK or end > chunk_size:
+            raise StripefsError(ErrorCode.INVALID, f"write [{offset}, {end}) outside a chunk of {chunk_size}")
+        if _crc(data) != crc:
+            raise StripefsError(ErrorCode.CHECKSUM, "payload checksum mismatch (corrupted in transit)")
+        if not len(data):
+            return self._load(ino, index) or ChunkMeta()
+        with self._lock(ino, index):
+            try:
+                return self._write_locked(ino, index, offset, data)
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    raise StripefsError(ErrorCode.NO_SPACE, "storage target is full") from exc
+                raise
+
+    def _write_locked(self, ino: int, index: int, offset: int, data: memoryview) -> ChunkMeta:
+        path = self.path(ino, index)
+        fresh = not os.path.exists(path)
+        if fresh:
+            os.makedirs(self._dir(ino), exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            meta = ChunkMeta()
+        else:
+            fd = os.open(path, os.O_RDWR)
+            meta = self._load(ino, index, fd) or ChunkMeta()
+        try:
+            if offset < meta.length:
+                os.close(fd)
+                fd = -1
+                return self._write_cow(ino, index, offset, data, meta)
+            os.pwrite(fd, data, HEADER_SIZE + offset)
+            new = self._commit_meta(fd, meta, offset, len(data), data)
+            os.fdatasync(fd)
+            new.mtime_ns = os.fstat(fd).st_mtime_ns
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        if fresh:
+            self._fsync_dir(self._dir(ino))
+            self.chunks += 1
+        self.used += new.length - meta.length
+        self._meta[(ino, index)] = new
+        return new
+
+    def _write_cow(self, ino: int, index: int, offset: int, data: memoryview, meta: ChunkMeta) -> ChunkMeta:
+        path = self.path(ino, index)
+        tmp = path + ".tmp"
+        src = os.open(path, os.O_RDONLY)
+        dst = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            size = os.fstat(src).st_size
+            copied = 0
+            while copied < size:
+                n = os.copy_file_range(src, dst, size - copied, copied, copied)
+                if n == 0:
+                    break
+                copied += n
+            os.pwrite(dst, data, HEADER_SIZE + offset)
+            new = self._commit_meta(dst, meta, offset, len(data), data)
+            os.fdatasync(dst)
+            new.mtime_ns = os.fstat(dst).st_mtime_ns
+        finally:
+            os.close(src)
+            os.close(dst)
+        os.rename(tmp, path)
+        self._fsync_dir(self._dir(ino))
+        self.used += new.length - meta.length
+        self._meta[(ino, index)] = new
+        return new
+
+    def _commit_meta(self, fd: int, meta: ChunkMeta, offset: int, n: int, data: memoryview) -> ChunkMeta:
+        """Recompute the CRCs of the blocks a write touched; write the header (no sync)."""
+        end = offset + n
+        length = max(meta.length, end)
+        crcs = meta.crcs[:]
+        nblocks = -(-length // BLOCK)
+        crcs.extend([0] * (nblocks - len(crcs)))
+        first = min(meta.length, offset) // BLOCK
+        verified = meta.verified
+        for b in range(first, (end - 1) // BLOCK + 1):
+            bstart, bend = b * BLOCK, min((b + 1) * BLOCK, length)
+            if bstart >= offset and bend <= end:
+                crcs[b] = _crc(data[bstart - offset : bend - offset])
+            else:  # partly old bytes, partly new, or a hole: read back what is on disk now
+                crcs[b] = _crc(os.pread(fd, bend - bstart, HEADER_SIZE + bstart))
+            verified |= 1 << b
+        new = ChunkMeta(meta.version + 1, length, crcs, verified)
+        os.pwrite(fd, new.pack(), 0)
+        return new
+
+    @staticmethod
+    def _fsync_dir(path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- read -----------------------------------------------------------------------------
+    def open_read(self, ino: int, index: int, offset: int, length: int) -> tuple[int, int, int, bytes | None, int]:
+        """Prepare a read: ``(fd, file_offset, n, data, chunk_length)``.
+
+        When the covered blocks are already verified, ``data`` is None and the
+        caller sends ``n`` bytes from ``fd`` at ``file_offset`` with sendfile and
+        closes ``fd``. Otherwise the blocks are read and verified here and
+        ``data`` holds the bytes (``fd`` is -1). ``n == 0`` for a missing chunk
+        (a hole) or a read at/after the chunk's end.
+
+        Raises:
+            StripefsError: CHECKSUM (EIO) when stored data does not match its CRC.
+        """
+        if offset < 0 or length < 0 or offset + length > MAX_CHUNK:
+            raise StripefsError(ErrorCode.INVALID, "read range outside a chunk")
+        try:
+            fd = os.open(self.path(ino, index), os.O_RDONLY)
+        except FileNotFoundError:
+            return -1, 0, 0, None, 0
+        try:
+            with self._lock(ino, index):
+                meta = self._load(ino, index, fd)
+                assert meta is not None
+                st = os.fstat(fd)
+                if st.st_mtime_ns != meta.mtime_ns:  # changed behind our back: trust nothing
+                    self._meta.pop((ino, index), None)
+                    meta = self._load(ino, index, fd)
+                    assert meta is not None
+                n = max(0, min(length, meta.length - offset))
+                if n == 0:
+                    os.close(fd)
+                    return -1, 0, 0, None, meta.length
+                first, last = offset // BLOCK, (offset + n - 1) // BLOCK
+                mask = ((1 << (last + 1)) - 1) ^ ((1 << first) - 1)
+                if meta.verified & mask == mask:
+                    return fd, HEADER_SIZE + offset, n, None, meta.length
+                bstart = first * BLOCK
+                raw = os.pread(fd, min((last + 1) * BLOCK, meta.length) - bstart, HEADER_SIZE + bstart)
+                view = memoryview(raw)
+                for b in range(first, last + 1):
+                    s, e = b * BLOCK - bstart, min((b + 1) * BLOCK, meta.length) - bstart
+                    if _crc(view[s:e]) != meta.crcs[b]:
+                        raise StripefsError(ErrorCode.CHECKSUM, f"chunk {ino}:{index} block {b} fails its checksum")
+                meta.verified |= mask
+            os.close(fd)
+            return -1, 0, n, raw[offset - bstart : offset - bstart + n], meta.length
+        except BaseException:
+            os.close(fd)
+            raise
+
+    # -- remove / truncate / stat -------------------------------------------------------
+    def remove(self, ino: int, from_index: int = 0) -> int:
+        """Remove chunks ``>= from_index`` of an inode. Returns how many went."""
+        d = self._dir(ino)
+        try:
+            names = os.listdir(d)
+        except FileNotFoundError:
+            return 0
+        removed = 0
+        for name in names:
+            try:
+                index = int(name, 16)
+            except ValueError:
+                continue
+            if index >= from_index:
+                with self._lock(ino, index):
+                    meta = self._load(ino, index)
+                    try:
+                        os.unlink(os.path.join(d, name))
+                    except FileNotFoundError:
+                        continue
+                    self._meta.pop((ino, index), None)
+                    self.used -= meta.length if meta else 0
+                    self.chunks -= 1
+                    removed += 1
+        if from_index == 0:
+            shutil.rmtree(d, ignore_errors=True)
+        return removed
+
+    def truncate(self, ino: int, index: int, length: int) -> None:
+        """Cut one chunk to ``length`` bytes (the chunk holding a file's new end)."""
+        with self._lock(ino, index):
+            try:
+                fd = os.open(self.path(ino, index), os.O_RDWR)
+            except FileNotFoundError:
+                return
+            try:
+                meta = self._load(ino, index, fd)
+                if meta is None or length >= meta.length:
+                    return
+                os.ftruncate(fd, HEADER_SIZE + length)
+                nblocks = -(-length // BLOCK)
+                crcs = meta.crcs[:nblocks]
+                if length % BLOCK:
+                    b = nblocks - 1
+                    crcs[b] = _crc(os.pread(fd, length - b * BLOCK, HEADER_SIZE + b * BLOCK))
+                new = ChunkMeta(meta.version + 1, length, crcs, meta.verified & ((1 << nblocks) - 1))
+                os.pwrite(fd, new.pack(), 0)
+                os.fdatasync(fd)
+                new.mtime_ns = os.fstat(fd).st_mtime_ns
+                self.used -= meta.length - length
+                self._meta[(ino, index)] = new
+            finally:
+                os.close(fd)
+
+    def stat(self, ino: int, index: int) -> ChunkMeta | None:
+        return self._load(ino, index)

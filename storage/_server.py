@@ -1,0 +1,173 @@
+"""The storage server: one trio server per target directory.
+
+Requests (see ``wire._messages``): WriteChunk (payload in), ReadChunk (payload
+out, by ``sendfile`` when the blocks are verified), RemoveChunks,
+TruncateChunk, StatChunk, TargetInfo. Disk work runs in worker threads; write
+payloads are received straight into page-aligned pooled buffers.
+
+On start the server registers with the metadata service (keeping its server id
+across restarts in ``ROOT/target.json``) and then heartbeats every second with
+its capacity and usage.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from typing import Any
+
+import trio
+
+from rpc import BufferPool, ServerConn, Service, TrioConnection, serve_rpc
+from wire import ErrorCode, FrameHead, Message, StripefsError, messages as m
+
+from ._chunks import ChunkStore
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL = 1.0
+
+
+class StorageService(Service):
+    role = "storage"
+
+    def __init__(self, store: ChunkStore):
+        self.store = store
+        self.pool = BufferPool()
+        self.server_id: int | None = None
+
+    async def receive_payload(self, conn: ServerConn, head: FrameHead, msg: Message) -> Any:
+        if not isinstance(msg, m.WriteChunk):
+            await conn.discard_payload()
+            return None
+        buf = self.pool.get(head.payload_len)
+        try:
+            await conn.recv_payload_into(memoryview(buf)[: head.payload_len])
+        except BaseException:
+            self.pool.put(buf)
+            raise
+        return buf
+
+    async def handle(self, conn: ServerConn, head: FrameHead, msg: Message, payload: Any) -> None:
+        store = self.store
+        if isinstance(msg, m.WriteChunk):
+            try:
+                view = memoryview(payload)[: head.payload_len]
+                meta = await trio.to_thread.run_sync(
+                    store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size
+                )
+                view.release()
+            finally:
+                self.pool.put(payload)
+            await conn.send(head, {"length": meta.length, "version": meta.version})
+        elif isinstance(msg, m.ReadChunk):
+            fd, off, n, data, clen = await trio.to_thread.run_sync(store.open_read, msg.ino, msg.index, msg.offset, msg.length)
+            header = {"length": n, "chunk_length": clen}
+            if data is not None:
+                await conn.send(head, header, payload=data)
+            elif fd >= 0:
+                try:
+                    await conn.send(head, header, file=(fd, off, n))
+                finally:
+                    os.close(fd)
+            else:
+                await conn.send(head, header)
+        elif isinstance(msg, m.RemoveChunks):
+            n = await trio.to_thread.run_sync(store.remove, msg.ino, msg.from_index)
+            await conn.send(head, {"removed": n})
+        elif isinstance(msg, m.TruncateChunk):
+            await trio.to_thread.run_sync(store.truncate, msg.ino, msg.index, msg.length)
+            await conn.send(head, {})
+        elif isinstance(msg, m.StatChunk):
+            meta = await trio.to_thread.run_sync(store.stat, msg.ino, msg.index)
+            if meta is None:
+                raise StripefsError(ErrorCode.NOT_FOUND, "no such chunk")
+            await conn.send(head, {"length": meta.length, "version": meta.version, "crcs": meta.crcs})
+        elif isinstance(msg, m.TargetInfo):
+            await conn.send(head, await self.info())
+        elif isinstance(msg, m.Ping):
+            await conn.send(head, {})
+        else:
+            raise StripefsError(ErrorCode.NOT_SUPPORTED, f"{type(msg).__name__} is not a storage request")
+
+    async def info(self) -> dict[str, Any]:
+        total, free = await trio.to_thread.run_sync(self.store.capacity)
+        return {
+            "server_id": self.server_id,
+            "capacity": total,
+            "free": free,
+            "used": self.store.used,
+            "chunks": self.store.chunks,
+            "root": self.store.root,
+        }
+
+
+def _load_identity(root: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(root, "target.json")) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def _save_identity(root: str, ident: dict[str, Any]) -> None:
+    tmp = os.path.join(root, "target.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(ident, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, "target.json"))
+
+
+async def _register_and_heartbeat(service: StorageService, meta: TrioConnection, host: str, port: int, root: str, registered: trio.Event) -> None:
+    ident = await trio.to_thread.run_sync(_load_identity, root)
+    while True:
+        try:
+            info = await service.info()
+            if not registered.is_set():
+                reply, _ = await meta.call(m.RegisterServer(
+                    host=host, port=port, root=root, server_id=ident.get("server_id"),
+                    capacity=info["capacity"], used=info["used"], pid=os.getpid(),
+                ))
+                service.server_id = int(reply["server_id"])
+                if ident.get("server_id") != service.server_id:
+                    ident["server_id"] = service.server_id
+                    await trio.to_thread.run_sync(_save_identity, root, ident)
+                registered.set()
+            else:
+                assert service.server_id is not None
+                await meta.call(m.Heartbeat(server_id=service.server_id, capacity=info["capacity"], used=info["used"], chunks=info["chunks"]))
+        except StripefsError as exc:
+            if exc.code == ErrorCode.NOT_FOUND and registered.is_set():
+                registered = trio.Event()  # the metadata service forgot us: register again
+            log.warning("metadata service unreachable from storage server: %s", exc.message)
+        await trio.sleep(HEARTBEAT_INTERVAL)
+
+
+async def serve_storage(
+    root: str,
+    *,
+    secret: str,
+    metadata: tuple[str, int],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    cluster_id: str = "",
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the target in ``root`` until cancelled.
+
+    Reports ``(host, port)`` through ``task_status`` once it is listening *and*
+    registered with the metadata service, so callers can use it at once.
+    """
+    os.makedirs(root, exist_ok=True)
+    store = await trio.to_thread.run_sync(ChunkStore, root)
+    service = StorageService(store)
+    meta_conn = TrioConnection(metadata, secret)
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id))
+        registered = trio.Event()
+        nursery.start_soon(_register_and_heartbeat, service, meta_conn, address[0], address[1], store.root, registered)
+        await registered.wait()
+        task_status.started(address)

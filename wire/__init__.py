@@ -1,0 +1,48 @@
+"""stripefs wire protocol: sans-IO frames, the numbered message table, typed errors, auth.
+
+Nothing in this package touches a socket (STYLE.md #1). Transports live in ``rpc``.
+"""
+
+from . import _messages as messages
+from ._auth import check_proof, client_proof, new_nonce, new_secret, server_proof
+from ._errors import ErrorCode, StripefsError, error_from_oserror
+from ._frames import (
+    FLAG_ERROR,
+    FLAG_RESPONSE,
+    MAGIC,
+    MAX_HEADER,
+    MAX_PAYLOAD,
+    NEED_DATA,
+    PREFIX,
+    VERSION,
+    Frame,
+    FrameDecoder,
+    FrameHead,
+    encode_frame,
+    encode_prefix,
+)
+from ._messages import MESSAGES, Message, decode_message
+from ._types import (
+    MAX_CHUNK,
+    MAX_FILE_SIZE,
+    MAX_NAME,
+    MAX_PATH,
+    MAX_STRIPE,
+    MIN_CHUNK,
+    Attr,
+    DirEntry,
+    Layout,
+    Routing,
+    ServerInfo,
+    validate_name,
+)
+
+__all__ = [
+    "messages", "check_proof", "client_proof", "new_nonce", "new_secret", "server_proof",
+    "ErrorCode", "StripefsError", "error_from_oserror",
+    "FLAG_ERROR", "FLAG_RESPONSE", "MAGIC", "MAX_HEADER", "MAX_PAYLOAD", "NEED_DATA", "PREFIX",
+    "VERSION", "Frame", "FrameDecoder", "FrameHead", "encode_frame", "encode_prefix",
+    "MESSAGES", "Message", "decode_message",
+    "MAX_CHUNK", "MAX_FILE_SIZE", "MAX_NAME", "MAX_PATH", "MAX_STRIPE", "MIN_CHUNK",
+    "Attr", "DirEntry", "Layout", "Routing", "ServerInfo", "validate_name",
+]

@@ -1,0 +1,143 @@
+"""Typed error codes: the one table shared by every boundary.
+
+Every failure that crosses the wire carries an :class:`ErrorCode`. The code is
+mapped to an ``errno`` exactly once, here, and every front end (native client,
+fsspec, FUSE, CLI) raises or returns that errno:
+
+* the native client and fsspec raise ``OSError(errno, message)`` -- Python turns
+  that into the matching subclass (``FileNotFoundError`` for ``ENOENT``,
+  ``FileExistsError`` for ``EEXIST``, ...);
+* the FUSE daemon raises ``pyfuse3.FUSEError(errno)``;
+* the CLI prints the message and exits with status 1.
+
+Exception tree::
+
+    OSError
+     └── StripefsError          (has .code, .errno, .message)
+"""
+
+from __future__ import annotations
+
+import enum
+import errno as _errno
+
+__all__ = ["ErrorCode", "StripefsError", "error_from_oserror"]
+
+
+class ErrorCode(enum.IntEnum):
+    """Wire error codes. Numbers are stable: never renumber, only append."""
+
+    OK = 0
+    NOT_FOUND = 1
+    EXISTS = 2
+    NOT_DIR = 3
+    IS_DIR = 4
+    NOT_EMPTY = 5
+    INVALID = 6
+    NAME_TOO_LONG = 7
+    IO = 8
+    TIMEOUT = 9
+    PERMISSION = 10
+    NO_SPACE = 11
+    CHECKSUM = 12
+    AUTH = 13
+    PROTOCOL = 14
+    TOO_BIG = 15
+    UNAVAILABLE = 16
+    STALE_ROUTING = 17
+    BUSY = 18
+    CROSS_DEVICE = 19
+    NOT_SUPPORTED = 20
+    LOOP = 21
+    BAD_FD = 22
+    FILE_TOO_BIG = 23
+    ACCESS = 24
+    NO_DATA = 25
+    RANGE = 26
+
+    @property
+    def errno(self) -> int:
+        return _ERRNO[self]
+
+
+_ERRNO: dict[ErrorCode, int] = {
+    ErrorCode.OK: 0,
+    ErrorCode.NOT_FOUND: _errno.ENOENT,
+    ErrorCode.EXISTS: _errno.EEXIST,
+    ErrorCode.NOT_DIR: _errno.ENOTDIR,
+    ErrorCode.IS_DIR: _errno.EISDIR,
+    ErrorCode.NOT_EMPTY: _errno.ENOTEMPTY,
+    ErrorCode.INVALID: _errno.EINVAL,
+    ErrorCode.NAME_TOO_LONG: _errno.ENAMETOOLONG,
+    ErrorCode.IO: _errno.EIO,
+    ErrorCode.TIMEOUT: _errno.ETIMEDOUT,
+    ErrorCode.PERMISSION: _errno.EPERM,
+    ErrorCode.NO_SPACE: _errno.ENOSPC,
+    ErrorCode.CHECKSUM: _errno.EIO,
+    ErrorCode.AUTH: _errno.EACCES,
+    ErrorCode.PROTOCOL: _errno.EPROTO,
+    ErrorCode.TOO_BIG: _errno.EMSGSIZE,
+    ErrorCode.UNAVAILABLE: _errno.EHOSTUNREACH,
+    ErrorCode.STALE_ROUTING: _errno.ESTALE,
+    ErrorCode.BUSY: _errno.EBUSY,
+    ErrorCode.CROSS_DEVICE: _errno.EXDEV,
+    ErrorCode.NOT_SUPPORTED: _errno.EOPNOTSUPP,
+    ErrorCode.LOOP: _errno.ELOOP,
+    ErrorCode.BAD_FD: _errno.EBADF,
+    ErrorCode.FILE_TOO_BIG: _errno.EFBIG,
+    ErrorCode.ACCESS: _errno.EACCES,
+    ErrorCode.NO_DATA: _errno.ENODATA,
+    ErrorCode.RANGE: _errno.ERANGE,
+}
+
+_FROM_ERRNO: dict[int, ErrorCode] = {}
+for _code, _no in _ERRNO.items():
+    _FROM_ERRNO.setdefault(_no, _code)
+
+
+class StripefsError(OSError):
+    """An error with a wire code. It *is* an ``OSError`` with the mapped errno.
+
+    ``raise StripefsError(ErrorCode.NOT_FOUND, "no such file", path)`` gives an
+    exception whose ``errno`` is ``ENOENT``; :meth:`as_oserror` returns the
+    matching builtin subclass (``FileNotFoundError``) for code that checks with
+    ``isinstance`` against the builtins.
+    """
+
+    def __init__(self, code: ErrorCode | int, message: str = "", path: str | None = None):
+        code = ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.IO
+        self.code: ErrorCode = code
+        self.message = message or code.name.lower().replace("_", " ")
+        if path is None:
+            super().__init__(code.errno, self.message)
+        else:
+            super().__init__(code.errno, self.message, path)
+
+    def as_oserror(self) -> OSError:
+        """The builtin ``OSError`` subclass for this errno (FileNotFoundError, ...)."""
+        if self.filename is None:
+            exc = OSError(self.errno, self.message)
+        else:
+            exc = OSError(self.errno, self.message, self.filename)
+        exc.__cause__ = self
+        return exc
+
+    def to_wire(self) -> dict[str, object]:
+        return {"code": int(self.code), "message": self.message}
+
+    @classmethod
+    def from_wire(cls, header: dict[str, object]) -> "StripefsError":
+        code = header.get("code", ErrorCode.IO)
+        msg = header.get("message", "")
+        return cls(int(code) if isinstance(code, int) else ErrorCode.IO, str(msg))
+
+    def __reduce__(self):  # keep pickling (multiprocessing) working
+        return (type(self), (self.code, self.message, self.filename))
+
+
+def error_from_oserror(exc: OSError, message: str | None = None) -> StripefsError:
+    """Translate a local ``OSError`` (from a server's disk, say) into a wire error."""
+    if isinstance(exc, StripefsError):
+        return exc
+    code = _FROM_ERRNO.get(exc.errno or 0, ErrorCode.IO)
+    return StripefsError(code, message or exc.strerror or str(exc))

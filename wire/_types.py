@@ -1,0 +1,216 @@
+"""Value types shared by the metadata service, storage servers and clients.
+
+They travel inside message headers as plain msgpack maps (``to_wire``) and are
+rebuilt with validation on the other side (``from_wire``).
+"""
+
+from __future__ import annotations
+
+import stat as _stat
+from dataclasses import asdict, dataclass, field
+
+from ._errors import ErrorCode, StripefsError
+
+__all__ = [
+    "Layout",
+    "Attr",
+    "DirEntry",
+    "ServerInfo",
+    "Routing",
+    "MAX_NAME",
+    "MAX_PATH",
+    "MIN_CHUNK",
+    "MAX_CHUNK",
+    "MAX_STRIPE",
+    "MAX_FILE_SIZE",
+    "validate_name",
+]
+
+MAX_NAME = 255
+MAX_PATH = 4096
+MIN_CHUNK = 64 * 1024
+MAX_CHUNK = 64 * 1024 * 1024
+MAX_STRIPE = 256
+MAX_FILE_SIZE = 1 << 50  # 1 PiB: "writes past sane limits" get EFBIG
+
+
+def _bad(msg: str) -> StripefsError:
+    return StripefsError(ErrorCode.INVALID, msg)
+
+
+def validate_name(name: object) -> str:
+    """Check one path component. Raises EINVAL / ENAMETOOLONG."""
+    if not isinstance(name, str) or name in ("", ".", ".."):
+        raise _bad(f"invalid file name {name!r}")
+    if "/" in name or "\x00" in name:
+        raise _bad(f"file name may not contain '/' or NUL: {name!r}")
+    if len(name.encode("utf-8", "surrogateescape")) > MAX_NAME:
+        raise StripefsError(ErrorCode.NAME_TOO_LONG, f"name longer than {MAX_NAME} bytes")
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How a file's bytes are spread: chunk ``i`` lives on chain ``chains[i % stripe]``.
+
+    ``chains`` is the per-file shuffled list of chain ids (3FS ChainAllocator);
+    ``stripe == len(chains)``.
+    """
+
+    chunk_size: int
+    chains: tuple[int, ...]
+
+    @property
+    def stripe(self) -> int:
+        return len(self.chains)
+
+    def chain_of(self, chunk_index: int) -> int:
+        return self.chains[chunk_index % len(self.chains)]
+
+    def validate(self) -> "Layout":
+        cs = self.chunk_size
+        if not isinstance(cs, int) or cs < MIN_CHUNK or cs > MAX_CHUNK or cs & (cs - 1):
+            raise _bad(f"chunk size must be a power of two in [{MIN_CHUNK}, {MAX_CHUNK}], got {cs!r}")
+        if not self.chains or len(self.chains) > MAX_STRIPE:
+            raise _bad(f"stripe must be 1..{MAX_STRIPE}")
+        if not all(isinstance(c, int) and c >= 0 for c in self.chains):
+            raise _bad("chain ids must be non-negative integers")
+        return self
+
+    def to_wire(self) -> dict:
+        return {"chunk_size": self.chunk_size, "chains": list(self.chains)}
+
+    @classmethod
+    def from_wire(cls, d: object) -> "Layout":
+        if not isinstance(d, dict):
+            raise _bad("layout must be a map")
+        try:
+            return cls(int(d["chunk_size"]), tuple(int(c) for c in d["chains"])).validate()
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _bad(f"bad layout: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Attr:
+    """Inode attributes (``stat`` fields). Times are integer nanoseconds."""
+
+    ino: int
+    mode: int  # full st_mode, type bits included
+    nlink: int
+    uid: int
+    gid: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    layout: Layout | None = None
+    target: str | None = None  # symlink target
+
+    @property
+    def is_dir(self) -> bool:
+        return _stat.S_ISDIR(self.mode)
+
+    @property
+    def is_file(self) -> bool:
+        return _stat.S_ISREG(self.mode)
+
+    @property
+    def is_symlink(self) -> bool:
+        return _stat.S_ISLNK(self.mode)
+
+    def to_wire(self) -> dict:
+        d = asdict(self)
+        d["layout"] = self.layout.to_wire() if self.layout else None
+        return d
+
+    @classmethod
+    def from_wire(cls, d: object) -> "Attr":
+        if not isinstance(d, dict):
+            raise _bad("attr must be a map")
+        try:
+            layout = d.get("layout")
+            return cls(
+                ino=int(d["ino"]),
+                mode=int(d["mode"]),
+                nlink=int(d["nlink"]),
+                uid=int(d["uid"]),
+                gid=int(d["gid"]),
+                size=int(d["size"]),
+                atime_ns=int(d["atime_ns"]),
+                mtime_ns=int(d["mtime_ns"]),
+                ctime_ns=int(d["ctime_ns"]),
+                layout=Layout.from_wire(layout) if layout is not None else None,
+                target=d.get("target"),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _bad(f"bad attr: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class DirEntry:
+    name: str
+    ino: int
+    mode: int  # type bits at least; full mode when attrs were asked for
+    attr: Attr | None = None
+
+    def to_wire(self) -> list:
+        return [self.name, self.ino, self.mode, self.attr.to_wire() if self.attr else None]
+
+    @classmethod
+    def from_wire(cls, d: object) -> "DirEntry":
+        if not isinstance(d, (list, tuple)) or len(d) != 4:
+            raise _bad("dir entry must be a 4-list")
+        return cls(str(d[0]), int(d[1]), int(d[2]), Attr.from_wire(d[3]) if d[3] is not None else None)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    """A storage server (one target directory) as the metadata service knows it."""
+
+    server_id: int
+    host: str
+    port: int
+    state: str = "serving"  # serving | offline
+    capacity: int = 0
+    used: int = 0
+    pid: int = 0
+    last_seen: float = 0.0
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: object) -> "ServerInfo":
+        if not isinstance(d, dict):
+            raise _bad("server info must be a map")
+        try:
+            return cls(**{k: d[k] for k in d if k in cls.__dataclass_fields__})
+        except TypeError as exc:
+            raise _bad(f"bad server info: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """The chain table: chain id -> ordered target (server) ids, plus servers."""
+
+    version: int
+    chains: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    servers: dict[int, ServerInfo] = field(default_factory=dict)
+
+    def to_wire(self) -> dict:
+        return {
+            "version": self.version,
+            "chains": [[cid, list(t)] for cid, t in sorted(self.chains.items())],
+            "servers": [s.to_wire() for s in self.servers.values()],
+        }
+
+    @classmethod
+    def from_wire(cls, d: object) -> "Routing":
+        if not isinstance(d, dict):
+            raise _bad("routing must be a map")
+        try:
+            chains = {int(c): tuple(int(t) for t in ts) for c, ts in d["chains"]}
+            servers = {s.server_id: s for s in (ServerInfo.from_wire(x) for x in d["servers"])}
+            return cls(int(d["version"]), chains, servers)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise _bad(f"bad routing: {exc}") from exc
