@@ -101,7 +101,8 @@ def _port_free(port: int) -> bool:
             return False
 
 
-def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 << 20, stripe: int = 16) -> dict[str, Any]:
+def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 << 20, stripe: int = 16,
+       gc_grace: float = 30.0) -> dict[str, Any]:
     """Start (or restart) the cluster under ``root``; returns the cluster.json content."""
     if replicas != 1:
         raise StripefsError(ErrorCode.NOT_SUPPORTED, "replication (--replicas > 1) is not built yet; use 1")
@@ -136,7 +137,7 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
             os.unlink(ready)
         log_path = os.path.join(root, "logs", "metadata.log")
         proc = _spawn(["-m", "metadata", "--state", os.path.join(root, "meta"), "--cluster", path, "--port", str(port),
-                       "--chunk-size", str(chunk_size), "--stripe", str(stripe), "--ready", ready], log_path)
+                       "--chunk-size", str(chunk_size), "--stripe", str(stripe), "--gc-grace", str(gc_grace), "--ready", ready], log_path)
         procs.append(proc)
         maddr = _wait_ready(proc, ready, "metadata service", log_path)
         host, _, mport = maddr.rpartition(":")

@@ -74,7 +74,6 @@ class Namespace:
         with store.transaction() as txn:
             if txn.get_meta("next_ino") is None:
                 txn.put_meta("next_ino", str(ROOT_INO + 1))
-                txn.put_meta("next_garbage", "1")
             if txn.get_inode(ROOT_INO) is None:
                 now = time.time_ns()
                 txn.put_inode(Attr(ROOT_INO, stat.S_IFDIR | 0o755, 2, 0, 0, 0, now, now, now))
@@ -151,9 +150,7 @@ class Namespace:
                 return True
             if ino == ROOT_INO:
                 return False
-            row = txn.get_dir(ino)
-            assert row is not None, f"directory {ino} has no dirs row"
-            ino = row.parent
+            ino = self._dirrow(txn, ino).parent
 
     # ------------------------------------------------------------------ lookups
 
@@ -190,7 +187,7 @@ class Namespace:
         # "/f/" and "/f/." name a directory: a non-directory there is ENOTDIR.
         parts = path.split("/")
         must_be_dir = any(parts) and parts[-1] in ("", ".", "..")
-        todo = [c for c in path.split("/") if c not in ("", ".")][::-1]  # a stack: last pops first
+        todo = [c for c in parts if c not in ("", ".")][::-1]  # a stack: last pops first
         cur = self._inode(txn, ROOT_INO)
         links = 0
         while todo:
@@ -421,7 +418,7 @@ class Namespace:
             raise _err(ErrorCode.NOT_DIR, f"not a directory: {new_name!r}")
         if not src.is_dir and dst.is_dir:
             raise _err(ErrorCode.IS_DIR, f"is a directory: {new_name!r}")
-        if False:
+        if dst.is_dir and txn.list_dentries(dst.ino, "", 1):
             raise _err(ErrorCode.NOT_EMPTY, f"directory not empty: {new_name!r}")
 
     def _dirrow(self, txn: Txn, ino: int) -> DirRow:

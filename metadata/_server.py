@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 OFFLINE_AFTER = 5.0
 GC_INTERVAL = 0.5
+# Chunks of a removed file stay this long, so clients that opened it before the
+# unlink (a reader racing a rename-over) finish reading real bytes, not holes.
+GC_GRACE = 30.0
 
 
 class Membership:
@@ -101,8 +104,10 @@ class Membership:
 class MetadataService(Service):
     role = "metadata"
 
-    def __init__(self, ns: Namespace, members: Membership, secret: str):
+    def __init__(self, ns: Namespace, members: Membership, secret: str, gc_grace: float = GC_GRACE):
         self.ns = ns
+        self.gc_grace = gc_grace
+        self._first_seen: dict[int, float] = {}
         self.members = members
         self.secret = secret
         self.limiter = trio.CapacityLimiter(1)
@@ -235,8 +240,11 @@ class MetadataService(Service):
     async def collect(self, only_ino: int | None = None) -> None:
         """Apply queued garbage: drop chunks of removed files, tails of truncated ones."""
         items = await self._ns(self.ns.garbage, 1000)
+        now = time.monotonic()
         for item in items:
             if only_ino is not None and item.ino != only_ino:
+                continue
+            if item.kind == "remove" and now - self._first_seen.setdefault(item.id, now) < self.gc_grace:
                 continue
             try:
                 await self._apply(item)
@@ -247,6 +255,7 @@ class MetadataService(Service):
                 # A truncate applied late could cut newer data: give up on it, loudly.
                 log.error("truncate of inode %d to %d incomplete: %s", item.ino, item.length, exc.message)
             await self._ns(self.ns.garbage_done, item.id)
+            self._first_seen.pop(item.id, None)
 
     async def _apply(self, item: Any) -> None:
         layout = item.layout
@@ -287,6 +296,7 @@ async def serve_metadata(
     cluster_id: str = "",
     chunk_size: int = 4 << 20,
     max_stripe: int = 16,
+    gc_grace: float = GC_GRACE,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the metadata of the cluster whose state lives in ``state_dir``."""
@@ -296,7 +306,7 @@ async def serve_metadata(
     store = await trio.to_thread.run_sync(SqliteStore, os.path.join(state_dir, "meta.db"))
     ns = await trio.to_thread.run_sync(lambda: Namespace(store, default_chunk_size=chunk_size, max_stripe=max_stripe))
     members = Membership(os.path.join(state_dir, "servers.json"))
-    service = MetadataService(ns, members, secret)
+    service = MetadataService(ns, members, secret, gc_grace)
     async with trio.open_nursery() as nursery:
         address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id))
         nursery.start_soon(service.background)

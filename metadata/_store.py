@@ -30,7 +30,7 @@ import abc
 import sqlite3
 import stat
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,7 +130,7 @@ class Store(abc.ABC):
     """A backend: hands out transactions that commit on success, roll back on exception."""
 
     @abc.abstractmethod
-    def transaction(self) -> Any:
+    def transaction(self) -> AbstractContextManager[Txn]:
         """A context manager yielding a :class:`Txn`."""
 
     def close(self) -> None:
@@ -153,13 +153,13 @@ class _MemoryTxn(Txn):
 
     def __init__(self, store: "MemoryStore") -> None:
         self._s = store
-        self.undo: list[tuple[dict, Any, Any]] = []
+        self.undo: list[tuple[dict[Any, Any], Any, Any]] = []
 
-    def _set(self, table: dict, key: Any, value: Any) -> None:
+    def _set(self, table: dict[Any, Any], key: Any, value: Any) -> None:
         self.undo.append((table, key, table.get(key, _MISSING)))
         table[key] = value
 
-    def _del(self, table: dict, key: Any) -> None:
+    def _del(self, table: dict[Any, Any], key: Any) -> None:
         if key in table:
             self.undo.append((table, key, table.pop(key)))
 
@@ -271,7 +271,7 @@ class SqlTxn(Txn):
         self._cur = cursor
         self._fmt = paramstyle == "format"
 
-    def _q(self, sql: str, params: tuple = ()) -> Any:
+    def _q(self, sql: str, params: tuple[Any, ...] = ()) -> Any:
         self._cur.execute(sql.replace("?", "%s") if self._fmt else sql, params)
         return self._cur
 
@@ -397,10 +397,10 @@ class SqliteStore(Store):
         if self._open:
             raise RuntimeError("transactions do not nest")
         self._open = True
-        # IMMEDIATE takes the write lock up front: a read-then-write transaction
-        # cannot then fail half way with SQLITE_BUSY on lock upgrade.
-        self._conn.execute("BEGIN IMMEDIATE")
         try:
+            # IMMEDIATE takes the write lock up front: a read-then-write transaction
+            # cannot then fail half way with SQLITE_BUSY on lock upgrade.
+            self._conn.execute("BEGIN IMMEDIATE")
             yield SqlTxn(self._conn.cursor())
             self._conn.execute("COMMIT")
         except BaseException:

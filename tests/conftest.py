@@ -42,7 +42,7 @@ class ClusterHandle:
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHandle]:
     """One 4-server cluster for the whole session (256 KiB chunks)."""
-    h = ClusterHandle(str(tmp_path_factory.mktemp("cluster")), servers=4, chunk_size=TEST_CHUNK)
+    h = ClusterHandle(str(tmp_path_factory.mktemp("cluster")), servers=4, chunk_size=TEST_CHUNK, gc_grace=2.0)
     yield h
     h.down()
 
@@ -55,6 +55,7 @@ def make_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
     def make(**kw: Any) -> ClusterHandle:
         kw.setdefault("servers", 4)
         kw.setdefault("chunk_size", TEST_CHUNK)
+        kw.setdefault("gc_grace", 2.0)
         h = ClusterHandle(str(tmp_path_factory.mktemp("private-cluster")), **kw)
         made.append(h)
         return h

@@ -156,11 +156,12 @@ _BUILTINS: dict[int, type[OSError]] = {
     _errno.ETIMEDOUT: TimeoutError,
     _errno.ECONNREFUSED: ConnectionRefusedError,
 }
-_SUBCLASSES: dict[int, type[StripefsError]] = {
-    no: type(f"Stripefs{base.__name__}", (StripefsError, base), {"__module__": __name__})
-    for no, base in _BUILTINS.items()
+_BY_BASE: dict[type[OSError], type[StripefsError]] = {
+    base: type(f"Stripefs{base.__name__}", (StripefsError, base), {"__module__": __name__})
+    for base in dict.fromkeys(_BUILTINS.values())
 }
-globals().update({c.__name__: c for c in _SUBCLASSES.values()})  # picklable by name
+_SUBCLASSES: dict[int, type[StripefsError]] = {no: _BY_BASE[base] for no, base in _BUILTINS.items()}
+globals().update({c.__name__: c for c in _BY_BASE.values()})  # picklable by name
 
 
 def error_from_oserror(exc: OSError, message: str | None = None) -> StripefsError:

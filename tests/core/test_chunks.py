@@ -1,0 +1,111 @@
+"""The chunk store on its own: durability layout, CRC blocks, copy-on-write, corruption."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import crc32c
+import pytest
+
+from storage import BLOCK, HEADER_SIZE, ChunkStore
+from wire import ErrorCode, StripefsError
+
+CS = 4 << 20
+
+
+def write(store: ChunkStore, ino: int, index: int, offset: int, data: bytes):
+    return store.write(ino, index, offset, memoryview(data), crc32c.crc32c(data), CS)
+
+
+def read(store: ChunkStore, ino: int, index: int, offset: int, length: int) -> bytes:
+    fd, off, n, data, _clen = store.open_read(ino, index, offset, length)
+    if data is not None:
+        return data
+    if fd < 0:
+        return b""
+    try:
+        return os.pread(fd, n, off)
+    finally:
+        os.close(fd)
+
+
+def test_write_read_roundtrip_and_versions(tmp_path) -> None:
+    s = ChunkStore(str(tmp_path))
+    data = os.urandom(300_000)
+    meta = write(s, 7, 0, 0, data)
+    assert meta.length == len(data) and meta.version == 1
+    assert read(s, 7, 0, 0, len(data)) == data
+    assert read(s, 7, 0, 1000, 5000) == data[1000:6000]
+    assert read(s, 7, 0, len(data) - 10, 100) == data[-10:]  # short at the chunk end
+    assert read(s, 7, 1, 0, 100) == b""  # a missing chunk is a hole
+    assert write(s, 7, 0, len(data), b"tail").version == 2
+
+
+def test_header_is_page_aligned_and_persistent(tmp_path) -> None:
+    s = ChunkStore(str(tmp_path))
+    data = os.urandom(BLOCK * 2 + 5)
+    write(s, 1, 3, 0, data)
+    raw = open(s.path(1, 3), "rb").read()
+    assert raw[:8] == b"SFCHUNK1" and raw[HEADER_SIZE:] == data
+    s2 = ChunkStore(str(tmp_path))  # a restarted server reads headers back
+    assert read(s2, 1, 3, 0, len(data)) == data
+    assert s2.used == len(data) and s2.chunks == 1
+
+
+def test_holes_and_overwrite_are_consistent(tmp_path) -> None:
+    s = ChunkStore(str(tmp_path))
+    write(s, 2, 0, 200_000, b"b" * 1000)  # leaves a hole at the start
+    assert read(s, 2, 0, 0, 10) == b"\0" * 10
+    write(s, 2, 0, 0, b"a" * 150_000)  # fills part of the hole (copy-on-write: overlaps length)
+    write(s, 2, 0, 200_500, b"c" * 100)  # overwrite inside acknowledged bytes
+    expect = bytearray(201_000)
+    expect[0:150_000] = b"a" * 150_000
+    expect[200_000:201_000] = b"b" * 1000
+    expect[200_500:200_600] = b"c" * 100
+    s2 = ChunkStore(str(tmp_path))  # verify CRCs from disk, not the cache
+    assert read(s2, 2, 0, 0, 201_000) == bytes(expect)
+    assert not [p for p in os.listdir(os.path.dirname(s.path(2, 0))) if p.endswith(".tmp")]
+
+
+def test_payload_crc_is_checked(tmp_path) -> None:
+    s = ChunkStore(str(tmp_path))
+    with pytest.raises(StripefsError) as exc:
+        s.write(1, 0, 0, memoryview(b"abc"), crc32c.crc32c(b"abd"), CS)
+    assert exc.value.code == ErrorCode.CHECKSUM and exc.value.errno == errno.EIO
+    assert not os.path.exists(s.path(1, 0))
+
+
+def test_write_outside_chunk_is_invalid(tmp_path) -> None:
+    s = ChunkStore(str(tmp_path))
+    with pytest.raises(StripefsError) as exc:
+        write(s, 1, 0, CS - 1, b"xy")
+    assert exc.value.errno == errno.EINVAL
+
+
+def test_corruption_on_disk_is_detected_never_served(tmp_path) -> None:
+    s = ChunkStore(str(tmp_path))
+    data = os.urandom(3 * BLOCK)
+    write(s, 9, 0, 0, data)
+    assert read(s, 9, 0, 0, 10) == data[:10]
+    with open(s.path(9, 0), "r+b") as f:  # flip a byte behind the server's back
+        f.seek(HEADER_SIZE + BLOCK + 17)
+        f.write(bytes([data[BLOCK + 17] ^ 0xFF]))
+    assert read(s, 9, 0, 0, 100) == data[:100]  # block 0 is still good
+    with pytest.raises(StripefsError) as exc:
+        read(s, 9, 0, BLOCK, 100)
+    assert exc.value.code == ErrorCode.CHECKSUM
+
+
+def test_truncate_and_remove(tmp_path) -> None:
+    s = ChunkStore(str(tmp_path))
+    data = os.urandom(BLOCK + 100)
+    for i in range(3):
+        write(s, 5, i, 0, data)
+    s.truncate(5, 0, 30_000)
+    assert read(s, 5, 0, 0, 10**6) == data[:30_000]
+    assert ChunkStore(str(tmp_path)).stat(5, 0).length == 30_000
+    assert s.remove(5, from_index=1) == 2
+    assert read(s, 5, 1, 0, 10) == b""
+    assert s.remove(5) == 1
+    assert not os.path.exists(os.path.dirname(s.path(5, 0)))

@@ -1,0 +1,238 @@
+"""The native client against a real local cluster: namespace, striping, data, consistency."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import threading
+
+import pytest
+
+from fsclient import Client
+from tests.conftest import TEST_CHUNK
+
+
+def test_striping_lands_on_every_server(client: Client, cluster, testdir: str) -> None:
+    data = os.urandom(TEST_CHUNK * 4 * 3 + 12345)  # > stripe x chunk
+    path = f"{testdir}/big.bin"
+    with client.open(path, "wb") as f:
+        f.write(data)
+    placement = client.placement(path)
+    assert {p["server"] for p in placement} == {s["server_id"] for s in client.status()["servers"]}
+    attr = client.stat(path)
+    assert attr.size == len(data) and attr.layout.stripe == 4
+    chunk_dir = f"{attr.ino:016x}"
+    holders = [s for s in cluster.data["servers"] if os.path.isdir(os.path.join(s["root"], "chunks", chunk_dir))]
+    assert len(holders) == 4  # bytes really are on every server's disk
+    assert hashlib.sha256(client.read_bytes(path)).digest() == hashlib.sha256(data).digest()
+
+
+def test_small_and_unaligned_io(client: Client, testdir: str) -> None:
+    path = f"{testdir}/small"
+    pieces = [os.urandom(n) for n in (1, 7, 4096, 100_000, 3, TEST_CHUNK + 1)]
+    with client.open(path, "wb") as f:
+        for p in pieces:
+            f.write(p)
+    data = b"".join(pieces)
+    with client.open(path, "rb") as f:
+        assert f.read(5) == data[:5]
+        f.seek(TEST_CHUNK - 3)
+        assert f.read(10) == data[TEST_CHUNK - 3 : TEST_CHUNK + 7]
+        assert f.pread(100, len(data) - 50) == data[-50:]
+        f.seek(0)
+        assert f.read() == data
+        assert f.read(10) == b""
+
+
+def test_modes(client: Client, testdir: str) -> None:
+    p = f"{testdir}/m"
+    client.write_bytes(p, b"hello")
+    with client.open(p, "ab") as f:
+        f.write(b" world")
+    assert client.read_bytes(p) == b"hello world"
+    with pytest.raises(FileExistsError):
+        client.open(p, "xb")
+    with client.open(p, "r+b") as f:
+        f.seek(6)
+        f.write(b"WORLD")
+    assert client.read_bytes(p) == b"hello WORLD"
+    with client.open(p, "w") as f:
+        f.write("text ünïcode\n")
+    with client.open(p, "r") as f:
+        assert f.read() == "text ünïcode\n"
+    with pytest.raises(FileNotFoundError):
+        client.open(f"{testdir}/none", "rb")
+    with pytest.raises(IsADirectoryError):
+        client.open(testdir, "rb")
+    with pytest.raises(ValueError):
+        client.open(p, "rw")
+
+
+def test_namespace_errnos(client: Client, testdir: str) -> None:
+    client.mkdir(f"{testdir}/d")
+    client.write_bytes(f"{testdir}/d/f", b"x")
+    with pytest.raises(FileExistsError):
+        client.mkdir(f"{testdir}/d")
+    with pytest.raises(OSError) as exc:
+        client.rmdir(f"{testdir}/d")
+    assert exc.value.errno == errno.ENOTEMPTY
+    with pytest.raises(NotADirectoryError):
+        client.listdir(f"{testdir}/d/f")
+    with pytest.raises(NotADirectoryError):
+        client.open(f"{testdir}/d/f/g", "wb")
+    with pytest.raises(IsADirectoryError):
+        client.remove(f"{testdir}/d")
+    with pytest.raises(OSError) as exc:
+        client.mkdir(f"{testdir}/" + "n" * 256)
+    assert exc.value.errno == errno.ENAMETOOLONG
+    for bad in ("/a\x00b", "/../x"):
+        with pytest.raises(OSError) as exc:
+            client.stat(bad)
+        assert exc.value.errno == errno.EINVAL
+    with pytest.raises(OSError) as exc:
+        client.rename(f"{testdir}/d", f"{testdir}/d/inside")
+    assert exc.value.errno == errno.EINVAL
+    assert sorted(client.listdir(testdir)) == ["d"]
+
+
+def test_links_and_symlinks(client: Client, testdir: str) -> None:
+    client.write_bytes(f"{testdir}/a", b"data")
+    client.link(f"{testdir}/a", f"{testdir}/b")
+    assert client.stat(f"{testdir}/a").nlink == 2
+    client.remove(f"{testdir}/a")
+    assert client.read_bytes(f"{testdir}/b") == b"data"
+    client.symlink("b", f"{testdir}/s")
+    assert client.readlink(f"{testdir}/s") == "b"
+    assert client.read_bytes(f"{testdir}/s") == b"data"
+    assert client.lstat(f"{testdir}/s").is_symlink
+
+
+def test_sparse_and_truncate(client: Client, testdir: str) -> None:
+    p = f"{testdir}/sparse"
+    with client.open(p, "wb") as f:
+        f.seek(3 * TEST_CHUNK + 10)
+        f.write(b"end")
+    data = client.read_bytes(p)
+    assert len(data) == 3 * TEST_CHUNK + 13 and data[:-3] == bytes(len(data) - 3) and data[-3:] == b"end"
+    client.write_bytes(p, os.urandom(2 * TEST_CHUNK))
+    client.truncate(p, 1000)
+    kept = client.read_bytes(p)
+    assert len(kept) == 1000
+    client.truncate(p, TEST_CHUNK * 2)  # grow again: the cut bytes must not come back
+    grown = client.read_bytes(p)
+    assert grown[:1000] == kept and grown[1000:] == bytes(TEST_CHUNK * 2 - 1000)
+    with client.open(p, "wb") as f:  # O_TRUNC then rewrite
+        f.write(b"new")
+    assert client.read_bytes(p) == b"new"
+
+
+def test_rename_is_atomic_for_readers(client: Client, cluster, testdir: str) -> None:
+    target = f"{testdir}/current"
+    versions = [bytes([i]) * (TEST_CHUNK * 2 + 17) for i in range(1, 9)]
+    client.write_bytes(target, versions[0])
+    stop = threading.Event()
+    seen: list[bytes] = []
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        with cluster.client() as c:
+            while not stop.is_set():
+                try:
+                    seen.append(c.read_bytes(target))
+                except BaseException as exc:  # noqa: BLE001 - collected and asserted below
+                    errors.append(exc)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for i, v in enumerate(versions[1:], 1):
+            client.write_bytes(f"{testdir}/tmp{i}", v)
+            client.rename(f"{testdir}/tmp{i}", target)
+    finally:
+        stop.set()
+        t.join(30)
+    assert not errors
+    assert seen and all(s in versions for s in seen)  # never a mix, never partial
+    assert client.read_bytes(target) == versions[-1]
+
+
+def test_concurrent_clients_see_each_other_after_close(cluster, testdir: str) -> None:
+    payloads = {i: os.urandom(TEST_CHUNK * 3 + i) for i in range(4)}
+    errors: list[BaseException] = []
+
+    def writer(i: int) -> None:
+        try:
+            with cluster.client() as c:
+                with c.open(f"{testdir}/w{i}", "wb") as f:
+                    f.write(payloads[i])
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in payloads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    with cluster.client() as other:
+        for i, p in payloads.items():
+            assert other.read_bytes(f"{testdir}/w{i}") == p
+
+
+def test_close_to_open_length(cluster, testdir: str) -> None:
+    with cluster.client() as a, cluster.client() as b:
+        f = a.open(f"{testdir}/grow", "wb")
+        f.write(b"x" * 1000)
+        f.flush()  # bytes are on the servers, length not yet committed
+        assert b.stat(f"{testdir}/grow").size == 0
+        f.close()
+        assert b.read_bytes(f"{testdir}/grow") == b"x" * 1000
+
+
+def test_fork_safety(client: Client, testdir: str) -> None:
+    client.write_bytes(f"{testdir}/parent", b"from parent")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: use the inherited client, write a file
+        code = 1
+        try:
+            data = client.read_bytes(f"{testdir}/parent")
+            client.write_bytes(f"{testdir}/child", data + b" via child")
+            code = 0
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(code)
+    os.close(w)
+    assert os.read(r, 1) == b"\x00"
+    os.waitpid(pid, 0)
+    # the parent's connections still work after the child exited
+    assert client.read_bytes(f"{testdir}/child") == b"from parent via child"
+
+
+def test_layout_per_directory(client: Client, testdir: str) -> None:
+    client.mkdir(f"{testdir}/narrow")
+    client.set_layout(f"{testdir}/narrow", chunk_size=128 * 1024, stripe=2)
+    client.write_bytes(f"{testdir}/narrow/f", os.urandom(1 << 20))
+    attr = client.stat(f"{testdir}/narrow/f")
+    assert attr.layout.chunk_size == 128 * 1024 and attr.layout.stripe == 2
+    assert len({p["server"] for p in client.placement(f"{testdir}/narrow/f")}) == 2
+    with pytest.raises(OSError) as exc:
+        client.set_layout(f"{testdir}/narrow", chunk_size=1000)
+    assert exc.value.errno == errno.EINVAL
+
+
+def test_unlink_reclaims_chunks(client: Client, cluster, testdir: str) -> None:
+    import time
+
+    p = f"{testdir}/gone"
+    client.write_bytes(p, os.urandom(TEST_CHUNK * 4))
+    chunk_dir = f"{client.stat(p).ino:016x}"
+    client.remove(p)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = [s for s in cluster.data["servers"] if os.path.isdir(os.path.join(s["root"], "chunks", chunk_dir))]
+        if not left:
+            break
+        time.sleep(0.1)
+    assert not left
