@@ -108,8 +108,7 @@ class StripeFile(io.RawIOBase):
             size = max(0, self._length() - self._pos)
         buf = bytearray(size)
         n = self.readinto(buf)
-        del buf[n:]
-        return bytes(buf)
+        return bytes(memoryview(buf)[:n])
 
     def readall(self) -> bytes:
         return self.read(-1)
