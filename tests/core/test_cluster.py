@@ -107,6 +107,7 @@ def test_garbage_frames_do_not_hurt_the_server(cluster, client: Client, testdir:
         for junk in (b"GET / HTTP/1.1\r\n\r\n", os.urandom(64), b"SF\x01\x00" + b"\xff" * 24):
             with socket.create_connection(addr, timeout=5) as s:
                 s.sendall(junk)
+                s.shutdown(socket.SHUT_WR)  # EOF after the junk: the server must not wait for more
                 s.settimeout(5)
                 try:
                     while s.recv(4096):
