@@ -87,7 +87,10 @@ class ServerConn:
         self.client_id = b""
 
     async def _fill(self) -> None:
-        data = await self.sock.recv(RECV_SIZE)
+        # Read only up to the end of the next header when a payload may follow, so the
+        # payload goes straight from the socket into its destination buffer.
+        want = self.decoder.head_bytes_needed()
+        data = await self.sock.recv(max(want, 64) if want else RECV_SIZE)
         if not data:
             raise EOFError
         self.decoder.feed(data)

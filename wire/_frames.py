@@ -157,6 +157,18 @@ class FrameDecoder:
         """Payload bytes of the current head that the caller has not moved yet."""
         return self._payload_left
 
+    def head_bytes_needed(self) -> int:
+        """Bytes still missing before :meth:`next_head` can return a head (0 if none).
+
+        Readers that move payloads themselves read exactly this much, so payload
+        bytes never pass through the decoder's buffer (no extra copy).
+        """
+        have = self.buffered
+        if have < PREFIX.size:
+            return PREFIX.size - have
+        hlen = PREFIX.unpack_from(self._buf, self._pos)[6]
+        return max(0, PREFIX.size + min(hlen, self.max_header + 1) - have)
+
     def _compact(self) -> None:
         if self._pos and (self._pos > 65536 or self._pos == len(self._buf)):
             del self._buf[: self._pos]
