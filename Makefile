@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-APT_PKGS := fuse3 libfuse3-dev pkg-config
+APT_PKGS := fuse3 libfuse3-dev pkg-config fio
 DEMO_ROOT ?= /tmp/stripefs-demo
 
 .PHONY: setup sysdeps demo test bench clean
