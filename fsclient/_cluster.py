@@ -104,8 +104,8 @@ def _port_free(port: int) -> bool:
 def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 << 20, stripe: int = 16,
        gc_grace: float = 30.0) -> dict[str, Any]:
     """Start (or restart) the cluster under ``root``; returns the cluster.json content."""
-    if replicas != 1:
-        raise StripefsError(ErrorCode.NOT_SUPPORTED, "replication (--replicas > 1) is not built yet; use 1")
+    if not 1 <= replicas <= 3 or replicas > servers:
+        raise StripefsError(ErrorCode.INVALID, "--replicas must be 1, 2 or 3 and at most --servers")
     root = os.path.abspath(root)
     os.makedirs(os.path.join(root, "logs"), exist_ok=True)
     old = read_cluster(root)
@@ -113,7 +113,9 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
         if all(_alive(p) for p in old.get("pids", [])):
             remember_cluster(os.path.join(root, "cluster.json"))
             return old
-        down(root)
+        if not _alive(old.get("metadata", {}).get("pid", -1)):
+            _restart_metadata(root, old)
+        return _restart_dead_servers(root, old)
     existing = sorted(int(d.split("-")[1]) for d in os.listdir(root) if d.startswith("storage-") and d.split("-")[1].isdigit())
     count = max(servers, len(existing))
     cluster = {
@@ -126,6 +128,7 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
         "chunk_size": chunk_size,
         "stripe": stripe,
         "replicas": replicas,
+        "gc_grace": gc_grace,
     }
     path = _write_cluster(root, cluster)  # secret must be on disk (0600) before servers read it
     procs: list[subprocess.Popen] = []
@@ -137,22 +140,17 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
             os.unlink(ready)
         log_path = os.path.join(root, "logs", "metadata.log")
         proc = _spawn(["-m", "metadata", "--state", os.path.join(root, "meta"), "--cluster", path, "--port", str(port),
-                       "--chunk-size", str(chunk_size), "--stripe", str(stripe), "--gc-grace", str(gc_grace), "--ready", ready], log_path)
+                       "--chunk-size", str(chunk_size), "--stripe", str(stripe), "--gc-grace", str(gc_grace),
+                       "--replicas", str(replicas), "--ready", ready], log_path)
         procs.append(proc)
         maddr = _wait_ready(proc, ready, "metadata service", log_path)
         host, _, mport = maddr.rpartition(":")
         cluster["metadata"] = {"host": host, "port": int(mport), "pid": proc.pid}
         starting = []
         for i in range(count):
-            sroot = os.path.join(root, f"storage-{i}")
-            os.makedirs(sroot, exist_ok=True)
-            sready = os.path.join(sroot, "ready")
-            if os.path.exists(sready):
-                os.unlink(sready)
-            slog = os.path.join(root, "logs", f"storage-{i}.log")
-            sp = _spawn(["-m", "storage", "--root", sroot, "--metadata", maddr, "--cluster", path, "--ready", sready], slog)
+            sp, sready, slog = _start_server(root, i, maddr, path)
             procs.append(sp)
-            starting.append((i, sp, sready, slog, sroot))
+            starting.append((i, sp, sready, slog, os.path.join(root, f"storage-{i}")))
         for i, sp, sready, slog, sroot in starting:
             addr = _wait_ready(sp, sready, f"storage server {i}", slog)
             h, _, p = addr.rpartition(":")
@@ -162,6 +160,54 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
             p.kill()
         raise
     cluster["pids"] = [p.pid for p in procs]
+    _write_cluster(root, cluster)
+    remember_cluster(path)
+    return cluster
+
+
+def _start_server(root: str, i: int, maddr: str, cluster_file: str) -> tuple[subprocess.Popen, str, str]:
+    sroot = os.path.join(root, f"storage-{i}")
+    os.makedirs(sroot, exist_ok=True)
+    sready = os.path.join(sroot, "ready")
+    if os.path.exists(sready):
+        os.unlink(sready)
+    slog = os.path.join(root, "logs", f"storage-{i}.log")
+    sp = _spawn(["-m", "storage", "--root", sroot, "--metadata", maddr, "--cluster", cluster_file, "--ready", sready], slog)
+    return sp, sready, slog
+
+
+def _restart_metadata(root: str, cluster: dict[str, Any]) -> None:
+    """Start the metadata service again on its old port; running storage servers re-register."""
+    path = os.path.join(root, "cluster.json")
+    ready = os.path.join(root, "meta.ready")
+    if os.path.exists(ready):
+        os.unlink(ready)
+    log_path = os.path.join(root, "logs", "metadata.log")
+    port = int(cluster["metadata"]["port"])
+    deadline = time.monotonic() + 10
+    while not _port_free(port) and time.monotonic() < deadline:  # TIME_WAIT of the dead one
+        time.sleep(0.1)
+    proc = _spawn(["-m", "metadata", "--state", os.path.join(root, "meta"), "--cluster", path, "--port", str(port),
+                   "--chunk-size", str(cluster.get("chunk_size", 4 << 20)), "--stripe", str(cluster.get("stripe", 16)),
+                   "--gc-grace", str(cluster.get("gc_grace", 30.0)), "--replicas", str(cluster.get("replicas", 1)),
+                   "--ready", ready], log_path)
+    addr = _wait_ready(proc, ready, "metadata service", log_path)
+    host, _, mport = addr.rpartition(":")
+    cluster["metadata"] = {"host": host, "port": int(mport), "pid": proc.pid}
+
+
+def _restart_dead_servers(root: str, cluster: dict[str, Any]) -> dict[str, Any]:
+    """The metadata service runs but some storage servers died: start just those again."""
+    path = os.path.join(root, "cluster.json")
+    maddr = f"{cluster['metadata']['host']}:{cluster['metadata']['port']}"
+    for i, s in enumerate(cluster["servers"]):
+        if _alive(s["pid"]):
+            continue
+        sp, sready, slog = _start_server(root, i, maddr, path)
+        addr = _wait_ready(sp, sready, f"storage server {i}", slog)
+        h, _, p = addr.rpartition(":")
+        cluster["servers"][i] = {"root": s["root"], "host": h, "port": int(p), "pid": sp.pid}
+    cluster["pids"] = [cluster["metadata"]["pid"]] + [s["pid"] for s in cluster["servers"]]
     _write_cluster(root, cluster)
     remember_cluster(path)
     return cluster

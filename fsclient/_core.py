@@ -40,7 +40,7 @@ from ._config import ClusterConfig
 
 log = logging.getLogger(__name__)
 
-RETRIES = 4
+RETRY_FOR = 20.0  # seconds a chunk request keeps retrying (a dead replica is dropped from its chain in ~5 s)
 RETRY_DELAY = 0.2
 _LIVE: "weakref.WeakSet[ClientCore]" = weakref.WeakSet()
 
@@ -83,7 +83,7 @@ class ClientCore:
         self.pid = os.getpid()
         self.client_id = os.urandom(16)
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # data_conn() may refresh routing while holding it
         self._meta: Connection | None = None
         self._data: dict[int, list[Connection]] = {}
         self._rr = itertools.count()
@@ -155,11 +155,19 @@ class ClientCore:
         assert self._routing is not None
         return self._routing
 
-    def _server_for_chain(self, chain: int) -> int:
+    def _head(self, chain: int) -> int:
+        """Writes go to the chain's head; it forwards along the chain."""
         targets = self.routing().chains.get(chain)
         if not targets:
             raise StripefsError(ErrorCode.UNAVAILABLE, f"chain {chain} has no serving target")
         return targets[0]
+
+    def _replica(self, chain: int, spread: int, attempt: int) -> int:
+        """Reads go to any serving replica: spread by chunk, the next one on each retry."""
+        targets = self.routing().chains.get(chain)
+        if not targets:
+            raise StripefsError(ErrorCode.UNAVAILABLE, f"chain {chain} has no serving target")
+        return targets[(spread + attempt) % len(targets)]
 
     def data_conn(self, server_id: int) -> Connection:
         if os.getpid() != self.pid:
@@ -183,15 +191,21 @@ class ClientCore:
 
     # -- data path --------------------------------------------------------------------------
     def _run_pieces(self, pieces: list[tuple[Any, ...]], submit: Any, finish: Any) -> None:
-        """Submit pieces with a bounded window; retry failed pieces after a routing refresh."""
+        """Submit pieces with a bounded window; retry failed pieces after a routing refresh.
+
+        ``submit(piece, attempt)`` returns a future; ``finish(piece, reply)`` consumes it.
+        Unavailable servers, stale routing and bad replicas (checksum) are retried for
+        up to ``RETRY_FOR`` seconds, on the next replica where there is one.
+        """
         attempts = [0] * len(pieces)
         queue = deque(range(len(pieces)))
         inflight: deque[tuple[int, Future]] = deque()
+        deadline: float | None = None
         while queue or inflight:
             while queue and len(inflight) < self.max_inflight:
                 i = queue.popleft()
                 try:
-                    inflight.append((i, submit(pieces[i])))
+                    inflight.append((i, submit(pieces[i], attempts[i])))
                 except StripefsError as exc:
                     failed: Future = Future()
                     failed.set_exception(exc)
@@ -202,11 +216,17 @@ class ClientCore:
             except TimeoutError as exc:
                 raise StripefsError(ErrorCode.TIMEOUT, "storage request timed out") from exc
             except StripefsError as exc:
-                if exc.code not in (ErrorCode.UNAVAILABLE, ErrorCode.STALE_ROUTING) or attempts[i] >= RETRIES:
+                if exc.code not in (ErrorCode.UNAVAILABLE, ErrorCode.STALE_ROUTING, ErrorCode.CHECKSUM, ErrorCode.TIMEOUT):
+                    raise
+                now = time.monotonic()
+                deadline = deadline or now + RETRY_FOR
+                replicas = len(self.routing().chains.get(pieces[i][-1], ())) if pieces[i] else 0
+                if now > deadline or (exc.code == ErrorCode.CHECKSUM and attempts[i] + 1 >= max(replicas, 1)):
                     raise
                 attempts[i] += 1
-                time.sleep(RETRY_DELAY * attempts[i])
-                self.routing(refresh=True)
+                if exc.code != ErrorCode.CHECKSUM:
+                    time.sleep(min(RETRY_DELAY * attempts[i], 1.0))
+                    self.routing(refresh=True)
                 queue.append(i)
 
     def read_into(self, ino: int, layout: Layout, file_size: int, offset: int, dest: memoryview) -> int:
@@ -215,15 +235,15 @@ class ClientCore:
         if n == 0:
             return 0
         dest = dest.cast("B") if dest.format != "B" or dest.ndim != 1 else dest
-        pieces = list(split(layout, offset, n))
+        pieces = [(*p, layout.chain_of(p[0])) for p in split(layout, offset, n)]
 
-        def submit(p: tuple[int, int, int, int]) -> Future:
-            index, coff, k, pos = p
-            conn = self.data_conn(self._server_for_chain(layout.chain_of(index)))
+        def submit(p: tuple[int, int, int, int, int], attempt: int) -> Future:
+            index, coff, k, pos, chain = p
+            conn = self.data_conn(self._replica(chain, ino + index, attempt))
             return conn.submit(m.ReadChunk(ino=ino, index=index, offset=coff, length=k), dest=dest[pos : pos + k])
 
-        def finish(p: tuple[int, int, int, int], reply: Reply) -> None:
-            _index, _coff, k, pos = p
+        def finish(p: tuple[int, int, int, int, int], reply: Reply) -> None:
+            _index, _coff, k, pos, _chain = p
             if reply.nbytes < k:  # a hole or a chunk shorter than the file length: zeros
                 dest[pos + reply.nbytes : pos + k] = bytes(k - reply.nbytes)
 
@@ -245,14 +265,15 @@ class ClientCore:
 
         def run() -> None:
             try:
-                pieces = list(split(layout, offset, len(data)))
+                pieces = [(*p, layout.chain_of(p[0])) for p in split(layout, offset, len(data))]
+                crcs = {p[3]: crc32c.crc32c(data[p[3] : p[3] + p[2]]) for p in pieces}
 
-                def submit(p: tuple[int, int, int, int]) -> Future:
-                    index, coff, k, pos = p
-                    view = data[pos : pos + k]
-                    conn = self.data_conn(self._server_for_chain(layout.chain_of(index)))
-                    msg = m.WriteChunk(ino=ino, index=index, offset=coff, crc=crc32c.crc32c(view), chunk_size=layout.chunk_size)
-                    return conn.submit(msg, payload=view)
+                def submit(p: tuple[int, int, int, int, int], attempt: int) -> Future:
+                    index, coff, k, pos, chain = p
+                    conn = self.data_conn(self._head(chain))
+                    msg = m.WriteChunk(ino=ino, index=index, offset=coff, crc=crcs[pos], chunk_size=layout.chunk_size,
+                                       chain=chain, routing_version=self.routing().version)
+                    return conn.submit(msg, payload=data[pos : pos + k])
 
                 self._run_pieces(pieces, submit, lambda p, r: None)
                 done.set_result(None)

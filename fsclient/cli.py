@@ -81,8 +81,37 @@ def cmd_status(a: argparse.Namespace) -> int:
     print(f"{'id':>3} {'address':<22} {'state':<8} {'pid':>7} {'used':>12} {'capacity':>12}")
     for s in st["servers"]:
         print(f"{s['server_id']:>3} {s['host'] + ':' + str(s['port']):<22} {s['state']:<8} {s['pid']:>7} {_human(s['used']):>12} {_human(s['capacity']):>12}")
-    print("chains: " + "  ".join(f"{c['chain_id']}:{c['targets']}" for c in st["chains"]))
+    def chain(c: dict[str, Any]) -> str:
+        return "[" + ",".join(f"{t}{'' if s == 'serving' else '(' + s + ')'}" for t, s in zip(c["targets"], c["states"])) + "]"
+
+    print(f"chains (replicas {st.get('replicas', 1)}): " + "  ".join(f"{c['chain_id']}:{chain(c)}" for c in st["chains"]))
     return 0
+
+
+def cmd_scrub(a: argparse.Namespace) -> int:
+    """Verify every chunk on every serving server; repair bad ones from a replica."""
+    from wire import messages as m
+
+    bad_left = 0
+    with Client(a.cluster) as c:
+        routing = c.core.routing(refresh=True)
+        report = []
+        for sid, info in sorted(routing.servers.items()):
+            if info.state != "serving":
+                report.append({"server_id": sid, "state": info.state, "skipped": True})
+                continue
+            r = c.core.data_conn(sid).call(m.Scrub(repair=not a.no_repair), timeout=3600).header
+            bad_left += len(r["bad"]) - r["repaired"]
+            report.append({"server_id": sid, "state": info.state, **r})
+    if a.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for r in report:
+            if r.get("skipped"):
+                print(f"server {r['server_id']}: {r['state']}, skipped")
+            else:
+                print(f"server {r['server_id']}: {r['checked']} chunks verified, {len(r['bad'])} bad, {r['repaired']} repaired")
+    return 1 if bad_left else 0
 
 
 # -- file commands ----------------------------------------------------------------------------
@@ -229,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--stripe", type=int, default=16)
     sp = add("down", cmd_down, "Stop the local cluster under --root", cluster=False)
     sp.add_argument("--root", required=True)
+    sp = add("scrub", cmd_scrub, "Verify every chunk's checksums on every server and repair bad replicas")
+    sp.add_argument("--no-repair", action="store_true")
+    sp.add_argument("--json", action="store_true")
     sp = add("status", cmd_status, "Show servers, their state and usage, and the chain table")
     sp.add_argument("--json", action="store_true")
     sp = add("ls", cmd_ls, "List directories")

@@ -17,7 +17,7 @@ async def _main(args: argparse.Namespace, secret: str, cluster_id: str) -> None:
     async with trio.open_nursery() as nursery:
         host, port = await nursery.start(functools.partial(
             serve_metadata, args.state, secret=secret, host=args.host, port=args.port, cluster_id=cluster_id,
-            chunk_size=args.chunk_size, max_stripe=args.stripe, gc_grace=args.gc_grace,
+            chunk_size=args.chunk_size, max_stripe=args.stripe, gc_grace=args.gc_grace, replicas=args.replicas,
         ))
         if args.ready:
             tmp = args.ready + ".tmp"
@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--chunk-size", type=int, default=4 << 20)
     p.add_argument("--stripe", type=int, default=16)
     p.add_argument("--gc-grace", type=float, default=30.0, help="seconds before chunks of removed files are reclaimed")
+    p.add_argument("--replicas", type=int, default=1, help="targets per chain (new clusters)")
     p.add_argument("--ready", help="file to write host:port into once serving")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s metadata %(levelname)s %(message)s")

@@ -38,67 +38,131 @@ GC_GRACE = 30.0
 
 
 class Membership:
-    """Storage servers known to the cluster, persisted in ``servers.json``."""
+    """Storage servers, their states and the chain table, persisted in ``servers.json``.
 
-    def __init__(self, path: str):
+    The chain table is built from the registered servers (chain ``i`` = servers
+    ``i, i+1, ..., i+R-1`` in id order, so every server heads one chain and
+    recovery load spreads) and frozen when the first file is created: a file's
+    layout names chains, so their membership must not change under it.
+
+    States: ``serving``; ``offline`` (no heartbeat for ``OFFLINE_AFTER``);
+    ``syncing`` (back after being away while another replica of its chains kept
+    serving: it receives new writes at the end of its chains and copies what it
+    missed, then reports :class:`SyncDone`). Every state change bumps the
+    routing version; clients and servers refresh on a mismatch.
+    """
+
+    def __init__(self, path: str, replicas: int = 1):
         self.path = path
         self.servers: dict[int, ServerInfo] = {}
         self.version = 1
+        self.replicas = replicas
+        self.table: dict[int, list[int]] = {}
+        self.frozen = False
+        self.stale: set[int] = set()
         try:
             with open(path) as f:
                 raw = json.load(f)
-            self.version = int(raw.get("version", 1))
+            self.version = int(raw.get("version", 1)) + 1
+            self.replicas = int(raw.get("replicas", replicas))
+            self.frozen = bool(raw.get("frozen", False))
+            self.table = {int(c): [int(t) for t in ts] for c, ts in raw.get("table", [])}
             for s in raw.get("servers", []):
                 info = ServerInfo.from_wire(s)
-                self.servers[info.server_id] = ServerInfo(**{**s, "state": "offline", "last_seen": 0.0})
+                if info.state != "serving":
+                    self.stale.add(info.server_id)  # missed writes before the restart: must resync
+                self.servers[info.server_id] = ServerInfo(**{**info.to_wire(), "state": "offline", "last_seen": 0.0})
         except FileNotFoundError:
             pass
 
     def save(self) -> None:
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
-            json.dump({"version": self.version, "servers": [s.to_wire() for s in self.servers.values()]}, f)
+            json.dump({"version": self.version, "replicas": self.replicas, "frozen": self.frozen,
+                       "table": [[c, ts] for c, ts in sorted(self.table.items())],
+                       "servers": [s.to_wire() for s in self.servers.values()]}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
 
-    def register(self, msg: m.RegisterServer) -> int:
+    def _rebuild(self) -> None:
+        if self.frozen:
+            return
+        ids = sorted(self.servers)
+        r = min(self.replicas, len(ids))
+        self.table = {i + 1: [ids[(i + k) % len(ids)] for k in range(r)] for i in range(len(ids))}
+
+    def freeze(self) -> None:
+        """Fix the chain table (first file creation)."""
+        if not self.frozen and self.table:
+            self.frozen = True
+            self.save()
+
+    def _set(self, sid: int, **changes: Any) -> None:
+        old = self.servers[sid]
+        self.servers[sid] = ServerInfo(**{**old.to_wire(), **changes})
+        if changes.get("state", old.state) != old.state:
+            log.info("storage server %d: %s -> %s", sid, old.state, changes["state"])
+            self.version += 1
+            if changes["state"] == "serving":
+                self.stale.discard(sid)
+            self.save()  # a restarted metadata service must know who missed writes
+
+    def _peers_serving(self, sid: int) -> bool:
+        """Does some other replica of one of ``sid``'s chains still serve?"""
+        return any(
+            t != sid and self.servers.get(t) is not None and self.servers[t].state == "serving"
+            for ts in self.table.values() if sid in ts for t in ts
+        )
+
+    def register(self, msg: m.RegisterServer) -> tuple[int, str]:
         sid = msg.server_id
-        if sid is None or sid not in self.servers:
-            sid = max(self.servers, default=0) + 1 if sid is None else sid
+        if sid is None:
+            sid = max(self.servers, default=0) + 1
         old = self.servers.get(sid)
-        info = ServerInfo(sid, msg.host, msg.port, "serving", msg.capacity, msg.used, msg.pid, time.monotonic())
+        behind = sid in self.stale or self._peers_serving(sid)
+        state = "syncing" if old is not None and self.frozen and self.replicas > 1 and behind else "serving"
+        info = ServerInfo(sid, msg.host, msg.port, state, msg.capacity, msg.used, msg.pid, time.monotonic())
         self.servers[sid] = info
+        self._rebuild()
         if old is None or (old.host, old.port, old.state) != (info.host, info.port, info.state):
             self.version += 1
-            self.save()
-        return sid
+        self.save()
+        return sid, state
 
-    def heartbeat(self, msg: m.Heartbeat) -> None:
+    def heartbeat(self, msg: m.Heartbeat) -> str:
         old = self.servers.get(msg.server_id)
         if old is None:
             raise StripefsError(ErrorCode.NOT_FOUND, f"unknown storage server {msg.server_id}")
-        state_changed = old.state != "serving"
-        self.servers[msg.server_id] = ServerInfo(
-            old.server_id, old.host, old.port, "serving", msg.capacity, msg.used, old.pid, time.monotonic()
-        )
-        if state_changed:
-            self.version += 1
+        state = old.state
+        if state == "offline":  # it was declared dead and may have missed writes
+            behind = msg.server_id in self.stale or self._peers_serving(msg.server_id)
+            state = "syncing" if self.replicas > 1 and behind else "serving"
+        self._set(msg.server_id, state=state, capacity=msg.capacity, used=msg.used, last_seen=time.monotonic())
+        return state
+
+    def sync_done(self, sid: int) -> None:
+        if sid in self.servers and self.servers[sid].state == "syncing":
+            self._set(sid, state="serving")
 
     def sweep(self) -> None:
         now = time.monotonic()
         for sid, s in list(self.servers.items()):
-            if s.state == "serving" and now - s.last_seen > OFFLINE_AFTER:
+            if s.state != "offline" and now - s.last_seen > OFFLINE_AFTER:
                 log.warning("storage server %d (%s:%d) is offline", sid, s.host, s.port)
-                self.servers[sid] = ServerInfo(**{**s.to_wire(), "state": "offline"})
-                self.version += 1
+                self._set(sid, state="offline")
 
     def routing(self) -> Routing:
-        # Replication factor 1: chain id == server id, one target per chain.
-        return Routing(self.version, {sid: (sid,) for sid in sorted(self.servers)}, dict(self.servers))
+        def state(t: int) -> str:
+            info = self.servers.get(t)
+            return info.state if info is not None else "offline"
+
+        members = {c: tuple((t, state(t)) for t in ts) for c, ts in self.table.items()}
+        chains = {c: tuple(t for t, st in ms if st == "serving") for c, ms in members.items()}
+        return Routing(self.version, chains, dict(self.servers), members, self.replicas)
 
     def chain_ids(self) -> list[int]:
-        return sorted(self.servers)
+        return sorted(self.table)
 
 
 class MetadataService(Service):
@@ -147,6 +211,7 @@ class MetadataService(Service):
         if isinstance(msg, m.Resolve):
             return {"attr": (await self._ns(ns.resolve, msg.path, msg.follow)).to_wire()}
         if isinstance(msg, m.Create):
+            self.members.freeze()
             chains = self.members.chain_ids()
             attr, created = await self._ns(
                 ns.create, msg.parent, msg.name, msg.mode, msg.uid, msg.gid,
@@ -199,11 +264,14 @@ class MetadataService(Service):
         if isinstance(msg, m.ClusterStatus):
             return await self._status()
         if isinstance(msg, m.RegisterServer):
-            sid = self.members.register(msg)
-            return {"server_id": sid, "routing_version": self.members.version}
+            sid, state = self.members.register(msg)
+            return {"server_id": sid, "state": state, "routing_version": self.members.version}
         if isinstance(msg, m.Heartbeat):
-            self.members.heartbeat(msg)
-            return {}
+            state = self.members.heartbeat(msg)
+            return {"state": state, "routing_version": self.members.version}
+        if isinstance(msg, m.SyncDone):
+            self.members.sync_done(msg.server_id)
+            return {"routing_version": self.members.version}
         if isinstance(msg, m.Ping):
             return {}
         raise StripefsError(ErrorCode.NOT_SUPPORTED, f"{type(msg).__name__} is not a metadata request")
@@ -221,7 +289,9 @@ class MetadataService(Service):
         return {
             "metadata": {"pid": os.getpid(), "uptime": time.time() - self.started, **counts},
             "servers": [s.to_wire() for s in routing.servers.values()],
-            "chains": [{"chain_id": c, "targets": list(t)} for c, t in sorted(routing.chains.items())],
+            "chains": [{"chain_id": c, "targets": [t for t, _ in ms], "states": [st for _, st in ms]}
+                       for c, ms in sorted(routing.members.items())],
+            "replicas": routing.replicas,
             "routing_version": routing.version,
         }
 
@@ -265,15 +335,18 @@ class MetadataService(Service):
         else:
             first = -(-item.length // cs)
             cut = (item.length // cs, item.length % cs) if item.length % cs else None
-        for chain in set(layout.chains):
-            conn = self._conn(chain)
+        table = self.members.table
+        targets = {t for c in set(layout.chains) for t in table.get(c, [])}
+        for sid in sorted(targets):
+            conn = self._conn(sid)
             if conn is None:
                 continue  # server no longer exists: nothing to delete there
             await conn.call(m.RemoveChunks(ino=item.ino, from_index=first))
         if cut is not None:
-            conn = self._conn(layout.chain_of(cut[0]))
-            if conn is not None:
-                await conn.call(m.TruncateChunk(ino=item.ino, index=cut[0], length=cut[1]))
+            for sid in table.get(layout.chain_of(cut[0]), []):
+                conn = self._conn(sid)
+                if conn is not None:
+                    await conn.call(m.TruncateChunk(ino=item.ino, index=cut[0], length=cut[1]))
 
     async def background(self) -> None:
         while True:
@@ -297,6 +370,7 @@ async def serve_metadata(
     chunk_size: int = 4 << 20,
     max_stripe: int = 16,
     gc_grace: float = GC_GRACE,
+    replicas: int = 1,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the metadata of the cluster whose state lives in ``state_dir``."""
@@ -305,7 +379,7 @@ async def serve_metadata(
     os.makedirs(state_dir, exist_ok=True)
     store = await trio.to_thread.run_sync(SqliteStore, os.path.join(state_dir, "meta.db"))
     ns = await trio.to_thread.run_sync(lambda: Namespace(store, default_chunk_size=chunk_size, max_stripe=max_stripe))
-    members = Membership(os.path.join(state_dir, "servers.json"))
+    members = Membership(os.path.join(state_dir, "servers.json"), replicas)
     service = MetadataService(ns, members, secret, gc_grace)
     async with trio.open_nursery() as nursery:
         address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id))

@@ -9,6 +9,7 @@ served with ``sendfile`` straight from the page cache)::
     16  8  length       bytes of data in the chunk
     24  4  block size   CRC32C granularity (64 KiB)
     28  4  blocks       number of CRCs that follow
+    32  8  chain        the replication chain the chunk belongs to (resync works per chain)
     64  4n CRC32C of each block [i*B, min((i+1)*B, length))
 
 Durability: a write is acknowledged only after ``fdatasync`` of the chunk file
@@ -43,10 +44,18 @@ from wire import ErrorCode, MAX_CHUNK, StripefsError
 HEADER_SIZE = 8192
 BLOCK = 64 * 1024
 MAGIC = b"SFCHUNK1"
-_HDR = struct.Struct("!8sQQII")
+_HDR = struct.Struct("!8sQQIIQ")
 _CRC_OFF = 64
 MAX_BLOCKS = (HEADER_SIZE - _CRC_OFF) // 4
 assert MAX_CHUNK // BLOCK <= MAX_BLOCKS
+
+
+class VersionGap(Exception):
+    """A replica was asked to apply version ``want`` but holds ``have`` < want - 1."""
+
+    def __init__(self, have: int, want: int):
+        super().__init__(f"chunk at version {have}, write is version {want}")
+        self.have, self.want = have, want
 
 
 def _crc(data: memoryview | bytes) -> int:
@@ -60,20 +69,21 @@ class ChunkMeta:
     crcs: list[int] = field(default_factory=list)
     verified: int = 0  # bitmask of blocks verified since the file last changed
     mtime_ns: int = 0  # file mtime when verified/written by us
+    chain: int = 0
 
     def pack(self) -> bytes:
-        head = _HDR.pack(MAGIC, self.version, self.length, BLOCK, len(self.crcs)).ljust(_CRC_OFF, b"\0")
+        head = _HDR.pack(MAGIC, self.version, self.length, BLOCK, len(self.crcs), self.chain).ljust(_CRC_OFF, b"\0")
         return head + struct.pack(f"!{len(self.crcs)}I", *self.crcs)
 
     @classmethod
     def unpack(cls, raw: bytes) -> "ChunkMeta":
         if len(raw) < _CRC_OFF:
             raise StripefsError(ErrorCode.CHECKSUM, "chunk header truncated")
-        magic, version, length, block, n = _HDR.unpack_from(raw)
+        magic, version, length, block, n, chain = _HDR.unpack_from(raw)
         if magic != MAGIC or block != BLOCK or n > MAX_BLOCKS or n != -(-length // BLOCK):
             raise StripefsError(ErrorCode.CHECKSUM, "chunk header is corrupt")
         crcs = list(struct.unpack_from(f"!{n}I", raw, _CRC_OFF))
-        return cls(version, length, crcs)
+        return cls(version, length, crcs, chain=chain)
 
 
 class ChunkStore:
@@ -143,8 +153,14 @@ class ChunkStore:
         return meta
 
     # -- write ----------------------------------------------------------------------------
-    def write(self, ino: int, index: int, offset: int, data: memoryview, crc: int, chunk_size: int) -> ChunkMeta:
+    def write(self, ino: int, index: int, offset: int, data: memoryview, crc: int, chunk_size: int,
+              chain: int = 0, version: int | None = None) -> ChunkMeta:
         """Write ``data`` at ``offset`` of a chunk, durably. Returns the new meta.
+
+        ``version``: the chunk version this write creates (replicas get it from the
+        chain head); None means "the next one". A write whose version is already
+        applied is acknowledged without writing (idempotent retry); a replica that
+        missed versions gets :class:`VersionGap` and must fetch the whole chunk.
 
         Raises:
             StripefsError: CHECKSUM if ``crc`` does not match the payload, INVALID
@@ -158,14 +174,20 @@ class ChunkStore:
         if not len(data):
             return self._load(ino, index) or ChunkMeta()
         with self._lock(ino, index):
+            if version is not None:
+                cur = self._load(ino, index) or ChunkMeta()
+                if cur.version >= version:
+                    return cur
+                if cur.version != version - 1:
+                    raise VersionGap(cur.version, version)
             try:
-                return self._write_locked(ino, index, offset, data)
+                return self._write_locked(ino, index, offset, data, chain)
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:
                     raise StripefsError(ErrorCode.NO_SPACE, "storage target is full") from exc
                 raise
 
-    def _write_locked(self, ino: int, index: int, offset: int, data: memoryview) -> ChunkMeta:
+    def _write_locked(self, ino: int, index: int, offset: int, data: memoryview, chain: int) -> ChunkMeta:
         path = self.path(ino, index)
         fresh = not os.path.exists(path)
         if fresh:
@@ -175,6 +197,7 @@ class ChunkStore:
         else:
             fd = os.open(path, os.O_RDWR)
             meta = self._load(ino, index, fd) or ChunkMeta()
+        meta.chain = chain
         try:
             if offset < meta.length:
                 os.close(fd)
@@ -236,7 +259,7 @@ class ChunkStore:
             else:  # partly old bytes, partly new, or a hole: read back what is on disk now
                 crcs[b] = _crc(os.pread(fd, bend - bstart, HEADER_SIZE + bstart))
             verified |= 1 << b
-        new = ChunkMeta(meta.version + 1, length, crcs, verified)
+        new = ChunkMeta(meta.version + 1, length, crcs, verified, chain=meta.chain)
         os.pwrite(fd, new.pack(), 0)
         return new
 
@@ -344,7 +367,7 @@ class ChunkStore:
                 if length % BLOCK:
                     b = nblocks - 1
                     crcs[b] = _crc(os.pread(fd, length - b * BLOCK, HEADER_SIZE + b * BLOCK))
-                new = ChunkMeta(meta.version + 1, length, crcs, meta.verified & ((1 << nblocks) - 1))
+                new = ChunkMeta(meta.version + 1, length, crcs, meta.verified & ((1 << nblocks) - 1), chain=meta.chain)
                 os.pwrite(fd, new.pack(), 0)
                 os.fdatasync(fd)
                 new.mtime_ns = os.fstat(fd).st_mtime_ns
@@ -355,3 +378,106 @@ class ChunkStore:
 
     def stat(self, ino: int, index: int) -> ChunkMeta | None:
         return self._load(ino, index)
+
+    # -- replication support ---------------------------------------------------------------
+    def replace(self, ino: int, index: int, chain: int, version: int, data: bytes | memoryview, *, force: bool = False) -> ChunkMeta:
+        """Install a whole chunk copied from a replica, if newer than ours (resync) or ``force`` (repair)."""
+        with self._lock(ino, index):
+            try:
+                cur = self._load(ino, index)
+            except StripefsError:  # our copy's header is corrupt: replace it
+                cur = None
+            if cur is not None and cur.version >= version and not force:
+                return cur
+            os.makedirs(self._dir(ino), exist_ok=True)
+            path = self.path(ino, index)
+            tmp = path + ".tmp"
+            view = memoryview(data)
+            crcs = [_crc(view[b : b + BLOCK]) for b in range(0, len(view), BLOCK)]
+            new = ChunkMeta(version, len(view), crcs, (1 << len(crcs)) - 1, chain=chain)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.pwrite(fd, new.pack(), 0)
+                os.pwrite(fd, view, HEADER_SIZE)
+                os.fdatasync(fd)
+                new.mtime_ns = os.fstat(fd).st_mtime_ns
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+            self._fsync_dir(self._dir(ino))
+            self.used += new.length - (cur.length if cur else 0)
+            self.chunks += cur is None
+            self._meta[(ino, index)] = new
+            return new
+
+    def remove_one(self, ino: int, index: int) -> None:
+        with self._lock(ino, index):
+            meta = self._meta.pop((ino, index), None)
+            try:
+                os.unlink(self.path(ino, index))
+            except FileNotFoundError:
+                return
+            self.used -= meta.length if meta else 0
+            self.chunks -= 1
+
+    def read_whole(self, ino: int, index: int) -> tuple[ChunkMeta, bytes] | None:
+        """A whole chunk, verified against its CRCs (for copying to a replica)."""
+        with self._lock(ino, index):
+            meta = self._load(ino, index)
+            if meta is None:
+                return None
+            with open(self.path(ino, index), "rb") as f:
+                f.seek(HEADER_SIZE)
+                data = f.read(meta.length)
+        self._verify(ino, index, meta, data)
+        return meta, data
+
+    def _verify(self, ino: int, index: int, meta: ChunkMeta, data: bytes) -> None:
+        view = memoryview(data)
+        if len(view) != meta.length:
+            raise StripefsError(ErrorCode.CHECKSUM, f"chunk {ino}:{index} is shorter than its header says")
+        for b, crc in enumerate(meta.crcs):
+            if _crc(view[b * BLOCK : (b + 1) * BLOCK]) != crc:
+                raise StripefsError(ErrorCode.CHECKSUM, f"chunk {ino}:{index} block {b} fails its checksum")
+
+    def all_chunks(self) -> list[tuple[int, int]]:
+        out = []
+        for d in os.listdir(self.chunk_root):
+            try:
+                ino = int(d, 16)
+                names = os.listdir(os.path.join(self.chunk_root, d))
+            except (ValueError, FileNotFoundError):
+                continue
+            out.extend((ino, int(n, 16)) for n in names if not n.endswith(".tmp"))
+        return out
+
+    def list_chain(self, chain: int) -> list[tuple[int, int, int, int]]:
+        """``(ino, index, version, length)`` of every chunk of ``chain`` held here."""
+        out = []
+        for ino, index in self.all_chunks():
+            try:
+                meta = self._load(ino, index)
+            except StripefsError:
+                meta = None
+            if meta is not None and meta.chain == chain:
+                out.append((ino, index, meta.version, meta.length))
+        return out
+
+    def scrub(self) -> tuple[int, list[tuple[int, int, int]]]:
+        """Re-read and verify every chunk from disk: ``(checked, [(ino, index, chain)] bad)``."""
+        checked, bad = 0, []
+        for ino, index in self.all_chunks():
+            self._meta.pop((ino, index), None)  # trust nothing cached
+            meta = None
+            try:
+                meta = self._load(ino, index)
+                if meta is None:
+                    continue
+                with open(self.path(ino, index), "rb") as f:
+                    f.seek(HEADER_SIZE)
+                    self._verify(ino, index, meta, f.read(meta.length))
+                checked += 1
+            except StripefsError:
+                chain = meta.chain if meta is not None else 0
+                bad.append((ino, index, chain))
+        return checked, bad

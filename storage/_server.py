@@ -7,7 +7,8 @@ payloads are received straight into page-aligned pooled buffers.
 
 On start the server registers with the metadata service (keeping its server id
 across restarts in ``ROOT/target.json``) and then heartbeats every second with
-its capacity and usage.
+its capacity and usage. Replication (forwarding along chains, resync, scrub)
+lives in ``_replication.py``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rpc import BufferPool, ServerConn, Service, TrioConnection, serve_rpc
 from wire import ErrorCode, FrameHead, Message, StripefsError, messages as m
 
 from ._chunks import ChunkStore
+from ._replication import Replicator
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +35,18 @@ HEARTBEAT_INTERVAL = 1.0
 class StorageService(Service):
     role = "storage"
 
-    def __init__(self, store: ChunkStore):
+    def __init__(self, store: ChunkStore, replicator: Replicator):
         self.store = store
         self.pool = BufferPool()
-        self.server_id: int | None = None
+        self.repl = replicator
+
+    @property
+    def server_id(self) -> int | None:
+        return self.repl.server_id
+
+    @server_id.setter
+    def server_id(self, value: int | None) -> None:
+        self.repl.server_id = value
 
     async def receive_payload(self, conn: ServerConn, head: FrameHead, msg: Message) -> Any:
         if not isinstance(msg, m.WriteChunk):
@@ -53,15 +63,19 @@ class StorageService(Service):
     async def handle(self, conn: ServerConn, head: FrameHead, msg: Message, payload: Any) -> None:
         store = self.store
         if isinstance(msg, m.WriteChunk):
+            view = memoryview(payload)[: head.payload_len]
             try:
-                view = memoryview(payload)[: head.payload_len]
-                meta = await trio.to_thread.run_sync(
-                    store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size
-                )
-                view.release()
+                if msg.chain and (msg.version is not None or self._replicated()):
+                    reply = await self.repl.write(msg, view)
+                else:  # replication factor 1: nothing to forward
+                    meta = await trio.to_thread.run_sync(
+                        store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain
+                    )
+                    reply = {"length": meta.length, "version": meta.version}
             finally:
+                view.release()
                 self.pool.put(payload)
-            await conn.send(head, {"length": meta.length, "version": meta.version})
+            await conn.send(head, reply)
         elif isinstance(msg, m.ReadChunk):
             fd, off, n, data, clen = await trio.to_thread.run_sync(store.open_read, msg.ino, msg.index, msg.offset, msg.length)
             header = {"length": n, "chunk_length": clen}
@@ -85,12 +99,27 @@ class StorageService(Service):
             if meta is None:
                 raise StripefsError(ErrorCode.NOT_FOUND, "no such chunk")
             await conn.send(head, {"length": meta.length, "version": meta.version, "crcs": meta.crcs})
+        elif isinstance(msg, m.FetchChunk):
+            found = await trio.to_thread.run_sync(store.read_whole, msg.ino, msg.index)
+            if found is None:
+                raise StripefsError(ErrorCode.NOT_FOUND, "no such chunk")
+            meta, data = found
+            await conn.send(head, {"version": meta.version, "chain": meta.chain, "length": meta.length}, payload=data)
+        elif isinstance(msg, m.ListChunks):
+            chunks = await trio.to_thread.run_sync(store.list_chain, msg.chain)
+            await conn.send(head, {"chunks": [list(c) for c in chunks]})
+        elif isinstance(msg, m.Scrub):
+            await conn.send(head, await self.repl.scrub(msg.repair))
         elif isinstance(msg, m.TargetInfo):
             await conn.send(head, await self.info())
         elif isinstance(msg, m.Ping):
             await conn.send(head, {})
         else:
             raise StripefsError(ErrorCode.NOT_SUPPORTED, f"{type(msg).__name__} is not a storage request")
+
+    def _replicated(self) -> bool:
+        routing = self.repl.routing
+        return routing is None or routing.replicas > 1
 
     async def info(self) -> dict[str, Any]:
         total, free = await trio.to_thread.run_sync(self.store.capacity)
@@ -101,6 +130,8 @@ class StorageService(Service):
             "used": self.store.used,
             "chunks": self.store.chunks,
             "root": self.store.root,
+            "syncing": self.repl.syncing,
+            "sync_progress": self.repl.sync_progress,
         }
 
 
@@ -121,7 +152,8 @@ def _save_identity(root: str, ident: dict[str, Any]) -> None:
     os.replace(tmp, os.path.join(root, "target.json"))
 
 
-async def _register_and_heartbeat(service: StorageService, meta: TrioConnection, host: str, port: int, root: str, registered: trio.Event) -> None:
+async def _register_and_heartbeat(service: StorageService, meta: TrioConnection, host: str, port: int, root: str,
+                                  registered: trio.Event, nursery: trio.Nursery) -> None:
     ident = await trio.to_thread.run_sync(_load_identity, root)
     while True:
         try:
@@ -138,7 +170,12 @@ async def _register_and_heartbeat(service: StorageService, meta: TrioConnection,
                 registered.set()
             else:
                 assert service.server_id is not None
-                await meta.call(m.Heartbeat(server_id=service.server_id, capacity=info["capacity"], used=info["used"], chunks=info["chunks"]))
+                reply, _ = await meta.call(m.Heartbeat(server_id=service.server_id, capacity=info["capacity"], used=info["used"], chunks=info["chunks"]))
+            repl = service.repl
+            if repl.routing is None or repl.routing.version != reply.get("routing_version"):
+                await repl.refresh(-1)
+            if reply.get("state") == "syncing" and not repl.syncing:
+                nursery.start_soon(repl.resync)
         except StripefsError as exc:
             if exc.code == ErrorCode.NOT_FOUND and registered.is_set():
                 registered = trio.Event()  # the metadata service forgot us: register again
@@ -163,11 +200,11 @@ async def serve_storage(
     """
     os.makedirs(root, exist_ok=True)
     store = await trio.to_thread.run_sync(ChunkStore, root)
-    service = StorageService(store)
     meta_conn = TrioConnection(metadata, secret)
+    service = StorageService(store, Replicator(store, secret, TrioConnection(metadata, secret)))
     async with trio.open_nursery() as nursery:
         address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id))
         registered = trio.Event()
-        nursery.start_soon(_register_and_heartbeat, service, meta_conn, address[0], address[1], store.root, registered)
+        nursery.start_soon(_register_and_heartbeat, service, meta_conn, address[0], address[1], store.root, registered, nursery)
         await registered.wait()
         task_status.started(address)

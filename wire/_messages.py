@@ -305,6 +305,9 @@ class WriteChunk(Message):
     offset: int
     crc: int
     chunk_size: int
+    chain: int = 0  # the chain the chunk belongs to (replicated writes go head -> tail)
+    routing_version: int = 0  # the sender's routing table version (STALE_ROUTING if it differs)
+    version: int | None = None  # set by the chain head when it forwards to the next replica
     # response: {"length": chunk length after the write, "version": chunk version}
 
 
@@ -316,7 +319,7 @@ class ReadChunk(Message):
     index: int
     offset: int
     length: int
-    # response: {"length": bytes in the payload, "chunk_length": n}
+    # response: {"length": bytes in the payload, "chunk_length": n, "version": v}
 
 
 @message(42, mutates=True)
@@ -345,3 +348,35 @@ class StatChunk(Message):
 class TargetInfo(Message):
     pass
     # response: {"server_id", "capacity", "used", "chunks", "root"}
+
+
+@message(46)
+class ListChunks(Message):
+    """Chunks of one chain held by a storage server (resync compares versions)."""
+
+    chain: int
+    # response: {"chunks": [[ino, index, version, length], ...]}
+
+
+@message(47)
+class FetchChunk(Message):
+    """A whole chunk, verified, with its version (payload), for a replica to copy."""
+
+    ino: int
+    index: int
+    # response: {"version", "chain", "length"} + payload; NOT_FOUND if absent
+
+
+@message(48)
+class SyncDone(Message):
+    """Storage -> metadata: this server has caught up with its chains."""
+
+    server_id: int
+
+
+@message(49)
+class Scrub(Message):
+    """Verify every chunk on the server; repair bad ones from a replica."""
+
+    repair: bool = True
+    # response: {"checked": n, "bad": [[ino, index, chain]], "repaired": n}

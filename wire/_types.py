@@ -191,17 +191,33 @@ class ServerInfo:
 
 @dataclass(frozen=True, slots=True)
 class Routing:
-    """The chain table: chain id -> ordered target (server) ids, plus servers."""
+    """The chain table.
+
+    ``chains``: chain id -> the *serving* targets in chain order (head first,
+    tail last): clients write to the head and read from any of them.
+    ``members``: chain id -> every target with its state (``serving``,
+    ``syncing``, ``offline``), which storage servers use to forward writes
+    (syncing targets receive writes at the end of the chain while they catch up).
+    """
 
     version: int
     chains: dict[int, tuple[int, ...]] = field(default_factory=dict)
     servers: dict[int, ServerInfo] = field(default_factory=dict)
+    members: dict[int, tuple[tuple[int, str], ...]] = field(default_factory=dict)
+    replicas: int = 1
+
+    def forward_order(self, chain: int) -> list[int]:
+        """Targets a write visits: serving ones in order, then syncing ones."""
+        ms = self.members.get(chain, ())
+        return [t for t, st in ms if st == "serving"] + [t for t, st in ms if st == "syncing"]
 
     def to_wire(self) -> dict:
         return {
             "version": self.version,
             "chains": [[cid, list(t)] for cid, t in sorted(self.chains.items())],
             "servers": [s.to_wire() for s in self.servers.values()],
+            "members": [[cid, [list(m) for m in ms]] for cid, ms in sorted(self.members.items())],
+            "replicas": self.replicas,
         }
 
     @classmethod
@@ -211,6 +227,7 @@ class Routing:
         try:
             chains = {int(c): tuple(int(t) for t in ts) for c, ts in d["chains"]}
             servers = {s.server_id: s for s in (ServerInfo.from_wire(x) for x in d["servers"])}
-            return cls(int(d["version"]), chains, servers)
+            members = {int(c): tuple((int(t), str(st)) for t, st in ms) for c, ms in d.get("members", [])}
+            return cls(int(d["version"]), chains, servers, members, int(d.get("replicas", 1)))
         except (KeyError, TypeError, ValueError) as exc:
             raise _bad(f"bad routing: {exc}") from exc

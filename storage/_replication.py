@@ -1,0 +1,217 @@
+"""Chain replication between storage servers.
+
+A chunk belongs to a chain: an ordered list of targets on distinct servers. A
+client writes to the chain's head; each target applies the write durably, then
+forwards it (with the version the head assigned) to its successor; the tail
+answers first and the acknowledgement flows back, so the client's write is
+acknowledged only when every target in the chain has it. The head holds a
+per-chunk lock for the whole round trip, so writes to one chunk are applied in
+the same order everywhere and a retried write is recognised by its version.
+
+Targets that come back after being offline are ``syncing``: they sit at the end
+of their chains and receive new writes (a write whose version shows a gap makes
+the target fetch the whole chunk from its predecessor first), while a
+background task copies every chunk whose version is behind a serving replica's
+and drops chunks removed meanwhile. Then the target reports ``SyncDone`` and
+serves again. Scrub re-reads every chunk and repairs bad ones from a replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+import trio
+
+from rpc import TrioConnection
+from wire import ErrorCode, Routing, StripefsError, messages as m
+
+from ._chunks import ChunkStore, VersionGap
+
+log = logging.getLogger(__name__)
+
+POOL_PER_PEER = 8
+
+
+class Replicator:
+    def __init__(self, store: ChunkStore, secret: str, meta: TrioConnection):
+        self.store = store
+        self.secret = secret
+        self.meta = meta
+        self.server_id: int | None = None
+        self.routing: Routing | None = None
+        self._idle: dict[int, list[TrioConnection]] = {}
+        self._locks: dict[tuple[int, int], tuple[trio.Lock, int]] = {}
+        self._refresh_lock = trio.Lock()
+        self.syncing = False
+        self.sync_progress: dict[str, int] = {}
+
+    # -- routing ----------------------------------------------------------------------------
+    async def refresh(self, at_least: int = 0) -> Routing:
+        async with self._refresh_lock:
+            if self.routing is None or self.routing.version < at_least or at_least == -1:
+                reply, _ = await self.meta.call(m.GetRouting())
+                self.routing = Routing.from_wire(reply["routing"])
+        assert self.routing is not None
+        return self.routing
+
+    # -- peers ------------------------------------------------------------------------------
+    async def call_peer(self, sid: int, msg: m.Message, payload: bytes = b"") -> tuple[dict[str, Any], bytes]:
+        routing = self.routing or await self.refresh()
+        info = routing.servers.get(sid)
+        if info is None:
+            raise StripefsError(ErrorCode.UNAVAILABLE, f"unknown storage server {sid}")
+        idle = self._idle.setdefault(sid, [])
+        conn = idle.pop() if idle else TrioConnection((info.host, info.port), self.secret)
+        if conn.address != (info.host, info.port):
+            conn.close()
+            conn = TrioConnection((info.host, info.port), self.secret)
+        try:
+            result = await conn.call(msg, payload)
+        except StripefsError as exc:
+            if exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.PROTOCOL):
+                conn.close()
+                raise
+            idle.append(conn)
+            raise
+        if len(idle) < POOL_PER_PEER:
+            idle.append(conn)
+        else:
+            conn.close()
+        return result
+
+    @asynccontextmanager
+    async def chunk_lock(self, key: tuple[int, int]) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (None, 0))
+        if lock is None:
+            lock = trio.Lock()
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock2, users2 = self._locks[key]
+            if users2 <= 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock2, users2 - 1)
+
+    # -- the write path ---------------------------------------------------------------------
+    async def write(self, msg: m.WriteChunk, view: memoryview) -> dict[str, Any]:
+        """Apply a chunk write here and along the rest of its chain."""
+        routing = self.routing
+        if routing is None or msg.routing_version > routing.version:
+            routing = await self.refresh(msg.routing_version)
+        order = routing.forward_order(msg.chain)
+        if self.server_id not in order:
+            raise StripefsError(ErrorCode.STALE_ROUTING, f"server {self.server_id} is not serving chain {msg.chain}")
+        pos = order.index(self.server_id)
+        if msg.version is None:  # from a client: only the head takes those
+            if pos != 0:
+                raise StripefsError(ErrorCode.STALE_ROUTING, f"server {self.server_id} is not the head of chain {msg.chain}")
+            async with self.chunk_lock((msg.ino, msg.index)):
+                meta = await trio.to_thread.run_sync(
+                    self.store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain
+                )
+                await self._forward(order, pos, msg, view, meta.version, routing.version)
+        else:
+            try:
+                meta = await trio.to_thread.run_sync(
+                    self.store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain, msg.version
+                )
+            except VersionGap:
+                # We missed versions (we were away): take the predecessor's whole chunk, which
+                # already includes this write, then pass the write on.
+                meta = await self.copy_chunk(order[pos - 1], msg.ino, msg.index)
+            await self._forward(order, pos, msg, view, msg.version, routing.version)
+        return {"length": meta.length, "version": meta.version}
+
+    async def _forward(self, order: list[int], pos: int, msg: m.WriteChunk, view: memoryview, version: int, rv: int) -> None:
+        if pos + 1 >= len(order):
+            return
+        fwd = m.WriteChunk(ino=msg.ino, index=msg.index, offset=msg.offset, crc=msg.crc, chunk_size=msg.chunk_size,
+                           chain=msg.chain, routing_version=rv, version=version)
+        try:
+            await self.call_peer(order[pos + 1], fwd, bytes(view))
+        except StripefsError as exc:
+            # The write is not on every replica: the client must not see it acknowledged.
+            # It retries after the metadata service has taken the dead target out of the chain.
+            if exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.STALE_ROUTING):
+                raise StripefsError(ErrorCode.UNAVAILABLE, f"replica {order[pos + 1]} of chain {msg.chain}: {exc.message}") from exc
+            raise
+
+    async def copy_chunk(self, source: int, ino: int, index: int, *, force: bool = False) -> Any:
+        reply, data = await self.call_peer(source, m.FetchChunk(ino=ino, index=index))
+        return await trio.to_thread.run_sync(
+            lambda: self.store.replace(ino, index, int(reply["chain"]), int(reply["version"]), data, force=force)
+        )
+
+    # -- resync -------------------------------------------------------------------------------
+    async def resync(self) -> None:
+        """Catch up with a serving replica of every chain we belong to, then report."""
+        if self.syncing:
+            return
+        self.syncing = True
+        try:
+            await self._resync()
+        except StripefsError as exc:  # retried: the next heartbeat still says "syncing"
+            log.warning("resync interrupted: %s", exc.message)
+        finally:
+            self.syncing = False
+
+    async def _resync(self) -> None:
+        if True:
+            started = time.time()
+            routing = await self.refresh(-1)
+            copied = removed = 0
+            for chain, members in sorted(routing.members.items()):
+                ids = [t for t, _ in members]
+                if self.server_id not in ids:
+                    continue
+                sources = [t for t, st in members if st == "serving" and t != self.server_id]
+                if not sources:
+                    continue
+                reply, _ = await self.call_peer(sources[0], m.ListChunks(chain=chain))
+                remote = {(int(i), int(x)): int(v) for i, x, v, _n in reply["chunks"]}
+                local = {(i, x): v for i, x, v, _n in await trio.to_thread.run_sync(self.store.list_chain, chain)}
+                self.sync_progress = {"chain": chain, "total": len(remote), "done": 0}
+                for (ino, index), version in remote.items():
+                    if local.get((ino, index), -1) < version:
+                        async with self.chunk_lock((ino, index)):
+                            await self.copy_chunk(sources[0], ino, index)
+                        copied += 1
+                    self.sync_progress["done"] += 1
+                for key in set(local) - set(remote):
+                    if await trio.to_thread.run_sync(self._older_than, key, started):
+                        await trio.to_thread.run_sync(self.store.remove_one, *key)
+                        removed += 1
+            log.info("resync done: %d chunks copied, %d removed", copied, removed)
+            await self.meta.call(m.SyncDone(server_id=self.server_id or 0))
+
+    def _older_than(self, key: tuple[int, int], t: float) -> bool:
+        try:
+            return os.stat(self.store.path(*key)).st_mtime < t
+        except FileNotFoundError:
+            return False
+
+    # -- scrub --------------------------------------------------------------------------------
+    async def scrub(self, repair: bool) -> dict[str, Any]:
+        checked, bad = await trio.to_thread.run_sync(self.store.scrub)
+        repaired = 0
+        if repair and bad:
+            routing = await self.refresh(-1)
+            for ino, index, chain in bad:
+                peers = [t for c, ms in routing.members.items() if chain in (0, c)
+                         for t, st in ms if st == "serving" and t != self.server_id]
+                for peer in dict.fromkeys(peers):
+                    try:
+                        async with self.chunk_lock((ino, index)):
+                            await self.copy_chunk(peer, ino, index, force=True)
+                        repaired += 1
+                        break
+                    except StripefsError as exc:
+                        log.info("repair of %d:%d from %d failed: %s", ino, index, peer, exc.message)
+        return {"checked": checked, "bad": [list(b) for b in bad], "repaired": repaired}
