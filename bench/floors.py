@@ -12,6 +12,8 @@ Caveats:
     * Disk floors write into fresh files (what a storage server does for a new chunk); they
       are buffered I/O, not O_DIRECT. A cold read only drops this file's clean pages with
       ``posix_fadvise(DONTNEED)``; it is best effort, not ``drop_caches``.
+    * ``floor_socket`` starts its children with "spawn": a script calling it needs an
+      ``if __name__ == "__main__":`` guard, as with any multiprocessing program.
     * Threads blocked in a disk syscall cannot be killed: a stuck disk raises TimeoutError but
       leaves a daemon thread behind.
 """
@@ -120,7 +122,9 @@ def _sender(sid: int, path: str, offset: int, length: int, port: int,
 def _drain(sock: socket.socket, view: memoryview, length: int, out: dict[str, Any]) -> None:
     """Thread: recv_into ``view`` (reused ring of one block) until ``length`` bytes and EOF."""
     try:
-        blk, got, pos, first, head = len(view), 0, 0, None, None
+        blk, got, pos = len(view), 0, 0
+        first: float | None = None
+        head: int | None = None
         sample = min(_SAMPLE, blk, length)
         while got < length:
             n = sock.recv_into(view[pos:], min(blk - pos, length - got))
@@ -194,6 +198,11 @@ def _collect(q: Any, need: dict[str, int], procs: list[Any],
     return {k: sorted(v) for k, v in got.items()}
 
 
+def _start(procs: list[Any], proc: Any) -> None:
+    proc.start()
+    procs.append(proc)  # only started ones: the cleanup joins them
+
+
 def _write_stamped(fd: int, total: int) -> None:
     """Random bytes with the file offset stamped every 4 KiB, so misplaced data shows in a crc."""
     buf = _aligned(-(-min(total, 8 << 20) // _PAGE) * _PAGE)
@@ -240,14 +249,12 @@ def floor_socket(total_bytes: int, streams: int = 4, block: int = 1 << 20, proce
         barrier = ctx.Barrier(streams + processes)
         for r in range(processes):
             owned = len(range(r, streams, processes))
-            procs.append(ctx.Process(target=_receiver, name=f"recv{r}", daemon=True,
-                                     args=(r, owned, block, barrier, q, timeout)))
-            procs[-1].start()
+            _start(procs, ctx.Process(target=_receiver, name=f"recv{r}", daemon=True,
+                                      args=(r, owned, block, barrier, q, timeout)))
         ports = dict(_collect(q, {"port": processes}, procs, deadline)["port"])
         for i in range(streams):
-            procs.append(ctx.Process(target=_sender, name=f"send{i}", daemon=True, args=(
+            _start(procs, ctx.Process(target=_sender, name=f"send{i}", daemon=True, args=(
                 i, path, offsets[i], lengths[i], ports[i % processes], barrier, q, timeout)))
-            procs[-1].start()
         msgs = _collect(q, {"sent": streams, "recv": processes}, procs, deadline)
         sent = dict(msgs["sent"])
         outs = [o for _, rs in msgs["recv"] for o in rs]
@@ -301,7 +308,7 @@ def floor_memcpy(total_bytes: int, block: int = 64 << 20, runs: int = 3) -> dict
     src_buf, dst_buf = _aligned(n), _aligned(n, fill=0)
     src, dst = np.frombuffer(src_buf, np.uint8), np.frombuffer(dst_buf, np.uint8)
     np.copyto(dst, src)  # warm-up
-    times = []
+    times: list[float] = []
     for _ in range(runs):
         t0 = time.perf_counter()
         for off in range(0, total_bytes, n):
@@ -339,7 +346,8 @@ def floor_disk_write(total_bytes: int, directory: str, chunk: int = 4 << 20,
         raise ValueError(f"fsync must be per_chunk, end or none, not {fsync!r}")
     src = memoryview(_aligned(min(chunk, max(total_bytes, 1))))
     shares = [total_bytes // files + (i < total_bytes % files) for i in range(files)]
-    fds, paths = [], []
+    fds: list[int] = []
+    paths: list[str] = []
     errors: list[BaseException] = []
     start = threading.Barrier(files + 1, timeout=timeout)
 
@@ -448,7 +456,7 @@ def machine_facts() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m bench.floors --size 1G --streams 4``: measure and print the floors."""
-    ap = argparse.ArgumentParser(prog="python -m bench.floors", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.floors", description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--size", type=parse_size, default=parse_size("1G"))
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--processes", type=int, default=1)
@@ -474,4 +482,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # bench/__init__ imports this module, so `-m bench.floors` holds two copies of it: run the
+    # package's, and drop __spec__ so spawned children re-run this file by path, not by the
+    # module name (which would print runpy's "found in sys.modules" warning in every child).
+    import sys
+
+    from bench import floors as _package_copy
+
+    sys.modules["__main__"].__spec__ = None
+    _package_copy.main()

@@ -1,0 +1,258 @@
+"""The benchmark plan: clusters x client counts x routes x workloads, plus floors.
+
+For every number of storage servers the benchmark starts a local cluster (unless given one
+with ``cluster``), starts the routes once, then for every number of clients measures the
+socket floor with the same process count and runs every workload on every route through a
+:class:`~bench._pool.ClientPool`. ``local_disk`` and the peers do not depend on the stripefs
+server count and run with the first one only.
+
+Caveats:
+    * Route and peer failures to *start* are reported as skipped; a workload that *fails*
+      (an error or a verification mismatch) is reported in ``errors`` and makes the run fail.
+    * Everything the run writes lives in a scratch directory (and ``/bench-RUNID`` inside an
+      existing cluster) that is removed at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import floors
+from ._pool import ClientPool, WorkloadError, WorkloadSkipped
+from ._routes import PEERS, Route, RouteSkipped, RunEnv, make_route
+from ._workloads import PartResult, record_names
+
+__all__ = ["BenchConfig", "run_bench", "aggregate"]
+
+QUANTILES = [i / 20 for i in range(21)]  # stored per record: enough to draw a latency CDF
+
+
+@dataclass
+class BenchConfig:
+    """What to run; sizes are bytes, ``size`` is per client."""
+
+    clients: list[int] = field(default_factory=lambda: [2])
+    servers: list[int] = field(default_factory=lambda: [4])
+    routes: list[str] = field(default_factory=lambda: ["native", "fsspec", "fuse", "zerocopy",
+                                                       "local_disk"])
+    workloads: list[str] = field(default_factory=list)
+    size: int = 256 << 20
+    block: int = 16 << 20
+    duration: float = 3.0
+    files: int = 500
+    shards: int = 4
+    chunk_size: int = 4 << 20
+    cluster: str | None = None
+    workdir: str | None = None
+    floors: bool = True
+    timeout: float = 300.0
+
+
+def _quantile(sorted_lat: list[float], q: float) -> float:
+    return sorted_lat[min(len(sorted_lat) - 1, int(q * (len(sorted_lat) - 1) + 0.5))]
+
+
+def aggregate(name: str, path: str, servers: int,
+              per_client: list[dict[str, dict[str, Any]]]) -> dict[str, Any] | None:
+    """One record from every client's part ``name``: span from first start to last end."""
+    parts = [PartResult(**p[name]) for p in per_client if name in p]
+    if not parts:
+        return None
+    nbytes = sum(p.nbytes for p in parts)
+    seconds = max(max(p.t1 for p in parts) - min(p.t0 for p in parts), 1e-9)
+    ops = sum(p.ops for p in parts)
+    rec: dict[str, Any] = {"workload": name, "path": path, "clients": len(parts),
+                           "servers": servers, "bytes": nbytes, "seconds": seconds,
+                           "gbps": nbytes / seconds / 1e9, "ops": ops, "ops_per_s": ops / seconds,
+                           "verified_bytes": sum(p.verified for p in parts)}
+    lat = sorted(x for p in parts for x in p.lat)
+    if lat:
+        rec["latency_p50_ms"] = _quantile(lat, 0.50) * 1e3
+        rec["latency_p99_ms"] = _quantile(lat, 0.99) * 1e3
+        rec["latency_quantiles_ms"] = [round(_quantile(lat, q) * 1e3, 4) for q in QUANTILES]
+    return rec
+
+
+def _expected_bytes(workload: str, clients: int, size: int) -> int | None:
+    if workload in ("seq_write", "seq_read", "shared_write", "shared_read", "checkpoint"):
+        return clients * size
+    return None
+
+
+class _NullDisplay:
+    """What run_bench reports to; ``bench._report.LiveDisplay`` draws it with rich."""
+
+    def begin(self, label: str, total: int | None) -> None: ...
+    def advance(self, done: int) -> None: ...
+    def end(self, rec: list[dict[str, Any]] | None = None, note: str = "") -> None: ...
+    def log(self, text: str) -> None: ...
+
+
+def _start_routes(names: list[str], env: RunEnv, skipped: list[dict[str, Any]],
+                  display: Any) -> list[tuple[Route, dict[str, Any]]]:
+    started = []
+    for name in names:
+        route = make_route(name)
+        display.log(f"starting route {name}")
+        try:
+            started.append((route, route.start(env)))
+        except RouteSkipped as exc:
+            skipped.append({"path": name, "servers": env.servers, "reason": str(exc)})
+            display.log(f"[yellow]skipped {name}: {exc}")
+    return started
+
+
+def _run_route(route: Route, spec: dict[str, Any], clients: int, servers: int,
+               cfg: BenchConfig, out: dict[str, Any], display: Any, seq: list[int]) -> None:
+    servers = route.servers or servers
+    try:
+        pool = ClientPool(spec, clients, cfg.block, cfg.timeout)
+    except WorkloadError as exc:
+        out["skipped"].append({"path": route.name, "clients": clients, "servers": servers,
+                               "reason": f"clients could not open the route: "
+                                         f"{str(exc).strip().splitlines()[-1]}"})
+        return
+    try:
+        for w in cfg.workloads:
+            seq[0] += 1
+            task = {"workload": w, "size": cfg.size, "block": cfg.block,
+                    "duration": cfg.duration, "files": cfg.files, "shards": cfg.shards,
+                    "tag": f"{w}-{clients}c-{seq[0]}"}
+            display.begin(f"{route.name:<10} {w:<13} c={clients} s={servers}",
+                          _expected_bytes(w, clients, cfg.size))
+            try:
+                per_client = pool.run(task, display.advance)
+            except WorkloadSkipped as exc:
+                out["skipped"].append({"path": route.name, "workload": w, "clients": clients,
+                                       "servers": servers, "reason": str(exc)})
+                display.end(note=f"skipped: {exc}")
+                continue
+            except WorkloadError as exc:
+                out["errors"].append({"path": route.name, "workload": w, "clients": clients,
+                                      "servers": servers, "error": str(exc)})
+                display.end(note="FAILED: " + str(exc).strip().splitlines()[-1])
+                continue
+            recs = [r for name in record_names(w)
+                    if (r := aggregate(name, route.name, servers, per_client)) is not None]
+            for r in recs:
+                r.update(pool_clients=clients, block=cfg.block)
+            out["results"].extend(recs)
+            display.end(recs)
+    finally:
+        pool.close()
+
+
+def _floor_records(cfg: BenchConfig, clients: int, servers: int, workdir: str) -> list[dict[str, Any]]:
+    total = max(clients * cfg.size, 1 << 20)
+    r = floors.floor_socket(total, streams=max(servers, clients), processes=clients,
+                            directory=workdir, timeout=cfg.timeout)
+    return [{"workload": "transfer", "path": "floor_socket", "clients": clients,
+             "servers": servers, "bytes": r["bytes"], "seconds": r["seconds"], "gbps": r["gbps"],
+             "streams": r["streams"], "verified_bytes": r.get("crc_checked_bytes", 0)}]
+
+
+def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
+    """Run the plan; returns ``{"header", "results", "skipped", "errors"}`` (no I/O of its own).
+
+    Raises:
+        StripefsError: the local cluster could not start.
+    """
+    from fsclient import _cluster
+
+    display = display or _NullDisplay()
+    out: dict[str, Any] = {"header": {"machine": floors.machine_facts(), "config": {
+        k: v for k, v in cfg.__dict__.items() if k != "workdir"}}, "results": [], "skipped": [],
+        "errors": []}
+    run_id = secrets.token_hex(3)
+    workdir = tempfile.mkdtemp(prefix="stripefs-bench-", dir=cfg.workdir)
+    t_start, seq = time.monotonic(), [0]
+    try:
+        if cfg.floors:
+            display.begin("floor_memcpy", None)
+            r = floors.floor_memcpy(max(cfg.size, 64 << 20))
+            rec = {"workload": "transfer", "path": "floor_memcpy", "clients": 1, "servers": 0,
+                   "bytes": r["bytes"], "seconds": r["seconds"], "gbps": r["gbps"]}
+            out["results"].append(rec)
+            display.end([rec])
+        ours = [n for n in cfg.routes if n not in PEERS and n != "local_disk"]
+        others = [n for n in cfg.routes if n in PEERS or n == "local_disk"]
+        server_counts = cfg.servers
+        if cfg.cluster:
+            from fsclient import Client
+
+            with Client(cfg.cluster) as c:
+                server_counts = [len(c.core.routing().servers)]
+        for k, servers in enumerate(server_counts):
+            root = None
+            cluster_file = cfg.cluster
+            if cfg.cluster is None and ours:
+                root = os.path.join(workdir, f"cluster-{servers}")
+                display.log(f"starting a local cluster: {servers} storage servers")
+                _cluster.up(root, servers=servers, chunk_size=cfg.chunk_size)
+                cluster_file = os.path.join(root, "cluster.json")
+            env = RunEnv(cluster_file, workdir, run_id, servers)
+            started = _start_routes(ours + (others if k == 0 else []), env, out["skipped"], display)
+            try:
+                for clients in cfg.clients:
+                    if cfg.floors:
+                        display.begin(f"floor_socket c={clients} s={servers}", None)
+                        recs = _floor_records(cfg, clients, servers, workdir)
+                        out["results"].extend(recs)
+                        display.end(recs)
+                    for route, spec in started:
+                        _run_route(route, spec, clients, servers, cfg, out, display, seq)
+            finally:
+                for route, _ in started:
+                    route.stop()
+                if root is not None:
+                    _cluster.down(root)
+                elif cluster_file is not None and ours:
+                    _remove_tree(cluster_file, f"/bench-{run_id}")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    _add_ratios(out["results"])
+    out["header"]["duration_s"] = round(time.monotonic() - t_start, 1)
+    return out
+
+
+def _remove_tree(cluster_file: str, path: str) -> None:
+    """Delete what the run wrote inside an existing cluster."""
+    from fsclient import Client
+
+    with Client(cluster_file) as c:
+        def rm(p: str) -> None:
+            for e in list(c.scandir(p)):
+                child = f"{p}/{e.name}"
+                if e.attr is not None and e.attr.is_dir:
+                    rm(child)
+                else:
+                    c.remove(child)
+            c.rmdir(p)
+
+        if c.exists(path):
+            rm(path)
+
+
+def _add_ratios(results: list[dict[str, Any]]) -> None:
+    """``vs_floor_socket``: each throughput over the socket floor with the same clients."""
+    floor: dict[tuple[int, int], float] = {}
+    by_clients: dict[int, list[float]] = {}
+    for r in results:
+        if r["path"] == "floor_socket":
+            floor[(r["clients"], r["servers"])] = r["gbps"]
+            by_clients.setdefault(r["clients"], []).append(r["gbps"])
+    for r in results:
+        if r["path"].startswith("floor_") or not r["bytes"]:
+            continue
+        n = r.get("pool_clients", r["clients"])
+        f = floor.get((n, r["servers"])) or (statistics.median(by_clients[n])
+                                              if n in by_clients else None)
+        if f:
+            r["vs_floor_socket"] = r["gbps"] / f

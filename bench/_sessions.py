@@ -1,0 +1,312 @@
+"""Client-side faces of every route: one small file API the workloads run against.
+
+A route (``bench._routes``) is started once in the benchmark process and described by a
+picklable *spec*; each client process turns the spec into a :class:`Session` with
+:func:`open_session`. Workloads only call the methods below, so every route is measured the
+same way: ``native`` (fsclient.Client), ``fsspec`` and ``s3fs`` (an fsspec filesystem),
+``fuse``, ``local_disk``, ``glusterfs`` and ``moosefs`` (POSIX calls under a directory), and
+``zerocopy`` (batch reads into a registered buffer, native writes).
+
+Caveats:
+    * fsspec files are write-once streams: :meth:`Session.open_update` returns None (shared-
+      file writes are skipped) and ``fsync`` only flushes what the filesystem buffers.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from typing import Any, Protocol
+
+__all__ = ["Session", "Writer", "Reader", "open_session"]
+
+
+class Writer(Protocol):
+    def write(self, view: memoryview) -> None: ...
+    def pwrite(self, view: memoryview, offset: int) -> None: ...
+    def fsync(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Reader(Protocol):
+    def pread_into(self, view: memoryview, offset: int) -> int: ...
+    def close(self) -> None: ...
+
+
+class Session(Protocol):
+    """Paths are relative to the route's benchmark directory."""
+
+    def makedirs(self, path: str) -> None: ...
+    def create(self, path: str) -> Writer: ...
+    def open_update(self, path: str) -> Writer | None: ...
+    def open_read(self, path: str) -> Reader: ...
+    def size(self, path: str) -> int: ...
+    def listdir(self, path: str) -> list[str]: ...
+    def touch(self, path: str) -> None: ...
+    def unlink(self, path: str) -> None: ...
+    def rename(self, src: str, dst: str) -> None: ...
+    def close(self) -> None: ...
+
+
+# --- native ----------------------------------------------------------------------------------
+
+class NativeSession:
+    """fsclient.Client; its StripeFile already has write/pwrite/fsync/pread_into."""
+
+    def __init__(self, cluster: str, root: str):
+        from fsclient import Client
+
+        self.client = Client(cluster)
+        self.root = root
+        self.client.makedirs(root)
+
+    def _p(self, path: str) -> str:
+        return posixpath.join(self.root, path)
+
+    def makedirs(self, path: str) -> None:
+        self.client.makedirs(self._p(path))
+
+    def create(self, path: str) -> Writer:
+        return self.client.open(self._p(path), "wb")
+
+    def open_update(self, path: str) -> Writer | None:
+        return self.client.open(self._p(path), "r+b")
+
+    def open_read(self, path: str) -> Reader:
+        return self.client.open(self._p(path), "rb")
+
+    def size(self, path: str) -> int:
+        return self.client.stat(self._p(path)).size
+
+    def listdir(self, path: str) -> list[str]:
+        return self.client.listdir(self._p(path))
+
+    def touch(self, path: str) -> None:
+        self.client.open(self._p(path), "wb").close()
+
+    def unlink(self, path: str) -> None:
+        self.client.remove(self._p(path))
+
+    def rename(self, src: str, dst: str) -> None:
+        self.client.rename(self._p(src), self._p(dst))
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class _RingReader:
+    """One registered file read through a ReadRing (the USRBIO-style path)."""
+
+    def __init__(self, ring: Any, regfile: Any):
+        self.ring, self.file = ring, regfile
+
+    def pread_into(self, view: memoryview, offset: int) -> int:
+        return int(self.ring.read([(view, self.file, offset, len(view))])[0])
+
+    def close(self) -> None:
+        pass
+
+
+class ZerocopySession(NativeSession):
+    """Native writes and metadata; reads land in the caller's buffer via fsclient.batchread."""
+
+    def __init__(self, cluster: str, root: str):
+        super().__init__(cluster, root)
+        from fsclient.batchread import ReadRing
+
+        self.ring = ReadRing(self.client, entries=64)
+
+    def open_read(self, path: str) -> Reader:
+        return _RingReader(self.ring, self.ring.open(self._p(path)))
+
+    def close(self) -> None:
+        self.ring.close()
+        super().close()
+
+
+# --- POSIX (local disk, FUSE mounts) -------------------------------------------------------
+
+class _FdWriter:
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def write(self, view: memoryview) -> None:
+        done = 0
+        while done < len(view):  # write may be short
+            done += os.write(self.fd, view[done:])
+
+    def pwrite(self, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], offset + done)
+
+    def fsync(self) -> None:
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _FdReader:
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def pread_into(self, view: memoryview, offset: int) -> int:
+        done = 0
+        while done < len(view):
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n == 0:
+                break
+            done += n
+        return done
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class PosixSession:
+    """Plain system calls under ``root`` (a local directory or a mount point)."""
+
+    def __init__(self, root: str):
+        self.root = root
+        os.makedirs(root, exist_ok=True)
+
+    def _p(self, path: str) -> str:
+        return os.path.join(self.root, path)
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(self._p(path), exist_ok=True)
+
+    def create(self, path: str) -> Writer:
+        return _FdWriter(os.open(self._p(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+
+    def open_update(self, path: str) -> Writer | None:
+        return _FdWriter(os.open(self._p(path), os.O_WRONLY))
+
+    def open_read(self, path: str) -> Reader:
+        return _FdReader(os.open(self._p(path), os.O_RDONLY))
+
+    def size(self, path: str) -> int:
+        return os.stat(self._p(path)).st_size
+
+    def listdir(self, path: str) -> list[str]:
+        return os.listdir(self._p(path))
+
+    def touch(self, path: str) -> None:
+        os.close(os.open(self._p(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+
+    def unlink(self, path: str) -> None:
+        os.unlink(self._p(path))
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(self._p(src), self._p(dst))
+
+    def close(self) -> None:
+        pass
+
+
+# --- fsspec (our filesystem, s3fs) ---------------------------------------------------------
+
+class _FsspecWriter:
+    def __init__(self, f: Any):
+        self.f = f
+
+    def write(self, view: memoryview) -> None:
+        self.f.write(view)
+
+    def pwrite(self, view: memoryview, offset: int) -> None:
+        raise OSError("fsspec files cannot write at an offset")
+
+    def fsync(self) -> None:
+        sync = getattr(self.f, "fsync", None)  # ours has it; object stores commit at close
+        if sync is not None:
+            sync()
+        else:
+            self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class _FsspecReader:
+    def __init__(self, f: Any):
+        self.f = f
+
+    def pread_into(self, view: memoryview, offset: int) -> int:
+        self.f.seek(offset)
+        done = 0
+        while done < len(view):
+            n = self.f.readinto(view[done:])
+            if not n:
+                break
+            done += n
+        return done
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class FsspecSession:
+    """Any fsspec filesystem: class ``"module:Name"`` called with ``options``; ``root`` is the base."""
+
+    def __init__(self, cls: str, options: dict[str, Any], root: str):
+        import importlib
+
+        module, _, name = cls.partition(":")
+        self.fs = getattr(importlib.import_module(module), name)(skip_instance_cache=True,
+                                                                 **options)
+        self.root = root
+        self.fs.makedirs(root, exist_ok=True)
+
+    def _p(self, path: str) -> str:
+        return posixpath.join(self.root, path)
+
+    def makedirs(self, path: str) -> None:
+        self.fs.makedirs(self._p(path), exist_ok=True)
+
+    def create(self, path: str) -> Writer:
+        return _FsspecWriter(self.fs.open(self._p(path), "wb"))
+
+    def open_update(self, path: str) -> Writer | None:
+        return None
+
+    def open_read(self, path: str) -> Reader:
+        return _FsspecReader(self.fs.open(self._p(path), "rb"))
+
+    def size(self, path: str) -> int:
+        self.fs.invalidate_cache()
+        return int(self.fs.info(self._p(path))["size"])
+
+    def listdir(self, path: str) -> list[str]:
+        self.fs.invalidate_cache()  # a cached listing would measure nothing
+        try:
+            found = self.fs.ls(self._p(path), detail=False)
+        except FileNotFoundError:  # object stores: a directory with no objects does not exist
+            return []
+        return [posixpath.basename(p.rstrip("/")) for p in found]
+
+    def touch(self, path: str) -> None:
+        self.fs.pipe_file(self._p(path), b"")
+
+    def unlink(self, path: str) -> None:
+        self.fs.rm_file(self._p(path))
+
+    def rename(self, src: str, dst: str) -> None:
+        self.fs.mv(self._p(src), self._p(dst))
+
+    def close(self) -> None:
+        pass
+
+
+def open_session(spec: dict[str, Any]) -> Session:
+    """Build the session a route's ``spec`` describes (in the client process)."""
+    kind = spec["kind"]
+    if kind == "native":
+        return NativeSession(spec["cluster"], spec["root"])
+    if kind == "zerocopy":
+        return ZerocopySession(spec["cluster"], spec["root"])
+    if kind == "posix":
+        return PosixSession(spec["root"])
+    if kind == "fsspec":
+        return FsspecSession(spec["cls"], spec["options"], spec["root"])
+    raise ValueError(f"unknown session kind {kind!r}")

@@ -1,0 +1,121 @@
+"""``stripefs bench``: the multi-client throughput benchmark.
+
+    stripefs bench [--quick] [--json FILE] [--plot FILE.png] [--sweep] [--peers]
+                   [--cluster C] [--clients N...] [--servers M...] [--routes R...]
+                   [--workloads W...] [--size SIZE] [--block SIZE] [--duration S]
+
+Starts a local cluster (or uses ``--cluster``), runs every workload on every route with N
+client processes, measures the machine's floors in the same run, prints a summary table and
+optionally writes JSON and a plot. Exit status: 0 on success, 1 when any workload failed
+(including a data verification mismatch), 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import sys
+from typing import Any
+
+from ._orchestrate import BenchConfig, run_bench
+from ._routes import PEERS, ROUTES
+from ._workloads import WORKLOADS
+from .floors import parse_size
+
+__all__ = ["main", "build_config"]
+
+QUICK = dict(size=32 << 20, block=8 << 20, duration=0.7, files=100, shards=2)
+SWEEP_CLIENTS, SWEEP_SERVERS = [1, 2, 4, 8], [1, 2, 4]
+SWEEP_WORKLOADS = ["seq_write", "seq_read", "rand_read_1m"]
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="stripefs bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="small sizes and short durations (CI smoke; under two minutes)")
+    ap.add_argument("--json", metavar="FILE", help="write results as JSON")
+    ap.add_argument("--plot", metavar="FILE.png", help="write a throughput/latency plot")
+    ap.add_argument("--sweep", action="store_true",
+                    help=f"clients {SWEEP_CLIENTS} x servers {SWEEP_SERVERS}")
+    ap.add_argument("--peers", action="store_true", help=f"also run {', '.join(PEERS)}")
+    ap.add_argument("--cluster", help="use this cluster (cluster.json or host:port) instead "
+                                      "of starting one")
+    ap.add_argument("--clients", type=int, nargs="+", metavar="N", help="client processes")
+    ap.add_argument("--servers", type=int, nargs="+", metavar="M", help="storage servers")
+    ap.add_argument("--routes", nargs="+", choices=ROUTES + PEERS, metavar="ROUTE",
+                    help=f"routes ({', '.join(ROUTES + PEERS)})")
+    ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), metavar="W",
+                    help=f"workloads ({', '.join(WORKLOADS)})")
+    ap.add_argument("--size", type=_size, help="bytes per client (default 256M, quick 32M)")
+    ap.add_argument("--block", type=_size, help="I/O size of sequential workloads (16M)")
+    ap.add_argument("--duration", type=float, help="seconds per random-read workload")
+    ap.add_argument("--files", type=int, help="files per client in the metadata workload")
+    ap.add_argument("--chunk-size", type=_size, default=4 << 20, help="cluster chunk size")
+    ap.add_argument("--no-floors", action="store_true", help="skip the floor measurements")
+    ap.add_argument("--workdir", help="scratch directory (default: the system temp dir)")
+    ap.add_argument("--no-progress", action="store_true", help="no live progress bars")
+    return ap
+
+
+def build_config(a: argparse.Namespace) -> BenchConfig:
+    """Turn parsed arguments into a plan. Raises ValueError for impossible combinations."""
+    cfg = BenchConfig(**(QUICK if a.quick else {}))  # type: ignore[arg-type]
+    if a.sweep:
+        cfg.clients, cfg.servers = list(SWEEP_CLIENTS), list(SWEEP_SERVERS)
+        cfg.workloads = list(SWEEP_WORKLOADS)
+    cfg.clients = a.clients or cfg.clients
+    cfg.servers = a.servers or cfg.servers
+    cfg.workloads = a.workloads or cfg.workloads or list(WORKLOADS)
+    cfg.routes = a.routes or (cfg.routes + (PEERS if a.peers else []))
+    for name in ("size", "block", "duration", "files"):
+        if getattr(a, name) is not None:
+            setattr(cfg, name, getattr(a, name))
+    cfg.chunk_size, cfg.cluster, cfg.workdir = a.chunk_size, a.cluster, a.workdir
+    cfg.floors = not a.no_floors
+    if min(cfg.clients) < 1 or min(cfg.servers) < 1:
+        raise ValueError("--clients and --servers must be >= 1")
+    if cfg.block < 4096 or cfg.block % 4096 or cfg.size < 4096 or cfg.size % 4096:
+        raise ValueError("--size and --block must be positive multiples of 4 KiB")
+    cfg.block = min(cfg.block, cfg.size)
+    if cfg.duration <= 0 or cfg.files < 1:
+        raise ValueError("--duration must be > 0 and --files >= 1")
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; ``argv[0]`` is the subcommand name ``bench`` (as fsclient.cli passes it)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        argv = argv[1:]
+    ap = _parser()
+    a = ap.parse_args(argv)
+    try:
+        cfg = build_config(a)
+    except ValueError as exc:
+        ap.error(str(exc))
+    from ._report import LiveDisplay, plot, print_summary, write_json
+
+    with LiveDisplay(enabled=not a.no_progress) as display:
+        report: dict[str, Any] = run_bench(cfg, display)
+    report["header"]["command"] = ["stripefs", "bench", *argv]
+    try:
+        report["header"]["stripefs"] = importlib.metadata.version("stripefs")
+    except importlib.metadata.PackageNotFoundError:
+        report["header"]["stripefs"] = None
+    print_summary(report)
+    if a.json:
+        write_json(report, a.json)
+    if a.plot:
+        plot(report, a.plot)
+    return 1 if report["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""FUSE mount benchmark: stripefs through its mount vs the native client, local disk and peers.
+
+One run measures, on this machine and in the same run (PEERS.md: these VMs are noisy):
+
+* sequential write (``dd bs=1M conv=fsync``) and read after dropping caches
+  (``dd bs=1M``) of one file through the mount, and the same bytes through the
+  native client -> ratios fuse/native (targets: read >= 0.6, write >= 0.5);
+* ``fio`` sequential 1 MiB read/write and 4 KiB random read IOPS on the mount;
+* ``torch.save`` / ``torch.load`` of a state dict through the mount vs local disk;
+* GlusterFS and MooseFS (started as shared/PEERS.md says) with the same dd
+  method -> ratios stripefs/peer (target >= 2). A peer that cannot start is
+  reported as skipped with the reason, never faked.
+
+Run as root (drop_caches, mounts): ``python -m bench.fuse_bench --size-mb 1024 --json out.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+GiB = 1 << 30
+
+
+def record(results: list[dict[str, Any]], workload: str, path: str, nbytes: int, seconds: float, **extra: Any) -> None:
+    r = {"workload": workload, "path": path, "clients": 1, "servers": extra.pop("servers", 0), "bytes": nbytes,
+         "seconds": round(seconds, 4), "gbps": round(nbytes / seconds / 1e9, 3) if seconds else 0.0, **extra}
+    results.append(r)
+    print(f"  {workload:<22} {path:<12} {r['gbps']:7.3f} GB/s" + (f"  {extra}" if extra else ""), flush=True)
+
+
+def drop_caches() -> None:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+    except OSError:
+        pass
+
+
+def sh(cmd: str, timeout: float = 900) -> str:
+    r = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=timeout)
+    if r.returncode:
+        raise RuntimeError(f"{cmd!r}: {r.stderr.strip() or r.stdout.strip()}")
+    return r.stdout
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def dd_pair(results: list[dict[str, Any]], directory: str, path: str, mb: int, wrap: str = "") -> dict[str, float]:
+    """The PEERS.md method: dd write with fsync, drop caches, dd read. ``wrap`` prefixes (netns)."""
+    f = os.path.join(directory, f"dd-{os.getpid()}.bin")
+    w = timed(lambda: sh(f"{wrap}dd if=/dev/zero of={f} bs=1M count={mb} conv=fsync status=none"))
+    drop_caches()
+    r = timed(lambda: sh(f"{wrap}dd if={f} of=/dev/null bs=1M status=none"))
+    sh(f"{wrap}rm -f {f}")
+    record(results, "seq_write_dd", path, mb << 20, w)
+    record(results, "seq_read_dd", path, mb << 20, r)
+    return {"write": (mb << 20) / w / 1e9, "read": (mb << 20) / r / 1e9}
+
+
+def native_pair(results: list[dict[str, Any]], cluster_file: str, mb: int) -> dict[str, float]:
+    from fsclient import Client
+
+    with Client(cluster_file) as c:
+        buf = mmap.mmap(-1, 16 << 20)
+        buf.write(bytes(16 << 20))
+        view = memoryview(buf)
+
+        def write() -> None:
+            with c.open("/native.bin", "wb") as f:
+                for _ in range(mb // 16):
+                    f.write(view)
+
+        def read() -> None:
+            with c.open("/native.bin", "rb") as f:
+                while f.readinto(view):
+                    pass
+
+        w = timed(write)
+        drop_caches()
+        r = timed(read)
+        c.remove("/native.bin")
+        view.release()
+    record(results, "seq_write", "native", mb << 20, w)
+    record(results, "seq_read", "native", mb << 20, r)
+    return {"write": (mb << 20) / w / 1e9, "read": (mb << 20) / r / 1e9}
+
+
+def fio(results: list[dict[str, Any]], directory: str, mb: int, seconds: int) -> None:
+    if shutil.which("fio") is None:
+        print("  fio: skipped (not installed)")
+        return
+    base = f"fio --name=b --directory={directory} --ioengine=psync --output-format=json --filename=fio.bin"
+    for rw, extra in (("write", f"--bs=1M --size={mb}m --end_fsync=1"), ("read", f"--bs=1M --size={mb}m")):
+        drop_caches()
+        job = json.loads(sh(f"{base} --rw={rw} {extra}"))["jobs"][0][rw]
+        record(results, f"seq_{rw}_fio", "fuse", job["io_bytes"], job["runtime"] / 1000)
+    drop_caches()
+    job = json.loads(sh(f"{base} --rw=randread --bs=4k --size={mb}m --time_based --runtime={seconds} --numjobs=1"))
+    rr = job["jobs"][0]["read"]
+    record(results, "randread_4k_fio", "fuse", rr["io_bytes"], rr["runtime"] / 1000, iops=round(rr["iops"]))
+    os.unlink(os.path.join(directory, "fio.bin"))
+
+
+def torch_pair(results: list[dict[str, Any]], mnt: str, local: str, mb: int) -> None:
+    try:
+        import torch
+    except ImportError:
+        print("  torch: skipped (not installed)")
+        return
+    state = {f"layer{i}.weight": torch.randn((mb << 20) // 4 // 16) for i in range(16)}
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    for path, d in (("fuse", mnt), ("local_disk", local)):
+        f = os.path.join(d, "state.pt")
+
+        def save() -> None:
+            torch.save(state, f)
+            fd = os.open(f, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+        record(results, "torch_save", path, nbytes, timed(save))
+        drop_caches()
+        record(results, "torch_load", path, nbytes, timed(lambda: torch.load(f)))
+        os.unlink(f)
+
+
+# -- peers ---------------------------------------------------------------------------------
+def gluster(scratch: str) -> tuple[str, Callable[[], None]]:
+    """Start GlusterFS (one brick, FUSE client) under ``scratch``; return (mount, stop)."""
+    if shutil.which("glusterd") is None:
+        raise RuntimeError("glusterfs-server is not installed")
+    wd, brick, mnt = (os.path.join(scratch, n) for n in ("wd", "brick1", "mnt"))
+    for d in (wd, brick, mnt):
+        os.makedirs(d, exist_ok=True)
+    with open("/etc/glusterfs/glusterd.vol") as f:
+        vol = f.read()
+    vol = "\n".join(f"    option working-directory {wd}" if "working-directory" in line else line for line in vol.splitlines())
+    with open(os.path.join(scratch, "glusterd.vol"), "w") as f:
+        f.write(vol + "\n")
+    pidf = os.path.join(scratch, "glusterd.pid")
+    sh(f"glusterd -f {scratch}/glusterd.vol -p {pidf}")
+    time.sleep(2)
+    host = socket.gethostname()
+
+    def stop() -> None:
+        subprocess.run(f"umount -l {mnt}; gluster --mode=script volume stop gv0 force; gluster --mode=script volume delete gv0; "
+                       f"kill $(cat {pidf})", shell=True, capture_output=True)
+
+    try:
+        sh(f"gluster --mode=script volume create gv0 {host}:{brick} force")
+        sh("gluster --mode=script volume start gv0")
+        sh(f"mount -t glusterfs {host}:/gv0 {mnt}")
+    except Exception:
+        stop()
+        raise
+    return mnt, stop
+
+
+MFS_IP = "10.77.2.1"
+
+
+def moosefs(scratch: str) -> tuple[str, str, Callable[[], None]]:
+    """Start MooseFS (master + 2 chunkservers, 1 copy) in a network namespace.
+    Returns (mount, command prefix to run inside the namespace, stop)."""
+    if shutil.which("mfsmaster") is None:
+        raise RuntimeError("moosefs-master is not installed")
+    ns = f"mfsb{os.getpid() % 10000}"
+    # nsenter switches only the network namespace: `ip netns exec` would also give each
+    # command a private mount namespace, hiding the mfsmount mount from the next one.
+    wrap = f"nsenter --net=/run/netns/{ns} "
+    sh(f"ip netns add {ns} && ip -n {ns} link set lo up && ip -n {ns} addr add {MFS_IP}/32 dev lo")
+    mnt = os.path.join(scratch, "mnt")
+    os.makedirs(mnt, exist_ok=True)
+    cfg = {"master": os.path.join(scratch, "master.cfg")}
+    os.makedirs(f"{scratch}/master", exist_ok=True)
+    with open(f"{scratch}/exports.cfg", "w") as f:
+        f.write("* / rw,alldirs,maproot=0:0\n")
+    with open(cfg["master"], "w") as f:
+        f.write(f"WORKING_USER = root\nWORKING_GROUP = root\nDATA_PATH = {scratch}/master\nEXPORTS_FILENAME = {scratch}/exports.cfg\n"
+                f"MATOML_LISTEN_HOST = {MFS_IP}\nMATOCS_LISTEN_HOST = {MFS_IP}\nMATOCL_LISTEN_HOST = {MFS_IP}\n"
+                "MATOML_LISTEN_PORT = 19419\nMATOCS_LISTEN_PORT = 19420\nMATOCL_LISTEN_PORT = 19421\n")
+    if not os.path.exists(f"{scratch}/master/metadata.mfs"):
+        with open(f"{scratch}/master/metadata.mfs", "w") as f:
+            f.write("MFSM NEW")
+    for i in (1, 2):
+        d = f"{scratch}/cs{i}"
+        os.makedirs(f"{d}/hdd", exist_ok=True)
+        with open(f"{d}/hdd.cfg", "w") as f:
+            f.write(f"{d}/hdd\n")
+        with open(f"{d}/cs.cfg", "w") as f:
+            f.write(f"WORKING_USER = root\nWORKING_GROUP = root\nDATA_PATH = {d}\nHDD_CONF_FILENAME = {d}/hdd.cfg\n"
+                    f"MASTER_HOST = {MFS_IP}\nMASTER_PORT = 19420\nCSSERV_LISTEN_HOST = {MFS_IP}\nCSSERV_LISTEN_PORT = {19422 + i}\n"
+                    f"BIND_HOST = {MFS_IP}\n")
+
+    def stop() -> None:
+        subprocess.run(f"{wrap}umount -l {mnt}", shell=True, capture_output=True)
+        for i in (1, 2):
+            subprocess.run(f"{wrap}mfschunkserver -c {scratch}/cs{i}/cs.cfg stop", shell=True, capture_output=True)
+        subprocess.run(f"{wrap}mfsmaster -c {cfg['master']} stop", shell=True, capture_output=True)
+        subprocess.run(f"ip netns del {ns}", shell=True, capture_output=True)
+
+    try:
+        sh(f"{wrap}mfsmaster -a -c {cfg['master']} start")
+        for i in (1, 2):
+            sh(f"{wrap}mfschunkserver -c {scratch}/cs{i}/cs.cfg start")
+        time.sleep(3)
+        sh(f"{wrap}mfsmount {mnt} -H {MFS_IP} -P 19421")
+        sh(f"{wrap}mfssetgoal 1 {mnt}")
+    except Exception:
+        stop()
+        raise
+    return mnt, wrap, stop
+
+
+# -- main ----------------------------------------------------------------------------------
+def run(mb: int, peers: bool, torch_mb: int, fio_seconds: int) -> list[dict[str, Any]]:
+    from fsclient import _cluster
+    from fsclient.fuse_cli import main as fuse_main
+
+    results: list[dict[str, Any]] = []
+    scratch = tempfile.mkdtemp(prefix="stripefs-fusebench-", dir=os.environ.get("BENCH_DIR", "/var/tmp"))
+    root, mnt = os.path.join(scratch, "cluster"), os.path.join(scratch, "mnt")
+    os.makedirs(mnt)
+    _cluster.up(root, servers=4)
+    cluster_file = os.path.join(root, "cluster.json")
+    try:
+        if fuse_main(["mount", mnt, "--cluster", cluster_file]) != 0:
+            raise SystemExit("stripefs mount failed")
+        try:
+            print(f"stripefs, 4 servers, {mb} MiB file:")
+            fuse = dd_pair(results, mnt, "fuse", mb)
+            native = native_pair(results, cluster_file, mb)
+            print(f"  ratio fuse/native: write {fuse['write'] / native['write']:.2f}, read {fuse['read'] / native['read']:.2f}")
+            fio(results, mnt, mb, fio_seconds)
+            local = os.path.join(scratch, "local")
+            os.makedirs(local)
+            torch_pair(results, mnt, local, torch_mb)
+            local_dd = dd_pair(results, local, "local_disk", min(mb, 1024))
+            del local_dd
+            peer_mb = min(mb, 1024)
+            ours = dd_pair(results, mnt, "fuse_1g", peer_mb) if peer_mb != mb else fuse
+        finally:
+            fuse_main(["umount", mnt])
+        if peers:
+            for name, start in (("glusterfs", gluster), ("moosefs", moosefs)):
+                pdir = os.path.join(scratch, name)
+                os.makedirs(pdir)
+                try:
+                    started = start(pdir)
+                except Exception as exc:  # a peer that cannot start is reported, never faked
+                    print(f"{name}: skipped ({exc})")
+                    results.append({"workload": "peer", "path": name, "skipped": str(exc)[:300]})
+                    continue
+                pmnt, stop = started[0], started[-1]
+                wrap = started[1] if len(started) == 3 else ""
+                try:
+                    print(f"{name}:")
+                    peer = dd_pair(results, pmnt, name, peer_mb, wrap=wrap)  # type: ignore[arg-type]
+                    print(f"  ratio stripefs/{name}: write {ours['write'] / peer['write']:.2f}, "
+                          f"read {ours['read'] / peer['read']:.2f}")
+                finally:
+                    stop()  # type: ignore[operator]
+    finally:
+        _cluster.down(root)
+        shutil.rmtree(scratch, ignore_errors=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size-mb", type=int, default=2048, help="file size for the stripefs runs (default 2 GiB)")
+    p.add_argument("--torch-mb", type=int, default=1024, help="state dict size for torch.save/load")
+    p.add_argument("--fio-seconds", type=int, default=10)
+    p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--json", help="write {results: [...]} here")
+    a = p.parse_args(argv)
+    if os.getuid() != 0:
+        print("fuse_bench needs root (mounts, drop_caches)", file=sys.stderr)
+        return 2
+    results = run(a.size_mb, not a.no_peers, a.torch_mb, a.fio_seconds)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Checkpoint staging benchmark: staging.save/load and the DCP bridge against floors and peers, one run.
+
+    python -m bench.staging_bench [--size-gb 2] [--json FILE] [--cluster C]
+
+Starts a private 4-server cluster unless ``--cluster`` is given. Every figure
+is a median of ``--repeat`` runs and is reported with the floor or peer
+measured in the same run (the machines are noisy: compare ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+
+import staging
+from fsclient import Client, _cluster
+
+
+def make_state(total: int) -> dict[str, Any]:
+    """Mixed sizes: a few big matrices, many medium ones, lots of small biases, plus plain values."""
+    g = torch.Generator().manual_seed(0)
+    sd: dict[str, Any] = {}
+    big, med, i = int(total * 0.6), int(total * 0.35), 0
+    while big > 0:
+        n = min(big, 128 << 20) // 4
+        sd[f"big{i}"] = torch.randn(n, generator=g)
+        big -= n * 4
+        i += 1
+    while med > 0:
+        n = min(med, 4 << 20) // 2
+        sd[f"med{i}"] = torch.randn(n, generator=g).to(torch.bfloat16)
+        med -= n * 2
+        i += 1
+    for j in range(max(1, int(total * 0.05) // (64 << 10))):
+        sd[f"small{j}"] = torch.randn(16 << 10, generator=g)
+    sd["step"], sd["rng"] = 1000, torch.get_rng_state()
+    return sd
+
+
+def nbytes(sd: dict[str, Any]) -> int:
+    return sum(v.numel() * v.element_size() for v in sd.values() if isinstance(v, torch.Tensor))
+
+
+def median(fn: Callable[[], float], repeat: int) -> float:
+    return statistics.median(fn() for _ in range(repeat))
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="staging_bench")
+    ap.add_argument("--size-gb", type=float, default=2.0)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--cluster")
+    ap.add_argument("--json")
+    ap.add_argument("--train-steps", type=int, default=60)
+    args = ap.parse_args(argv)
+    scratch = tempfile.mkdtemp(prefix="staging-bench-")
+    root = None
+    if args.cluster is None:
+        root = os.path.join(scratch, "cluster")
+        _cluster.up(root, servers=4)
+        args.cluster = os.path.join(root, "cluster.json")
+    client = Client(args.cluster)
+    sdir = os.path.join(scratch, "staging")
+    results: list[dict[str, Any]] = []
+    sd = make_state(int(args.size_gb * (1 << 30)))
+    size = nbytes(sd)
+
+    def rec(workload: str, path: str, seconds: float, b: int = size) -> None:
+        results.append({"workload": workload, "path": path, "clients": 1, "servers": 4, "bytes": b,
+                        "seconds": round(seconds, 4), "gbps": round(b / seconds / 1e9, 3)})
+        print(f"{workload:24s} {path:28s} {seconds:8.3f} s  {b / seconds / 1e9:6.2f} GB/s", flush=True)
+
+    try:
+        client.makedirs("/bench/ckpt")
+        tensors = [v for v in sd.values() if isinstance(v, torch.Tensor)]
+        rec("save_blocking", "floor_memcpy", median(lambda: timed(lambda: [t.clone() for t in tensors]), args.repeat))
+        step = iter(range(10_000))
+        handles: list[Any] = []
+
+        def one_save() -> float:
+            t = time.perf_counter()
+            h = staging.save(sd, f"stripefs://bench/ckpt/step-{next(step):06d}", staging_dir=sdir, cluster=args.cluster,
+                             keep_local=1, keep_remote=1, background_mover=False)
+            blocking = time.perf_counter() - t
+            h.wait()
+            handles.append((h, time.perf_counter() - t))
+            return blocking
+
+        one_save()  # warm-up: the first save allocates and faults in the host buffer
+        rec("save_blocking", "staging", median(one_save, args.repeat))
+        rec("save_global_durable", "staging", statistics.median(d for _, d in handles[1:]))
+        for phase in ("snapshot", "serialize", "local_write", "upload"):
+            rec(f"save_phase_{phase}", "staging", statistics.median(h.timings.get(phase, 0) or 1e-9 for h, _ in handles[1:]))
+        buf = torch.empty(size, dtype=torch.uint8)
+        buf.fill_(1)
+        view = memoryview(buf.numpy())
+
+        def native_write() -> float:
+            t = time.perf_counter()
+            with client.open("/bench/native.bin", "wb") as f:
+                f.write(view)
+            return time.perf_counter() - t
+        rec("save_global_durable", "native_write", median(native_write, args.repeat))
+
+        def torch_save_remote() -> float:
+            try:
+                import fsspec
+
+                opener = lambda: fsspec.open("stripefs:///bench/torch.pt", "wb", cluster=args.cluster).open()  # noqa: E731
+                opener().close()
+                label = "fsspec"
+            except Exception:  # fsspec route missing: the native file object is the closest peer
+                opener, label = (lambda: client.open("/bench/torch.pt", "wb")), "native_file"
+            t = time.perf_counter()
+            with opener() as f:
+                torch.save(sd, f)
+            torch_save_remote.label = label  # type: ignore[attr-defined]
+            return time.perf_counter() - t
+        rec("save_blocking", "torch_save_" + ("remote"), median(torch_save_remote, args.repeat))
+        results[-1]["path"] = "torch_save_" + getattr(torch_save_remote, "label", "remote")
+
+        last = handles[-1][0].url
+        rec("load", "staging_remote", median(lambda: timed(lambda: staging.load(last, cluster=args.cluster,
+                                                                                prefer_local=False)), args.repeat))
+        rec("load", "staging_local", median(lambda: timed(lambda: staging.load(last, cluster=args.cluster,
+                                                                               staging_dir=sdir)), args.repeat))
+        local_pt = os.path.join(scratch, "local.pt")
+        torch.save(sd, local_pt)
+        rec("load", "torch_load_mmap_local", median(lambda: timed(
+            lambda: [t.sum() for t in torch.load(local_pt, mmap=True, weights_only=True).values()
+                     if isinstance(t, torch.Tensor)]), args.repeat))
+        rec("load", "torch_load_native_file", median(lambda: timed(
+            lambda: torch.load(client.open("/bench/torch.pt", "rb"), weights_only=True)), args.repeat))
+        dcp_bench(sd, args, scratch, sdir, rec)
+        train_bench(args, sdir, rec)
+    finally:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"results": results, "note": "shared 2-core VM; compare ratios within the run"}, f, indent=1)
+        client.close()
+        if root:
+            _cluster.down(root)
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+def dcp_bench(sd: dict[str, Any], args: Any, scratch: str, sdir: str, rec: Callable[..., None]) -> None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    warnings.filterwarnings("ignore")
+    tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    writer = staging.StagedStorageWriter(staging_dir=sdir, cluster=args.cluster, keep_local=1, keep_remote=1)
+    fsw = dcp.FileSystemWriter(os.path.join(scratch, "dcp0"), cache_staged_state_dict=False)
+    for label, mk in (("staging_writer", lambda i: (writer, f"stripefs://bench/dcp/step-{i}")),
+                      ("torch_fs_writer_local", lambda i: (fsw, os.path.join(scratch, f"dcp{i}")))):
+        blocking, total = [], []
+        for i in range(args.repeat + 1):
+            w, cid = mk(i)
+            t = time.perf_counter()
+            fut = dcp.async_save(tensors, checkpoint_id=cid, storage_writer=w)
+            b = time.perf_counter() - t
+            fut.result()
+            if i:  # the first one warms the reusable buffers
+                blocking.append(b)
+                total.append(time.perf_counter() - t)
+        rec("dcp_async_save_blocking", label, statistics.median(blocking))
+        rec("dcp_async_save_total", label, statistics.median(total))
+
+
+def train_bench(args: Any, sdir: str, rec: Callable[..., None]) -> None:
+    """A loop of matmuls that checkpoints a 256 MiB state every N steps; the wall-time fraction lost."""
+    torch.manual_seed(0)
+    a = torch.randn(1024, 1024)
+    state = {f"p{i}": torch.randn(8 << 20) for i in range(8)}
+    every = 20
+
+    def loop(ckpt: bool) -> float:
+        t = time.perf_counter()
+        pending = None
+        for s in range(args.train_steps):
+            for _ in range(4):
+                torch.mm(a, a)
+            state["p0"].add_(1e-3)
+            if ckpt and s % every == every - 1:
+                if pending is not None:
+                    pending.wait()
+                pending = staging.save(state, f"stripefs://bench/train/step-{s:06d}", staging_dir=sdir,
+                                       cluster=args.cluster, keep_local=1, keep_remote=1, background_mover=False)
+        if pending is not None:
+            pending.wait()
+        return time.perf_counter() - t
+
+    loop(True)  # warm-up
+    base, with_ckpt = loop(False), loop(True)
+    rec("train_loop_no_ckpt", "baseline", base, 0 or 1)
+    rec("train_loop_ckpt", "staging", with_ckpt, 0 or 1)
+    print(f"train loop: {max(0.0, with_ckpt - base) / with_ckpt:.1%} of wall time lost to checkpointing "
+          f"(every {every} steps, {args.train_steps} steps)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Resolving a path under a stripefs FUSE mount to (cluster, inode): the ``hf3fs_reg_fd`` analogue.
+
+Users of a mount get the fast path for the same files: the batch reader finds
+the mount that holds a path in ``/proc/self/mountinfo``, learns the cluster
+from a small state file the mount daemon writes, and takes the inode from
+``os.stat`` (the FUSE daemon uses stripefs inode numbers as FUSE inode numbers).
+
+Mount state file (written by the mount daemon, removed at unmount)::
+
+    $STRIPEFS_MOUNT_STATE_DIR/<quote(mountpoint, safe="")>.json   (default dir /run/stripefs/mounts)
+    {"mountpoint": "/mnt/data",            # absolute, as in /proc/self/mountinfo
+     "cluster_file": "/srv/c/cluster.json",  # what fsclient.Client(...) accepts
+     "pid": 12345,                          # the daemon; a dead pid makes the file stale
+     "root": "/"}                           # optional: stripefs directory mounted there
+
+``quote`` is ``urllib.parse.quote``: ``/mnt/data`` becomes ``%2Fmnt%2Fdata.json``.
+The daemon should write it atomically (temp file + ``os.replace``), mode 0644.
+As a fallback the record of ``stripefs mount`` (``<state dir>/stripefs/mounts/
+<sha1(mountpoint)[:16]>.json``) is read too, when it has a ``cluster_file`` key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+from dataclasses import dataclass
+from urllib.parse import quote
+
+from wire import ErrorCode, StripefsError
+
+__all__ = ["MountedFile", "resolve_mounted", "mount_state_path", "MOUNT_STATE_DIR"]
+
+MOUNT_STATE_DIR = "/run/stripefs/mounts"
+
+
+@dataclass(frozen=True, slots=True)
+class MountedFile:
+    """Where a mounted path lives in stripefs."""
+
+    cluster_file: str
+    ino: int
+    path: str  # the stripefs path (root + path inside the mount); informative only
+    mountpoint: str
+
+
+def mount_state_path(mountpoint: str, state_dir: str | None = None) -> str:
+    """The state file the mount daemon writes for ``mountpoint``."""
+    base = state_dir or os.environ.get("STRIPEFS_MOUNT_STATE_DIR") or MOUNT_STATE_DIR
+    return os.path.join(base, quote(os.path.abspath(mountpoint), safe="") + ".json")
+
+
+def _unescape(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as \ooo octal.
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and i + 4 <= len(field) and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def _mounts(mountinfo: str) -> list[tuple[str, str]]:
+    """(mountpoint, fstype) for every line of a mountinfo file."""
+    found = []
+    with open(mountinfo) as f:
+        for line in f:
+            left, sep, right = line.partition(" - ")
+            fields = left.split()
+            if not sep or len(fields) < 5 or not right.split():
+                continue
+            found.append((_unescape(fields[4]), right.split()[0]))
+    return found
+
+
+def _inside(path: str, mountpoint: str) -> bool:
+    return mountpoint == "/" or path == mountpoint or path.startswith(mountpoint.rstrip("/") + "/")
+
+
+def resolve_mounted(path: str, *, mountinfo: str = "/proc/self/mountinfo", state_dir: str | None = None) -> MountedFile:
+    """Map a path under a stripefs FUSE mount to its cluster file and inode.
+
+    Args:
+        path: a local path (relative paths are taken from the working directory).
+        mountinfo: the mount table to read (tests pass their own).
+        state_dir: where mount state files live (default: ``$STRIPEFS_MOUNT_STATE_DIR``
+            or ``/run/stripefs/mounts``).
+
+    Returns:
+        A :class:`MountedFile`.
+
+    Raises:
+        StripefsError: INVALID when the path is not on a FUSE mount with a stripefs
+            state file; STALE_ROUTING (ESTALE) when the state file names a dead daemon;
+            FileNotFoundError for a missing path.
+    """
+    real = os.path.realpath(path)
+    best = None
+    for mp, fstype in _mounts(mountinfo):
+        if _inside(real, mp) and (best is None or len(mp) > len(best[0])):
+            best = (mp, fstype)
+    if best is None or not best[1].startswith("fuse"):
+        raise StripefsError(ErrorCode.INVALID, "not on a stripefs FUSE mount", path)
+    mp = best[0]
+    state_file = mount_state_path(mp, state_dir)
+    if state_dir is None and not os.path.exists(state_file) and os.path.exists(_cli_record(mp)):
+        state_file = _cli_record(mp)
+    try:
+        with open(state_file) as f:
+            state = json.load(f)
+        cluster_file, pid = str(state["cluster_file"]), int(state["pid"])
+        root = str(state.get("root") or "/")
+    except FileNotFoundError:
+        raise StripefsError(ErrorCode.INVALID, f"{mp} is a FUSE mount without a stripefs state file ({state_file})", path) from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise StripefsError(ErrorCode.INVALID, f"unreadable mount state file {state_file}: {exc}", path) from exc
+    if not _pid_alive(pid):
+        raise StripefsError(ErrorCode.STALE_ROUTING, f"mount daemon of {mp} (pid {pid}) is gone", path)
+    ino = os.stat(real).st_ino
+    inner = os.path.relpath(real, mp)
+    spath = posixpath.normpath(posixpath.join(root, "" if inner == "." else inner))
+    return MountedFile(cluster_file, ino, spath, mp)
+
+
+def _cli_record(mountpoint: str) -> str:
+    # Also accepted: the record `stripefs mount` keeps next to the user's cluster state
+    # (fsclient.fuse_cli), when it carries a "cluster_file" key.
+    from ._config import default_state_file
+
+    digest = hashlib.sha1(mountpoint.encode()).hexdigest()[:16]
+    return os.path.join(os.path.dirname(default_state_file()), "mounts", digest + ".json")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,581 @@
+"""The FUSE face of stripefs: pyfuse3 ``Operations`` over the native client.
+
+A thin adapter. Every call to the cluster runs on a worker thread (through
+:class:`~fsclient.AsyncClient`), so the trio loop that pyfuse3 drives never
+blocks; the data path underneath is the native client's parallel chunk I/O.
+stripefs inode numbers are the FUSE inode numbers (root 1 == ``ROOT_INODE``).
+
+Semantics (docs/fuse.md has the long form):
+
+* Open files: one state per inode per mount (:class:`OpenFile`), shared by all
+  handles, holding a :class:`~fsclient.StripeFile` (write-behind buffers,
+  sequential readahead). Writes are acknowledged once buffered; errors surface
+  at ``flush`` (every ``close``), ``fsync`` or the next write. The file length
+  is committed at every ``flush``/``fsync`` (close-to-open consistency).
+* Unlinking (or renaming over) a file that is open in this mount links it
+  into ``/.stripefs-orphans`` first ("silly rename", as NFS does); the last
+  ``release`` removes it. Orphans of a crashed daemon are removed by the next
+  mount on the same host.
+* Page cache: ``keep_cache`` is granted at open only when the file's
+  ``(size, mtime)`` is the one this mount last saw; otherwise the kernel drops
+  the cached pages and attributes (close-to-open across mounts).
+
+Caveats:
+
+* Permission checks are the kernel's (``default_permissions``); no ACLs.
+* xattrs are not supported: the handlers answer ENOSYS once and the kernel
+  answers EOPNOTSUPP from then on without asking.
+* Open-but-unlinked files survive only for handles of the mount that unlinked;
+  another mount's handles lose the data (the metadata service cannot know them).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import io
+import itertools
+import logging
+import mmap
+import os
+import socket
+import stat
+from typing import Any, Awaitable, Callable, TypeVar
+
+import pyfuse3
+import trio
+
+from wire import Attr, DirEntry, messages as m
+
+from ._client import AsyncClient, Client
+from ._file import StripeFile
+
+__all__ = ["StripeOperations", "FuseConfig", "ORPHAN_DIR"]
+
+log = logging.getLogger(__name__)
+
+ORPHAN_DIR = ".stripefs-orphans"
+BLKSIZE = 1 << 20  # st_blksize: stdio, Python io and cp size their buffers by it
+READDIR_PAGE = 1000
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+class FuseConfig:
+    """Mount tunables (``-o`` options of ``stripefs mount`` that are ours, not libfuse's).
+
+    Args:
+        attr_timeout: seconds the kernel may cache attributes.
+        entry_timeout: seconds the kernel may cache a name -> inode lookup.
+        direct_io: bypass the kernel page cache for file data.
+        readahead_kb: kernel readahead window set on the mount's bdi (0 = leave it).
+    """
+
+    def __init__(self, attr_timeout: float = 1.0, entry_timeout: float = 1.0,
+                 direct_io: bool = False, readahead_kb: int = 16384):
+        self.attr_timeout = attr_timeout
+        self.entry_timeout = entry_timeout
+        self.direct_io = direct_io
+        self.readahead_kb = readahead_kb
+
+
+def _errors(fn: F) -> F:
+    """Translate client errors into ``FUSEError(errno)`` once, for every handler."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await fn(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except OSError as exc:
+            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from exc
+        except Exception as exc:
+            log.exception("%s failed", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from exc
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _name(raw: bytes) -> str:
+    return os.fsdecode(raw)
+
+
+class OpenFile:
+    """The state of one inode open in this mount, shared by all its handles.
+
+    Every method is blocking and runs on a worker thread while the caller holds
+    ``lock`` (StripeFile is not thread-safe).
+    """
+
+    def __init__(self, file: StripeFile):
+        self.file = file
+        self.handles = 0
+        self.lock = trio.Lock()
+        self.orphan: str | None = None  # name in ORPHAN_DIR once silly-renamed
+        self.dirty = False  # writes buffered since the last sync
+        self.seq_end = 0
+        self._buf: mmap.mmap | None = None
+
+    def length(self) -> int:
+        """This mount's view of the length (buffered writes included)."""
+        return self.file.seek(0, io.SEEK_END)
+
+    def read(self, offset: int, size: int) -> memoryview:
+        """Read into this inode's reused page-aligned buffer and return a view of it.
+
+        The view is valid until the next read of this inode: pyfuse3 copies it
+        into the reply before any other task of the loop runs.
+        """
+        f = self.file
+        f.flush()  # reads see this mount's buffered writes
+        length = self.length()
+        n = max(0, min(size, length - offset))
+        if self._buf is None or len(self._buf) < n:
+            self._buf = mmap.mmap(-1, max(n, 1 << 20))
+        dest = memoryview(self._buf)[:n]
+        if n == 0:
+            return dest
+        self.dirty = False
+        if offset in (0, self.seq_end):  # sequential: StripeFile's readahead windows
+            got = f.pread_into(dest, offset)
+        else:  # random: exactly the bytes asked for, no window
+            got = f.core.read_into(f.ino, f.layout, length, offset, dest)
+        self.seq_end = offset + got
+        return dest[:got]
+
+    def read_at(self, offset: int, dest: memoryview) -> int:
+        """Read exactly the asked range into ``dest``; safe to run in parallel (no state)."""
+        f = self.file
+        return f.core.read_into(f.ino, f.layout, self.length(), offset, dest)
+
+    def write(self, offset: int, data: bytes) -> int:
+        self.dirty = True
+        return self.file.pwrite(data, offset)
+
+    def sync(self) -> None:
+        """Wait for buffered writes and commit the length (flush and fsync)."""
+        self.file.fsync()
+        self.dirty = False
+
+    def truncate(self, size: int) -> None:
+        self.file.truncate(size)
+        self.seq_end = 0
+
+    def close(self) -> None:
+        try:
+            self.file.close()
+        finally:
+            self._buf = None  # not closed: pyfuse3 may still hold a view of it
+
+
+class _Dir:
+    """A directory handle: the current page of a name-ordered listing."""
+
+    def __init__(self, ino: int):
+        self.ino = ino
+        self.base = 0
+        self.page: list[DirEntry] = []
+        self.more = True
+
+    def reset(self) -> None:
+        self.base, self.page, self.more = 0, [], True
+
+
+class StripeOperations(pyfuse3.Operations):
+    """pyfuse3 operations serving a stripefs cluster.
+
+    Args:
+        client: a connected native client (the daemon owns it).
+        config: mount tunables.
+    """
+
+    enable_writeback_cache = False  # the kernel would then ignore sizes committed by other mounts
+
+    def __init__(self, client: Client, config: FuseConfig | None = None):
+        super().__init__()
+        self.client = client
+        self.aio = AsyncClient(client, limiter=trio.CapacityLimiter(64))
+        self.config = config or FuseConfig()
+        self.mount_id = f"{socket.gethostname()}@{os.getpid()}@{os.urandom(3).hex()}"
+        self.files: dict[int, OpenFile] = {}  # ino -> open state
+        self.handles: dict[int, int] = {}  # fh -> ino
+        self.dirs: dict[int, _Dir] = {}
+        self.lookups: dict[int, int] = {}
+        self.told: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime) last given to the kernel
+        self.cached: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime) of the kernel's page cache
+        self.closing: dict[int, trio.Event] = {}
+        self._fh = itertools.count(1)
+        self._orphan_dir: int | None = None
+        self._rbufs: list[mmap.mmap] = []  # never closed: pyfuse3 may still hold a view
+
+    # -- helpers ------------------------------------------------------------------------
+    def _entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
+        size = attr.size
+        state = self.files.get(attr.ino)
+        if state is not None:
+            size = max(size, state.length())
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = attr.ino
+        e.generation = 0
+        e.entry_timeout = self.config.entry_timeout
+        e.attr_timeout = self.config.attr_timeout
+        e.st_mode = attr.mode
+        # An orphaned (silly-renamed) inode is unlinked as far as users can tell.
+        e.st_nlink = attr.nlink - 1 if state is not None and state.orphan else attr.nlink
+        e.st_uid, e.st_gid, e.st_rdev = attr.uid, attr.gid, 0
+        e.st_size = size
+        e.st_blksize = BLKSIZE
+        e.st_blocks = (size + 511) // 512
+        e.st_atime_ns, e.st_mtime_ns, e.st_ctime_ns = attr.atime_ns, attr.mtime_ns, attr.ctime_ns
+        self.told[attr.ino] = (size, attr.mtime_ns)
+        return e
+
+    def _looked_up(self, attr: Attr) -> pyfuse3.EntryAttributes:
+        """An entry reply that raises the kernel's lookup count by one."""
+        self.lookups[attr.ino] = self.lookups.get(attr.ino, 0) + 1
+        return self._entry(attr)
+
+    async def _attr(self, ino: int) -> Attr:
+        return await self.aio.attr(m.GetAttr(ino=ino))
+
+    async def _locked(self, state: OpenFile, fn: Callable[..., Any], *args: Any) -> Any:
+        async with state.lock:
+            return await self.aio.run(fn, *args)
+
+    # -- lookups ------------------------------------------------------------------------
+    @_errors
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._looked_up(await self.aio.attr(m.Lookup(parent=parent_inode, name=_name(name))))
+
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for ino, n in inode_list:
+            left = self.lookups.get(ino, 0) - n
+            if left > 0:
+                self.lookups[ino] = left
+            else:  # the kernel dropped the inode and its pages
+                self.lookups.pop(ino, None)
+                self.told.pop(ino, None)
+                self.cached.pop(ino, None)
+
+    @_errors
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._entry(await self._attr(inode))
+
+    @_errors
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+                      fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        state = self.files.get(inode)
+        if state is not None:  # buffered writes land (and commit their mtime) before the change
+            await self._locked(state, state.sync)
+        if fields.update_size:
+            if state is not None:
+                await self._locked(state, state.truncate, attr.st_size)
+            else:
+                await self.aio.attr(m.SetAttr(ino=inode, size=attr.st_size))
+        kw: dict[str, int] = {}
+        if fields.update_mode:
+            kw["mode"] = stat.S_IMODE(attr.st_mode)
+        if fields.update_uid:
+            kw["uid"] = attr.st_uid
+        if fields.update_gid:
+            kw["gid"] = attr.st_gid
+        if fields.update_atime:
+            kw["atime_ns"] = attr.st_atime_ns
+        if fields.update_mtime:
+            kw["mtime_ns"] = attr.st_mtime_ns
+        new = await self.aio.attr(m.SetAttr(ino=inode, **kw)) if kw else await self._attr(inode)
+        return self._entry(new)
+
+    @_errors
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        return os.fsencode((await self.aio.call(m.Readlink(ino=inode)))["target"])
+
+    # -- directories ----------------------------------------------------------------------
+    @_errors
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        fh = next(self._fh)
+        self.dirs[fh] = _Dir(inode)
+        return fh
+
+    @_errors
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        d = self.dirs[fh]
+        if start_id < d.base:  # rewinddir or seek backwards: list again
+            d.reset()
+        i = start_id
+        while True:
+            while i >= d.base + len(d.page) and d.more:
+                after = d.page[-1].name if d.page else ""
+                d.base += len(d.page)
+                reply = await self.aio.call(m.Readdir(ino=d.ino, after=after, limit=READDIR_PAGE, plus=True))
+                d.page = [DirEntry.from_wire(e) for e in reply["entries"]]
+                d.more = bool(reply["more"]) and bool(d.page)
+            if i >= d.base + len(d.page):
+                return
+            e = d.page[i - d.base]
+            i += 1
+            if d.ino == pyfuse3.ROOT_INODE and e.name == ORPHAN_DIR or e.attr is None:
+                continue
+            if not pyfuse3.readdir_reply(token, os.fsencode(e.name), self._entry(e.attr), i):
+                return
+            self.lookups[e.ino] = self.lookups.get(e.ino, 0) + 1
+
+    async def releasedir(self, fh: int) -> None:
+        self.dirs.pop(fh, None)
+
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        return None  # metadata operations commit before they answer
+
+    @_errors
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._looked_up(await self.aio.attr(m.Mkdir(parent=parent_inode, name=_name(name), mode=stat.S_IMODE(mode),
+                                                           uid=ctx.uid, gid=ctx.gid)))
+
+    @_errors
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        await self.aio.call(m.Rmdir(parent=parent_inode, name=_name(name)))
+
+    # -- names ------------------------------------------------------------------------------
+    @_errors
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._looked_up(await self.aio.attr(m.Symlink(parent=parent_inode, name=_name(name), target=os.fsdecode(target),
+                                                             uid=ctx.uid, gid=ctx.gid)))
+
+    @_errors
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._looked_up(await self.aio.attr(m.Link(ino=inode, new_parent=new_parent_inode, new_name=_name(new_name))))
+
+    @_errors
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        victim = await self.aio.attr(m.Lookup(parent=parent_inode, name=_name(name)))
+        linked = await self._keep_if_open(victim)
+        try:
+            await self.aio.call(m.Unlink(parent=parent_inode, name=_name(name)))
+        except BaseException:
+            await self._unkeep(victim.ino, linked)
+            raise
+
+    @_errors
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
+                     flags: int, ctx: pyfuse3.RequestContext) -> None:
+        linked = False
+        victim: Attr | None = None
+        if not flags:  # a plain rename may drop the target: keep it if it is open here
+            try:
+                victim = await self.aio.attr(m.Lookup(parent=parent_inode_new, name=_name(name_new)))
+            except FileNotFoundError:
+                victim = None
+            if victim is not None:
+                linked = await self._keep_if_open(victim)
+        try:
+            await self.aio.call(m.Rename(parent=parent_inode_old, name=_name(name_old), new_parent=parent_inode_new,
+                                         new_name=_name(name_new), flags=flags))
+        except BaseException:
+            if victim is not None:
+                await self._unkeep(victim.ino, linked)
+            raise
+
+    async def _orphans(self) -> int:
+        if self._orphan_dir is None:
+            try:
+                attr = await self.aio.attr(m.Mkdir(parent=pyfuse3.ROOT_INODE, name=ORPHAN_DIR, mode=0o700))
+            except FileExistsError:
+                attr = await self.aio.attr(m.Lookup(parent=pyfuse3.ROOT_INODE, name=ORPHAN_DIR))
+            self._orphan_dir = attr.ino
+        return self._orphan_dir
+
+    async def _keep_if_open(self, victim: Attr) -> bool:
+        """Silly rename: give an open file losing its last name a hidden one."""
+        state = self.files.get(victim.ino)
+        if state is None or state.orphan is not None or not victim.is_file or victim.nlink != 1:
+            return False
+        name = f"{victim.ino}@{self.mount_id}"  # host@pid: a later mount can tell it is stale
+        await self.aio.call(m.Link(ino=victim.ino, new_parent=await self._orphans(), new_name=name))
+        state.orphan = name
+        return True
+
+    async def _unkeep(self, ino: int, linked: bool) -> None:
+        state = self.files.get(ino)
+        if linked and state is not None and state.orphan is not None:
+            name, state.orphan = state.orphan, None
+            await self.aio.call(m.Unlink(parent=await self._orphans(), name=name))
+
+    async def clean_orphans(self) -> int:
+        """Remove orphans that dead daemons of this host left behind. Returns how many."""
+        try:
+            d = await self.aio.attr(m.Lookup(parent=pyfuse3.ROOT_INODE, name=ORPHAN_DIR))
+        except FileNotFoundError:
+            return 0
+        self._orphan_dir = d.ino
+        host, removed, after = socket.gethostname(), 0, ""
+        while True:
+            reply = await self.aio.call(m.Readdir(ino=d.ino, after=after, limit=READDIR_PAGE))
+            names = [DirEntry.from_wire(e).name for e in reply["entries"]]
+            for name in names:
+                parts = name.split("@")
+                if len(parts) >= 4 and parts[-3] == host and parts[-2].isdigit() and not _daemon_alive(int(parts[-2])):
+                    await self.aio.call(m.Unlink(parent=d.ino, name=name))
+                    removed += 1
+            if not reply["more"] or not names:
+                return removed
+            after = names[-1]
+
+    # -- files ------------------------------------------------------------------------------
+    async def _open_state(self, attr: Attr, flags: int) -> pyfuse3.FileInfo:
+        if not attr.is_file:
+            raise pyfuse3.FUSEError(errno.EISDIR if attr.is_dir else errno.EINVAL)
+        ino = attr.ino
+        state = self.files.get(ino)
+        stamp = (attr.size, attr.mtime_ns)
+        busy = state is not None and state.handles > 0
+        if state is None:
+            state = self.files[ino] = OpenFile(StripeFile(self.client, f"<inode {ino}>", attr, readable=True, writable=True))
+        state.handles += 1
+        fh = next(self._fh)
+        self.handles[fh] = ino
+        if flags & os.O_TRUNC and (attr.size or state.length()):
+            await self._locked(state, state.truncate, 0)
+            stamp = None  # type: ignore[assignment]
+        keep = busy or self.cached.get(ino) == stamp
+        if not keep and self.told.get(ino) not in (None, stamp):
+            # The kernel holds attributes (size) older than the file: drop them now.
+            await trio.to_thread.run_sync(_invalidate, ino)
+        if not busy:
+            self.cached[ino] = stamp  # type: ignore[assignment]
+        return pyfuse3.FileInfo(fh=fh, direct_io=self.config.direct_io, keep_cache=keep)
+
+    async def _wait_closing(self, ino: int) -> None:
+        ev = self.closing.get(ino)
+        if ev is not None:
+            await ev.wait()
+
+    @_errors
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        await self._wait_closing(inode)
+        return await self._open_state(await self._attr(inode), flags)
+
+    @_errors
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        reply = await self.aio.call(m.Create(parent=parent_inode, name=_name(name), mode=stat.S_IMODE(mode), uid=ctx.uid,
+                                             gid=ctx.gid, exclusive=bool(flags & os.O_EXCL), truncate=bool(flags & os.O_TRUNC)))
+        attr = Attr.from_wire(reply["attr"])
+        await self._wait_closing(attr.ino)
+        fi = await self._open_state(attr, flags & ~os.O_TRUNC)
+        return fi, self._looked_up(attr)
+
+    @_errors
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if not stat.S_ISREG(mode):
+            raise pyfuse3.FUSEError(errno.EOPNOTSUPP)  # no fifos, sockets or device nodes
+        reply = await self.aio.call(m.Create(parent=parent_inode, name=_name(name), mode=stat.S_IMODE(mode),
+                                             uid=ctx.uid, gid=ctx.gid, exclusive=True))
+        return self._looked_up(Attr.from_wire(reply["attr"]))
+
+    def _state(self, fh: int) -> OpenFile:
+        try:
+            return self.files[self.handles[fh]]
+        except KeyError:
+            raise pyfuse3.FUSEError(errno.EBADF) from None
+
+    @_errors
+    async def read(self, fh: int, off: int, size: int) -> memoryview:
+        state = self._state(fh)
+        if state.dirty or (self.config.direct_io and off in (0, state.seq_end)):
+            # Buffered writes must land first; direct_io sequential reads use the windows.
+            return await self._locked(state, state.read, off, size)
+        # Page-cache mode: the kernel's readahead sends many requests at once; serve
+        # them in parallel, each straight into a reused page-aligned buffer.
+        buf = self._rbufs.pop() if self._rbufs and len(self._rbufs[-1]) >= size else mmap.mmap(-1, max(size, 1 << 20))
+        try:
+            n = await self.aio.run(state.read_at, off, memoryview(buf)[:size])
+        finally:
+            # Safe to reuse at once: pyfuse3 replies from the view before any other task runs,
+            # and no thread holds this buffer any more.
+            if len(self._rbufs) < 64:
+                self._rbufs.append(buf)
+        return memoryview(buf)[:n]
+
+    @_errors
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        state = self._state(fh)
+        return await self._locked(state, state.write, off, buf)
+
+    @_errors
+    async def flush(self, fh: int) -> None:
+        state = self._state(fh)
+        await self._locked(state, state.sync)
+
+    @_errors
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        state = self._state(fh)
+        await self._locked(state, state.sync)
+
+    async def release(self, fh: int) -> None:
+        ino = self.handles.pop(fh, None)
+        state = self.files.get(ino) if ino is not None else None
+        if ino is None or state is None:
+            return
+        state.handles -= 1
+        if state.handles > 0:
+            return
+        del self.files[ino]
+        done = self.closing[ino] = trio.Event()
+        try:
+            await self._locked(state, state.close)
+            if state.orphan is not None:
+                await self.aio.call(m.Unlink(parent=await self._orphans(), name=state.orphan))
+                self.cached.pop(ino, None)
+            else:
+                attr = await self._attr(ino)
+                self.cached[ino] = (attr.size, attr.mtime_ns)
+        except Exception:  # release cannot report errors; flush already did
+            log.exception("release of inode %d", ino)
+            self.cached.pop(ino, None)
+        finally:
+            del self.closing[ino]
+            done.set()
+
+    # -- file system ----------------------------------------------------------------------
+    @_errors
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        st = await self.aio.call(m.Statfs())
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = BLKSIZE
+        s.f_frsize = 4096
+        s.f_blocks = st["capacity"] // s.f_frsize
+        s.f_bfree = s.f_bavail = st["free"] // s.f_frsize
+        s.f_files = st["files"] + (1 << 32)
+        s.f_ffree = s.f_favail = 1 << 32  # inodes are rows in the metadata store: no fixed table
+        s.f_namemax = 255
+        return s
+
+    # xattrs: ENOSYS makes the kernel answer EOPNOTSUPP itself from then on (no round trips).
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
+        raise pyfuse3.FUSEError(errno.ENOSYS)
+
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        raise pyfuse3.FUSEError(errno.ENOSYS)
+
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        raise pyfuse3.FUSEError(errno.ENOSYS)
+
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        raise pyfuse3.FUSEError(errno.ENOSYS)
+
+
+def _invalidate(ino: int) -> None:
+    try:
+        pyfuse3.invalidate_inode(ino, attr_only=True)
+    except OSError:  # the kernel forgot the inode meanwhile: nothing to drop
+        pass
+
+
+def _daemon_alive(pid: int) -> bool:
+    """Is ``pid`` a running stripefs mount daemon (not a recycled pid)?"""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"fuse_cli" in f.read()
+    except OSError:
+        return False

@@ -1,0 +1,353 @@
+"""``stripefs mount`` and ``stripefs umount``.
+
+``stripefs mount MOUNTPOINT [--cluster C] [--foreground] [-o opt,opt=val]``
+checks what it can before mounting (``/dev/fuse``, the mount point, the
+cluster) so failures read clearly, then starts the daemon detached (unless
+``--foreground``) and returns only once the mount answers a ``stat``, or with
+the daemon's error. ``stripefs umount MOUNTPOINT [--lazy]`` unmounts, clears a
+mount whose daemon died (``Transport endpoint is not connected``), and waits
+for the daemon to finish.
+
+Options (``-o``): ours are ``attr_timeout=S``, ``entry_timeout=S``,
+``direct_io``, ``readahead_kb=N``; anything else (``allow_other``, ``ro``,
+...) goes to libfuse. ``default_permissions`` is always on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from wire import StripefsError, messages as m
+
+from ._config import default_state_file, find_cluster
+
+READY_TIMEOUT = 30.0
+UMOUNT_WAIT = 15.0
+
+
+class MountError(Exception):
+    """A mount or unmount that cannot proceed; the message says why."""
+
+
+# -- bookkeeping --------------------------------------------------------------------------
+def _run_dir() -> str:
+    d = os.path.join(os.path.dirname(default_state_file()), "mounts")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def _record_path(mountpoint: str) -> str:
+    return os.path.join(_run_dir(), hashlib.sha1(mountpoint.encode()).hexdigest()[:16] + ".json")
+
+
+def mount_record(mountpoint: str) -> dict[str, Any] | None:
+    """``{"pid", "mountpoint", "log"}`` of the daemon serving ``mountpoint``, if recorded."""
+    try:
+        with open(_record_path(os.path.abspath(mountpoint))) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _unescape(field: str) -> str:
+    # /proc/self/mountinfo escapes space, tab, newline and backslash as \ooo.
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and field[i + 1:i + 4].isdigit():
+            out.append(chr(int(field[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def mounted_fstype(mountpoint: str) -> str | None:
+    """The file system type mounted exactly at ``mountpoint`` (works on dead FUSE mounts)."""
+    mountpoint = os.path.abspath(mountpoint)
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            if _unescape(left.split()[4]) == mountpoint:
+                found = right.split()[0]
+    return found
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+# -- options ---------------------------------------------------------------------------------
+def parse_options(opts: list[str]) -> tuple[Any, set[str]]:
+    """Split ``-o`` values into our :class:`FuseConfig` and the libfuse option set."""
+    from .fuse import FuseConfig
+
+    cfg = FuseConfig()
+    fuse_opts = {"default_permissions", "fsname=stripefs", "subtype=stripefs"}
+    if os.getuid() == 0:
+        fuse_opts.add("allow_other")  # a root daemon serves every user of the node
+    for opt in (o.strip() for group in opts for o in group.split(",")):
+        key, _, value = opt.partition("=")
+        try:
+            if key in ("attr_timeout", "entry_timeout"):
+                setattr(cfg, key, float(value))
+            elif key == "readahead_kb":
+                cfg.readahead_kb = int(value)
+            elif key == "direct_io":
+                cfg.direct_io = True
+            elif key == "noallow_other":
+                fuse_opts.discard("allow_other")
+            elif opt:
+                fuse_opts.add(opt)
+        except ValueError:
+            raise MountError(f"bad mount option {opt!r}") from None
+    return cfg, fuse_opts
+
+
+# -- mount -----------------------------------------------------------------------------------
+def preflight(mountpoint: str, cluster: str | None) -> None:
+    """Fail early and clearly: no /dev/fuse, bad or busy mount point, unreachable cluster."""
+    try:
+        os.close(os.open("/dev/fuse", os.O_RDWR))
+    except OSError as exc:
+        raise MountError(f"cannot use /dev/fuse: {exc.strerror} (is the fuse module loaded / the device passed in?)") from None
+    if mounted_fstype(mountpoint) is not None:
+        raise MountError(f"{mountpoint} is busy: something is already mounted there (stripefs umount {mountpoint})")
+    if not os.path.isdir(mountpoint):
+        raise MountError(f"mount point {mountpoint} is not an existing directory")
+    from ._client import Client
+
+    try:
+        with Client(cluster) as c:
+            c.core.call(m.Statfs(), timeout=5.0)
+    except StripefsError as exc:
+        raise MountError(f"cluster unreachable: {exc.message}") from None
+    except OSError as exc:
+        raise MountError(f"cluster unreachable: {exc}") from None
+
+
+def serve(mountpoint: str, cluster: str | None, options: list[str], ready_fd: int | None = None) -> int:
+    """Run the daemon in this process until unmounted or signalled."""
+    import pyfuse3
+    import trio
+
+    from ._client import Client
+    from .fuse import StripeOperations
+
+    cfg, fuse_opts = parse_options(options)
+    client = Client(cluster)
+    ops = StripeOperations(client, cfg)
+    with open(_record_path(mountpoint), "w") as f:
+        json.dump({"pid": os.getpid(), "mountpoint": mountpoint, "log": os.environ.get("STRIPEFS_MOUNT_LOG")}, f)
+
+    def tell(text: str) -> None:
+        if ready_fd is not None:
+            try:
+                os.write(ready_fd, text.encode() + b"\n")
+                os.close(ready_fd)
+            except OSError:
+                pass
+
+    try:
+        pyfuse3.init(ops, mountpoint, fuse_opts)
+    except RuntimeError as exc:
+        tell(f"error: FUSE mount of {mountpoint} failed: {exc}")
+        client.close()
+        os.unlink(_record_path(mountpoint))
+        return 1
+
+    async def announce() -> None:
+        # The mount answers once the kernel's INIT is served by pyfuse3.main below.
+        st = await trio.to_thread.run_sync(os.stat, mountpoint)
+        _set_readahead(st.st_dev, cfg.readahead_kb)
+        removed = await ops.clean_orphans()
+        if removed:
+            logging.info("removed %d stale orphans", removed)
+        tell("ok")
+
+    async def signals() -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+            async for _ in sigs:
+                pyfuse3.terminate()
+                return
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(announce)
+            nursery.start_soon(signals)
+            await pyfuse3.main(min_tasks=4, max_tasks=64)
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    except BaseException as exc:
+        tell(f"error: daemon failed: {exc!r}")
+        raise
+    finally:
+        pyfuse3.close(unmount=mounted_fstype(mountpoint) is not None)
+        client.close()
+        try:
+            os.unlink(_record_path(mountpoint))
+        except OSError:
+            pass
+    return 0
+
+
+def _set_readahead(dev: int, kb: int) -> None:
+    """Raise the kernel readahead of the mount (its bdi), so sequential reads come as
+    large, parallel FUSE requests instead of 128 KiB ones. Needs root; best effort."""
+    if kb <= 0:
+        return
+    try:
+        with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb", "w") as f:
+            f.write(str(kb))
+    except OSError as exc:
+        logging.info("readahead unchanged: %s", exc)
+
+
+def mount(mountpoint: str, cluster: str | None, options: list[str], foreground: bool) -> int:
+    mountpoint = os.path.abspath(mountpoint)
+    parse_options(options)  # bad options fail here, not in the daemon
+    preflight(mountpoint, cluster)
+    if cluster is None:  # the daemon resolves the same cluster even if the "last cluster" changes
+        cluster = find_cluster(None).path or os.environ.get("STRIPEFS_CLUSTER")
+    if foreground:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        return serve(mountpoint, cluster, options)
+    log_path = _record_path(mountpoint)[:-5] + ".log"
+    r, w = os.pipe()
+    cmd = [sys.executable, "-m", "fsclient.fuse_cli", "mount", mountpoint, "--foreground", "--ready-fd", str(w)]
+    if cluster:
+        cmd += ["--cluster", cluster]
+    for opt in options:
+        cmd += ["-o", opt]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "STRIPEFS_MOUNT_LOG": log_path,
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    with open(log_path, "ab") as logf:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, pass_fds=(w,),
+                                start_new_session=True, cwd="/", env=env)
+    os.close(w)
+    answer = _read_ready(r, proc)
+    if answer != "ok":
+        if proc.poll() is None:
+            proc.terminate()
+        raise MountError(answer.removeprefix("error: ") or f"daemon exited with status {proc.poll()} (log: {log_path})")
+    return 0
+
+
+def _read_ready(fd: int, proc: subprocess.Popen[bytes]) -> str:
+    import select
+
+    deadline = time.monotonic() + READY_TIMEOUT
+    data = b""
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.5)
+            if ready:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    break
+                data += chunk
+                if data.endswith(b"\n"):
+                    break
+        else:
+            return f"the mount did not answer within {READY_TIMEOUT:.0f}s"
+    finally:
+        os.close(fd)
+    return data.decode(errors="replace").strip()
+
+
+# -- umount ----------------------------------------------------------------------------------
+def umount(mountpoint: str, lazy: bool = False) -> int:
+    mountpoint = os.path.abspath(mountpoint)
+    fstype = mounted_fstype(mountpoint)
+    record = mount_record(mountpoint)
+    if fstype is None:
+        raise MountError(f"{mountpoint} is not mounted")
+    if not fstype.startswith("fuse"):
+        raise MountError(f"{mountpoint} is a {fstype} mount, not stripefs")
+    pid = record.get("pid") if record else None
+    dead = pid is None or not _pid_alive(pid)
+    res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
+    if res.returncode != 0:
+        if not (lazy or dead):
+            raise MountError(f"cannot unmount {mountpoint}: {res.stderr.strip()} (files open? try --lazy)")
+        # A dead daemon's mount, or asked to: detach now, the kernel drops it when unused.
+        res = subprocess.run(["fusermount3", "-uz", mountpoint], capture_output=True, text=True)
+        if res.returncode != 0:
+            res = subprocess.run(["umount", "-l", mountpoint], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise MountError(f"cannot unmount {mountpoint}: {res.stderr.strip()}")
+    if pid is not None and not dead:
+        deadline = time.monotonic() + UMOUNT_WAIT
+        while _pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            _reap(pid)
+        if _pid_alive(pid):
+            os.kill(pid, signal.SIGTERM)
+    try:
+        os.unlink(_record_path(mountpoint))
+    except OSError:
+        pass
+    return 0
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+# -- entry point -----------------------------------------------------------------------------
+def build_parser(cmd: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"stripefs {cmd}")
+    p.add_argument("mountpoint")
+    if cmd == "mount":
+        p.add_argument("--cluster", help="cluster.json path or host:port (default: STRIPEFS_CLUSTER, last `stripefs up`)")
+        p.add_argument("--foreground", "-f", action="store_true", help="serve in this process, do not detach")
+        p.add_argument("-o", dest="options", action="append", default=[], help="mount options, comma separated")
+        p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    else:
+        p.add_argument("--lazy", "-l", action="store_true", help="detach now even if files are open")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """``argv[0]`` is ``mount`` or ``umount``. Returns the exit status."""
+    if not argv or argv[0] not in ("mount", "umount"):
+        print("usage: stripefs mount|umount MOUNTPOINT ...", file=sys.stderr)
+        return 2
+    cmd = argv[0]
+    a = build_parser(cmd).parse_args(argv[1:])
+    try:
+        if cmd == "umount":
+            return umount(a.mountpoint, a.lazy)
+        if a.ready_fd is not None:  # the detached daemon started by `mount`
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+            return serve(os.path.abspath(a.mountpoint), a.cluster, a.options, a.ready_fd)
+        return mount(a.mountpoint, a.cluster, a.options, a.foreground)
+    except (MountError, StripefsError) as exc:
+        print(f"stripefs {cmd}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,176 @@
+"""``stripefs bench`` in tiny configurations: every workload on every route, real clients.
+
+Each record must carry the bytes the workload really moved (checked against what was
+written), and the data read back is verified against the pattern, so a fast-but-wrong route
+cannot pass. Peers that cannot start are reported as skipped with a reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import BenchConfig, run_bench
+from bench._pattern import Pattern, VerifyError, file_id
+from bench._routes import RouteSkipped, RunEnv, make_route
+from bench._workloads import WORKLOADS, record_names
+from bench.cli import main
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZE, BLOCK, CLIENTS = 1 * MiB, 256 * KiB, 2
+ROUTES = ["native", "fsspec", "zerocopy", "fuse", "local_disk"]
+FIXED = {"workload", "path", "clients", "servers", "bytes", "seconds", "gbps"}
+
+
+@pytest.fixture(scope="module")
+def report(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One run of every workload over every route (2 clients, 1 MiB each)."""
+    cfg = BenchConfig(clients=[CLIENTS], routes=ROUTES, workloads=list(WORKLOADS), size=SIZE,
+                      block=BLOCK, duration=0.2, files=8, shards=2, cluster=cluster.file,
+                      workdir=str(tmp_path_factory.mktemp("bench")), floors=False, timeout=120)
+    return run_bench(cfg)
+
+
+def ran_routes(report: dict[str, Any]) -> list[str]:
+    skipped = {s["path"] for s in report["skipped"] if "workload" not in s}
+    return [r for r in ROUTES if r not in skipped]
+
+
+def records(report: dict[str, Any], path: str, workload: str) -> list[dict[str, Any]]:
+    return [r for r in report["results"] if r["path"] == path and r["workload"] == workload]
+
+
+def test_no_workload_failed(report: dict[str, Any]) -> None:
+    assert report["errors"] == []
+    assert {"native", "local_disk"} <= set(ran_routes(report))
+    for s in report["skipped"]:  # whatever did not run says why
+        assert s["reason"]
+
+
+@pytest.mark.parametrize("workload", list(WORKLOADS))
+def test_each_workload_on_each_route(report: dict[str, Any], workload: str) -> None:
+    skipped = {(s["path"], s.get("workload")) for s in report["skipped"]}
+    for path in ran_routes(report):
+        if (path, workload) in skipped:
+            continue
+        for name in record_names(workload):
+            [rec] = records(report, path, name)
+            assert FIXED <= rec.keys()
+            assert rec["servers"] == 4 and rec["seconds"] > 0
+            assert rec["gbps"] == pytest.approx(rec["bytes"] / rec["seconds"] / 1e9)
+            json.dumps(rec)  # plain JSON types only
+
+
+@pytest.mark.parametrize("workload", ["seq_write", "seq_read", "shared_write", "shared_read",
+                                      "checkpoint"])
+def test_byte_counts_match_what_was_written(report: dict[str, Any], workload: str) -> None:
+    skipped = {(s["path"], s.get("workload")) for s in report["skipped"]}
+    for path in ran_routes(report):
+        if (path, workload) in skipped:
+            assert path in ("fsspec",) and workload == "shared_write"
+            continue
+        [rec] = records(report, path, workload)
+        assert rec["clients"] == CLIENTS
+        assert rec["bytes"] == CLIENTS * SIZE
+        assert rec["ops"] == CLIENTS * SIZE // BLOCK
+        assert rec["verified_bytes"] > 0  # sample compared byte for byte
+        assert rec["latency_p50_ms"] <= rec["latency_p99_ms"]
+
+
+@pytest.mark.parametrize("workload, req", [("rand_read_4k", 4 * KiB), ("rand_read_64k", 64 * KiB),
+                                           ("rand_read_1m", MiB)])
+def test_random_reads_count_requests(report: dict[str, Any], workload: str, req: int) -> None:
+    for path in ran_routes(report):
+        [rec] = records(report, path, workload)
+        assert rec["ops"] > 0 and rec["bytes"] == rec["ops"] * req
+        assert rec["ops_per_s"] == pytest.approx(rec["ops"] / rec["seconds"])
+        assert rec["verified_bytes"] >= req  # the first read of each client is exact-checked
+
+
+def test_metadata_and_mixed_parts(report: dict[str, Any]) -> None:
+    for path in ran_routes(report):
+        for phase in ("meta_create", "meta_stat", "meta_unlink"):
+            [rec] = records(report, path, phase)
+            assert rec["ops"] == CLIENTS * 8 and rec["bytes"] == 0
+        [rd] = records(report, path, "mixed_read")
+        [wr] = records(report, path, "mixed_write")
+        assert rd["clients"] + wr["clients"] == CLIENTS
+        assert wr["bytes"] == wr["clients"] * SIZE
+        assert rd["ops"] > 0
+
+
+def test_fsspec_offset_writes_are_skipped_with_reason(report: dict[str, Any]) -> None:
+    if "fsspec" not in ran_routes(report):
+        pytest.skip("fsspec route not available")
+    [s] = [s for s in report["skipped"] if s["path"] == "fsspec" and s.get("workload")]
+    assert s["workload"] == "shared_write" and "offset" in s["reason"]
+
+
+def test_pattern_catches_wrong_data() -> None:
+    p = Pattern(64 * KiB)
+    fid = file_id("seq/c0")
+    good = bytearray(p.stamped(fid, 128 * KiB, 64 * KiB))
+    assert p.check(memoryview(good), fid, 128 * KiB, exact=True) == 64 * KiB
+    with pytest.raises(VerifyError, match="stamp"):
+        p.check(memoryview(good), fid, 0)  # bytes of another offset
+    with pytest.raises(VerifyError, match="stamp"):
+        p.check(memoryview(good), file_id("seq/c1"), 128 * KiB)  # another file's bytes
+    with pytest.raises(VerifyError, match="stamp"):
+        p.check(memoryview(bytearray(64 * KiB)), fid, 128 * KiB)  # zeros
+    good[5000] ^= 1
+    p.check(memoryview(good), fid, 128 * KiB)  # stamps alone miss a flipped byte...
+    with pytest.raises(VerifyError, match="differs"):
+        p.check(memoryview(good), fid, 128 * KiB, exact=True)  # ...the exact sample does not
+
+
+def test_missing_peer_is_skipped_with_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no glusterd, no mfsmaster on this PATH
+    env = RunEnv(None, str(tmp_path), "t1")
+    for name in ("glusterfs", "moosefs"):
+        with pytest.raises(RouteSkipped, match="not installed"):
+            make_route(name).start(env)
+    rep = run_bench(BenchConfig(clients=[1], routes=["glusterfs", "moosefs"],
+                                workloads=["seq_write"], size=SIZE, block=BLOCK, floors=False,
+                                workdir=str(tmp_path)))
+    assert rep["results"] == [] and rep["errors"] == []
+    assert {s["path"] for s in rep["skipped"]} == {"glusterfs", "moosefs"}
+    assert all("not installed" in s["reason"] for s in rep["skipped"])
+
+
+def test_cli_json_and_plot(cluster: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, png = tmp_path / "out.json", tmp_path / "out.png"
+    rc = main(["bench", "--cluster", cluster.file, "--clients", "2", "--size", "1M",
+               "--block", "256K", "--routes", "native", "--workloads", "seq_write", "seq_read",
+               "--json", str(out), "--plot", str(png), "--no-progress",
+               "--workdir", str(tmp_path)])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    assert {"machine", "config", "command", "stripefs", "duration_s"} <= rep["header"].keys()
+    assert rep["header"]["machine"]["cores"] >= 1
+    paths = {r["path"] for r in rep["results"]}
+    assert {"native", "floor_socket", "floor_memcpy"} <= paths
+    for r in rep["results"]:
+        assert FIXED <= r.keys()
+    [rd] = [r for r in rep["results"] if r["path"] == "native" and r["workload"] == "seq_read"]
+    assert rd["bytes"] == 2 * MiB and rd["vs_floor_socket"] > 0
+    assert png.stat().st_size > 10_000
+    assert "seq_read" in capsys.readouterr().out
+    assert not any(p.name.startswith("stripefs-bench-") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args", [["--size", "1000"], ["--clients", "0"], ["--size", "lots"],
+                                  ["--routes", "nfs"], ["--duration", "0"]])
+def test_bad_arguments_exit_2(args: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *args])
+    assert exc.value.code == 2
+
+
+def test_cluster_directory_is_cleaned(cluster: Any, report: dict[str, Any]) -> None:
+    with cluster.client() as c:
+        assert not [n for n in c.listdir("/") if n.startswith("bench-")]
+    assert os.path.exists(cluster.file)

@@ -1,0 +1,208 @@
+"""``stripefs://`` beyond fsspec's suite: registration, listings, ranges, transactions, cache, errors."""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import random
+from typing import Any
+
+import fsspec
+import pytest
+from fsspec.callbacks import Callback
+
+from fsclient.fsspec_fs import StripeFileSystem, StripeFsFile
+from tests.conftest import TEST_CHUNK
+
+
+def test_registered_through_entry_point(cluster: Any, cluster_env: str) -> None:
+    assert fsspec.get_filesystem_class("stripefs") is StripeFileSystem
+    fs, path = fsspec.url_to_fs("stripefs://a/b.bin", cluster=cluster.file)
+    assert isinstance(fs, StripeFileSystem) and path == "/a/b.bin"
+    assert fs.unstrip_protocol(path) == "stripefs://a/b.bin"
+    # No storage options: STRIPEFS_CLUSTER names the cluster.
+    with fsspec.open("stripefs://fsspec-tests/env.txt", "w", skip_instance_cache=True) as f:
+        f.write("via env")
+    assert fs.cat_file("stripefs://fsspec-tests/env.txt") == b"via env"
+
+
+def test_ls_and_info_contents(sfs: StripeFileSystem, root: str) -> None:
+    sfs.pipe(f"{root}/a.bin", b"x" * 1000)
+    sfs.makedirs(f"{root}/sub")
+    sfs.client.symlink(f"{root}/a.bin", f"{root}/link")
+    listing = {e["name"]: e for e in sfs.ls(root)}
+    assert set(listing) == {f"{root}/a.bin", f"{root}/sub", f"{root}/link"}
+    f, d, link = listing[f"{root}/a.bin"], listing[f"{root}/sub"], listing[f"{root}/link"]
+    assert (f["type"], f["size"], f["mode"] & 0o170000) == ("file", 1000, 0o100000)
+    assert (d["type"], d["size"]) == ("directory", 0)
+    assert link["type"] == "file" and link["islink"] and link["destination"] == f"{root}/a.bin"
+    assert abs(f["mtime"] - sfs.modified(f"{root}/a.bin").timestamp()) < 1e-3
+    assert sorted(sfs.ls(root, detail=False)) == sorted(listing)
+    sfs.invalidate_cache()
+    assert sfs.info(f"stripefs:/{root}/a.bin") == f
+    assert not sfs.dircache  # info answered without listing the parent
+    assert sfs.ls(f"{root}/a.bin") == [f]  # ls of a file: its own entry, as fsspec defines
+    assert sfs.info("/")["type"] == "directory"
+
+
+def test_cat_file_ranges_and_open_modes(sfs: StripeFileSystem, root: str) -> None:
+    data = os.urandom(TEST_CHUNK * 5 + 321)
+    path = f"{root}/data"
+    sfs.pipe(path, data)
+    assert sfs.cat_file(path) == data
+    for start, end in [(3, 4), (0, 10), (TEST_CHUNK - 5, TEST_CHUNK + 5), (-100, None), (None, -100), (10, 5), (len(data) + 9, None)]:
+        assert sfs.cat_file(path, start, end) == data[start:end]
+    with sfs.open(path, "ab") as f:
+        f.write(b"tail")
+    with sfs.open(path, "rb") as f:
+        assert isinstance(f, StripeFsFile) and f.size == len(data) + 4 and f.readable() and not f.writable()
+        f.seek(-4, io.SEEK_END)
+        assert f.read() == b"tail" and f.loc == len(data) + 4
+        assert f.pread(3, 1) == data[1:4]
+    with pytest.raises(FileExistsError):
+        sfs.open(path, "xb")
+    with pytest.raises(ValueError):
+        sfs.open(path, "r+b")
+    with sfs.open(f"{root}/t.txt", "w", encoding="utf-8") as tf:
+        tf.write("héllo\n")
+    assert sfs.read_text(f"{root}/t.txt", encoding="utf-8") == "héllo\n"
+
+
+def test_cat_ranges_matches_local_reference(sfs: StripeFileSystem, root: str) -> None:
+    rng = random.Random(7)
+    files = {f"{root}/f{i}": rng.randbytes(rng.randrange(1, TEST_CHUNK * 6)) for i in range(5)}
+    for p, d in files.items():
+        sfs.pipe(p, d)
+    paths, starts, ends = [], [], []
+    for _ in range(300):
+        p = rng.choice(list(files))
+        size = len(files[p])
+        s = rng.randrange(-size, size + 10) if rng.random() < 0.1 else rng.randrange(0, size)
+        e = rng.choice([None, s + rng.randrange(0, 200_000), -rng.randrange(1, size + 1)]) if rng.random() < 0.2 else s + rng.randrange(1, 70_000)
+        paths.append(p)
+        starts.append(s)
+        ends.append(e)
+    expected = [files[p][s:e] for p, s, e in zip(paths, starts, ends)]
+    for gap in (0, 64 << 10, 4 << 20):  # no merging, the default, and merging nearly everything
+        assert sfs.cat_ranges(paths, starts, ends, max_gap=gap) == expected
+    assert sfs.cat_ranges([f"{root}/f0"] * 2, 0, 5) == [files[f"{root}/f0"][:5]] * 2
+
+
+def test_cat_ranges_errors(sfs: StripeFileSystem, root: str) -> None:
+    sfs.pipe(f"{root}/ok", b"0123456789")
+    out = sfs.cat_ranges([f"{root}/ok", f"{root}/missing", root], [1, 0, 0], [4, 5, 5])
+    assert out[0] == b"123"
+    assert isinstance(out[1], FileNotFoundError) and isinstance(out[2], IsADirectoryError)
+    with pytest.raises(FileNotFoundError):
+        sfs.cat_ranges([f"{root}/missing"], [0], [1], on_error="raise")
+    with pytest.raises(ValueError):
+        sfs.cat_ranges([f"{root}/ok"], [0, 1], [1])
+
+
+def test_transaction_commits_atomically_and_discards(sfs: StripeFileSystem, root: str) -> None:
+    sfs.pipe(f"{root}/keep", b"old")
+    with sfs.transaction:
+        sfs.pipe(f"{root}/keep", b"new")
+        with sfs.open(f"{root}/deep/new.bin", "wb") as f:
+            f.write(b"x" * (TEST_CHUNK + 1))
+        # Inside: nothing visible under the final names, old content intact.
+        assert sfs.cat_file(f"{root}/keep") == b"old" and not sfs.exists(f"{root}/deep/new.bin")
+    assert sfs.cat_file(f"{root}/keep") == b"new" and sfs.size(f"{root}/deep/new.bin") == TEST_CHUNK + 1
+    with pytest.raises(RuntimeError):
+        with sfs.transaction:
+            sfs.pipe(f"{root}/keep", b"discarded")
+            sfs.pipe(f"{root}/never", b"discarded")
+            raise RuntimeError("abort")
+    assert sfs.cat_file(f"{root}/keep") == b"new" and not sfs.exists(f"{root}/never")
+    assert not [n for n in sfs.find(root, withdirs=True) if "stripefs-tx" in n]  # no temporary left
+    with pytest.raises(FileExistsError):
+        with sfs.transaction:
+            sfs.pipe(f"{root}/keep", b"x", mode="create")
+    assert not sfs._intrans
+
+
+def test_listing_cache_never_stale_after_own_writes(sfs: StripeFileSystem, root: str, cluster: Any, tmp_path: Any) -> None:
+    def sizes() -> dict[str, int]:
+        return {os.path.basename(e["name"]): e["size"] for e in sfs.ls(root)}
+
+    sfs.pipe(f"{root}/a", b"1")
+    assert sizes() == {"a": 1} and root in sfs.dircache
+    with sfs.open(f"{root}/a", "ab") as f:
+        f.write(b"23")
+    assert sizes() == {"a": 3}
+    sfs.pipe(f"{root}/a", b"123456")
+    sfs.cp_file(f"{root}/a", f"{root}/b")
+    assert sizes() == {"a": 6, "b": 6}
+    sfs.mv(f"{root}/b", f"{root}/c")
+    (tmp_path / "local").write_bytes(b"x" * 10)
+    sfs.put_file(str(tmp_path / "local"), f"{root}/d")
+    assert sizes() == {"a": 6, "c": 6, "d": 10}
+    sfs.rm(f"{root}/a")
+    with sfs.transaction:
+        sfs.pipe(f"{root}/c", b"")
+    assert sizes() == {"c": 0, "d": 10}
+    # Another client's write: close-to-open, seen after refresh (or the expiry time).
+    with cluster.client() as other:
+        other.write_bytes(f"{root}/e", b"abc")
+    assert "e" not in sizes()
+    assert {os.path.basename(e["name"]) for e in sfs.ls(root, refresh=True)} == {"c", "d", "e"}
+    assert sfs.size(f"{root}/e") == 3  # info never uses the listing cache
+
+
+def test_put_get_copy_move_with_callbacks(sfs: StripeFileSystem, root: str, tmp_path: Any) -> None:
+    data = os.urandom(3 * TEST_CHUNK + 17)
+    src = tmp_path / "src.bin"
+    src.write_bytes(data)
+
+    class Count(Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.total = 0
+
+        def relative_update(self, inc: int = 1) -> None:
+            self.total += inc
+
+    up, down = Count(), Count()
+    sfs.put_file(str(src), f"{root}/up.bin", callback=up)
+    assert up.size == up.total == len(data)
+    sfs.get_file(f"{root}/up.bin", str(tmp_path / "down.bin"), callback=down)
+    assert down.total == len(data) and (tmp_path / "down.bin").read_bytes() == data
+    sfs.cp_file(f"{root}/up.bin", f"{root}/copy/c.bin")
+    assert sfs.cat_file(f"{root}/copy/c.bin") == data
+    ino = sfs.info(f"{root}/copy")["ino"]
+    key = sfs.ukey(f"{root}/copy/c.bin")
+    sfs.mv(f"{root}/copy", f"{root}/moved")  # one rename: the directory keeps its inode
+    assert sfs.info(f"{root}/moved")["ino"] == ino and not sfs.exists(f"{root}/copy")
+    assert sfs.ukey(f"{root}/moved/c.bin") == key
+    sfs.pipe(f"{root}/moved/c.bin", b"changed")
+    assert sfs.ukey(f"{root}/moved/c.bin") != key and isinstance(sfs.checksum(f"{root}/moved/c.bin"), int)
+    assert sfs.created(f"{root}/moved/c.bin").tzinfo is not None
+
+
+def test_errors_map_to_builtin_exceptions(sfs: StripeFileSystem, root: str) -> None:
+    sfs.pipe(f"{root}/f", b"x")
+    sfs.makedirs(f"{root}/d/e")
+    cases = [
+        (FileNotFoundError, errno.ENOENT, lambda: sfs.cat_file(f"{root}/missing")),
+        (FileNotFoundError, errno.ENOENT, lambda: sfs.mv(f"{root}/missing", f"{root}/x")),
+        (FileExistsError, errno.EEXIST, lambda: sfs.pipe(f"{root}/f", b"y", mode="create")),
+        (FileExistsError, errno.EEXIST, lambda: sfs.mkdir(f"{root}/d")),
+        (FileExistsError, errno.EEXIST, lambda: sfs.makedirs(f"{root}/d")),
+        (IsADirectoryError, errno.EISDIR, lambda: sfs.open(f"{root}/d", "rb")),
+        (IsADirectoryError, errno.EISDIR, lambda: sfs.cat_file(f"{root}/d")),
+        (IsADirectoryError, errno.EISDIR, lambda: sfs.rm(f"{root}/d")),
+        (NotADirectoryError, errno.ENOTDIR, lambda: sfs.info(f"{root}/f/x")),
+        (NotADirectoryError, errno.ENOTDIR, lambda: sfs.pipe(f"{root}/f/x", b"")),
+        (OSError, errno.ENOTEMPTY, lambda: sfs.rmdir(f"{root}/d")),
+        (OSError, errno.ENAMETOOLONG, lambda: sfs.pipe(f"{root}/{'n' * 300}", b"")),
+    ]
+    for exc_type, code, op in cases:
+        with pytest.raises(exc_type) as info:
+            op()
+        assert info.value.errno == code, (op, info.value)
+    host, port = sfs.client.config.metadata
+    bad = StripeFileSystem(f"{host}:{port}", secret="not-the-secret", skip_instance_cache=True)
+    with pytest.raises(PermissionError) as info:
+        bad.ls("/")
+    assert info.value.errno == errno.EACCES

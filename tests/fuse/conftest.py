@@ -1,0 +1,56 @@
+"""Real FUSE mounts of the test cluster, made with the `stripefs mount` command itself."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from typing import Iterator
+
+import pytest
+
+from fsclient.fuse_cli import main as fuse_main, mounted_fstype
+
+
+def _fuse_unusable() -> str | None:
+    if shutil.which("fusermount3") is None:
+        return "fusermount3 is not installed (apt-get install fuse3)"
+    try:
+        os.close(os.open("/dev/fuse", os.O_RDWR))
+    except OSError as exc:
+        return f"/dev/fuse cannot be opened: {exc.strerror}"
+    return None
+
+
+_SKIP = _fuse_unusable()
+if _SKIP:
+    pytest.skip(_SKIP, allow_module_level=True)
+
+
+def do_mount(mountpoint: str, cluster_file: str, *opts: str) -> None:
+    os.makedirs(mountpoint, exist_ok=True)
+    args = ["mount", mountpoint, "--cluster", cluster_file]
+    for o in opts:
+        args += ["-o", o]
+    assert fuse_main(args) == 0, f"stripefs mount {mountpoint} failed"
+
+
+def do_umount(mountpoint: str) -> None:
+    if mounted_fstype(mountpoint) is not None:
+        if fuse_main(["umount", mountpoint]) != 0:
+            fuse_main(["umount", mountpoint, "--lazy"])
+
+
+@pytest.fixture(scope="session")
+def mnt(cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The shared cluster, mounted once for the session. Yields the mount point."""
+    mp = str(tmp_path_factory.mktemp("mnt"))
+    do_mount(mp, cluster.file)
+    yield mp
+    do_umount(mp)
+
+
+@pytest.fixture
+def mdir(mnt: str, testdir: str) -> str:
+    """A fresh directory for one test, seen through the mount."""
+    return mnt + testdir

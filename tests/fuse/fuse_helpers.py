@@ -1,0 +1,40 @@
+"""Helpers shared by the FUSE tests (imported as tests.fuse.fuse_helpers)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Callable
+
+
+def sh(cmd: str, cwd: str, timeout: float = 120) -> str:
+    """Run a shell command, failing the test with its output if it fails."""
+    r = subprocess.run(cmd, shell=True, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"{cmd!r} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
+    return r.stdout
+
+
+def as_user(uid: int, directory: str, action: Callable[[int], object]) -> int:
+    """Run ``action(dirfd)`` in a forked child running as ``uid``; return its errno (0: success).
+
+    The directory is opened as root first: the test's temporary parents are
+    private to root, and ``openat`` on the fd skips checking them.
+    """
+    dirfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    pid = os.fork()
+    if pid == 0:  # child: drop privileges, try, report errno as the exit status
+        code = 0
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            action(dirfd)
+        except OSError as exc:
+            code = exc.errno or 255
+        except BaseException:
+            code = 255
+        os._exit(code)
+    os.close(dirfd)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)

@@ -1,0 +1,129 @@
+"""Mount life cycle: two daemons on one cluster, kill -9 and remount, clear errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .conftest import do_mount, do_umount
+from fsclient.fuse_cli import main as fuse_main, mount_record, mounted_fstype
+
+pytestmark = pytest.mark.fuse
+
+
+def test_two_mounts_close_to_open(mnt: str, cluster, testdir: str, tmp_path) -> None:
+    second = str(tmp_path / "second")
+    do_mount(second, cluster.file)
+    try:
+        a, b = mnt + testdir, second + testdir
+        with open(f"{a}/shared", "wb") as f:
+            f.write(b"one")
+        assert open(f"{b}/shared", "rb").read() == b"one"
+        os.stat(f"{b}/shared")  # mount B now holds attributes of the short file
+        with open(f"{a}/shared", "ab") as f:
+            f.write(b" two three")
+        with open(f"{b}/shared", "rb") as f:  # open after close: sees the new length
+            assert f.read() == b"one two three"
+        with open(f"{b}/shared", "r+b") as f:
+            f.write(b"ONE")
+        with open(f"{a}/shared", "rb") as f:
+            assert f.read() == b"ONE two three"
+        os.mkdir(f"{b}/made-in-b")
+        assert os.path.isdir(f"{a}/made-in-b")
+        os.rename(f"{a}/shared", f"{a}/moved")
+        assert open(f"{b}/moved", "rb").read() == b"ONE two three"
+    finally:
+        do_umount(second)
+
+
+def test_kill_9_then_remount_keeps_closed_files(make_cluster, tmp_path) -> None:
+    c = make_cluster(servers=2)
+    mp = str(tmp_path / "m")
+    do_mount(mp, c.file)
+    payload = {f"f{i}": os.urandom(100_000 * (i + 1)) for i in range(4)}
+    os.mkdir(f"{mp}/d")
+    for name, data in payload.items():
+        with open(f"{mp}/d/{name}", "wb") as f:
+            f.write(data)
+    held = open(f"{mp}/d/open-at-crash", "wb")
+    held.write(b"unflushed?")
+    record = mount_record(mp)
+    assert record is not None
+    os.kill(record["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while _alive(record["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(OSError):
+        os.listdir(mp)  # ENOTCONN: the mount is dead
+    try:
+        held.close()
+    except OSError:
+        pass
+    assert fuse_main(["umount", mp]) == 0
+    assert mounted_fstype(mp) is None
+    do_mount(mp, c.file)
+    try:
+        for name, data in payload.items():
+            assert open(f"{mp}/d/{name}", "rb").read() == data
+    finally:
+        do_umount(mp)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_stale_orphans_of_a_dead_daemon_are_removed(make_cluster, tmp_path) -> None:
+    c = make_cluster(servers=1)
+    mp = str(tmp_path / "m")
+    do_mount(mp, c.file)
+    with open(f"{mp}/victim", "wb") as f:
+        f.write(b"x" * 1000)
+    held = open(f"{mp}/victim", "rb")
+    os.unlink(f"{mp}/victim")
+    assert len(os.listdir(f"{mp}/.stripefs-orphans")) == 1
+    os.kill(mount_record(mp)["pid"], signal.SIGKILL)
+    time.sleep(0.3)
+    try:
+        held.close()
+    except OSError:
+        pass
+    fuse_main(["umount", mp])
+    do_mount(mp, c.file)
+    try:
+        assert os.listdir(f"{mp}/.stripefs-orphans") == []
+    finally:
+        do_umount(mp)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fsclient.cli", *args], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def test_mount_errors_are_clear(mnt: str, cluster, tmp_path) -> None:
+    r = _cli("mount", mnt, "--cluster", cluster.file)
+    assert r.returncode == 1 and "busy" in r.stderr
+    r = _cli("mount", str(tmp_path / "missing"), "--cluster", cluster.file)
+    assert r.returncode == 1 and "not an existing directory" in r.stderr
+    (tmp_path / "m").mkdir()
+    r = _cli("mount", str(tmp_path / "m"), "--cluster", "127.0.0.1:1", "-o", "attr_timeout=1")
+    env_secret = "STRIPEFS_SECRET" in os.environ
+    assert r.returncode == 1 and ("unreachable" in r.stderr or not env_secret)
+    r = _cli("mount", str(tmp_path / "m"), "--cluster", cluster.file, "-o", "attr_timeout=soon")
+    assert r.returncode == 1 and "bad mount option" in r.stderr
+    r = _cli("umount", str(tmp_path / "m"))
+    assert r.returncode == 1 and "not mounted" in r.stderr
