@@ -240,9 +240,7 @@ class Client:
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         with self.open(path, "rb") as f:
             size = f.size if length is None else min(length, max(0, f.size - offset))
-            buf = bytearray(max(0, size))
-            n = f.pread_into(memoryview(buf), offset)
-            return bytes(buf[:n])
+            return f.pread(size, offset)
 
     def write_bytes(self, path: str, data: bytes | memoryview, *, exclusive: bool = False) -> None:
         with self.open(path, "xb" if exclusive else "wb") as f:
@@ -273,18 +271,25 @@ class Client:
         return self.core.call(m.ClusterStatus())
 
     def placement(self, path: str) -> list[dict[str, Any]]:
-        """Where each chunk of a file lives: ``[{index, chain, server, host, port}]``."""
+        """Where each chunk of a file lives.
+
+        Returns ``[{index, chain, server, host, port, replicas, states}]``:
+        ``server`` is the chain's first target (the head when serving),
+        ``replicas``/``states`` every target of the chain with its state.
+        """
         attr = self.stat(path)
         if attr.layout is None:
             raise StripefsError(ErrorCode.IS_DIR, "not a regular file", normpath(path))
-        routing = self.core.routing()
+        routing = self.core.routing(refresh=True)
         out = []
         nchunks = -(-attr.size // attr.layout.chunk_size)
         for index in range(nchunks):
             chain = attr.layout.chain_of(index)
-            sid = routing.chains[chain][0]
+            members = routing.members.get(chain) or tuple((t, "serving") for t in routing.chains.get(chain, ()))
+            sid = members[0][0]
             info = routing.servers[sid]
-            out.append({"index": index, "chain": chain, "server": sid, "host": info.host, "port": info.port})
+            out.append({"index": index, "chain": chain, "server": sid, "host": info.host, "port": info.port,
+                        "replicas": [t for t, _ in members], "states": [st for _, st in members]})
         return out
 
 

@@ -33,7 +33,7 @@ from typing import Any, Iterator
 
 import crc32c
 
-from rpc import BufferPool, Connection, Reply
+from rpc import BufferPool, Connection, Reply, abandon
 from wire import Attr, ErrorCode, Layout, Routing, StripefsError, messages as m
 
 from ._config import ClusterConfig
@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 RETRY_FOR = 20.0  # seconds a chunk request keeps retrying (a dead replica is dropped from its chain in ~5 s)
 RETRY_DELAY = 0.2
+REQUEST_TIMEOUT = 120.0
 _LIVE: "weakref.WeakSet[ClientCore]" = weakref.WeakSet()
 
 
@@ -66,6 +67,18 @@ def split(layout: Layout, offset: int, length: int) -> Iterator[tuple[int, int, 
         n = min(cs - coff, length - pos)
         yield index, coff, n, pos
         pos += n
+
+
+def _settle(inflight: "deque[tuple[int, Future]]") -> None:
+    """Before failing a call, let its other requests finish: none may write into the
+    caller's buffer after we return. Requests that do not finish in time are abandoned."""
+    for _, fut in inflight:
+        try:
+            fut.result(REQUEST_TIMEOUT)
+        except TimeoutError:
+            abandon(fut)
+        except BaseException:  # noqa: BLE001 - only completion matters here
+            pass
 
 
 class ClientCore:
@@ -212,21 +225,27 @@ class ClientCore:
                     inflight.append((i, failed))
             i, fut = inflight.popleft()
             try:
-                finish(pieces[i], fut.result(120.0))
+                finish(pieces[i], fut.result(REQUEST_TIMEOUT))
             except TimeoutError as exc:
+                for _, other in [(i, fut), *inflight]:  # nothing may land in dest after we return
+                    abandon(other)
                 raise StripefsError(ErrorCode.TIMEOUT, "storage request timed out") from exc
             except StripefsError as exc:
                 if exc.code not in (ErrorCode.UNAVAILABLE, ErrorCode.STALE_ROUTING, ErrorCode.CHECKSUM, ErrorCode.TIMEOUT):
+                    _settle(inflight)
                     raise
                 now = time.monotonic()
                 deadline = deadline or now + RETRY_FOR
                 replicas = len(self.routing().chains.get(pieces[i][-1], ())) if pieces[i] else 0
                 if now > deadline or (exc.code == ErrorCode.CHECKSUM and attempts[i] + 1 >= max(replicas, 1)):
+                    _settle(inflight)
                     raise
                 attempts[i] += 1
                 if exc.code != ErrorCode.CHECKSUM:
                     time.sleep(min(RETRY_DELAY * attempts[i], 1.0))
-                    self.routing(refresh=True)
+                    if not self.routing(refresh=True).chains.get(pieces[i][-1]):
+                        _settle(inflight)  # every replica of the chain is down: no point waiting
+                        raise
                 queue.append(i)
 
     def read_into(self, ino: int, layout: Layout, file_size: int, offset: int, dest: memoryview) -> int:

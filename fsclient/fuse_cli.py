@@ -153,8 +153,13 @@ def serve(mountpoint: str, cluster: str | None, options: list[str], ready_fd: in
     cfg, fuse_opts = parse_options(options)
     client = Client(cluster)
     ops = StripeOperations(client, cfg)
-    with open(_record_path(mountpoint), "w") as f:
-        json.dump({"pid": os.getpid(), "mountpoint": mountpoint, "log": os.environ.get("STRIPEFS_MOUNT_LOG")}, f)
+    # cluster_file lets fsclient.batchread map files under the mount to (cluster, inode).
+    record = {"pid": os.getpid(), "mountpoint": mountpoint, "log": os.environ.get("STRIPEFS_MOUNT_LOG"),
+              "cluster_file": client.config.path, "root": "/"}
+    tmp = _record_path(mountpoint) + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, _record_path(mountpoint))
 
     def tell(text: str) -> None:
         if ready_fd is not None:

@@ -27,6 +27,7 @@ from rpc import ReplayCache, ServerConn, Service, TrioConnection, serve_rpc
 from wire import ErrorCode, FrameHead, Message, Routing, ServerInfo, StripefsError, messages as m
 
 from ._namespace import Namespace
+from ._store import GarbageItem
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ class MetadataService(Service):
                 chains=chains, exclusive=msg.exclusive, truncate=msg.truncate,
             )
             if msg.truncate and not created:
-                await self.collect(only_ino=attr.ino)
+                await self.truncate_chunks(attr, 0)
             return {"attr": attr.to_wire(), "created": created}
         if isinstance(msg, m.Mkdir):
             return {"attr": (await self._ns(ns.mkdir, msg.parent, msg.name, msg.mode, msg.uid, msg.gid)).to_wire()}
@@ -248,7 +249,7 @@ class MetadataService(Service):
                 atime_ns=msg.atime_ns, mtime_ns=msg.mtime_ns, size=msg.size,
             )
             if msg.size is not None:
-                await self.collect(only_ino=msg.ino)
+                await self.truncate_chunks(attr, msg.size)
             return {"attr": attr.to_wire()}
         if isinstance(msg, m.CommitLength):
             return {"attr": (await self._ns(ns.commit_length, msg.ino, msg.length, msg.mtime_ns)).to_wire()}
@@ -307,23 +308,38 @@ class MetadataService(Service):
             conn = self.conns[server_id] = TrioConnection((info.host, info.port), self.secret)
         return conn
 
-    async def collect(self, only_ino: int | None = None) -> None:
-        """Apply queued garbage: drop chunks of removed files, tails of truncated ones."""
+    async def truncate_chunks(self, attr: Any, length: int) -> None:
+        """Cut a file's chunks to ``length`` before answering the truncating request.
+
+        Synchronous on purpose: applied later (by the background collector) it
+        could cut bytes the client wrote after the truncate. Idempotent, and a
+        no-op beyond the stored bytes, so it is safe whether the file shrank or not.
+        """
+        if attr.layout is None:
+            return
+        try:
+            await self._apply(GarbageItem(0, "truncate", attr.ino, length, attr.layout))
+        except StripefsError as exc:
+            log.error("truncate of inode %d to %d incomplete: %s", attr.ino, length, exc.message)
+            raise StripefsError(ErrorCode.IO, f"truncate could not reach every storage server: {exc.message}") from exc
+
+    async def collect(self) -> None:
+        """Drop chunks of removed files (after the grace period).
+
+        Truncations were applied when they were asked for (:meth:`truncate_chunks`);
+        their queue entries only need clearing.
+        """
         items = await self._ns(self.ns.garbage, 1000)
         now = time.monotonic()
         for item in items:
-            if only_ino is not None and item.ino != only_ino:
-                continue
-            if item.kind == "remove" and now - self._first_seen.setdefault(item.id, now) < self.gc_grace:
-                continue
-            try:
-                await self._apply(item)
-            except StripefsError as exc:
-                if item.kind == "remove":
-                    log.info("garbage %s of inode %d postponed: %s", item.kind, item.ino, exc.message)
+            if item.kind == "remove":
+                if now - self._first_seen.setdefault(item.id, now) < self.gc_grace:
+                    continue
+                try:
+                    await self._apply(item)
+                except StripefsError as exc:
+                    log.info("removal of inode %d postponed: %s", item.ino, exc.message)
                     continue  # retried on the next pass: removing is idempotent and safe later
-                # A truncate applied late could cut newer data: give up on it, loudly.
-                log.error("truncate of inode %d to %d incomplete: %s", item.ino, item.length, exc.message)
             await self._ns(self.ns.garbage_done, item.id)
             self._first_seen.pop(item.id, None)
 

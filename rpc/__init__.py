@@ -6,8 +6,8 @@
 """
 
 from ._buffers import BufferPool, aligned
-from ._client import Connection, Reply, unavailable
+from ._client import Connection, Reply, abandon, unavailable
 from ._server import ReplayCache, ServerConn, Service, serve_rpc, tune_socket
 from ._trio_client import TrioConnection
 
-__all__ = ["BufferPool", "aligned", "Connection", "Reply", "unavailable", "ReplayCache", "ServerConn", "Service", "serve_rpc", "tune_socket", "TrioConnection"]
+__all__ = ["BufferPool", "aligned", "Connection", "Reply", "abandon", "unavailable", "ReplayCache", "ServerConn", "Service", "serve_rpc", "tune_socket", "TrioConnection"]

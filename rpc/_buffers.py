@@ -43,5 +43,5 @@ class BufferPool:
             free = self._free.setdefault(len(buf), [])
             if len(free) < self.keep:
                 free.append(buf)
-                return
-        buf.close()
+        # Beyond `keep`, just drop it: closing would fail while a memoryview of it lives,
+        # and the mapping goes away with its last reference anyway.

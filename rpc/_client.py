@@ -61,6 +61,26 @@ def unavailable(address: tuple[str, int], exc: BaseException | str) -> StripefsE
     return StripefsError(ErrorCode.UNAVAILABLE, f"{address[0]}:{address[1]} unavailable: {exc}")
 
 
+def _unlink_pending(fut: Future) -> None:
+    fut.pending = None  # type: ignore[attr-defined]
+    fut.conn = None  # type: ignore[attr-defined]
+
+
+def abandon(fut: Future) -> None:
+    """Give up on a request that timed out, safely for its destination buffer.
+
+    The connection is closed (a late answer must never land in a buffer the
+    caller has reused or freed) and we wait until the reader thread is no
+    longer copying into that buffer.
+    """
+    pending, conn = getattr(fut, "pending", None), getattr(fut, "conn", None)
+    if conn is not None:
+        conn.close()
+    if pending is not None:
+        with pending.lock:
+            pending.dest = None
+
+
 class Connection:
     """One authenticated connection to a stripefs server.
 
@@ -174,7 +194,11 @@ class Connection:
         if req_id is None:
             req_id = next(self._ids)
         pending = _Pending(fut, dest)
+        # call()/abandon() need the pending record after a timeout; drop the link once
+        # the future resolves so future <-> pending is not a reference cycle.
         fut.pending = pending  # type: ignore[attr-defined]
+        fut.conn = self  # type: ignore[attr-defined]
+        fut.add_done_callback(_unlink_pending)
         with self._plock:
             self._pending[req_id] = pending
         plen = len(payload) if payload is not None else 0
@@ -228,9 +252,7 @@ class Connection:
         try:
             return fut.result(timeout)
         except TimeoutError as exc:
-            self.close()
-            with fut.pending.lock:  # type: ignore[attr-defined]
-                pass  # the reader may be mid-copy into dest: let it finish before we return
+            abandon(fut)
             raise StripefsError(ErrorCode.TIMEOUT, f"{type(msg).__name__} to {self.address[0]}:{self.address[1]} timed out") from exc
 
     def _pop(self, req_id: int) -> _Pending | None:
@@ -272,10 +294,14 @@ class Connection:
                     pending.future.set_exception(StripefsError.from_wire(head.header))
                     continue
                 if n and pending.dest is not None:
-                    if n > len(pending.dest):
-                        raise StripefsError(ErrorCode.PROTOCOL, "response payload larger than the request allows")
                     with pending.lock:
-                        self._recv_into(pending.dest[:n])
+                        dest = pending.dest
+                        if dest is None:  # abandoned after a timeout: the connection is closing
+                            raise EOFError("request abandoned")
+                        if n > len(dest):
+                            raise StripefsError(ErrorCode.PROTOCOL, "response payload larger than the request allows")
+                        self._recv_into(dest[:n])
+                        pending.dest = dest = None  # no reference to the caller's buffer survives
                     dec.payload_received(n)
                     pending.future.set_result(Reply(head.header, n))
                 elif n:
@@ -285,6 +311,7 @@ class Connection:
                     pending.future.set_result(Reply(head.header, 0, bytes(data)))
                 else:
                     pending.future.set_result(Reply(head.header))
+                pending = None  # do not pin the last request's buffer while waiting
         except (OSError, EOFError, StripefsError) as exc:
             err = exc if isinstance(exc, StripefsError) and exc.code == ErrorCode.PROTOCOL else unavailable(self.address, exc)
             self._fail_all(err)

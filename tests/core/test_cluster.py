@@ -152,7 +152,7 @@ def test_dead_server_gives_clear_error_and_others_keep_serving(make_cluster) -> 
         with pytest.raises(OSError) as exc:
             c.read_bytes("/a")
         assert exc.value.errno == errno.EHOSTUNREACH
-        assert time.monotonic() - t0 < 30
+        assert time.monotonic() - t0 < 60  # bounded: fails once the server is declared offline
         other = "/b" if c.placement("/b")[0]["server"] != sid_a else None
         if other:
             assert c.read_bytes(other) == b"b" * 100
