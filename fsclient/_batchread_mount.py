@@ -30,6 +30,8 @@ from urllib.parse import quote
 
 from wire import ErrorCode, StripefsError
 
+from ._proc import mounts, pid_alive
+
 __all__ = ["MountedFile", "resolve_mounted", "mount_state_path", "MOUNT_STATE_DIR"]
 
 MOUNT_STATE_DIR = "/run/stripefs/mounts"
@@ -49,32 +51,6 @@ def mount_state_path(mountpoint: str, state_dir: str | None = None) -> str:
     """The state file the mount daemon writes for ``mountpoint``."""
     base = state_dir or os.environ.get("STRIPEFS_MOUNT_STATE_DIR") or MOUNT_STATE_DIR
     return os.path.join(base, quote(os.path.abspath(mountpoint), safe="") + ".json")
-
-
-def _unescape(field: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as \ooo octal.
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and i + 4 <= len(field) and field[i + 1 : i + 4].isdigit():
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
-
-
-def _mounts(mountinfo: str) -> list[tuple[str, str]]:
-    """(mountpoint, fstype) for every line of a mountinfo file."""
-    found = []
-    with open(mountinfo) as f:
-        for line in f:
-            left, sep, right = line.partition(" - ")
-            fields = left.split()
-            if not sep or len(fields) < 5 or not right.split():
-                continue
-            found.append((_unescape(fields[4]), right.split()[0]))
-    return found
 
 
 def _inside(path: str, mountpoint: str) -> bool:
@@ -100,7 +76,7 @@ def resolve_mounted(path: str, *, mountinfo: str = "/proc/self/mountinfo", state
     """
     real = os.path.realpath(path)
     best = None
-    for mp, fstype in _mounts(mountinfo):
+    for mp, fstype in mounts(mountinfo):
         if _inside(real, mp) and (best is None or len(mp) > len(best[0])):
             best = (mp, fstype)
     if best is None or not best[1].startswith("fuse"):
@@ -118,7 +94,7 @@ def resolve_mounted(path: str, *, mountinfo: str = "/proc/self/mountinfo", state
         raise StripefsError(ErrorCode.INVALID, f"{mp} is a FUSE mount without a stripefs state file ({state_file})", path) from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise StripefsError(ErrorCode.INVALID, f"unreadable mount state file {state_file}: {exc}", path) from exc
-    if not _pid_alive(pid):
+    if not pid_alive(pid):
         raise StripefsError(ErrorCode.STALE_ROUTING, f"mount daemon of {mp} (pid {pid}) is gone", path)
     ino = os.stat(real).st_ino
     inner = os.path.relpath(real, mp)
@@ -135,11 +111,3 @@ def _cli_record(mountpoint: str) -> str:
     return os.path.join(os.path.dirname(default_state_file()), "mounts", digest + ".json")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

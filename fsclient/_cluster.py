@@ -25,22 +25,9 @@ from typing import Any
 from wire import ErrorCode, StripefsError, new_secret
 
 from ._config import remember_cluster
+from ._proc import pid_alive
 
 READY_TIMEOUT = 30.0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child of ours counts as dead
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def read_cluster(root: str) -> dict[str, Any] | None:
@@ -109,11 +96,11 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
     root = os.path.abspath(root)
     os.makedirs(os.path.join(root, "logs"), exist_ok=True)
     old = read_cluster(root)
-    if old and any(_alive(p) for p in old.get("pids", [])):
-        if all(_alive(p) for p in old.get("pids", [])):
+    if old and any(pid_alive(p) for p in old.get("pids", [])):
+        if all(pid_alive(p) for p in old.get("pids", [])):
             remember_cluster(os.path.join(root, "cluster.json"))
             return old
-        if not _alive(old.get("metadata", {}).get("pid", -1)):
+        if not pid_alive(old.get("metadata", {}).get("pid", -1)):
             _restart_metadata(root, old)
         return _restart_dead_servers(root, old)
     existing = sorted(int(d.split("-")[1]) for d in os.listdir(root) if d.startswith("storage-") and d.split("-")[1].isdigit())
@@ -201,7 +188,7 @@ def _restart_dead_servers(root: str, cluster: dict[str, Any]) -> dict[str, Any]:
     path = os.path.join(root, "cluster.json")
     maddr = f"{cluster['metadata']['host']}:{cluster['metadata']['port']}"
     for i, s in enumerate(cluster["servers"]):
-        if _alive(s["pid"]):
+        if pid_alive(s["pid"]):
             continue
         sp, sready, slog = _start_server(root, i, maddr, path)
         addr = _wait_ready(sp, sready, f"storage server {i}", slog)
@@ -218,17 +205,17 @@ def down(root: str, timeout: float = 10.0) -> int:
     cluster = read_cluster(os.path.abspath(root))
     if not cluster:
         raise StripefsError(ErrorCode.NOT_FOUND, f"no cluster.json under {root}")
-    pids = [p for p in cluster.get("pids", []) if _alive(p)]
+    pids = [p for p in cluster.get("pids", []) if pid_alive(p)]
     for p in pids:
         try:
             os.kill(p, signal.SIGTERM)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
         time.sleep(0.05)
     for p in pids:
-        if _alive(p):
+        if pid_alive(p):
             try:
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:

@@ -29,6 +29,7 @@ from typing import Any
 from wire import StripefsError, messages as m
 
 from ._config import default_state_file, find_cluster
+from ._proc import mounts, pid_alive
 
 READY_TIMEOUT = 30.0
 UMOUNT_WAIT = 15.0
@@ -58,39 +59,14 @@ def mount_record(mountpoint: str) -> dict[str, Any] | None:
         return None
 
 
-def _unescape(field: str) -> str:
-    # /proc/self/mountinfo escapes space, tab, newline and backslash as \ooo.
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and field[i + 1:i + 4].isdigit():
-            out.append(chr(int(field[i + 1:i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
-
-
 def mounted_fstype(mountpoint: str) -> str | None:
     """The file system type mounted exactly at ``mountpoint`` (works on dead FUSE mounts)."""
     mountpoint = os.path.abspath(mountpoint)
     found = None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            if _unescape(left.split()[4]) == mountpoint:
-                found = right.split()[0]
+    for mp, fstype in mounts():
+        if mp == mountpoint:
+            found = fstype
     return found
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 # -- options ---------------------------------------------------------------------------------
@@ -289,7 +265,7 @@ def umount(mountpoint: str, lazy: bool = False) -> int:
     if not fstype.startswith("fuse"):
         raise MountError(f"{mountpoint} is a {fstype} mount, not stripefs")
     pid = record.get("pid") if record else None
-    dead = pid is None or not _pid_alive(pid)
+    dead = pid is None or not pid_alive(pid)
     res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
     if res.returncode != 0:
         if not (lazy or dead):
@@ -302,10 +278,10 @@ def umount(mountpoint: str, lazy: bool = False) -> int:
             raise MountError(f"cannot unmount {mountpoint}: {res.stderr.strip()}")
     if pid is not None and not dead:
         deadline = time.monotonic() + UMOUNT_WAIT
-        while _pid_alive(pid) and time.monotonic() < deadline:
+        while pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
             _reap(pid)
-        if _pid_alive(pid):
+        if pid_alive(pid):
             os.kill(pid, signal.SIGTERM)
     try:
         os.unlink(_record_path(mountpoint))
