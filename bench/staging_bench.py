@@ -30,12 +30,12 @@ def make_state(total: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     sd: dict[str, Any] = {}
     big, med, i = int(total * 0.6), int(total * 0.35), 0
-    while big > 0:
+    while big >= 4:
         n = min(big, 128 << 20) // 4
         sd[f"big{i}"] = torch.randn(n, generator=g)
         big -= n * 4
         i += 1
-    while med > 0:
+    while med >= 2:
         n = min(med, 4 << 20) // 2
         sd[f"med{i}"] = torch.randn(n, generator=g).to(torch.bfloat16)
         med -= n * 2
@@ -190,8 +190,10 @@ def train_bench(args: Any, sdir: str, rec: Callable[..., None]) -> None:
     a = torch.randn(1024, 1024)
     state = {f"p{i}": torch.randn(8 << 20) for i in range(8)}
     every = 20
+    runs = iter(range(100))
 
     def loop(ckpt: bool) -> float:
+        run = next(runs)
         t = time.perf_counter()
         pending = None
         for s in range(args.train_steps):
@@ -201,7 +203,7 @@ def train_bench(args: Any, sdir: str, rec: Callable[..., None]) -> None:
             if ckpt and s % every == every - 1:
                 if pending is not None:
                     pending.wait()
-                pending = staging.save(state, f"stripefs://bench/train/step-{s:06d}", staging_dir=sdir,
+                pending = staging.save(state, f"stripefs://bench/train{run}/step-{s:06d}", staging_dir=sdir,
                                        cluster=args.cluster, keep_local=1, keep_remote=1, background_mover=False)
         if pending is not None:
             pending.wait()
@@ -209,8 +211,8 @@ def train_bench(args: Any, sdir: str, rec: Callable[..., None]) -> None:
 
     loop(True)  # warm-up
     base, with_ckpt = loop(False), loop(True)
-    rec("train_loop_no_ckpt", "baseline", base, 0 or 1)
-    rec("train_loop_ckpt", "staging", with_ckpt, 0 or 1)
+    rec("train_loop_no_ckpt", "baseline", base, 1)
+    rec("train_loop_ckpt", "staging", with_ckpt, 1)
     print(f"train loop: {max(0.0, with_ckpt - base) / with_ckpt:.1%} of wall time lost to checkpointing "
           f"(every {every} steps, {args.train_steps} steps)")
 

@@ -1,0 +1,256 @@
+"""``staging.load`` and ``staging.latest``: parallel reads straight into tensor memory.
+
+Every tensor of at least ``DIRECT`` bytes gets its own ``torch.empty`` and the
+bytes are read into it with one ``pread_into`` (which fans out over every
+chunk and server at once); runs of small tensors are read with one request
+into a scratch buffer and copied out, so a model with thousands of biases
+costs a few round trips, not thousands. Each tensor's CRC32C is checked
+before it is returned: a mismatch raises :class:`ChecksumError` (fail closed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import crc32c
+import torch
+
+from fsclient import normpath
+
+from ._format import MANIFEST, ChecksumError, decode_tree, dtype_from_name, parse_manifest
+from ._journal import Journal
+from ._mover import client_for
+from ._save import default_staging_dir
+
+__all__ = ["load", "latest", "read_manifest"]
+
+log = logging.getLogger("stripefs.staging")
+
+DIRECT = 1 << 20
+READERS = 8
+
+
+class _Source:
+    """Positional reads of a checkpoint's files, local (a directory) or remote (stripefs)."""
+
+    def __init__(self, root: str, client: Any | None):
+        self.root, self.client = root, client
+        self._files: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def manifest(self) -> bytes:
+        if self.client is None:
+            with open(os.path.join(self.root, MANIFEST), "rb") as f:
+                return f.read()
+        return self.client.read_bytes(posixpath.join(self.root, MANIFEST))
+
+    def open(self, name: str) -> Any:
+        with self._lock:
+            return self._open(name)
+
+    def _open(self, name: str) -> Any:
+        if name not in self._files:
+            if self.client is None:
+                self._files[name] = os.open(os.path.join(self.root, name), os.O_RDONLY)
+            else:
+                self._files[name] = self.client.open(posixpath.join(self.root, name), "rb")
+        return self._files[name]
+
+    def pread_into(self, name: str, dest: memoryview, offset: int) -> int:
+        f = self.open(name)
+        if self.client is None:
+            return os.preadv(f, [dest], offset)
+        # Straight to the thread-safe core: StripeFile's readahead window is per-thread state.
+        return self.client.core.read_into(f.ino, f.layout, f.size, offset, dest)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            os.close(f) if self.client is None else f.close()
+        self._files.clear()
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _read_exact(src: _Source, name: str, dest: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(dest):
+        n = src.pread_into(name, dest[done:], offset + done)
+        if n <= 0:
+            raise ChecksumError(f"{name} is shorter than its manifest says", name)
+        done += n
+
+
+def _load_from(src: _Source, man: dict[str, Any], verify: bool) -> list[torch.Tensor]:
+    files = man["files"]
+    index = man["tensors"]
+    out: list[torch.Tensor | None] = [None] * len(index)
+    jobs: list[Callable[[], None]] = []
+
+    def check(i: int, t: torch.Tensor) -> None:
+        if verify and crc32c.crc32c(_bytes_of(t)) != index[i]["crc32c"]:
+            raise ChecksumError(f"tensor {i} of {src.root} fails its CRC32C check", src.root)
+
+    for fi, rec in enumerate(files):
+        mine = sorted((i for i, e in enumerate(index) if e["file"] == fi), key=lambda i: index[i]["offset"])
+        if rec.get("encoding", "raw") == "zstd":
+            jobs.append(lambda rec=rec, mine=mine: _load_zstd(src, rec, index, mine, out, check))
+            continue
+        run: list[int] = []
+
+        def flush(run: list[int], name: str = rec["name"]) -> None:
+            if run:
+                jobs.append(lambda run=list(run), name=name: _load_run(src, name, index, run, out, check))
+                run.clear()
+
+        for i in mine:
+            e = index[i]
+            if e["nbytes"] >= DIRECT:
+                flush(run)
+                jobs.append(lambda i=i, name=rec["name"]: _load_one(src, name, index, i, out, check))
+            else:
+                run.append(i)
+        flush(run)
+    with ThreadPoolExecutor(READERS) as pool:
+        for fut in [pool.submit(j) for j in jobs]:
+            fut.result()
+    return out  # type: ignore[return-value]
+
+
+def _empty(e: dict[str, Any]) -> torch.Tensor:
+    return torch.empty(e["shape"], dtype=dtype_from_name(e["dtype"]))
+
+
+def _load_one(src: _Source, name: str, index: list[dict[str, Any]], i: int, out: list[Any], check: Any) -> None:
+    t = _empty(index[i])
+    _read_exact(src, name, _bytes_of(t), index[i]["offset"])
+    check(i, t)
+    out[i] = t
+
+
+def _load_run(src: _Source, name: str, index: list[dict[str, Any]], run: list[int], out: list[Any], check: Any) -> None:
+    start = index[run[0]]["offset"]
+    end = max(index[i]["offset"] + index[i]["nbytes"] for i in run)
+    scratch = torch.empty(end - start, dtype=torch.uint8)
+    _read_exact(src, name, _bytes_of(scratch), start)
+    for i in run:
+        t = _empty(index[i])
+        if index[i]["nbytes"]:
+            off = index[i]["offset"] - start
+            t.reshape(-1).view(torch.uint8).copy_(scratch[off : off + index[i]["nbytes"]])
+        check(i, t)
+        out[i] = t
+
+
+def _load_zstd(src: _Source, rec: dict[str, Any], index: list[dict[str, Any]], mine: list[int], out: list[Any],
+               check: Any) -> None:
+    import zstandard
+
+    stored = bytearray(rec["size"])
+    _read_exact(src, rec["name"], memoryview(stored), 0)
+    raw = torch.empty(rec["raw_size"], dtype=torch.uint8)
+    rv, pos, cpos = _bytes_of(raw), 0, 0
+    for rlen, clen, crc in rec["frames"]:
+        piece = zstandard.ZstdDecompressor().decompress(bytes(stored[cpos : cpos + clen]), max_output_size=rlen)
+        if len(piece) != rlen or crc32c.crc32c(piece) != crc:
+            raise ChecksumError(f"{rec['name']}: zstd frame at {cpos} fails its check", src.root)
+        rv[pos : pos + rlen] = piece
+        pos, cpos = pos + rlen, cpos + clen
+    for i in mine:
+        e = index[i]
+        t = _empty(e)
+        t.reshape(-1).view(torch.uint8).copy_(raw[e["offset"] : e["offset"] + e["nbytes"]])
+        check(i, t)
+        out[i] = t
+
+
+def _materialize(src: _Source, man: dict[str, Any], verify: bool, map_location: Any) -> Any:
+    tensors = _load_from(src, man, verify)
+    if map_location is not None:
+        tensors = [t.to(map_location) for t in tensors]
+    values: list[Any] = [t.numpy() if e.get("numpy") else t for t, e in zip(tensors, man["tensors"])]
+    return decode_tree(man["tree"], values)
+
+
+def read_manifest(url: str, *, cluster: str | None = None) -> dict[str, Any]:
+    """The committed manifest of ``url``. Raises FileNotFoundError when no step is committed there."""
+    client = client_for(cluster)
+    final = normpath(url)
+    return parse_manifest(client.read_bytes(posixpath.join(final, MANIFEST)), final)
+
+
+def load(url: str, *, map_location: Any = None, verify: bool = True, staging_dir: str | None = None,
+         cluster: str | None = None, prefer_local: bool = True) -> Any:
+    """Load a checkpoint saved by :func:`staging.save`.
+
+    Args:
+        url: ``stripefs://…/step-N``, or a local staged step directory.
+        map_location: device (or anything ``Tensor.to`` takes) for the tensors; default CPU.
+        verify: check every tensor's CRC32C (fail closed on mismatch).
+        prefer_local: use the staging directory's copy when it is the committed one and verifies.
+
+    Raises:
+        FileNotFoundError: nothing committed at ``url``. ChecksumError: corrupt bytes.
+        pickle.UnpicklingError: a non-JSON value needs a type the restricted loader refuses.
+    """
+    if not url.startswith("stripefs://") and os.path.isfile(os.path.join(url, MANIFEST)):
+        src = _Source(url, None)
+        try:
+            return _materialize(src, parse_manifest(src.manifest(), url), verify, map_location)
+        finally:
+            src.close()
+    final = normpath(url)
+    client = client_for(cluster)
+    remote = _Source(final, client)
+    try:
+        man = parse_manifest(remote.manifest(), final)
+        if prefer_local:
+            local = _local_copy(final, man["id"], staging_dir)
+            if local is not None:
+                src = _Source(local, None)
+                try:
+                    return _materialize(src, man, verify, map_location)
+                except (ChecksumError, OSError) as exc:
+                    log.warning("local copy %s unusable (%s); reading %s", local, exc, url)
+                finally:
+                    src.close()
+        return _materialize(remote, man, verify, map_location)
+    finally:
+        remote.close()
+
+
+def _local_copy(final: str, ckpt_id: str, staging_dir: str | None) -> str | None:
+    d = staging_dir or default_staging_dir()
+    if not os.path.isfile(os.path.join(d, "journal.sqlite")):
+        return None
+    path = Journal(d).step_dir(ckpt_id)
+    return path if os.path.isfile(os.path.join(path, MANIFEST)) else None
+
+
+def latest(prefix: str, *, cluster: str | None = None) -> str | None:
+    """URL of the newest committed step directly under ``prefix`` (by trailing step number), or None."""
+    client = client_for(cluster)
+    base = normpath(prefix)
+    best: tuple[int, str] | None = None
+    try:
+        entries = list(client.scandir(base))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    for e in entries:
+        if e.name.startswith(".") or (e.attr is not None and not e.attr.is_dir):
+            continue
+        path = posixpath.join(base, e.name)
+        if not client.exists(posixpath.join(path, MANIFEST)):
+            continue  # never committed: not a step
+        found = re.search(r"(\d+)$", e.name)
+        key = int(found.group(1)) if found else -1
+        if best is None or (key, e.name) > (best[0], posixpath.basename(best[1])):
+            best = (key, path)
+    return None if best is None else "stripefs://" + best[1].lstrip("/")

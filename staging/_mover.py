@@ -1,0 +1,273 @@
+"""The mover: uploads staged checkpoints to the shared store and commits them atomically.
+
+Upload of one checkpoint (idempotent, resumable):
+
+1. if the final directory already holds a manifest with this checkpoint's id,
+   an earlier run committed it and died before recording that: done;
+2. files go into a hidden sibling ``.<name>.partial-<id>``, each from its
+   journal offset (``file.done``), in 32 MiB pieces with two in flight; every
+   piece read from local disk is checked against the CRC32Cs recorded at
+   snapshot time, and the storage servers check each chunk's CRC32C again;
+3. the manifest is written last, then the directory is renamed to its final
+   name with ``noreplace`` — one atomic metadata transaction, so readers see
+   either nothing or the whole step.
+
+Transient faults (server unreachable, timeouts) are retried with exponential
+backoff from the last durable offset; a checksum mismatch or a different
+checkpoint already committed under the URL fail the checkpoint for good.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import posixpath
+import shutil
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import crc32c
+
+from fsclient import Client, find_cluster, normpath
+from wire import ErrorCode, StripefsError, messages as m
+
+from ._format import CHECK_CHUNK, MANIFEST, CheckpointConflict, ChecksumError, parse_manifest
+from ._journal import CkptRow, FileRow, Journal, fault_point
+
+__all__ = ["Mover", "MoverOptions", "Uploader", "remote_paths", "remove_tree", "client_for"]
+
+log = logging.getLogger("stripefs.staging")
+
+PIECE = 32 << 20
+DEPTH = 2  # pieces in flight per file
+
+
+@dataclass
+class MoverOptions:
+    """Knobs of the upload; the same for the in-process and the standalone mover."""
+
+    concurrency: int = 2            # files uploaded at once
+    bandwidth: float | None = None  # bytes/s cap over the whole checkpoint, None = unlimited
+    retries: int = 5                # transient failures tolerated per checkpoint and attempt
+    backoff: float = 0.5            # first retry delay (doubles, capped at 8 s)
+    cluster: str | None = None      # overrides the cluster recorded in the journal
+    piece: int = PIECE              # upload unit; the journal records progress per piece
+
+
+_clients: dict[str, Client] = {}
+_clients_lock = threading.Lock()
+
+
+def client_for(cluster: str | None) -> Client:
+    """A process-wide Client per cluster spec (connections are reused across saves)."""
+    key = cluster or ""
+    with _clients_lock:
+        c = _clients.get(key)
+        if c is None or c.core.pid != os.getpid():
+            c = _clients[key] = Client(cluster)
+        return c
+
+
+def drop_client(cluster: str | None) -> None:
+    with _clients_lock:
+        c = _clients.pop(cluster or "", None)
+    if c is not None:
+        try:
+            c.close()
+        except OSError:
+            pass
+
+
+def remote_paths(url: str, ckpt_id: str) -> tuple[str, str]:
+    """``(final, partial)`` paths of a checkpoint in the file system."""
+    final = normpath(url)
+    head, name = posixpath.split(final)
+    if not name:
+        raise StripefsError(ErrorCode.INVALID, "checkpoint URL must name a directory below the root", url)
+    return final, posixpath.join(head, f".{name}.partial-{ckpt_id}")
+
+
+def remove_tree(client: Client, path: str) -> None:
+    """Delete a directory tree; missing paths are fine."""
+    try:
+        entries = list(client.scandir(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for e in entries:
+        child = posixpath.join(path, e.name)
+        if e.attr is not None and e.attr.is_dir:
+            remove_tree(client, child)
+        else:
+            try:
+                client.remove(child)
+            except FileNotFoundError:
+                pass
+    try:
+        client.rmdir(path)
+    except FileNotFoundError:
+        pass
+
+
+def committed_id(client: Client, final: str) -> str | None:
+    """Checkpoint id of the manifest committed at ``final``, or None when nothing is there."""
+    try:
+        raw = client.read_bytes(posixpath.join(final, MANIFEST))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return str(parse_manifest(raw, final).get("id"))
+
+
+class _Throttle:
+    def __init__(self, rate: float | None):
+        self.rate, self.t0, self.sent, self.lock = rate, time.monotonic(), 0, threading.Lock()
+
+    def account(self, n: int) -> None:
+        if not self.rate:
+            return
+        with self.lock:
+            self.sent += n
+            ahead = self.sent / self.rate - (time.monotonic() - self.t0)
+        if ahead > 0:
+            time.sleep(ahead)
+
+
+@dataclass
+class Uploader:
+    """Uploads one checkpoint; ``buffer`` (file index -> memoryview) skips re-reading local files."""
+
+    journal: Journal
+    row: CkptRow
+    options: MoverOptions = field(default_factory=MoverOptions)
+    buffers: list[memoryview] | None = None
+    on_progress: Callable[[int], None] | None = None
+    uploaded: int = 0  # bytes sent by this uploader (tests check resume skips done bytes)
+
+    def run(self, wait_local: Callable[[], None] | None = None) -> None:
+        """Upload with retries, then commit. ``wait_local`` blocks until the local copy is durable.
+
+        Raises:
+            ChecksumError: a staged file does not match its recorded checksums.
+            CheckpointConflict: another checkpoint is committed under the URL.
+            OSError: the store stayed unreachable through every retry.
+        """
+        delay = self.options.backoff
+        for attempt in range(self.options.retries + 1):
+            try:
+                self._attempt(wait_local)
+                return
+            except (ChecksumError, CheckpointConflict):
+                raise
+            except (ConnectionError, TimeoutError, StripefsError, OSError) as exc:
+                if not _transient(exc) or attempt == self.options.retries:
+                    raise
+                self.journal.note_error(self.row.id, f"{type(exc).__name__}: {exc}")
+                drop_client(self.options.cluster or self.row.cluster)  # re-read cluster.json: it may have moved
+                log.warning("checkpoint %s: upload failed (%s); retry %d in %.1fs", self.row.url, exc, attempt + 1, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 8.0)
+
+    def _attempt(self, wait_local: Callable[[], None] | None) -> None:
+        client = client_for(self.options.cluster or self.row.cluster)
+        final, partial = remote_paths(self.row.url, self.row.id)
+        existing = committed_id(client, final)
+        if existing == self.row.id:
+            self.journal.set_state(self.row.id, "committed")
+            return
+        if existing is not None:
+            raise CheckpointConflict(f"{final} already holds checkpoint {existing} (another writer saved this step)", final)
+        files = self.journal.files(self.row.id)
+        if not client.isdir(partial):
+            if any(f.done for f in files):
+                self.journal.reset_progress(self.row.id)  # the partial upload is gone: start over
+                files = self.journal.files(self.row.id)
+            client.makedirs(partial)
+        throttle = _Throttle(self.options.bandwidth)
+        pending = [f for f in files if f.done < f.size or f.size == 0]
+        with ThreadPoolExecutor(max(1, self.options.concurrency), thread_name_prefix="stripefs-mover") as pool:
+            for fut in [pool.submit(self._upload_file, client, partial, f, throttle) for f in pending]:
+                fut.result()
+        if wait_local is not None:
+            wait_local()
+        self._commit(client, final, partial)
+
+    def _upload_file(self, client: Client, partial: str, f: FileRow, throttle: _Throttle) -> None:
+        path = posixpath.join(partial, f.name)
+        index = int(f.name.split("-")[-1].split(".")[0]) if self.buffers is not None else -1
+        piece = max(f.chunk, self.options.piece // f.chunk * f.chunk)  # whole checksum chunks per piece
+        start_at = f.done if f.done and client.exists(path) else 0
+        with client.open(path, "r+b" if start_at else "wb") as sf:
+            local = None if self.buffers is not None else open(os.path.join(self.row.local_dir, f.name), "rb")
+            if local is not None:
+                local.seek(start_at)
+            spare: list[Any] = []
+            inflight: deque[tuple[int, int, Any, Future]] = deque()
+            try:
+                off = start_at
+                while off < f.size or inflight:
+                    while off < f.size and len(inflight) < DEPTH:
+                        n = min(piece, f.size - off)
+                        if local is None:
+                            view, buf = self.buffers[index][off : off + n], None  # type: ignore[index]
+                        else:
+                            buf = spare.pop() if spare else mmap.mmap(-1, piece)
+                            view = memoryview(buf)[:n]
+                            if local.readinto(view) != n:
+                                raise ChecksumError(f"staged file {f.name} is shorter than recorded", local.name)
+                            _verify(view, off, f, local.name)
+                        futs = client.core.submit_write(sf.ino, sf.layout, off, view)
+                        inflight.append((off, n, buf, futs[0]))
+                        off += n
+                    start, n, buf, fut = inflight.popleft()
+                    fut.result()
+                    if buf is not None:
+                        spare.append(buf)
+                    self.journal.progress(self.row.id, f.name, start + n)
+                    self.uploaded += n
+                    if self.on_progress:
+                        self.on_progress(n)
+                    fault_point("upload_piece")
+                    throttle.account(n)
+                # The length is committed once, at the end, as close() does for ordinary writes.
+                client.core.attr(m.CommitLength(ino=sf.ino, length=f.size, mtime_ns=time.time_ns()))
+            finally:
+                while inflight:  # never free a buffer the sender may still read
+                    try:
+                        inflight.popleft()[3].result()
+                    except BaseException:
+                        pass
+                if local is not None:
+                    local.close()
+
+    def _commit(self, client: Client, final: str, partial: str) -> None:
+        with open(os.path.join(self.row.local_dir, MANIFEST), "rb") as fh:
+            raw = fh.read()
+        client.write_bytes(posixpath.join(partial, MANIFEST), raw)
+        fault_point("before_rename")
+        try:
+            client.rename(partial, final, noreplace=True)
+        except FileExistsError:
+            other = committed_id(client, final)
+            if other != self.row.id:
+                remove_tree(client, partial)
+                raise CheckpointConflict(f"{final} was committed by another writer (checkpoint {other})", final) from None
+        fault_point("after_rename")
+        self.journal.set_state(self.row.id, "committed")
+
+
+def _verify(view: memoryview, off: int, f: FileRow, where: str) -> None:
+    for k in range(0, len(view), CHECK_CHUNK):
+        idx = (off + k) // f.chunk
+        if crc32c.crc32c(view[k : k + f.chunk]) != f.chunk_crcs[idx]:
+            raise ChecksumError(f"staged file {f.name} is corrupt at offset {off + k} (CRC32C mismatch)", where)
+
+
+def _transient(exc: BaseException) -> bool:
+    if isinstance(exc, StripefsError):
+        return exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.IO, ErrorCode.STALE_ROUTING,
+                            ErrorCode.BUSY, ErrorCode.NO_SPACE)
+    return isinstance(exc, (ConnectionError, TimeoutError))

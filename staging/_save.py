@@ -1,0 +1,334 @@
+"""``staging.save``: snapshot on the caller's thread, everything else in the background.
+
+Phases (timed on the handle): ``snapshot`` (blocking: tensors copied into a
+pooled host buffer), ``serialize`` (checksums, optional zstd, the manifest),
+``local_write`` (files fsynced and renamed into the staging directory: the
+checkpoint is *locally durable*), ``upload`` (streamed from the snapshot
+buffer while the local write runs, or from the local files when compressed)
+and ``commit`` (manifest, atomic rename: *globally durable*).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import crc32c
+
+from fsclient import normpath
+
+from ._format import CHECK_CHUNK, DEFAULT_SHARD, FORMAT, MANIFEST, VERSION, chunk_crcs, manifest_bytes, plan_state_dict
+from ._journal import CkptRow, FileRow, Journal, fault_point
+from ._mover import MoverOptions, Uploader, client_for, remote_paths, remove_tree
+from ._service import Mover, apply_retention
+from ._snapshot import POOL, snapshot
+
+__all__ = ["save", "SaveHandle", "default_staging_dir", "write_local_dir"]
+
+log = logging.getLogger("stripefs.staging")
+
+
+def default_staging_dir() -> str:
+    return os.environ.get("STRIPEFS_STAGING") or os.path.join(tempfile.gettempdir(), f"stripefs-staging-{os.getuid()}")
+
+
+class SaveHandle:
+    """Progress of one save: snapshotted → locally durable → globally durable, or an error.
+
+    ``timings`` maps phase -> seconds and ``gbps`` phase -> GB/s once each phase ends.
+    """
+
+    def __init__(self, url: str, ckpt_id: str, nbytes: int):
+        self.url, self.id, self.nbytes = url, ckpt_id, nbytes
+        self.timings: dict[str, float] = {}
+        self._snap, self._local, self._global, self._done = (threading.Event() for _ in range(4))
+        self._error: BaseException | None = None
+        self._observed = False
+
+    @property
+    def snapshotted(self) -> bool:
+        return self._snap.is_set()
+
+    @property
+    def locally_durable(self) -> bool:
+        return self._local.is_set()
+
+    @property
+    def globally_durable(self) -> bool:
+        return self._global.is_set()
+
+    @property
+    def error(self) -> BaseException | None:
+        self._observed = True
+        return self._error
+
+    @property
+    def gbps(self) -> dict[str, float]:
+        return {k: self.nbytes / v / 1e9 for k, v in self.timings.items() if v > 0}
+
+    def done(self) -> bool:
+        """True once globally durable or failed."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None, *, durable: str = "global") -> bool:
+        """Wait for ``durable`` ("local" or "global"); False on timeout.
+
+        Raises:
+            the save's error (OSError subclasses: ChecksumError, CheckpointConflict, ...).
+        """
+        target = {"local": self._local, "global": self._global}[durable]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not target.is_set():
+            if self._error is not None:
+                break
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self._done.wait(0.05 if left is None else min(left, 0.05))
+        if self._error is not None and not target.is_set():
+            self._observed = True
+            raise self._error
+        return True
+
+    result = wait
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+        log.error("checkpoint %s failed: %s", self.url, exc)
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else "global" if self.globally_durable else "local" if self.locally_durable else "snapshot"
+        return f"<SaveHandle {self.url} {state}>"
+
+
+_handles: list[SaveHandle] = []
+_movers: dict[str, threading.Event] = {}
+_lock = threading.Lock()
+
+
+def _raise_unobserved() -> None:
+    """An error nobody looked at surfaces at the next save instead of vanishing."""
+    with _lock:
+        for h in list(_handles):
+            if h.done():
+                _handles.remove(h)
+                if h._error is not None and not h._observed:
+                    h._observed = True
+                    raise h._error
+
+
+def _ensure_background_mover(staging_dir: str, options: MoverOptions) -> None:
+    with _lock:
+        if staging_dir in _movers:
+            return
+        stop = _movers[staging_dir] = threading.Event()
+    mover = Mover(staging_dir, options)
+    threading.Thread(target=mover.run_forever, args=(stop, 30.0), daemon=True, name="stripefs-mover").start()
+
+
+def _step_of(url: str, step: int | None) -> int | None:
+    if step is not None:
+        return step
+    found = re.search(r"(\d+)$", normpath(url))
+    return int(found.group(1)) if found else None
+
+
+def save(state_dict: Any, url: str, *, staging_dir: str | None = None, compress: str | None = None,
+         keep_local: int | None = 2, keep_remote: int | None = None, pin: bool = False, step: int | None = None,
+         cluster: str | None = None, upload: bool = True, background_mover: bool = True,
+         options: MoverOptions | None = None, shard_bytes: int = DEFAULT_SHARD) -> SaveHandle:
+    """Checkpoint ``state_dict`` to ``url`` (``stripefs://run/step-100``); blocks only for the snapshot.
+
+    Args:
+        state_dict: nested dicts/lists/tuples of tensors, numpy arrays and plain values.
+        url: the final directory of this step in the file system; must not exist yet.
+        staging_dir: local directory for staged copies and the journal.
+        compress: None or "zstd" (per 4 MiB frame; pays off for sparse / low-entropy state).
+        keep_local / keep_remote: committed steps of this series kept locally / remotely (None: all).
+        pin: never delete this step by retention.
+        upload: False stages locally only (a standalone ``stripefs mover`` uploads it).
+        background_mover: start an in-process mover thread that also resumes older leftovers.
+        options: upload concurrency, bandwidth cap, retries.
+
+    Returns:
+        a :class:`SaveHandle`; ``wait()`` raises the save's error.
+
+    Raises:
+        ValueError: unknown ``compress``. TypeError: a tensor without a raw form.
+        an unobserved error of an earlier save of this process.
+    """
+    if compress not in (None, "zstd"):
+        raise ValueError(f"compress must be None or 'zstd', got {compress!r}")
+    _raise_unobserved()
+    staging_dir = os.path.abspath(staging_dir or default_staging_dir())
+    journal = Journal(staging_dir)
+    options = options or MoverOptions(cluster=cluster)
+    cluster_spec = cluster or client_for(cluster).config.path
+    remote_paths(url, "x")  # validate the URL before any work
+    t0 = time.monotonic()
+    plan = plan_state_dict(state_dict, shard_bytes)
+    buf = snapshot(plan, POOL)
+    h = SaveHandle(url, uuid.uuid4().hex, plan.nbytes)
+    h.timings["snapshot"] = time.monotonic() - t0
+    h._snap.set()
+    with _lock:
+        _handles.append(h)
+    row = CkptRow(h.id, normpath(url), cluster_spec, journal.step_dir(h.id), "writing", _step_of(url, step), pin,
+                  keep_local, keep_remote, time.time(), None, None, 0, "state_dict")
+    args = (h, journal, row, plan, buf, compress, upload, options)
+    threading.Thread(target=_background, args=args, daemon=True, name="stripefs-save").start()
+    if background_mover:
+        _ensure_background_mover(staging_dir, options)
+    return h
+
+
+def _background(h: SaveHandle, journal: Journal, row: CkptRow, plan: Any, buf: Any, compress: str | None,
+                upload: bool, options: MoverOptions) -> None:
+    lock = journal.lock(row.id)
+    lock.try_acquire()  # a fresh id: nobody else can hold it
+    released = False
+    try:
+        t = time.monotonic()
+        views = [buf.view[o : o + s] for o, s in zip(buf.file_offsets, plan.file_sizes)]
+        for e in plan.tensors:
+            base = buf.file_offsets[e.file] + e.offset
+            e.crc = crc32c.crc32c(buf.view[base : base + e.nbytes])
+        stored, records = [], []
+        for i, v in enumerate(views):
+            data, rec = _encode_file(v, compress)
+            rec["name"] = f"data-{i:05d}.bin"
+            stored.append(data)
+            records.append(rec)
+        manifest = {"format": FORMAT, "version": VERSION, "id": row.id, "kind": "state_dict", "step": row.step,
+                    "created": row.created, "url": row.url, "files": records,
+                    "tensors": [dict(e.index_record(), crc32c=e.crc) for e in plan.tensors], "tree": plan.tree}
+        raw_manifest = manifest_bytes(manifest)
+        journal.begin(row, [FileRow(r["name"], r["size"], r["crc32c"], r["chunk"], r["chunk_crc32c"], 0) for r in records])
+        h.timings["serialize"] = time.monotonic() - t
+        fault_point("after_begin")
+
+        local_ok = threading.Event()
+        up_thread = None
+        up_box: dict[str, Any] = {}
+        if upload and compress is None:
+            # Stream from the snapshot buffer while the local copy is written: the two overlap.
+            up_thread = threading.Thread(target=_upload, args=(h, journal, row, options, views, local_ok, up_box), daemon=True)
+            up_thread.start()
+        t = time.monotonic()
+        try:
+            write_local_dir(row.local_dir, [(r["name"], d) for r, d in zip(records, stored)], raw_manifest)
+        except BaseException:
+            journal.set_state(row.id, "failed", "local staging failed")
+            local_ok.set()
+            if up_thread is not None:
+                up_thread.join()
+            raise
+        journal.set_state(row.id, "staged")
+        fault_point("after_local")
+        h.timings["local_write"] = time.monotonic() - t
+        h._local.set()
+        local_ok.set()
+        if up_thread is None:
+            POOL.release(buf)
+            released = True
+            if upload:
+                _upload(h, journal, row, options, None, local_ok, up_box)
+        else:
+            up_thread.join()
+        if "error" in up_box:
+            raise up_box["error"]
+        if upload:
+            # Retention first: when wait() returns, older steps are already trimmed.
+            apply_retention(journal, journal.get(row.id) or row, options)
+            h._global.set()
+    except BaseException as exc:
+        h._fail(exc)
+    finally:
+        if not released:
+            POOL.release(buf)
+        lock.release()  # before done(): a mover started after done() can take the checkpoint
+        h._done.set()
+
+
+def _upload(h: SaveHandle, journal: Journal, row: CkptRow, options: MoverOptions, views: Any,
+            local_ok: threading.Event, box: dict[str, Any]) -> None:
+    def wait_local() -> None:
+        local_ok.wait()
+        if not h.locally_durable:
+            raise RuntimeError("local staging failed; not committing")
+
+    t = time.monotonic()
+    try:
+        Uploader(journal, row, options, buffers=views).run(wait_local)
+        h.timings["upload"] = time.monotonic() - t
+    except BaseException as exc:
+        box["error"] = exc
+        from ._format import CheckpointConflict, ChecksumError
+
+        if isinstance(exc, (CheckpointConflict, ChecksumError, RuntimeError)):
+            journal.set_state(row.id, "failed", f"{type(exc).__name__}: {exc}")
+            try:
+                remove_tree(client_for(options.cluster or row.cluster), remote_paths(row.url, row.id)[1])
+            except OSError:
+                pass
+        else:
+            journal.note_error(row.id, f"{type(exc).__name__}: {exc}")
+
+
+def _encode_file(view: memoryview, compress: str | None) -> tuple[Any, dict[str, Any]]:
+    if compress is None:
+        total, crcs = chunk_crcs(view)
+        return view, {"size": len(view), "crc32c": total, "chunk": CHECK_CHUNK, "chunk_crc32c": crcs, "encoding": "raw"}
+    import zstandard
+
+    def one(off: int) -> tuple[bytes, list[int]]:
+        piece = view[off : off + CHECK_CHUNK]
+        return zstandard.ZstdCompressor(level=1).compress(piece), [len(piece), 0, crc32c.crc32c(piece)]
+
+    with ThreadPoolExecutor(2) as pool:
+        parts = list(pool.map(one, range(0, len(view), CHECK_CHUNK)))
+    data = b"".join(p for p, _ in parts)
+    frames = [[raw, len(p), crc] for p, (raw, _, crc) in parts]
+    total, crcs = chunk_crcs(memoryview(data))
+    return memoryview(data), {"size": len(data), "crc32c": total, "chunk": CHECK_CHUNK, "chunk_crc32c": crcs,
+                              "encoding": "zstd", "raw_size": len(view), "frames": frames}
+
+
+def write_local_dir(final: str, files: list[tuple[str, Any]], manifest: bytes) -> None:
+    """Write files + manifest into ``.tmp-<name>``, fsync everything, rename to ``final``.
+
+    Raises:
+        OSError: e.g. ENOSPC; the temporary directory is removed.
+    """
+    parent, name = os.path.split(final)
+    tmp = os.path.join(parent, ".tmp-" + name)
+    os.makedirs(tmp, exist_ok=True)
+    try:
+        for fname, data in files + [(MANIFEST, memoryview(manifest))]:
+            fd = os.open(os.path.join(tmp, fname), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                view, off = memoryview(data), 0
+                while off < len(view):
+                    off += os.write(fd, view[off : off + (256 << 20)])
+                    fault_point("local_write")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.rename(tmp, final)
+        dfd = os.open(parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,162 @@
+"""The mover as a service: recovery after crashes, uploads of leftovers, retention.
+
+One pass (:meth:`Mover.run_once`) does, for every checkpoint of the journal
+whose lock it can take:
+
+* ``writing`` with a free lock — its writer died before the local copy was
+  durable: remove the local and remote remains, mark it ``abandoned``;
+* ``staged`` — upload from the last durable offset and commit;
+* ``failed`` — remove the remote partial directory (best effort).
+
+Then retention: per series (the parent directory of the URL), keep the newest
+``keep_local`` committed steps on local disk and the newest ``keep_remote`` in
+the store, plus pinned ones. Retention runs only after a commit and only
+counts committed steps, so no step is deleted before a newer one is globally
+durable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import shutil
+import threading
+import time
+from typing import Callable
+
+from fsclient import normpath
+
+from ._format import CheckpointConflict, ChecksumError
+from ._journal import CkptRow, Journal
+from ._mover import MoverOptions, Uploader, client_for, remote_paths, remove_tree
+
+__all__ = ["Mover", "apply_retention", "series_of"]
+
+log = logging.getLogger("stripefs.staging")
+
+
+def series_of(url: str) -> str:
+    return posixpath.dirname(normpath(url))
+
+
+def _rm_local(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    tmp = os.path.join(os.path.dirname(path), ".tmp-" + os.path.basename(path))
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def apply_retention(journal: Journal, row: CkptRow, options: MoverOptions) -> None:
+    """Trim older committed steps of ``row``'s series to its keep_local/keep_remote."""
+    series = series_of(row.url)
+    same = [r for r in journal.checkpoints("WHERE state='committed'") if series_of(r.url) == series]
+    same.sort(key=lambda r: (r.committed or 0, r.created), reverse=True)
+    if row.keep_local is not None:
+        for r in same[row.keep_local:]:
+            if not r.pinned and os.path.isdir(r.local_dir):
+                _rm_local(r.local_dir)
+    if row.keep_remote is not None:
+        for r in same[row.keep_remote:]:
+            if r.pinned:
+                continue
+            client = client_for(options.cluster or r.cluster)
+            final, _ = remote_paths(r.url, r.id)
+            try:
+                remove_tree(client, final)
+            except OSError as exc:  # retention is best effort; the next commit tries again
+                log.warning("retention: could not remove %s: %s", final, exc)
+                continue
+            _rm_local(r.local_dir)
+            journal.delete(r.id)
+
+
+class Mover:
+    """Uploads every staged checkpoint of a staging directory.
+
+    Args:
+        staging_dir: the directory ``staging.save`` writes to.
+        options: concurrency, bandwidth cap, retries, cluster override.
+        on_progress: called with ``(row, bytes)`` after each uploaded piece.
+    """
+
+    def __init__(self, staging_dir: str, options: MoverOptions | None = None,
+                 on_progress: Callable[[CkptRow, int], None] | None = None):
+        self.journal = Journal(staging_dir)
+        self.options = options or MoverOptions()
+        self.on_progress = on_progress
+        self.uploaded = 0
+
+    def run_once(self) -> dict[str, str]:
+        """One recovery + upload pass; returns ``{checkpoint id: final state}`` of what it touched."""
+        out: dict[str, str] = {}
+        for row in self.journal.checkpoints("WHERE state IN ('writing','staged','failed')"):
+            lock = self.journal.lock(row.id)
+            if not lock.try_acquire():
+                continue  # its writer (or another mover) is on it
+            try:
+                row = self.journal.get(row.id) or row  # re-read under the lock
+                out[row.id] = self._handle(row)
+            finally:
+                lock.release()
+        self._sweep_orphans()
+        return out
+
+    def _handle(self, row: CkptRow) -> str:
+        if row.state == "writing":
+            log.warning("checkpoint %s: writer died before it was locally durable; removing remains", row.url)
+            self._remove_partial(row)
+            _rm_local(row.local_dir)
+            self.journal.set_state(row.id, "abandoned", "writer died before the local copy was durable")
+            return "abandoned"
+        if row.state == "failed":
+            self._remove_partial(row)
+            return "failed"
+        if not os.path.isdir(row.local_dir):
+            self.journal.set_state(row.id, "failed", "local staged copy is missing")
+            return "failed"
+        up = Uploader(self.journal, row, self.options,
+                      on_progress=(lambda n: self.on_progress(row, n)) if self.on_progress else None)
+        t0 = time.monotonic()
+        try:
+            up.run()
+        except (ChecksumError, CheckpointConflict) as exc:
+            log.error("checkpoint %s failed: %s", row.url, exc)
+            self.journal.set_state(row.id, "failed", f"{type(exc).__name__}: {exc}")
+            self._remove_partial(row)
+            return "failed"
+        except OSError as exc:
+            log.error("checkpoint %s: upload failed, will retry on the next pass: %s", row.url, exc)
+            self.journal.note_error(row.id, f"{type(exc).__name__}: {exc}")
+            return "staged"
+        finally:
+            self.uploaded += up.uploaded
+        dt = time.monotonic() - t0
+        log.info("checkpoint %s committed: %.1f MB uploaded in %.2fs", row.url, up.uploaded / 1e6, dt)
+        apply_retention(self.journal, row, self.options)
+        return "committed"
+
+    def _remove_partial(self, row: CkptRow) -> None:
+        try:
+            remove_tree(client_for(self.options.cluster or row.cluster), remote_paths(row.url, row.id)[1])
+        except OSError as exc:
+            log.warning("could not remove partial upload of %s: %s", row.url, exc)
+
+    def _sweep_orphans(self) -> None:
+        """Local ``.tmp-*`` directories whose checkpoint is no longer being written."""
+        steps = os.path.join(self.journal.dir, "steps")
+        for name in os.listdir(steps):
+            if not name.startswith(".tmp-"):
+                continue
+            row = self.journal.get(name[5:])
+            if row is not None and row.state == "writing":
+                continue  # locked by a live writer (otherwise run_once abandoned it)
+            shutil.rmtree(os.path.join(steps, name), ignore_errors=True)
+
+    def run_forever(self, stop: threading.Event, interval: float = 5.0) -> None:
+        """Pass after pass until ``stop`` is set."""
+        while not stop.is_set():
+            try:
+                self.run_once()
+            except Exception:  # keep the service alive; each failure is already logged
+                log.exception("mover pass failed")
+            stop.wait(interval)

@@ -1,0 +1,73 @@
+"""``stripefs mover --staging DIR [--cluster C]``: the mover as its own process.
+
+Resumes whatever the journal of DIR says is staged (after a trainer or mover
+was killed, from the last durable offset), prints progress, and with
+``--once`` exits after one pass (exit status 1 when a checkpoint is left
+failed or still staged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+import time
+
+from ._journal import CkptRow
+from ._mover import MoverOptions
+from ._service import Mover
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="stripefs mover", description="upload staged checkpoints to the shared store")
+    p.add_argument("--staging", required=True, help="staging directory (the one staging.save wrote to)")
+    p.add_argument("--cluster", help="cluster.json or host:port (default: the one recorded at save time)")
+    p.add_argument("--once", action="store_true", help="one pass, then exit")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds between passes")
+    p.add_argument("--concurrency", type=int, default=2, help="files uploaded at once")
+    p.add_argument("--bandwidth", type=float, default=None, help="cap in MB/s")
+    p.add_argument("--retries", type=int, default=5)
+    p.add_argument("--piece", type=int, default=32 << 20, help="upload unit in bytes (progress is durable per piece)")
+    p.add_argument("-q", "--quiet", action="store_true")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """Entry point; ``argv[0]`` is the subcommand name (``mover``)."""
+    args = _parser().parse_args(argv[1:])
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(message)s")
+    opts = MoverOptions(concurrency=args.concurrency, retries=args.retries, cluster=args.cluster, piece=args.piece,
+                        bandwidth=args.bandwidth * 1e6 if args.bandwidth else None)
+    sent: dict[str, int] = {}
+    t0 = time.monotonic()
+
+    def progress(row: CkptRow, n: int) -> None:
+        sent[row.id] = sent.get(row.id, 0) + n
+        if not args.quiet:
+            total = sum(f.size for f in mover.journal.files(row.id))
+            done = sum(f.done for f in mover.journal.files(row.id))
+            rate = sum(sent.values()) / max(time.monotonic() - t0, 1e-9) / 1e9
+            print(f"\r{row.url}: {done / max(total, 1):6.1%} of {total / 1e6:.1f} MB  {rate:.2f} GB/s", end="",
+                  file=sys.stderr, flush=True)
+
+    mover = Mover(args.staging, opts, on_progress=progress)
+    if args.once:
+        states = mover.run_once()
+        for cid, state in states.items():
+            row = mover.journal.get(cid)
+            print(f"{row.url if row else cid}: {state}" + (f" ({row.error})" if row and row.error and state != "committed" else ""))
+        print(f"uploaded {mover.uploaded} bytes")
+        return 0 if all(s in ("committed", "abandoned") for s in states.values()) else 1
+    stop = threading.Event()
+    try:
+        mover.run_forever(stop, args.interval)
+    except KeyboardInterrupt:
+        stop.set()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(["mover", *sys.argv[1:]]))
