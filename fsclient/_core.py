@@ -211,6 +211,7 @@ class ClientCore:
         up to ``RETRY_FOR`` seconds, on the next replica where there is one.
         """
         attempts = [0] * len(pieces)
+        seen = [0] * len(pieces)  # routing version each piece was sent with
         queue = deque(range(len(pieces)))
         inflight: deque[tuple[int, Future]] = deque()
         deadline: float | None = None
@@ -218,6 +219,7 @@ class ClientCore:
             while queue and len(inflight) < self.max_inflight:
                 i = queue.popleft()
                 try:
+                    seen[i] = self.routing().version
                     inflight.append((i, submit(pieces[i], attempts[i])))
                 except StripefsError as exc:
                     failed: Future = Future()
@@ -241,7 +243,9 @@ class ClientCore:
                     _settle(inflight)
                     raise
                 attempts[i] += 1
-                if exc.code != ErrorCode.CHECKSUM:
+                if exc.code != ErrorCode.CHECKSUM and self.routing().version <= seen[i]:
+                    # Only wait and refresh when no newer routing arrived since this piece
+                    # went out: the other pieces of a failover then retry at once.
                     time.sleep(min(RETRY_DELAY * attempts[i], 1.0))
                     if not self.routing(refresh=True).chains.get(pieces[i][-1]):
                         _settle(inflight)  # every replica of the chain is down: no point waiting
