@@ -337,7 +337,10 @@ class ChunkStore:
                 continue
             if index >= from_index:
                 with self._lock(ino, index):
-                    meta = self._load(ino, index)
+                    try:
+                        meta = self._load(ino, index)
+                    except StripefsError:  # a corrupt header must not keep garbage alive
+                        meta = None
                     try:
                         os.unlink(os.path.join(d, name))
                     except FileNotFoundError:
@@ -358,7 +361,13 @@ class ChunkStore:
             except FileNotFoundError:
                 return
             try:
-                meta = self._load(ino, index, fd)
+                try:
+                    meta = self._load(ino, index, fd)
+                except StripefsError:  # corrupt header: cutting it off is what was asked
+                    os.ftruncate(fd, 0)
+                    os.unlink(self.path(ino, index))
+                    self._meta.pop((ino, index), None)
+                    return
                 if meta is None or length >= meta.length:
                     return
                 os.ftruncate(fd, HEADER_SIZE + length)
