@@ -306,7 +306,9 @@ class ReadRing:
                     raise StripefsError(ErrorCode.UNAVAILABLE, f"chain {s.file.layout.chain_of(index)} has no serving target")
                 sid = targets[0]
                 fut = self.core.data_conn(sid).submit(
-                    m.ReadChunk(ino=s.file.ino, index=index, offset=coff, length=k), dest=s.dest[pos : pos + k])
+                    m.ReadChunk(ino=s.file.ino, index=index, offset=coff, length=k, chain=s.file.layout.chain_of(index),
+                                routing_version=self.core.routing().version),
+                    dest=s.dest[pos : pos + k])
             except StripefsError as exc:
                 fut = Future()
                 fut.set_exception(exc)

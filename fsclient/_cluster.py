@@ -200,6 +200,29 @@ def _restart_dead_servers(root: str, cluster: dict[str, Any]) -> dict[str, Any]:
     return cluster
 
 
+def add_server(root: str) -> dict[str, Any]:
+    """Start one more storage server in the running cluster under ``root``.
+
+    The metadata service moves it into a fair share of the chains; it copies
+    those chains' data in the background and then serves, while the servers it
+    relieves drop their copies. No downtime: reads and writes go on meanwhile.
+    """
+    root = os.path.abspath(root)
+    cluster = read_cluster(root)
+    if not cluster or not pid_alive(cluster.get("metadata", {}).get("pid", -1)):
+        raise StripefsError(ErrorCode.UNAVAILABLE, f"no running cluster under {root} (stripefs up first)")
+    path = os.path.join(root, "cluster.json")
+    i = len(cluster["servers"])
+    maddr = f"{cluster['metadata']['host']}:{cluster['metadata']['port']}"
+    sp, sready, slog = _start_server(root, i, maddr, path)
+    addr = _wait_ready(sp, sready, f"storage server {i}", slog)
+    h, _, p = addr.rpartition(":")
+    cluster["servers"].append({"root": os.path.join(root, f"storage-{i}"), "host": h, "port": int(p), "pid": sp.pid})
+    cluster["pids"].append(sp.pid)
+    _write_cluster(root, cluster)
+    return cluster
+
+
 def down(root: str, timeout: float = 10.0) -> int:
     """Stop every process of the cluster under ``root``; returns how many were running."""
     cluster = read_cluster(os.path.abspath(root))

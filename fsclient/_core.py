@@ -263,7 +263,8 @@ class ClientCore:
         def submit(p: tuple[int, int, int, int, int], attempt: int) -> Future:
             index, coff, k, pos, chain = p
             conn = self.data_conn(self._replica(chain, ino + index, attempt))
-            return conn.submit(m.ReadChunk(ino=ino, index=index, offset=coff, length=k), dest=dest[pos : pos + k])
+            return conn.submit(m.ReadChunk(ino=ino, index=index, offset=coff, length=k, chain=chain,
+                                           routing_version=self.routing().version), dest=dest[pos : pos + k])
 
         def finish(p: tuple[int, int, int, int, int], reply: Reply) -> None:
             _index, _coff, k, pos, _chain = p

@@ -62,6 +62,14 @@ def cmd_up(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_add_server(a: argparse.Namespace) -> int:
+    c = _cluster.add_server(a.root)
+    s = c["servers"][-1]
+    print(f"{s['host']}:{s['port']}")
+    print("the new server copies its share of the chains in the background; watch `stripefs status`", file=sys.stderr)
+    return 0
+
+
 def cmd_down(a: argparse.Namespace) -> int:
     n = _cluster.down(a.root)
     print(f"stopped {n} processes", file=sys.stderr)
@@ -253,9 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("up", cmd_up, "Start (or restart) a local cluster under --root", cluster=False)
     sp.add_argument("--root", required=True)
     sp.add_argument("--servers", type=int, default=4)
-    sp.add_argument("--replicas", type=int, default=1)
+    sp.add_argument("--replicas", type=int, default=1, help="targets per chain: 1, 2 or 3")
     sp.add_argument("--chunk-size", default="4M")
     sp.add_argument("--stripe", type=int, default=16)
+    sp = add("add-server", cmd_add_server, "Add a storage server to the running cluster under --root (rebalances)", cluster=False)
+    sp.add_argument("--root", required=True)
     sp = add("down", cmd_down, "Stop the local cluster under --root", cluster=False)
     sp.add_argument("--root", required=True)
     sp = add("scrub", cmd_scrub, "Verify every chunk's checksums on every server and repair bad replicas")

@@ -482,8 +482,11 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def read(self, fh: int, off: int, size: int) -> memoryview:
         state = self._state(fh)
-        if state.dirty or (self.config.direct_io and off in (0, state.seq_end)):
-            # Buffered writes must land first; direct_io sequential reads use the windows.
+        if state.dirty or off in (0, state.seq_end) or state.file._in_window(off):
+            # Buffered writes must land first. Sequential reads use StripeFile's readahead
+            # windows: one parallel fetch of a whole window (all servers at once, refilled in
+            # the background) serves many kernel requests from memory, instead of one
+            # round trip per 1 MiB request.
             return await self._locked(state, state.read, off, size)
         # Page-cache mode: the kernel's readahead sends many requests at once; serve
         # them in parallel, each straight into a reused page-aligned buffer.

@@ -255,9 +255,15 @@ class Namespace:
         row = txn.get_dir(parent)
         chunk = (row.chunk_size if row else None) or self.default_chunk_size
         stripe = min((row.stripe if row else None) or self.max_stripe, len(pool))
-        # Each file gets its own shuffled chain list (3FS ChainAllocator) so that
-        # chunk 0 of every file does not land on the same chain.
-        return Layout(chunk, tuple(random.Random(secrets.randbits(64)).sample(pool, stripe))).validate()
+        # Each file gets its own window of consecutive chains from a random start,
+        # shuffled (3FS ChainAllocator): chunk 0 of every file lands somewhere else,
+        # and since consecutive chains sit on different servers, a stripe of k
+        # chains spreads over min(k, servers) servers.
+        rng = random.Random(secrets.randbits(64))
+        start = rng.randrange(len(pool))
+        window = [pool[(start + i) % len(pool)] for i in range(stripe)]
+        rng.shuffle(window)
+        return Layout(chunk, tuple(window)).validate()
 
     def create(self, parent: int, name: str, mode: int, uid: int, gid: int, *, chains: list[int],
                exclusive: bool = False, truncate: bool = False) -> tuple[Attr, bool]:

@@ -32,19 +32,27 @@ from ._store import GarbageItem
 log = logging.getLogger(__name__)
 
 OFFLINE_AFTER = 5.0
+# Chains per server when the table is built: more chains than servers lets a new server
+# take over whole chains (a fair share) without changing any file's layout.
+CHAINS_PER_SERVER = 4
 GC_INTERVAL = 0.5
 # Chunks of a removed file stay this long, so clients that opened it before the
 # unlink (a reader racing a rename-over) finish reading real bytes, not holes.
 GC_GRACE = 30.0
+# A server that left a chain keeps its copy this long: every server and client sees the
+# new routing first (servers within a heartbeat; clients on STALE_ROUTING).
+DROP_GRACE = 5.0
 
 
 class Membership:
     """Storage servers, their states and the chain table, persisted in ``servers.json``.
 
-    The chain table is built from the registered servers (chain ``i`` = servers
-    ``i, i+1, ..., i+R-1`` in id order, so every server heads one chain and
-    recovery load spreads) and frozen when the first file is created: a file's
-    layout names chains, so their membership must not change under it.
+    The chain table is built from the registered servers: ``CHAINS_PER_SERVER``
+    chains per server, chain ``i`` = servers ``i, i+1, ..., i+R-1`` (mod N) in id
+    order, so consecutive chains start on different servers, every server heads
+    the same number of chains and recovery load spreads. It is frozen when the
+    first file is created: a file's layout names chains; later changes move a
+    chain's targets (resync first), never which chains a file uses.
 
     States: ``serving``; ``offline`` (no heartbeat for ``OFFLINE_AFTER``);
     ``syncing`` (back after being away while another replica of its chains kept
@@ -61,6 +69,8 @@ class Membership:
         self.table: dict[int, list[int]] = {}
         self.frozen = False
         self.stale: set[int] = set()
+        self.leaving: dict[int, int] = {}  # chain -> server that leaves it once the newcomer synced
+        self.drops: list[tuple[int, int]] = []  # (server, chain): chunks to delete on a server that left
         try:
             with open(path) as f:
                 raw = json.load(f)
@@ -68,11 +78,17 @@ class Membership:
             self.replicas = int(raw.get("replicas", replicas))
             self.frozen = bool(raw.get("frozen", False))
             self.table = {int(c): [int(t) for t in ts] for c, ts in raw.get("table", [])}
+            self.leaving = {int(c): int(t) for c, t in raw.get("leaving", [])}
+            self.drops = [(int(t), int(c)) for t, c in raw.get("drops", [])]
+            now = time.monotonic()
             for s in raw.get("servers", []):
                 info = ServerInfo.from_wire(s)
                 if info.state != "serving":
                     self.stale.add(info.server_id)  # missed writes before the restart: must resync
-                self.servers[info.server_id] = ServerInfo(**{**info.to_wire(), "state": "offline", "last_seen": 0.0})
+                # Keep the last known state: after a restart of this service alone the storage
+                # servers are still up and their next heartbeat confirms it; a server that
+                # stays silent is declared offline by the usual sweep.
+                self.servers[info.server_id] = ServerInfo(**{**info.to_wire(), "last_seen": now})
         except FileNotFoundError:
             pass
 
@@ -81,6 +97,8 @@ class Membership:
         with open(tmp, "w") as f:
             json.dump({"version": self.version, "replicas": self.replicas, "frozen": self.frozen,
                        "table": [[c, ts] for c, ts in sorted(self.table.items())],
+                       "leaving": [[c, t] for c, t in sorted(self.leaving.items())],
+                       "drops": [list(d) for d in self.drops],
                        "servers": [s.to_wire() for s in self.servers.values()]}, f)
             f.flush()
             os.fsync(f.fileno())
@@ -91,7 +109,8 @@ class Membership:
             return
         ids = sorted(self.servers)
         r = min(self.replicas, len(ids))
-        self.table = {i + 1: [ids[(i + k) % len(ids)] for k in range(r)] for i in range(len(ids))}
+        count = len(ids) * CHAINS_PER_SERVER
+        self.table = {i + 1: [ids[(i + k) % len(ids)] for k in range(r)] for i in range(count)}
 
     def freeze(self) -> None:
         """Fix the chain table (first file creation)."""
@@ -123,6 +142,10 @@ class Membership:
         old = self.servers.get(sid)
         behind = sid in self.stale or self._peers_serving(sid)
         state = "syncing" if old is not None and self.frozen and self.replicas > 1 and behind else "serving"
+        if old is None and self.frozen:
+            state = "syncing" if self._plan_migration(sid) else "serving"
+        elif any(sid in ts for c, ts in self.table.items() if c in self.leaving and self.leaving[c] != sid):
+            state = "syncing"  # a newcomer that restarted before it finished copying
         info = ServerInfo(sid, msg.host, msg.port, state, msg.capacity, msg.used, msg.pid, time.monotonic())
         self.servers[sid] = info
         self._rebuild()
@@ -142,9 +165,48 @@ class Membership:
         self._set(msg.server_id, state=state, capacity=msg.capacity, used=msg.used, last_seen=time.monotonic())
         return state
 
+    def _plan_migration(self, new: int) -> bool:
+        """A server joined a frozen cluster: move it into a fair share of chain slots.
+
+        It joins each chosen chain at the end (``syncing``: it gets new writes and
+        copies the chain's data); the member it replaces keeps serving until the
+        newcomer has caught up, then leaves the chain and deletes its copy. File
+        layouts never change: chains keep their ids, only their targets move.
+        """
+        slots = {s: 0 for s in self.servers if s != new}
+        for ts in self.table.values():
+            for t in ts:
+                slots[t] = slots.get(t, 0) + 1
+        if not slots:
+            return False
+        want = sum(slots.values()) // (len(slots) + 1)
+        for _ in range(want):
+            for donor in sorted(slots, key=lambda s: -slots[s]):
+                chain = next((c for c, ts in sorted(self.table.items())
+                              if donor in ts and new not in ts and c not in self.leaving), None)
+                if chain is not None:
+                    break
+            else:
+                break
+            self.table[chain].append(new)
+            self.leaving[chain] = donor
+            slots[donor] -= 1
+            log.info("chain %d: server %d joins, server %d will leave", chain, new, donor)
+        return bool(want)
+
     def sync_done(self, sid: int) -> None:
         if sid in self.servers and self.servers[sid].state == "syncing":
+            for chain, donor in list(self.leaving.items()):
+                if sid in self.table.get(chain, []):
+                    self.table[chain].remove(donor)
+                    del self.leaving[chain]
+                    self.drops.append((donor, chain))
             self._set(sid, state="serving")
+
+    def add_drop_done(self, item: tuple[int, int]) -> None:
+        if item in self.drops:
+            self.drops.remove(item)
+            self.save()
 
     def sweep(self) -> None:
         now = time.monotonic()
@@ -173,6 +235,7 @@ class MetadataService(Service):
         self.ns = ns
         self.gc_grace = gc_grace
         self._first_seen: dict[int, float] = {}
+        self._drop_seen: dict[tuple[int, int], float] = {}
         self.members = members
         self.secret = secret
         self.limiter = trio.CapacityLimiter(1)
@@ -364,6 +427,24 @@ class MetadataService(Service):
                 if conn is not None:
                     await conn.call(m.TruncateChunk(ino=item.ino, index=cut[0], length=cut[1]))
 
+    async def drop_moved_chains(self) -> None:
+        """Tell servers that left a chain to delete its chunks, once everyone has the new routing."""
+        now = time.monotonic()
+        for item in list(self.members.drops):
+            if now - self._drop_seen.setdefault(item, now) < DROP_GRACE:
+                continue
+            conn = self._conn(item[0])
+            if conn is None:
+                self.members.add_drop_done(item)
+                continue
+            try:
+                await conn.call(m.DropChain(chain=item[1]))
+            except StripefsError as exc:
+                log.info("dropping chain %d on server %d postponed: %s", item[1], item[0], exc.message)
+                continue
+            self.members.add_drop_done(item)
+            self._drop_seen.pop(item, None)
+
     async def background(self) -> None:
         while True:
             with trio.move_on_after(GC_INTERVAL):
@@ -372,6 +453,7 @@ class MetadataService(Service):
             self.members.sweep()
             try:
                 await self.collect()
+                await self.drop_moved_chains()
             except Exception:  # never let GC take the service down
                 log.exception("garbage collection pass failed")
 

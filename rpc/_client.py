@@ -204,7 +204,9 @@ class Connection:
         plen = len(payload) if payload is not None else 0
         try:
             prefix = wire.encode_prefix(msg.MSG_ID, req_id, msg.to_header(), plen)
-            if self._sendq is not None:
+            if self._sendq is not None and plen > 65536:
+                # Big payloads go through the send thread so a caller can fan out to many
+                # servers at once; small frames are sent right here (one thread hop less).
                 self._sendq.put((prefix, payload, req_id))
                 return fut
             with self._send_lock:
@@ -231,9 +233,7 @@ class Connection:
                 continue
             prefix, payload, req_id = item
             try:
-                if payload is not None and len(payload) <= 65536:
-                    self.sock.sendall(prefix + bytes(payload))
-                else:
+                with self._send_lock:
                     self.sock.sendall(prefix)
                     if payload is not None and len(payload):
                         self.sock.sendall(payload)

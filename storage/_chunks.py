@@ -429,6 +429,13 @@ class ChunkStore:
             self.used -= meta.length if meta else 0
             self.chunks -= 1
 
+    def drop_chain(self, chain: int) -> int:
+        """Delete every chunk of ``chain`` held here (the chain moved to another server)."""
+        items = self.list_chain(chain)
+        for ino, index, _v, _n in items:
+            self.remove_one(ino, index)
+        return len(items)
+
     def read_whole(self, ino: int, index: int) -> tuple[ChunkMeta, bytes] | None:
         """A whole chunk, verified against its CRCs (for copying to a replica)."""
         with self._lock(ino, index):

@@ -34,6 +34,7 @@ from ._chunks import ChunkStore, VersionGap
 log = logging.getLogger(__name__)
 
 POOL_PER_PEER = 8
+SETTLE = 3.0  # seconds: > 2 heartbeats, so every peer routes by the table that includes us
 
 
 class Replicator:
@@ -163,33 +164,52 @@ class Replicator:
             self.syncing = False
 
     async def _resync(self) -> None:
-        if True:
-            started = time.time()
-            routing = await self.refresh(-1)
-            copied = removed = 0
-            for chain, members in sorted(routing.members.items()):
-                ids = [t for t, _ in members]
-                if self.server_id not in ids:
-                    continue
-                sources = [t for t, st in members if st == "serving" and t != self.server_id]
-                if not sources:
-                    continue
-                reply, _ = await self.call_peer(sources[0], m.ListChunks(chain=chain))
-                remote = {(int(i), int(x)): int(v) for i, x, v, _n in reply["chunks"]}
-                local = {(i, x): v for i, x, v, _n in await trio.to_thread.run_sync(self.store.list_chain, chain)}
-                self.sync_progress = {"chain": chain, "total": len(remote), "done": 0}
-                for (ino, index), version in remote.items():
-                    if local.get((ino, index), -1) < version:
+        # Passes until one copies nothing, and never shorter than SETTLE: a peer may
+        # still route by a table from before we joined (servers refresh it with their
+        # heartbeat) and apply a write without forwarding it; the next pass sees its
+        # higher version and copies it.
+        started = time.time()
+        total_copied = total_removed = 0
+        while True:
+            copied, removed = await self._resync_pass(started)
+            total_copied += copied
+            total_removed += removed
+            if copied == 0 and time.time() - started >= SETTLE:
+                break
+            await trio.sleep(0.2)
+        log.info("resync done: %d chunks copied, %d removed", total_copied, total_removed)
+        await self.meta.call(m.SyncDone(server_id=self.server_id or 0))
+
+    async def _resync_pass(self, started: float) -> tuple[int, int]:
+        routing = await self.refresh(-1)
+        copied = removed = 0
+        for chain, members in sorted(routing.members.items()):
+            ids = [t for t, _ in members]
+            if self.server_id not in ids:
+                continue
+            sources = [t for t, st in members if st == "serving" and t != self.server_id]
+            if not sources:
+                continue
+            reply, _ = await self.call_peer(sources[0], m.ListChunks(chain=chain))
+            remote = {(int(i), int(x)): int(v) for i, x, v, _n in reply["chunks"]}
+            local = {(i, x): v for i, x, v, _n in await trio.to_thread.run_sync(self.store.list_chain, chain)}
+            self.sync_progress = {"chain": chain, "total": len(remote), "done": 0}
+            for (ino, index), version in remote.items():
+                if local.get((ino, index), -1) < version:
+                    try:
                         async with self.chunk_lock((ino, index)):
                             await self.copy_chunk(sources[0], ino, index)
-                        copied += 1
-                    self.sync_progress["done"] += 1
-                for key in set(local) - set(remote):
-                    if await trio.to_thread.run_sync(self._older_than, key, started):
-                        await trio.to_thread.run_sync(self.store.remove_one, *key)
-                        removed += 1
-            log.info("resync done: %d chunks copied, %d removed", copied, removed)
-            await self.meta.call(m.SyncDone(server_id=self.server_id or 0))
+                    except StripefsError as exc:
+                        if exc.code != ErrorCode.NOT_FOUND:
+                            raise
+                        continue  # removed at the source meanwhile
+                    copied += 1
+                self.sync_progress["done"] += 1
+            for key in set(local) - set(remote):
+                if await trio.to_thread.run_sync(self._older_than, key, started):
+                    await trio.to_thread.run_sync(self.store.remove_one, *key)
+                    removed += 1
+        return copied, removed
 
     def _older_than(self, key: tuple[int, int], t: float) -> bool:
         try:

@@ -22,7 +22,8 @@ from typing import Any
 import trio
 
 from rpc import BufferPool, ServerConn, Service, TrioConnection, serve_rpc
-from wire import ErrorCode, FrameHead, Message, StripefsError, messages as m
+from rpc._server import send_all, sendfile_all
+from wire import FLAG_ERROR, FLAG_RESPONSE, ErrorCode, FrameHead, Message, StripefsError, encode_prefix, messages as m
 
 from ._chunks import ChunkStore
 from ._replication import Replicator
@@ -30,6 +31,7 @@ from ._replication import Replicator
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 1.0
+SMALL_READ = 256 * 1024
 
 
 class StorageService(Service):
@@ -62,10 +64,16 @@ class StorageService(Service):
 
     async def handle(self, conn: ServerConn, head: FrameHead, msg: Message, payload: Any) -> None:
         store = self.store
+        if isinstance(msg, (m.WriteChunk, m.ReadChunk)) and msg.chain:
+            routing = self.repl.routing
+            if routing is None or msg.routing_version > routing.version:
+                # The client knows a newer chain table than we do: never decide by an old one
+                # (an old table may show a chain without the replicas a write must reach).
+                await self.repl.refresh(msg.routing_version)
         if isinstance(msg, m.WriteChunk):
             view = memoryview(payload)[: head.payload_len]
             try:
-                if msg.chain and (msg.version is not None or self._replicated()):
+                if msg.chain and (msg.version is not None or self._chained(msg.chain)):
                     reply = await self.repl.write(msg, view)
                 else:  # replication factor 1: nothing to forward
                     meta = await trio.to_thread.run_sync(
@@ -77,6 +85,16 @@ class StorageService(Service):
                 self.pool.put(payload)
             await conn.send(head, reply)
         elif isinstance(msg, m.ReadChunk):
+            routing = self.repl.routing
+            if msg.chain and routing is not None and self.server_id not in routing.chains.get(msg.chain, (self.server_id,)):
+                # We left this chain (or are not serving it yet): never answer with a hole.
+                raise StripefsError(ErrorCode.STALE_ROUTING, f"server {self.server_id} does not serve chain {msg.chain}")
+            if msg.length <= SMALL_READ:
+                # Latency matters for small reads (dataloader samples): read and send in one
+                # worker-thread hop, holding the connection's send lock.
+                async with conn.send_lock:
+                    await trio.to_thread.run_sync(self._small_read, conn.sock.fileno(), head, msg)
+                return
             fd, off, n, data, clen = await trio.to_thread.run_sync(store.open_read, msg.ino, msg.index, msg.offset, msg.length)
             header = {"length": n, "chunk_length": clen}
             if data is not None:
@@ -105,6 +123,12 @@ class StorageService(Service):
                 raise StripefsError(ErrorCode.NOT_FOUND, "no such chunk")
             meta, data = found
             await conn.send(head, {"version": meta.version, "chain": meta.chain, "length": meta.length}, payload=data)
+        elif isinstance(msg, m.DropChain):
+            routing = await self.repl.refresh(-1)
+            if self.server_id in routing.forward_order(msg.chain):
+                raise StripefsError(ErrorCode.BUSY, f"server {self.server_id} still belongs to chain {msg.chain}")
+            removed = await trio.to_thread.run_sync(store.drop_chain, msg.chain)
+            await conn.send(head, {"removed": removed})
         elif isinstance(msg, m.ListChunks):
             chunks = await trio.to_thread.run_sync(store.list_chain, msg.chain)
             await conn.send(head, {"chunks": [list(c) for c in chunks]})
@@ -117,9 +141,31 @@ class StorageService(Service):
         else:
             raise StripefsError(ErrorCode.NOT_SUPPORTED, f"{type(msg).__name__} is not a storage request")
 
-    def _replicated(self) -> bool:
+    def _small_read(self, sock_fd: int, head: FrameHead, msg: m.ReadChunk) -> None:
+        """Runs in a worker thread with the send lock held: read, then answer."""
+        try:
+            fd, off, n, data, clen = self.store.open_read(msg.ino, msg.index, msg.offset, msg.length)
+        except StripefsError as exc:
+            send_all(sock_fd, memoryview(encode_prefix(head.msg_type, head.req_id, exc.to_wire(), 0, FLAG_RESPONSE | FLAG_ERROR)))
+            return
+        try:
+            send_all(sock_fd, memoryview(encode_prefix(head.msg_type, head.req_id, {"length": n, "chunk_length": clen}, n, FLAG_RESPONSE)))
+            if data is not None:
+                send_all(sock_fd, memoryview(data))
+            elif fd >= 0:
+                sendfile_all(sock_fd, fd, off, n)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def _chained(self, chain: int) -> bool:
+        """Must a write to ``chain`` go through the chain logic (forwarding, checks)?
+
+        Only a chain that is exactly this server takes the direct path; anything
+        else (replicas, a newcomer syncing, a chain we left) is checked and forwarded.
+        """
         routing = self.repl.routing
-        return routing is None or routing.replicas > 1
+        return routing is None or routing.forward_order(chain) != [self.server_id]
 
     async def info(self) -> dict[str, Any]:
         total, free = await trio.to_thread.run_sync(self.store.capacity)

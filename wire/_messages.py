@@ -319,6 +319,8 @@ class ReadChunk(Message):
     index: int
     offset: int
     length: int
+    chain: int = 0  # when set, a server that no longer serves the chain answers STALE_ROUTING
+    routing_version: int = 0  # the sender's routing version: a server behind it refreshes first
     # response: {"length": bytes in the payload, "chunk_length": n, "version": v}
 
 
@@ -380,3 +382,11 @@ class Scrub(Message):
 
     repair: bool = True
     # response: {"checked": n, "bad": [[ino, index, chain]], "repaired": n}
+
+
+@message(50, mutates=True)
+class DropChain(Message):
+    """Metadata -> storage: this server left ``chain`` (its data moved): delete its chunks."""
+
+    chain: int
+    # response: {"removed": n}

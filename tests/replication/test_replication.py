@@ -181,3 +181,45 @@ def test_metadata_restart_during_traffic(make_cluster) -> None:
         time.sleep(2.0)
     load.verify()
     assert len(load.acked) > 2
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_add_server_rebalances_without_downtime(make_cluster, replicas: int) -> None:
+    from fsclient import _cluster
+
+    h = make_cluster(servers=3, replicas=replicas)
+    files = {f"/r/f{i}": os.urandom(TEST_CHUNK * 5 + i) for i in range(6)}
+    with h.client() as c:
+        c.mkdir("/r")
+        for p, d in files.items():
+            c.write_bytes(p, d)
+    with Workload(h, "/r", writers=1) as load:
+        h.data = _cluster.add_server(h.root)
+        with h.client() as c:
+            wait_all_serving(c, 4, timeout=60)
+            st = c.status()
+        time.sleep(0.5)
+    load.verify()
+    new_sid = max(s["server_id"] for s in st["servers"])
+    slots = [t for ch in st["chains"] for t in ch["targets"]]
+    assert slots.count(new_sid) >= 1  # the newcomer holds a fair share of chain slots
+    assert all(len(ch["targets"]) == replicas for ch in st["chains"])
+    new_root = h.data["servers"][-1]["root"]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # its chunks are on its disk; the donors dropped theirs
+        held = sum(len(fs) for _, _, fs in os.walk(os.path.join(new_root, "chunks")))
+        if held:
+            break
+        time.sleep(0.2)
+    assert held > 0
+    with h.client() as c:
+        for p, d in {**files, **load.acked}.items():
+            assert c.read_bytes(p) == d, p
+        total_chunks = sum(s.get("used", 0) for s in c.status()["servers"])
+    expect = sum(len(d) for d in {**files, **load.acked}.values()) * replicas
+    deadline = time.monotonic() + 30
+    while total_chunks > expect and time.monotonic() < deadline:  # donors' copies are dropped
+        time.sleep(0.5)
+        with h.client() as c:
+            total_chunks = sum(s.get("used", 0) for s in c.status()["servers"])
+    assert total_chunks == expect
