@@ -179,28 +179,6 @@ class StagedStorageReader(FileSystemReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return _is_url(checkpoint_id)
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """AsyncStager: copy into CPU buffers kept from the previous save (pinned with CUDA)."""
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-
-        self.per_thread_copy_ahead = 0
-        t = time.monotonic()
-        cuda = torch.cuda.is_available()
-        for attempt in (0, 1):
-            if self._staged is None:
-                self._staged = _create_cpu_state_dict(state_dict, pin_memory=cuda)
-            try:
-                out = _copy_state_dict(state_dict, self._staged, non_blocking=cuda)
-                break
-            except (ValueError, RuntimeError, KeyError, TypeError, AssertionError):
-                if attempt:
-                    raise
-                self._staged = None  # the state dict changed shape: new buffers
-        if cuda:
-            torch.cuda.synchronize()
-        self.timings["snapshot"] = time.monotonic() - t
-        return out
-
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(self._resolve(str(checkpoint_id)) if checkpoint_id is not None else None)
 
