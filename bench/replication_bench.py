@@ -218,6 +218,9 @@ def failures(root: str, args: argparse.Namespace, src: mmap.mmap, src2: mmap.mma
             rd = reader(cr, "/base", src, chunk)
             rd.start(), wr.start()
             time.sleep(args.settle)
+            ready_by = now() + 30  # on a loaded machine the loops may not have finished one op yet
+            while now() < ready_by and not (any(x[3] for x in list(rd.log)) and any(x[3] for x in list(wr.log))):
+                time.sleep(0.05)
             os.kill(server(c, VICTIM)["pid"], signal.SIGKILL)
             t_kill = now()
             t_off = wait_state(c, VICTIM, "offline", 30)
