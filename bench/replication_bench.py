@@ -43,7 +43,6 @@ from bench.floors import machine_facts, parse_size
 
 MiB = 1 << 20
 STAMP = struct.Struct("!QQ")  # (file tag, MiB index) at the start of every MiB
-VICTIM = 2  # the server killed: with R = 2 on 3 servers it sits in 2 of the 3 chains
 now = time.monotonic
 
 
@@ -213,6 +212,9 @@ def failures(root: str, args: argparse.Namespace, src: mmap.mmap, src2: mmap.mma
             bad = rd.bad
             # (2) failover: a reader (one chunk per call) and a writer (one chunk per chain per call)
             pattr = cw.stat("/probe")
+            # Kill a server holding the probe's first chunk, so the writer really has to wait
+            # for the failover (a probe whose chains all avoid the victim would not).
+            victim = c.placement("/probe")[0]["replicas"][0]
             pview = memoryview(src)[:probe_len]
             wr = Loop(lambda i: (cw.core.write_from(pattr.ino, pattr.layout, 0, pview), probe_len)[1])
             rd = reader(cr, "/base", src, chunk)
@@ -221,9 +223,9 @@ def failures(root: str, args: argparse.Namespace, src: mmap.mmap, src2: mmap.mma
             ready_by = now() + 30  # on a loaded machine the loops may not have finished one op yet
             while now() < ready_by and not (any(x[3] for x in list(rd.log)) and any(x[3] for x in list(wr.log))):
                 time.sleep(0.05)
-            os.kill(server(c, VICTIM)["pid"], signal.SIGKILL)
+            os.kill(server(c, victim)["pid"], signal.SIGKILL)
             t_kill = now()
-            t_off = wait_state(c, VICTIM, "offline", 30)
+            t_off = wait_state(c, victim, "offline", 30)
             deadline = now() + 30  # RETRY_FOR is 20 s: a write must have resumed by then
             while now() < deadline and not any(s >= t_kill and ok for s, _e, _n, ok in wr.log):
                 time.sleep(0.05)
@@ -238,7 +240,7 @@ def failures(root: str, args: argparse.Namespace, src: mmap.mmap, src2: mmap.mma
                            read_gap_s=(after[0] - before[-1]) if before and after else None,
                            max_read_stall_s=max((b - a for a, b in zip(ends, ends[1:])), default=None),
                            write_resume_s=(wafter[0] - t_kill) if wafter else None,
-                           offline_after_s=t_off - t_kill, read_errors=len(rd.errors),
+                           offline_after_s=t_off - t_kill, victim=victim, read_errors=len(rd.errors),
                            write_errors=len(wr.errors), errors=(rd.errors + wr.errors)[:3]))
             bad += rd.bad
             # (4b) degraded reads, (3) writes while the server is down
@@ -250,7 +252,7 @@ def failures(root: str, args: argparse.Namespace, src: mmap.mmap, src2: mmap.mma
             degraded = rec("read_degraded", n, 2, int(rd.bytes_in(w0, w1)), w1 - w0, read_block=block)
             bad += rd.bad
             out.append(rec("write_degraded", n, 2, len(src2), write_file(c, "/outage", src2)))
-            chunks, missed = missed_bytes(c, ["/outage", "/probe"], VICTIM)
+            chunks, missed = missed_bytes(c, ["/outage", "/probe"], victim)
             # (3) restart; (4c) a reader runs through the resync
             rd = reader(cr, "/base", src, block)
             rd.start()
@@ -258,8 +260,8 @@ def failures(root: str, args: argparse.Namespace, src: mmap.mmap, src2: mmap.mma
             t_restart = now()
             _cluster.up(croot, **kw)  # restarts only the dead server; it registers as syncing
             t_up = now()
-            states = {server(c, VICTIM)["state"]}
-            t_serving = wait_state(c, VICTIM, "serving", 300)
+            states = {server(c, victim)["state"]}
+            t_serving = wait_state(c, victim, "serving", 300)
             rd.stop()
             bad += rd.bad
             out.append(rec("resync", n, 2, missed, t_serving - t_restart, chunks_missed=chunks,
@@ -313,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     dst = mmap.mmap(-1, args.size)
     dst.write(b"\1" * args.size)  # pre-fault: a fresh destination halves throughput
     report: dict[str, Any] = {"machine": machine_facts(), "size": args.size, "servers": args.servers,
-                              "chunk_size": args.chunk_size, "victim": VICTIM}
+                              "chunk_size": args.chunk_size}
     try:
         print(f"replication cost: R = 1, 2, 3 on {args.servers} servers, {args.size / MiB:.0f} MiB ...", flush=True)
         results = cost_of_replication(root, args, src, dst)
