@@ -27,7 +27,7 @@ def say(msg: str) -> None:
     print(f"\n\033[1m== {msg}\033[0m", flush=True)
 
 
-def demo_core(c: Client) -> None:
+def demo_core(c: Client) -> str:
     say("write a 64 MiB file through the native client (chunks go to all servers in parallel)")
     data = os.urandom(1 << 20) * 64
     c.makedirs("/demo")
@@ -52,9 +52,10 @@ def demo_core(c: Client) -> None:
     print(f"read {len(back) >> 20} MiB in {dt:.2f}s; sha256 equal: {same}")
     if not same:
         raise SystemExit("demo failed: data differs")
+    return hashlib.sha256(data).hexdigest()
 
 
-def demo_fuse(root: str, cluster_file: str) -> None:
+def demo_fuse(root: str, cluster_file: str, digest: str) -> None:
     try:
         import fsclient.fuse_cli  # noqa: F401
     except ImportError as exc:
@@ -71,10 +72,15 @@ def demo_fuse(root: str, cluster_file: str) -> None:
     subprocess.run([*stripefs, "mount", mnt, "--cluster", cluster_file], check=True)
     try:
         for cmd in (f"ls -la {mnt}/demo", f"mkdir -p {mnt}/demo/tree && cp -r /etc/apt {mnt}/demo/tree/",
-                    f"du -sh {mnt}/demo/tree", f"sha256sum {mnt}/demo/data.bin | cut -c1-16",
-                    f"df -h {mnt}"):
+                    f"du -sh {mnt}/demo/tree", f"df -h {mnt}"):
             print(f"$ {cmd}", flush=True)
             subprocess.run(cmd, shell=True, check=True)
+        print(f"$ sha256sum {mnt}/demo/data.bin", flush=True)
+        out = subprocess.run(["sha256sum", f"{mnt}/demo/data.bin"], capture_output=True, text=True, check=True).stdout
+        print(out.strip())
+        print(f"same bytes through the mount as written by the native client: {out.split()[0] == digest}")
+        if out.split()[0] != digest:
+            raise SystemExit("demo failed: the mount shows other bytes")
     finally:
         subprocess.run([*stripefs, "umount", mnt], check=False)
 
@@ -119,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     cluster_file = os.path.join(cluster["root"], "cluster.json")
     print(f"metadata service at {cluster['metadata']['host']}:{cluster['metadata']['port']}; cluster file {cluster_file}")
     with Client(cluster_file) as c:
-        demo_core(c)
-        demo_fuse(args.root, cluster_file)
+        digest = demo_core(c)
+        demo_fuse(args.root, cluster_file, digest)
         demo_checkpoint(cluster_file, args.root)
         say("cluster status")
     subprocess.run([sys.executable, "-m", "fsclient.cli", "status", "--cluster", cluster_file], check=True)
