@@ -143,6 +143,32 @@ class OpenFile:
         self.seq_end = offset + got
         return dest[:got]
 
+    def read_cached(self, offset: int, size: int) -> memoryview | None:
+        """Serve a sequential read from a readahead window that is already filled.
+
+        Non-blocking (a memory copy), so the daemon calls it on the trio loop and
+        saves the worker-thread hop; None when the bytes are not in memory yet.
+        """
+        f = self.file
+        if f._wlen or f._inflight:
+            return None
+        length = f._length()
+        n = max(0, min(size, length - offset))
+        for start, blen, buf, fut in f._ra:
+            if start <= offset and offset + n <= start + blen and (fut is None or fut.done()):
+                if fut is not None and fut.exception() is not None:
+                    return None  # let the thread path raise it
+                if self._buf is None or len(self._buf) < n:
+                    self._buf = mmap.mmap(-1, max(n, 1 << 20))
+                dest = memoryview(self._buf)[:n]
+                dest[:] = memoryview(buf)[offset - start : offset - start + n]
+                self.seq_end = offset + n
+                f._seq_end = offset + n
+                if all(w[3] is None or w[3].done() for w in f._ra):
+                    f._prefetch(start + blen, length)  # keep the next window coming (starts a thread)
+                return dest
+        return None
+
     def read_at(self, offset: int, dest: memoryview) -> int:
         """Read exactly the asked range into ``dest``; safe to run in parallel (no state)."""
         f = self.file
@@ -482,6 +508,10 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def read(self, fh: int, off: int, size: int) -> memoryview:
         state = self._state(fh)
+        if not state.dirty and not state.lock.locked():
+            view = state.read_cached(off, size)  # already in a readahead window: no thread hop
+            if view is not None:
+                return view
         if state.dirty or off in (0, state.seq_end) or state.file._in_window(off):
             # Buffered writes must land first. Sequential reads use StripeFile's readahead
             # windows: one parallel fetch of a whole window (all servers at once, refilled in
