@@ -154,6 +154,10 @@ class Namespace:
 
     # ------------------------------------------------------------------ lookups
 
+    @property
+    def store(self) -> Store:
+        return self._store
+
     def getattr(self, ino: int) -> Attr:
         with self._store.transaction() as txn:
             return self._inode(txn, ino)

@@ -1,0 +1,45 @@
+"""Group commit: operations in one batch share a durable commit but fail alone."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import pytest
+
+from metadata import MemoryStore, Namespace, SqliteStore
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "memory"])
+def test_batch_ops_fail_alone_and_commit_together(tmp_path, kind: str) -> None:
+    path = os.path.join(tmp_path, "meta.db")
+    store = SqliteStore(path) if kind == "sqlite" else MemoryStore()
+    ns = Namespace(store)
+    results: list[object] = []
+    with store.batch():
+        for name in ("a", "b", "a", "c"):  # the second "a" fails with EEXIST, alone
+            try:
+                results.append(ns.mkdir(1, name, 0o755, 0, 0).ino)
+            except OSError as exc:
+                results.append(exc.errno)
+    assert results[2] == errno.EEXIST
+    assert len({results[0], results[1], results[3]}) == 3  # three new inodes
+    entries, _ = ns.readdir(1)
+    assert sorted(e.name for e in entries) == ["a", "b", "c"]
+    if kind == "sqlite":
+        store.close()
+        again = Namespace(SqliteStore(path))  # durable after the batch's one commit
+        assert sorted(e.name for e in again.readdir(1)[0]) == ["a", "b", "c"]
+        assert stat.S_ISDIR(again.resolve("/c").mode)
+
+
+def test_a_failed_batch_commits_nothing(tmp_path) -> None:
+    path = os.path.join(tmp_path, "meta.db")
+    store = SqliteStore(path)
+    ns = Namespace(store)
+    with pytest.raises(RuntimeError):
+        with store.batch():
+            ns.mkdir(1, "x", 0o755, 0, 0)
+            raise RuntimeError("crash before the commit")
+    assert [e.name for e in ns.readdir(1)[0]] == []
