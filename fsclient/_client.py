@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import os
 import posixpath
-import stat as _stat
 from typing import Any, Callable, Iterator
 
 import trio
@@ -291,10 +290,6 @@ class Client:
             out.append({"index": index, "chain": chain, "server": sid, "host": info.host, "port": info.port,
                         "replicas": [t for t, _ in members], "states": [st for _, st in members]})
         return out
-
-
-def _isdir_mode(mode: int) -> bool:
-    return _stat.S_ISDIR(mode)
 
 
 class AsyncClient:
