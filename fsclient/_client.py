@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import posixpath
+import time
 from typing import Any, Callable, Iterator
 
 import trio
@@ -225,8 +226,6 @@ class Client:
         return self.core.attr(m.SetAttr(ino=self.stat(path).ino, uid=uid, gid=gid))
 
     def utime(self, path: str, ns: tuple[int, int] | None = None) -> Attr:
-        import time
-
         now = time.time_ns()
         atime, mtime = ns if ns is not None else (now, now)
         return self.core.attr(m.SetAttr(ino=self.stat(path).ino, atime_ns=atime, mtime_ns=mtime))
