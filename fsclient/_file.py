@@ -150,6 +150,34 @@ class StripeFile(io.RawIOBase):
             done += k
         return done
 
+    def read_buffered(self, dest: memoryview, offset: int) -> int | None:
+        """Copy ``dest``'s bytes at ``offset`` from a readahead window already filled.
+
+        Never blocks (a memory copy; the next window's fetch is started on a
+        thread), so event-loop code (the FUSE daemon) can call it directly.
+        Returns the byte count, or None when the bytes are not in memory yet or
+        writes are pending -- then use :meth:`pread_into`.
+        """
+        if self._wlen or self._inflight:
+            return None
+        length = self._length()
+        n = max(0, min(len(dest), length - offset))
+        for start, blen, buf, fut in self._ra:
+            if not (start <= offset and offset + n <= start + blen and (fut is None or fut.done())):
+                continue
+            if fut is not None and fut.exception() is not None:
+                return None  # pread_into raises it
+            dest[:n] = memoryview(buf)[offset - start : offset - start + n]
+            self._seq_end = offset + n
+            if all(w[3] is None or w[3].done() for w in self._ra):
+                self._prefetch(start + blen, length)  # keep the next window coming
+            return n
+        return None
+
+    def in_window(self, offset: int) -> bool:
+        """Is ``offset`` inside a readahead window (filled or being filled)?"""
+        return self._in_window(offset)
+
     def _in_window(self, offset: int) -> bool:
         return any(w[0] <= offset < w[0] + w[1] for w in self._ra)
 

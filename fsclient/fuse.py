@@ -128,46 +128,30 @@ class OpenFile:
         """
         f = self.file
         f.flush()  # reads see this mount's buffered writes
-        length = self.length()
-        n = max(0, min(size, length - offset))
-        if self._buf is None or len(self._buf) < n:
-            self._buf = mmap.mmap(-1, max(n, 1 << 20))
-        dest = memoryview(self._buf)[:n]
-        if n == 0:
+        dest = self._dest(max(0, min(size, self.length() - offset)))
+        if not len(dest):
             return dest
         self.dirty = False
-        if offset in (0, self.seq_end):  # sequential: StripeFile's readahead windows
-            got = f.pread_into(dest, offset)
-        else:  # random: exactly the bytes asked for, no window
-            got = f.core.read_into(f.ino, f.layout, length, offset, dest)
+        # StripeFile picks the path: readahead windows when sequential, exact fetches otherwise.
+        got = f.pread_into(dest, offset)
         self.seq_end = offset + got
         return dest[:got]
 
-    def read_cached(self, offset: int, size: int) -> memoryview | None:
-        """Serve a sequential read from a readahead window that is already filled.
+    def _dest(self, n: int) -> memoryview:
+        """This inode's reused page-aligned reply buffer, at least ``n`` bytes."""
+        if self._buf is None or len(self._buf) < n:
+            self._buf = mmap.mmap(-1, max(n, 1 << 20))
+        return memoryview(self._buf)[:n]
 
-        Non-blocking (a memory copy), so the daemon calls it on the trio loop and
-        saves the worker-thread hop; None when the bytes are not in memory yet.
-        """
-        f = self.file
-        if f._wlen or f._inflight:
+    def read_cached(self, offset: int, size: int) -> memoryview | None:
+        """Serve a read from an already filled readahead window, on the trio loop
+        (no worker-thread hop); None when the bytes are not in memory yet."""
+        dest = self._dest(size)
+        n = self.file.read_buffered(dest, offset)
+        if n is None:
             return None
-        length = f._length()
-        n = max(0, min(size, length - offset))
-        for start, blen, buf, fut in f._ra:
-            if start <= offset and offset + n <= start + blen and (fut is None or fut.done()):
-                if fut is not None and fut.exception() is not None:
-                    return None  # let the thread path raise it
-                if self._buf is None or len(self._buf) < n:
-                    self._buf = mmap.mmap(-1, max(n, 1 << 20))
-                dest = memoryview(self._buf)[:n]
-                dest[:] = memoryview(buf)[offset - start : offset - start + n]
-                self.seq_end = offset + n
-                f._seq_end = offset + n
-                if all(w[3] is None or w[3].done() for w in f._ra):
-                    f._prefetch(start + blen, length)  # keep the next window coming (starts a thread)
-                return dest
-        return None
+        self.seq_end = offset + n
+        return dest[:n]
 
     def read_at(self, offset: int, dest: memoryview) -> int:
         """Read exactly the asked range into ``dest``; safe to run in parallel (no state)."""
@@ -512,7 +496,7 @@ class StripeOperations(pyfuse3.Operations):
             view = state.read_cached(off, size)  # already in a readahead window: no thread hop
             if view is not None:
                 return view
-        if state.dirty or off in (0, state.seq_end) or state.file._in_window(off):
+        if state.dirty or off in (0, state.seq_end) or state.file.in_window(off):
             # Buffered writes must land first. Sequential reads use StripeFile's readahead
             # windows: one parallel fetch of a whole window (all servers at once, refilled in
             # the background) serves many kernel requests from memory, instead of one
