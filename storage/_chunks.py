@@ -467,17 +467,24 @@ class ChunkStore:
             out.extend((ino, int(n, 16)) for n in names if not n.endswith(".tmp"))
         return out
 
-    def list_chain(self, chain: int) -> list[tuple[int, int, int, int]]:
-        """``(ino, index, version, length)`` of every chunk of ``chain`` held here."""
-        out = []
+    def chunks_by_chain(self) -> dict[int, list[tuple[int, int, int, int]]]:
+        """Every chunk held here, grouped by chain: ``{chain: [(ino, index, version, length)]}``.
+
+        One directory walk (headers come from the in-memory cache after the first read).
+        """
+        out: dict[int, list[tuple[int, int, int, int]]] = {}
         for ino, index in self.all_chunks():
             try:
                 meta = self._load(ino, index)
             except StripefsError:
-                meta = None
-            if meta is not None and meta.chain == chain:
-                out.append((ino, index, meta.version, meta.length))
+                meta = None  # a corrupt header: scrub reports it
+            if meta is not None:
+                out.setdefault(meta.chain, []).append((ino, index, meta.version, meta.length))
         return out
+
+    def list_chain(self, chain: int) -> list[tuple[int, int, int, int]]:
+        """``(ino, index, version, length)`` of every chunk of ``chain`` held here."""
+        return self.chunks_by_chain().get(chain, [])
 
     def scrub(self) -> tuple[int, list[tuple[int, int, int]]]:
         """Re-read and verify every chunk from disk: ``(checked, [(ino, index, chain)] bad)``."""

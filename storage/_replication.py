@@ -183,6 +183,7 @@ class Replicator:
     async def _resync_pass(self, started: float) -> tuple[int, int]:
         routing = await self.refresh(-1)
         copied = removed = 0
+        held = await trio.to_thread.run_sync(self.store.chunks_by_chain)  # one walk per pass
         for chain, members in sorted(routing.members.items()):
             ids = [t for t, _ in members]
             if self.server_id not in ids:
@@ -192,7 +193,7 @@ class Replicator:
                 continue
             reply, _ = await self.call_peer(sources[0], m.ListChunks(chain=chain))
             remote = {(int(i), int(x)): int(v) for i, x, v, _n in reply["chunks"]}
-            local = {(i, x): v for i, x, v, _n in await trio.to_thread.run_sync(self.store.list_chain, chain)}
+            local = {(i, x): v for i, x, v, _n in held.get(chain, [])}
             self.sync_progress = {"chain": chain, "total": len(remote), "done": 0}
             for (ino, index), version in remote.items():
                 if local.get((ino, index), -1) < version:
