@@ -171,18 +171,22 @@ def cmd_cat(a: argparse.Namespace) -> int:
     return 0
 
 
+def _pump(fin: Any, fout: Any, size: int, window: int, desc: str) -> None:
+    """Copy ``fin`` to ``fout`` through one reused buffer, with a progress bar."""
+    view = memoryview(bytearray(window))
+    with _progress(size, desc) as bar:
+        while n := fin.readinto(view):
+            fout.write(view[:n])
+            bar.update(n)
+
+
 def cmd_put(a: argparse.Namespace) -> int:
     with Client(a.cluster) as c:
         dst = a.dst
         if c.isdir(dst):
             dst = dst.rstrip("/") + "/" + os.path.basename(a.src)
-        size = os.path.getsize(a.src)
-        with open(a.src, "rb") as fin, c.open(dst, "wb") as fout, _progress(size, "put") as bar:
-            buf = bytearray(fout.window)
-            view = memoryview(buf)
-            while n := fin.readinto(buf):
-                fout.write(view[:n])
-                bar.update(n)
+        with open(a.src, "rb") as fin, c.open(dst, "wb") as fout:
+            _pump(fin, fout, os.path.getsize(a.src), fout.window, "put")
     return 0
 
 
@@ -191,12 +195,8 @@ def cmd_get(a: argparse.Namespace) -> int:
         dst = a.dst
         if os.path.isdir(dst):
             dst = os.path.join(dst, os.path.basename(a.src.rstrip("/")))
-        with c.open(a.src, "rb") as fin, open(dst, "wb") as fout, _progress(fin.size, "get") as bar:
-            buf = bytearray(fin.window)
-            view = memoryview(buf)
-            while n := fin.readinto(view):
-                fout.write(view[:n])
-                bar.update(n)
+        with c.open(a.src, "rb") as fin, open(dst, "wb") as fout:
+            _pump(fin, fout, fin.size, fin.window, "get")
     return 0
 
 
