@@ -21,7 +21,6 @@ import json
 import mmap
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -60,13 +59,13 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t
 
 
-def dd_pair(results: list[dict[str, Any]], directory: str, path: str, mb: int, wrap: str = "") -> dict[str, float]:
-    """The PEERS.md method: dd write with fsync, drop caches, dd read. ``wrap`` prefixes (netns)."""
+def dd_pair(results: list[dict[str, Any]], directory: str, path: str, mb: int) -> dict[str, float]:
+    """The PEERS.md method: dd write with fsync, drop caches, dd read."""
     f = os.path.join(directory, f"dd-{os.getpid()}.bin")
-    w = timed(lambda: sh(f"{wrap}dd if=/dev/zero of={f} bs=1M count={mb} conv=fsync status=none"))
+    w = timed(lambda: sh(f"dd if=/dev/zero of={f} bs=1M count={mb} conv=fsync status=none"))
     drop_caches()
-    r = timed(lambda: sh(f"{wrap}dd if={f} of=/dev/null bs=1M status=none"))
-    sh(f"{wrap}rm -f {f}")
+    r = timed(lambda: sh(f"dd if={f} of=/dev/null bs=1M status=none"))
+    sh(f"rm -f {f}")
     record(results, "seq_write_dd", path, mb << 20, w)
     record(results, "seq_read_dd", path, mb << 20, r)
     return {"write": (mb << 20) / w / 1e9, "read": (mb << 20) / r / 1e9}
@@ -139,94 +138,6 @@ def torch_pair(results: list[dict[str, Any]], mnt: str, local: str, mb: int) -> 
         os.unlink(f)
 
 
-# -- peers ---------------------------------------------------------------------------------
-def gluster(scratch: str) -> tuple[str, Callable[[], None]]:
-    """Start GlusterFS (one brick, FUSE client) under ``scratch``; return (mount, stop)."""
-    if shutil.which("glusterd") is None:
-        raise RuntimeError("glusterfs-server is not installed")
-    wd, brick, mnt = (os.path.join(scratch, n) for n in ("wd", "brick1", "mnt"))
-    for d in (wd, brick, mnt):
-        os.makedirs(d, exist_ok=True)
-    with open("/etc/glusterfs/glusterd.vol") as f:
-        vol = f.read()
-    vol = "\n".join(f"    option working-directory {wd}" if "working-directory" in line else line for line in vol.splitlines())
-    with open(os.path.join(scratch, "glusterd.vol"), "w") as f:
-        f.write(vol + "\n")
-    pidf = os.path.join(scratch, "glusterd.pid")
-    sh(f"glusterd -f {scratch}/glusterd.vol -p {pidf}")
-    time.sleep(2)
-    host = socket.gethostname()
-
-    def stop() -> None:
-        subprocess.run(f"umount -l {mnt}; gluster --mode=script volume stop gv0 force; gluster --mode=script volume delete gv0; "
-                       f"kill $(cat {pidf})", shell=True, capture_output=True)
-
-    try:
-        sh(f"gluster --mode=script volume create gv0 {host}:{brick} force")
-        sh("gluster --mode=script volume start gv0")
-        sh(f"mount -t glusterfs {host}:/gv0 {mnt}")
-    except Exception:
-        stop()
-        raise
-    return mnt, stop
-
-
-MFS_IP = "10.77.2.1"
-
-
-def moosefs(scratch: str) -> tuple[str, str, Callable[[], None]]:
-    """Start MooseFS (master + 2 chunkservers, 1 copy) in a network namespace.
-    Returns (mount, command prefix to run inside the namespace, stop)."""
-    if shutil.which("mfsmaster") is None:
-        raise RuntimeError("moosefs-master is not installed")
-    ns = f"mfsb{os.getpid() % 10000}"
-    # nsenter switches only the network namespace: `ip netns exec` would also give each
-    # command a private mount namespace, hiding the mfsmount mount from the next one.
-    wrap = f"nsenter --net=/run/netns/{ns} "
-    sh(f"ip netns add {ns} && ip -n {ns} link set lo up && ip -n {ns} addr add {MFS_IP}/32 dev lo")
-    mnt = os.path.join(scratch, "mnt")
-    os.makedirs(mnt, exist_ok=True)
-    cfg = {"master": os.path.join(scratch, "master.cfg")}
-    os.makedirs(f"{scratch}/master", exist_ok=True)
-    with open(f"{scratch}/exports.cfg", "w") as f:
-        f.write("* / rw,alldirs,maproot=0:0\n")
-    with open(cfg["master"], "w") as f:
-        f.write(f"WORKING_USER = root\nWORKING_GROUP = root\nDATA_PATH = {scratch}/master\nEXPORTS_FILENAME = {scratch}/exports.cfg\n"
-                f"MATOML_LISTEN_HOST = {MFS_IP}\nMATOCS_LISTEN_HOST = {MFS_IP}\nMATOCL_LISTEN_HOST = {MFS_IP}\n"
-                "MATOML_LISTEN_PORT = 19419\nMATOCS_LISTEN_PORT = 19420\nMATOCL_LISTEN_PORT = 19421\n")
-    if not os.path.exists(f"{scratch}/master/metadata.mfs"):
-        with open(f"{scratch}/master/metadata.mfs", "w") as f:
-            f.write("MFSM NEW")
-    for i in (1, 2):
-        d = f"{scratch}/cs{i}"
-        os.makedirs(f"{d}/hdd", exist_ok=True)
-        with open(f"{d}/hdd.cfg", "w") as f:
-            f.write(f"{d}/hdd\n")
-        with open(f"{d}/cs.cfg", "w") as f:
-            f.write(f"WORKING_USER = root\nWORKING_GROUP = root\nDATA_PATH = {d}\nHDD_CONF_FILENAME = {d}/hdd.cfg\n"
-                    f"MASTER_HOST = {MFS_IP}\nMASTER_PORT = 19420\nCSSERV_LISTEN_HOST = {MFS_IP}\nCSSERV_LISTEN_PORT = {19422 + i}\n"
-                    f"BIND_HOST = {MFS_IP}\n")
-
-    def stop() -> None:
-        subprocess.run(f"{wrap}umount -l {mnt}", shell=True, capture_output=True)
-        for i in (1, 2):
-            subprocess.run(f"{wrap}mfschunkserver -c {scratch}/cs{i}/cs.cfg stop", shell=True, capture_output=True)
-        subprocess.run(f"{wrap}mfsmaster -c {cfg['master']} stop", shell=True, capture_output=True)
-        subprocess.run(f"ip netns del {ns}", shell=True, capture_output=True)
-
-    try:
-        sh(f"{wrap}mfsmaster -a -c {cfg['master']} start")
-        for i in (1, 2):
-            sh(f"{wrap}mfschunkserver -c {scratch}/cs{i}/cs.cfg start")
-        time.sleep(3)
-        sh(f"{wrap}mfsmount {mnt} -H {MFS_IP} -P 19421")
-        sh(f"{wrap}mfssetgoal 1 {mnt}")
-    except Exception:
-        stop()
-        raise
-    return mnt, wrap, stop
-
-
 # -- main ----------------------------------------------------------------------------------
 def run(mb: int, peers: bool, torch_mb: int, fio_seconds: int) -> list[dict[str, Any]]:
     from fsclient import _cluster
@@ -257,24 +168,28 @@ def run(mb: int, peers: bool, torch_mb: int, fio_seconds: int) -> list[dict[str,
         finally:
             fuse_main(["umount", mnt])
         if peers:
-            for name, start in (("glusterfs", gluster), ("moosefs", moosefs)):
+            # The peers are started exactly as `stripefs bench --peers` starts them (bench._peers).
+            from ._peers import GlusterRoute, MooseRoute
+            from ._routes import RouteSkipped, RunEnv
+
+            for route in (GlusterRoute(), MooseRoute()):
+                name = route.name
                 pdir = os.path.join(scratch, name)
                 os.makedirs(pdir)
                 try:
-                    started = start(pdir)
-                except Exception as exc:  # a peer that cannot start is reported, never faked
+                    info = route.start(RunEnv(cluster_file=None, workdir=pdir, run_id=str(os.getpid() % 10000)))
+                except RouteSkipped as exc:  # a peer that cannot start is reported, never faked
                     print(f"{name}: skipped ({exc})")
                     results.append({"workload": "peer", "path": name, "skipped": str(exc)[:300]})
                     continue
-                pmnt, stop = started[0], started[-1]
-                wrap = started[1] if len(started) == 3 else ""
                 try:
+                    os.makedirs(info["root"], exist_ok=True)
                     print(f"{name}:")
-                    peer = dd_pair(results, pmnt, name, peer_mb, wrap=wrap)  # type: ignore[arg-type]
+                    peer = dd_pair(results, info["root"], name, peer_mb)
                     print(f"  ratio stripefs/{name}: write {ours['write'] / peer['write']:.2f}, "
                           f"read {ours['read'] / peer['read']:.2f}")
                 finally:
-                    stop()  # type: ignore[operator]
+                    route.stop()
     finally:
         _cluster.down(root)
         shutil.rmtree(scratch, ignore_errors=True)
