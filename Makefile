@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(BIN)/python -m fsclient.demo --fresh --root $(DEMO_ROOT)
+	$(BIN)/python -m stripefs.demo --fresh --root $(DEMO_ROOT)
 
 test: setup
 	$(BIN)/python -m pytest -q tests

@@ -164,7 +164,7 @@ def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
     Raises:
         StripefsError: the local cluster could not start.
     """
-    from fsclient import _cluster
+    from fsclient import testing
 
     display = display or _NullDisplay()
     out: dict[str, Any] = {"header": {"machine": floors.machine_facts(), "config": {
@@ -195,7 +195,7 @@ def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
             if cfg.cluster is None and ours:
                 root = os.path.join(workdir, f"cluster-{servers}")
                 display.log(f"starting a local cluster: {servers} storage servers")
-                _cluster.up(root, servers=servers, chunk_size=cfg.chunk_size)
+                testing.up(root, servers=servers, chunk_size=cfg.chunk_size)
                 cluster_file = os.path.join(root, "cluster.json")
             env = RunEnv(cluster_file, workdir, run_id, servers)
             started = _start_routes(ours + (others if k == 0 else []), env, out["skipped"], display)
@@ -212,7 +212,7 @@ def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
                 for route, _ in started:
                     route.stop()
                 if root is not None:
-                    _cluster.down(root)
+                    testing.down(root)
                 elif cluster_file is not None and ours:
                     _remove_tree(cluster_file, f"/bench-{run_id}")
     finally:

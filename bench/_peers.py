@@ -1,4 +1,4 @@
-"""Peer file systems, started and stopped by the benchmark itself (see shared/PEERS.md).
+"""Peer file systems, started and stopped by the benchmark itself.
 
 ``glusterfs`` (one brick, FUSE client), ``moosefs`` (master + 2 chunkservers, 1 copy, FUSE
 client, all inside a network namespace because MooseFS refuses 127.0.0.1) and ``s3fs``
@@ -25,7 +25,7 @@ import subprocess
 import sys
 from typing import Any
 
-from ._routes import Route, RouteSkipped, RunEnv, wait_for
+from ._route_base import Route, RouteSkipped, RunEnv, wait_for
 
 __all__ = ["GlusterRoute", "MooseRoute", "S3Route"]
 

@@ -1,6 +1,6 @@
 """Showing results: the live progress display, the summary table, the JSON file, the plot.
 
-The JSON (``--json FILE``) is the format shared/DESIGN.md fixes::
+The JSON (``--json FILE``) has a stable format (docs/benchmarks.md)::
 
     {"header": {"machine": {...facts, package versions}, "config": {...}, "stripefs": "0.1.0",
                 "command": [...], "duration_s": ...},

@@ -5,73 +5,22 @@ peers) into a picklable session *spec* for the client processes. A route that ca
 this machine raises :class:`RouteSkipped` with the reason, which the report carries: nothing
 is ever faked.
 
-Routes: ``native`` (fsclient.Client), ``fsspec`` (fsclient.fsspec_fs.StripeFileSystem),
+Routes: ``native`` (fsclient.Client), ``fsspec`` (fsclient.fsspec.StripeFileSystem),
 ``fuse`` (a ``stripefs mount`` this route makes), ``zerocopy`` (fsclient.batchread rings),
 ``local_disk`` (the same workloads on a local directory). Peers live in ``bench._peers``.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
-import time
-from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Route", "RouteSkipped", "RunEnv", "ROUTES", "make_route", "wait_for"]
+from . import _peers
+from ._route_base import Route, RouteSkipped, RunEnv, need_module, wait_for
 
-
-class RouteSkipped(RuntimeError):
-    """The route cannot run here; ``args[0]`` is the reason shown in the report."""
-
-
-@dataclass
-class RunEnv:
-    """Where a route runs: the cluster (None for routes without one) and a scratch dir."""
-
-    cluster_file: str | None
-    workdir: str
-    run_id: str
-    servers: int = 0
-
-
-def wait_for(pred: Any, timeout: float, what: str) -> None:
-    """Poll ``pred()`` until true. Raises RouteSkipped after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise RouteSkipped(f"{what} not ready after {timeout:.0f} s")
-        time.sleep(0.1)
-
-
-def _need_module(name: str, route: str) -> None:
-    try:
-        importlib.import_module(name)
-    except ImportError as exc:
-        raise RouteSkipped(f"{route}: {name} is not importable ({exc})") from exc
-
-
-class Route:
-    """Base: ``start(env) -> spec`` in the benchmark process, ``stop()`` afterwards."""
-
-    name = "route"
-    servers: int | None = None  # peers report their own server count
-
-    def start(self, env: RunEnv) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def stop(self) -> None:
-        pass
-
-    def _root(self, env: RunEnv) -> str:
-        return f"/bench-{env.run_id}/{self.name}"
-
-    def _cluster(self, env: RunEnv) -> str:
-        if env.cluster_file is None:
-            raise RouteSkipped(f"{self.name}: no stripefs cluster in this run")
-        return env.cluster_file
+__all__ = ["Route", "RouteSkipped", "RunEnv", "ROUTES", "PEERS", "make_route", "wait_for"]
 
 
 class NativeRoute(Route):
@@ -85,7 +34,7 @@ class ZerocopyRoute(Route):
     name = "zerocopy"
 
     def start(self, env: RunEnv) -> dict[str, Any]:
-        _need_module("fsclient.batchread", self.name)
+        need_module("fsclient.batchread", self.name)
         return {"kind": "zerocopy", "cluster": self._cluster(env), "root": self._root(env)}
 
 
@@ -93,8 +42,8 @@ class FsspecRoute(Route):
     name = "fsspec"
 
     def start(self, env: RunEnv) -> dict[str, Any]:
-        _need_module("fsclient.fsspec_fs", self.name)
-        return {"kind": "fsspec", "cls": "fsclient.fsspec_fs:StripeFileSystem",
+        need_module("fsclient.fsspec", self.name)
+        return {"kind": "fsspec", "cls": "fsclient.fsspec:StripeFileSystem",
                 "options": {"cluster": self._cluster(env)}, "root": self._root(env)}
 
 
@@ -110,7 +59,7 @@ class LocalDiskRoute(Route):
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "fsclient.cli", *args]
+    return [sys.executable, "-m", "fsclient.fuse", *args]
 
 
 class FuseRoute(Route):
@@ -124,8 +73,8 @@ class FuseRoute(Route):
 
     def start(self, env: RunEnv) -> dict[str, Any]:
         cluster = self._cluster(env)
-        _need_module("pyfuse3", self.name)
-        _need_module("fsclient.fuse_cli", self.name)
+        need_module("pyfuse3", self.name)
+        need_module("fsclient.fuse", self.name)
         if not os.path.exists("/dev/fuse"):
             raise RouteSkipped("fuse: /dev/fuse is missing")
         self.mnt = os.path.join(env.workdir, f"fuse-mnt-{env.servers}")
@@ -174,8 +123,6 @@ PEERS = ["glusterfs", "moosefs", "s3fs"]
 
 def make_route(name: str) -> Route:
     """A fresh route object by name. Raises ValueError for an unknown name."""
-    from . import _peers
-
     table: dict[str, type[Route]] = {
         "native": NativeRoute, "fsspec": FsspecRoute, "fuse": FuseRoute,
         "zerocopy": ZerocopyRoute, "local_disk": LocalDiskRoute,

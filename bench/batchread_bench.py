@@ -4,7 +4,7 @@ One run starts a local cluster (4 servers by default), writes a dataset file,
 then for each sample size and DataLoader worker count reads random samples
 through each route and reports samples/s and GB/s, plus large sequential batch
 reads through the ring against the loopback socket floor measured in the same
-run (shared/PEERS.md: these machines swing 2x between runs; ratios matter).
+run (these machines swing 2x between runs; ratios matter).
 
     python -m bench.batchread_bench --size 2GiB --json out.json
 
@@ -15,7 +15,7 @@ reported as skipped with its reason.
 
 Caveats:
     * The dataset is written once and read warm from the servers' page cache.
-    * The FUSE route needs root and /dev/fuse; the fsspec route needs fsclient.fsspec_fs.
+    * The FUSE route needs root and /dev/fuse; the fsspec route needs fsclient.fsspec.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from bench.floors import floor_socket, parse_size
-from fsclient import Client, _cluster
+from fsclient import Client, testing
 from fsclient.batchread import ReadRing
-from fsclient.dataset import IndexDataset, loader
+from fsclient.batchread.dataset import IndexDataset, loader
 
 PATH = "/bench/dataset.bin"
 
@@ -62,7 +62,7 @@ class _FsspecRead:
 
     def __call__(self, off: int, n: int) -> bytes:
         if self.pid != os.getpid():
-            from fsclient.fsspec_fs import StripeFileSystem
+            from fsclient.fsspec import StripeFileSystem
 
             self.fs, self.pid = StripeFileSystem(cluster=self.cluster, skip_instance_cache=True), os.getpid()
         return self.fs.cat_file(PATH, start=off, end=off + n)  # type: ignore[union-attr]
@@ -110,7 +110,7 @@ def _write_dataset(client: Client, size: int) -> None:
 
 
 def _mount(cluster_file: str, mp: str) -> subprocess.Popen | None:
-    proc = subprocess.Popen([sys.executable, "-m", "fsclient.cli", "mount", mp, "--cluster", cluster_file, "--foreground"],
+    proc = subprocess.Popen([sys.executable, "-m", "fsclient.fuse", "mount", mp, "--cluster", cluster_file, "--foreground"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     for _ in range(100):
         if os.path.ismount(mp):
@@ -124,7 +124,7 @@ def _mount(cluster_file: str, mp: str) -> subprocess.Popen | None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="stripefs-batchread-bench-")
-    data = _cluster.up(root, servers=args.servers)
+    data = testing.up(root, servers=args.servers)
     cfile = os.path.join(root, "cluster.json")
     results: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
@@ -153,11 +153,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except OSError as exc:
             skipped["fuse"] = str(exc)
         if mproc is None:
-            skipped.setdefault("fuse", "stripefs mount did not come up (needs root, /dev/fuse, fsclient.fuse_cli)")
+            skipped.setdefault("fuse", "stripefs mount did not come up (needs root, /dev/fuse, fsclient.fuse)")
         try:
-            import fsclient.fsspec_fs  # noqa: F401
+            import fsclient.fsspec  # noqa: F401
         except ImportError as exc:
-            skipped["fsspec"] = f"fsclient.fsspec_fs not importable: {exc}"
+            skipped["fsspec"] = f"fsclient.fsspec not importable: {exc}"
         rng = random.Random(0)
         for sample in args.sample_sizes:
             count = max(64, min(args.samples_bytes // sample, args.max_samples))
@@ -180,12 +180,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         client.close()
     finally:
         if mproc is not None:
-            subprocess.run([sys.executable, "-m", "fsclient.cli", "umount", mp], capture_output=True)
+            subprocess.run([sys.executable, "-m", "fsclient.fuse", "umount", mp], capture_output=True)
             try:
                 mproc.wait(10)
             except subprocess.TimeoutExpired:
                 mproc.kill()
-        _cluster.down(root)
+        testing.down(root)
     return {"results": results, "skipped": skipped, "cluster": {"servers": len(data["servers"])}}
 
 

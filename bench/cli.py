@@ -90,7 +90,7 @@ def build_config(a: argparse.Namespace) -> BenchConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; ``argv[0]`` is the subcommand name ``bench`` (as fsclient.cli passes it)."""
+    """Entry point; ``argv[0]`` is the subcommand name ``bench`` (as the stripefs command passes it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         argv = argv[1:]

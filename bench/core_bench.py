@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     total, chunk = parse_size(args.size), parse_size(args.chunk_size)
-    from fsclient import _cluster
+    from fsclient import testing
     import fsclient
 
     root = args.root or tempfile.mkdtemp(prefix="stripefs-bench-")
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"disk floor: {args.servers} writers, {chunk >> 20} MiB pieces, fdatasync each ...", flush=True)
         results["floor_disk"] = floor_disk_write(total, root, chunk=chunk, fsync="per_chunk", files=args.servers)
         print(f"  {results['floor_disk']['gbps']:.2f} GB/s", flush=True)
-        cluster = _cluster.up(root, servers=args.servers, chunk_size=chunk)
+        cluster = testing.up(root, servers=args.servers, chunk_size=chunk)
         cfile = os.path.join(cluster["root"], "cluster.json")
         with fsclient.Client(cfile) as c:
             c.makedirs("/bench")
@@ -104,11 +104,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"native, {n} client process(es): write {r['write_gbps']:.2f} GB/s "
                   f"({r['write_gbps'] / results['floor_disk']['gbps']:.2f}x disk floor), "
                   f"read {r['read_gbps']:.2f} GB/s ({r['read_gbps'] / results['floor_socket']['gbps']:.2f}x socket floor)", flush=True)
-        _cluster.down(root)
+        testing.down(root)
     finally:
         if args.root is None:
             try:
-                _cluster.down(root)
+                testing.down(root)
             except OSError:
                 pass
             shutil.rmtree(root, ignore_errors=True)

@@ -1,7 +1,7 @@
 """This machine's floors, measured in the same run as the system under test.
 
 Every stripefs benchmark reports its figures as a ratio to these floors, because the machines
-this runs on swing 2x between runs (see /work/shared/PEERS.md). Each ``floor_*`` function
+this runs on swing 2x between runs (so every figure is reported against floors of its own run). Each ``floor_*`` function
 returns a dict ``{"path", "bytes", "seconds", "gbps", ...details}`` with
 ``gbps == bytes / seconds / 1e9``.
 

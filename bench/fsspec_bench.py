@@ -36,8 +36,8 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from fsclient import _cluster
-from fsclient.fsspec_fs import StripeFileSystem
+from fsclient import testing
+from fsclient.fsspec import StripeFileSystem
 
 SERVERS = 4
 
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     large, nfiles, file_size, count, length = ((64 << 20, 4, 4 << 20, 200, 64 << 10) if args.quick
                                                else (1 << 30, 20, 16 << 20, 2000, 64 << 10))
     root = tempfile.mkdtemp(prefix="stripefs-fsspec-bench-")
-    _cluster.up(root, servers=SERVERS)
+    testing.up(root, servers=SERVERS)
     try:
         fs = StripeFileSystem(os.path.join(root, "cluster.json"), skip_instance_cache=True)
         results = bench_cat_file(fs, large, args.repeat)
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(peer)
         fs.client.close()
     finally:
-        _cluster.down(root)
+        testing.down(root)
         shutil.rmtree(root, ignore_errors=True)
     by = {(r["workload"], r["path"]): r["seconds"] for r in results}
     ratios = {

@@ -1,13 +1,13 @@
 """FUSE mount benchmark: stripefs through its mount vs the native client, local disk and peers.
 
-One run measures, on this machine and in the same run (PEERS.md: these VMs are noisy):
+One run measures, on this machine and in the same run (these VMs are noisy: only ratios within a run mean much):
 
 * sequential write (``dd bs=1M conv=fsync``) and read after dropping caches
   (``dd bs=1M``) of one file through the mount, and the same bytes through the
   native client -> ratios fuse/native (targets: read >= 0.6, write >= 0.5);
 * ``fio`` sequential 1 MiB read/write and 4 KiB random read IOPS on the mount;
 * ``torch.save`` / ``torch.load`` of a state dict through the mount vs local disk;
-* GlusterFS and MooseFS (started as shared/PEERS.md says) with the same dd
+* GlusterFS and MooseFS (started by bench._peers) with the same dd
   method -> ratios stripefs/peer (target >= 2). A peer that cannot start is
   reported as skipped with the reason, never faked.
 
@@ -60,7 +60,7 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def dd_pair(results: list[dict[str, Any]], directory: str, path: str, mb: int) -> dict[str, float]:
-    """The PEERS.md method: dd write with fsync, drop caches, dd read."""
+    """The method used for every system: dd write with fsync, drop caches, dd read."""
     f = os.path.join(directory, f"dd-{os.getpid()}.bin")
     w = timed(lambda: sh(f"dd if=/dev/zero of={f} bs=1M count={mb} conv=fsync status=none"))
     drop_caches()
@@ -140,14 +140,14 @@ def torch_pair(results: list[dict[str, Any]], mnt: str, local: str, mb: int) -> 
 
 # -- main ----------------------------------------------------------------------------------
 def run(mb: int, peers: bool, torch_mb: int, fio_seconds: int) -> list[dict[str, Any]]:
-    from fsclient import _cluster
-    from fsclient.fuse_cli import main as fuse_main
+    from fsclient import testing
+    from fsclient.fuse import main as fuse_main
 
     results: list[dict[str, Any]] = []
     scratch = tempfile.mkdtemp(prefix="stripefs-fusebench-", dir=os.environ.get("BENCH_DIR", "/var/tmp"))
     root, mnt = os.path.join(scratch, "cluster"), os.path.join(scratch, "mnt")
     os.makedirs(mnt)
-    _cluster.up(root, servers=4)
+    testing.up(root, servers=4)
     cluster_file = os.path.join(root, "cluster.json")
     try:
         if fuse_main(["mount", mnt, "--cluster", cluster_file]) != 0:
@@ -170,7 +170,7 @@ def run(mb: int, peers: bool, torch_mb: int, fio_seconds: int) -> list[dict[str,
         if peers:
             # The peers are started exactly as `stripefs bench --peers` starts them (bench._peers).
             from ._peers import GlusterRoute, MooseRoute
-            from ._routes import RouteSkipped, RunEnv
+            from ._route_base import RouteSkipped, RunEnv
 
             for route in (GlusterRoute(), MooseRoute()):
                 name = route.name
@@ -191,7 +191,7 @@ def run(mb: int, peers: bool, torch_mb: int, fio_seconds: int) -> list[dict[str,
                 finally:
                     route.stop()
     finally:
-        _cluster.down(root)
+        testing.down(root)
         shutil.rmtree(scratch, ignore_errors=True)
     return results
 

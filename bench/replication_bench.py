@@ -8,7 +8,7 @@ page-aligned reused buffers) with R = 1, 2, 3, as GB/s and as a ratio to R = 1;
 killed with SIGKILL; the read gap (last good read before the kill to the first
 after it), the time until writes succeed again and until the metadata service
 marks the server offline; (3) resync: write ``--resync-size`` while it is down,
-restart it (``_cluster.up`` restarts only dead processes) and time until it is
+restart it (``testing.up`` restarts only dead processes) and time until it is
 ``serving`` again: the bytes of the chunks it missed per second; (4) read
 throughput before the kill, while degraded and during the resync.
 
@@ -157,13 +157,13 @@ def missed_bytes(c: Any, paths: list[str], sid: int) -> tuple[int, int]:
 
 def cost_of_replication(root: str, args: argparse.Namespace, src: mmap.mmap, dst: mmap.mmap) -> list[dict[str, Any]]:
     """Phase 1: one file written and read 3 times with R = 1, 2, 3."""
-    from fsclient import Client, _cluster
+    from fsclient import Client, testing
 
     out: list[dict[str, Any]] = []
     for r in (1, 2, 3):
         croot = os.path.join(root, f"r{r}")
         try:
-            info = _cluster.up(croot, servers=args.servers, replicas=r, chunk_size=args.chunk_size)
+            info = testing.up(croot, servers=args.servers, replicas=r, chunk_size=args.chunk_size)
             with Client(os.path.join(info["root"], "cluster.json")) as c:
                 wsec = write_file(c, "/seq", src)
                 reads = []
@@ -174,7 +174,7 @@ def cost_of_replication(root: str, args: argparse.Namespace, src: mmap.mmap, dst
                     reads.append(now() - t0)
                 ok = n == len(src) and same(dst, src)
         finally:
-            _cluster.down(croot)
+            testing.down(croot)
             shutil.rmtree(croot, ignore_errors=True)
         out.append(rec("seq_write", args.servers, r, len(src), wsec, verified=ok))
         out.append(rec("seq_read", args.servers, r, len(src), statistics.median(reads), verified=ok,
@@ -189,14 +189,14 @@ def cost_of_replication(root: str, args: argparse.Namespace, src: mmap.mmap, dst
 
 def failures(root: str, args: argparse.Namespace, src: mmap.mmap, src2: mmap.mmap) -> list[dict[str, Any]]:
     """Phases 2-4 on one R = 2 cluster: failover, degraded writes and reads, resync."""
-    from fsclient import Client, _cluster
+    from fsclient import Client, testing
 
     kw = dict(servers=args.servers, replicas=2, chunk_size=args.chunk_size)
     croot, n, chunk = os.path.join(root, "r2-fail"), args.servers, args.chunk_size
     block = min(len(src), 4 * chunk)
     out: list[dict[str, Any]] = []
     try:
-        info = _cluster.up(croot, **kw)
+        info = testing.up(croot, **kw)
         cfile = os.path.join(info["root"], "cluster.json")
         with Client(cfile) as c, Client(cfile) as cr, Client(cfile) as cw:
             write_file(c, "/base", src)
@@ -258,7 +258,7 @@ def failures(root: str, args: argparse.Namespace, src: mmap.mmap, src2: mmap.mma
             rd.start()
             time.sleep(min(args.settle, 0.5))
             t_restart = now()
-            _cluster.up(croot, **kw)  # restarts only the dead server; it registers as syncing
+            testing.up(croot, **kw)  # restarts only the dead server; it registers as syncing
             t_up = now()
             states = {server(c, victim)["state"]}
             t_serving = wait_state(c, victim, "serving", 300)
@@ -282,7 +282,7 @@ def failures(root: str, args: argparse.Namespace, src: mmap.mmap, src2: mmap.mma
             for x in out:
                 x["verified"] = ok
     finally:
-        _cluster.down(croot)
+        testing.down(croot)
         shutil.rmtree(croot, ignore_errors=True)
     return out
 

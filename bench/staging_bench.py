@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 import staging
-from fsclient import Client, _cluster
+from fsclient import Client, testing
 
 
 def make_state(total: int) -> dict[str, Any]:
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     root = None
     if args.cluster is None:
         root = os.path.join(scratch, "cluster")
-        _cluster.up(root, servers=4)
+        testing.up(root, servers=4)
         args.cluster = os.path.join(root, "cluster.json")
     client = Client(args.cluster)
     sdir = os.path.join(scratch, "staging")
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump({"results": results, "note": "shared 2-core VM; compare ratios within the run"}, f, indent=1)
         client.close()
         if root:
-            _cluster.down(root)
+            testing.down(root)
         shutil.rmtree(scratch, ignore_errors=True)
     return 0
 

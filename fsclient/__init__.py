@@ -1,4 +1,10 @@
-"""stripefs client: native API, cluster discovery, and the ways in (fsspec, FUSE, zero-copy reads).
+"""stripefs client: the native API, cluster discovery, and one subpackage per way in.
+
+* :mod:`fsclient.core` -- the client library (config, discovery, placement, file objects);
+* :mod:`fsclient.fuse` -- the FUSE mount (``stripefs mount``);
+* :mod:`fsclient.fsspec` -- the ``stripefs://`` fsspec filesystem;
+* :mod:`fsclient.batchread` -- zero-copy batch reads and datasets for dataloaders;
+* :mod:`fsclient.testing` -- a local cluster on 127.0.0.1 (``stripefs up``, tests, benchmarks).
 
     >>> import fsclient
     >>> fs = fsclient.Client()               # cluster of the last `stripefs up`
@@ -6,8 +12,6 @@
     ...     f.write(b"hello")
 """
 
-from ._client import ROOT_INO, AsyncClient, Client, normpath
-from ._config import ClusterConfig, find_cluster
-from ._file import StripeFile
+from .core import ROOT_INO, AsyncClient, Client, ClusterConfig, StripeFile, find_cluster, normpath
 
 __all__ = ["AsyncClient", "Client", "ClusterConfig", "StripeFile", "find_cluster", "normpath", "ROOT_INO"]

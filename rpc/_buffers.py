@@ -2,7 +2,7 @@
 
 Receiving into a page-aligned buffer is ~6x faster on this kind of machine than
 into a ``bytearray`` (16 bytes off a page), and reusing buffers avoids the page
-faults that halve throughput into fresh memory (shared/PEERS.md).
+faults that halve throughput into fresh memory.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The bulk data path runs on threads with blocking sockets: the kernel copy in
 ``recv_into``/``sendall`` releases the GIL, so several connections use both
-cores (measured in shared/PEERS.md: ~30% above any single event loop).
+cores (measured on 2-core VMs: ~30% above any single event loop; docs/architecture.md).
 
 A :class:`Connection` has one reader thread that demultiplexes responses by
 request id. A caller may hand a destination ``memoryview`` with the request;

@@ -23,7 +23,6 @@ import logging
 import mmap
 import os
 import posixpath
-import shutil
 import threading
 import time
 from collections import deque
@@ -33,13 +32,13 @@ from typing import Any, Callable
 
 import crc32c
 
-from fsclient import Client, find_cluster, normpath
+from fsclient import Client, normpath
 from wire import ErrorCode, StripefsError, messages as m
 
 from ._format import CHECK_CHUNK, MANIFEST, CheckpointConflict, ChecksumError, parse_manifest
 from ._journal import CkptRow, FileRow, Journal, fault_point
 
-__all__ = ["Mover", "MoverOptions", "Uploader", "remote_paths", "remove_tree", "client_for"]
+__all__ = ["MoverOptions", "Uploader", "remote_paths", "remove_tree", "client_for"]
 
 log = logging.getLogger("stripefs.staging")
 

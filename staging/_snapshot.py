@@ -16,7 +16,6 @@ from __future__ import annotations
 import mmap
 import threading
 import time
-from typing import Any
 
 import torch
 

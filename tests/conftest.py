@@ -13,50 +13,31 @@ import pytest
 os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="stripefs-test-state-")
 os.environ.pop("STRIPEFS_CLUSTER", None)
 
-from fsclient import Client, _cluster  # noqa: E402
+from fsclient import Client  # noqa: E402
+from fsclient.testing import LocalCluster  # noqa: E402
 
 TEST_CHUNK = 256 * 1024  # small chunks so small test files still stripe over every server
 _counter = itertools.count()
 
 
-class ClusterHandle:
-    """A running local cluster: ``file`` is its cluster.json, ``data`` its content."""
-
-    def __init__(self, root: str, **kw: Any):
-        self.root = root
-        self.kw = kw
-        self.data = _cluster.up(root, **kw)
-        self.file = os.path.join(root, "cluster.json")
-
-    def restart(self) -> None:
-        _cluster.down(self.root)
-        self.data = _cluster.up(self.root, **self.kw)
-
-    def down(self) -> None:
-        _cluster.down(self.root)
-
-    def client(self, **kw: Any) -> Client:
-        return Client(self.file, **kw)
-
-
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHandle]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """One 4-server cluster for the whole session (256 KiB chunks)."""
-    h = ClusterHandle(str(tmp_path_factory.mktemp("cluster")), servers=4, chunk_size=TEST_CHUNK, gc_grace=2.0)
+    h = LocalCluster.start(str(tmp_path_factory.mktemp("cluster")), servers=4, chunk_size=TEST_CHUNK, gc_grace=2.0)
     yield h
     h.down()
 
 
 @pytest.fixture
-def make_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ClusterHandle]]:
+def make_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., LocalCluster]]:
     """Factory for private clusters (tests that restart or kill servers)."""
-    made: list[ClusterHandle] = []
+    made: list[LocalCluster] = []
 
-    def make(**kw: Any) -> ClusterHandle:
+    def make(**kw: Any) -> LocalCluster:
         kw.setdefault("servers", 4)
         kw.setdefault("chunk_size", TEST_CHUNK)
         kw.setdefault("gc_grace", 2.0)
-        h = ClusterHandle(str(tmp_path_factory.mktemp("private-cluster")), **kw)
+        h = LocalCluster.start(str(tmp_path_factory.mktemp("private-cluster")), **kw)
         made.append(h)
         return h
 
@@ -69,7 +50,7 @@ def make_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
 
 
 @pytest.fixture
-def client(cluster: ClusterHandle) -> Iterator[Client]:
+def client(cluster: LocalCluster) -> Iterator[Client]:
     c = cluster.client()
     yield c
     c.close()

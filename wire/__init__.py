@@ -1,6 +1,6 @@
 """stripefs wire protocol: sans-IO frames, the numbered message table, typed errors, auth.
 
-Nothing in this package touches a socket (STYLE.md #1). Transports live in ``rpc``.
+Nothing in this package touches a socket (sans-IO, in the style of h11). Transports live in ``rpc``.
 """
 
 from . import _messages as messages

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fsclient import Client
-from fsclient.dataset import Batch, IndexDataset, RecordDataset, collate_batch, loader
+from fsclient.batchread.dataset import Batch, IndexDataset, RecordDataset, collate_batch, loader
 from wire import StripefsError
 
 REC = 3 * 16 * 16 * 4  # float32 (3, 16, 16)

@@ -19,7 +19,7 @@ from rpc import Connection
 from tests.conftest import TEST_CHUNK
 from wire import ErrorCode, StripefsError, messages as m
 
-CLI = [sys.executable, "-m", "fsclient.cli"]
+CLI = [sys.executable, "-m", "stripefs"]
 
 
 def run_cli(*args: str, cluster: str, check: bool = True, input: bytes | None = None) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ from typing import Any, Iterator
 import fsspec
 import pytest
 
-from fsclient.fsspec_fs import StripeFileSystem
+from fsclient.fsspec import StripeFileSystem
 
 _ids = itertools.count()
 

@@ -12,7 +12,7 @@ import fsspec
 import pytest
 from fsspec.callbacks import Callback
 
-from fsclient.fsspec_fs import StripeFileSystem, StripeFsFile
+from fsclient.fsspec import StripeFileSystem, StripeFsFile
 from tests.conftest import TEST_CHUNK
 
 

@@ -14,7 +14,7 @@ import fsspec
 import fsspec.tests.abstract as abstract
 import pytest
 
-from fsclient.fsspec_fs import StripeFileSystem
+from fsclient.fsspec import StripeFileSystem
 
 _ids = itertools.count()
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from typing import Iterator
 
 import pytest
 
-from fsclient.fuse_cli import main as fuse_main, mounted_fstype
+from fsclient.fuse import main as fuse_main, mounted_fstype
 
 
 def _fuse_unusable() -> str | None:

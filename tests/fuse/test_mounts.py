@@ -11,7 +11,7 @@ import time
 import pytest
 
 from .conftest import do_mount, do_umount
-from fsclient.fuse_cli import main as fuse_main, mount_record, mounted_fstype
+from fsclient.fuse import main as fuse_main, mount_record, mounted_fstype
 
 pytestmark = pytest.mark.fuse
 
@@ -110,7 +110,7 @@ def test_stale_orphans_of_a_dead_daemon_are_removed(make_cluster, tmp_path) -> N
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fsclient.cli", *args], capture_output=True, text=True, timeout=60,
+    return subprocess.run([sys.executable, "-m", "stripefs", *args], capture_output=True, text=True, timeout=60,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 

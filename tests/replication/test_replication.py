@@ -100,7 +100,7 @@ def test_kill_a_server_during_traffic_then_resync(make_cluster, replicas: int) -
         reads_during_outage = load.reads
     load.verify()
     assert load.acked and reads_during_outage > 0
-    h.data = __import__("fsclient")._cluster.up(h.root, **h.kw)  # restarts just the dead server
+    h.up()  # restarts just the dead server
     with h.client() as c:
         wait_all_serving(c, 3)
         # The returning server caught up: kill the others in its chains and read through it.
@@ -135,7 +135,7 @@ def test_corrupt_replica_is_read_around_and_scrub_repairs(make_cluster) -> None:
     with h.client() as c:
         for _ in range(3):  # reads spread over replicas: every one must still be right
             assert c.read_bytes("/f") == data
-    from fsclient.cli import main
+    from stripefs.cli import main
 
     assert main(["scrub", "--cluster", h.file]) == 0  # found and repaired
     with h.client() as c:
@@ -177,7 +177,7 @@ def test_metadata_restart_during_traffic(make_cluster) -> None:
         time.sleep(0.5)
         os.kill(h.data["metadata"]["pid"], signal.SIGKILL)
         time.sleep(0.5)
-        h.data = __import__("fsclient")._cluster.up(h.root, **h.kw)  # restarts the metadata service only
+        h.up()  # restarts the metadata service only
         time.sleep(2.0)
     load.verify()
     assert len(load.acked) > 2
@@ -185,8 +185,6 @@ def test_metadata_restart_during_traffic(make_cluster) -> None:
 
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_add_server_rebalances_without_downtime(make_cluster, replicas: int) -> None:
-    from fsclient import _cluster
-
     h = make_cluster(servers=3, replicas=replicas)
     files = {f"/r/f{i}": os.urandom(TEST_CHUNK * 5 + i) for i in range(6)}
     with h.client() as c:
@@ -194,7 +192,7 @@ def test_add_server_rebalances_without_downtime(make_cluster, replicas: int) -> 
         for p, d in files.items():
             c.write_bytes(p, d)
     with Workload(h, "/r", writers=1) as load:
-        h.data = _cluster.add_server(h.root)
+        h.add_server()
         with h.client() as c:
             wait_all_serving(c, 4, timeout=60)
             st = c.status()

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import staging
-from fsclient import _cluster
 from staging import CheckpointConflict, ChecksumError, Mover, MoverOptions
 
 
@@ -189,7 +188,7 @@ def test_store_unreachable_then_mover_resumes(make_cluster, sdir):
     with pytest.raises(OSError):
         h.wait(120)
     assert h.locally_durable and not h.globally_durable
-    _cluster.up(c.root, **c.kw)  # restarts the dead servers (new ports) under the same metadata
+    c.up()  # restarts the dead servers (new ports) under the same metadata
     assert Mover(sdir, MoverOptions(cluster=c.file)).run_once() == {h.id: "committed"}
     assert staging.load(url, cluster=c.file, prefer_local=False)["w"].shape == (20_000,)
 

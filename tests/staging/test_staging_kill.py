@@ -38,7 +38,7 @@ def trainer(cluster, sdir: str, prefix: str, first: int, count: int, *, upload: 
 
 
 def mover(cluster, sdir: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "fsclient.cli", "mover", "--staging", sdir, "--once", "-q", "--piece", str(4 << 20),
+    args = [sys.executable, "-m", "stripefs", "mover", "--staging", sdir, "--once", "-q", "--piece", str(4 << 20),
             "--cluster", cluster.file]
     return subprocess.run(args, env=_env(kill_at), capture_output=True, text=True, timeout=120, cwd=ROOT)
 

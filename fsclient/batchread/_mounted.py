@@ -5,36 +5,22 @@ the mount that holds a path in ``/proc/self/mountinfo``, learns the cluster
 from a small state file the mount daemon writes, and takes the inode from
 ``os.stat`` (the FUSE daemon uses stripefs inode numbers as FUSE inode numbers).
 
-Mount state file (written by the mount daemon, removed at unmount)::
-
-    $STRIPEFS_MOUNT_STATE_DIR/<quote(mountpoint, safe="")>.json   (default dir /run/stripefs/mounts)
-    {"mountpoint": "/mnt/data",            # absolute, as in /proc/self/mountinfo
-     "cluster_file": "/srv/c/cluster.json",  # what fsclient.Client(...) accepts
-     "pid": 12345,                          # the daemon; a dead pid makes the file stale
-     "root": "/"}                           # optional: stripefs directory mounted there
-
-``quote`` is ``urllib.parse.quote``: ``/mnt/data`` becomes ``%2Fmnt%2Fdata.json``.
-The daemon should write it atomically (temp file + ``os.replace``), mode 0644.
-As a fallback the record of ``stripefs mount`` (``<state dir>/stripefs/mounts/
-<sha1(mountpoint)[:16]>.json``) is read too, when it has a ``cluster_file`` key.
+The state files and daemon records are described in :mod:`fsclient.fuse._mounts`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import posixpath
 from dataclasses import dataclass
-from urllib.parse import quote
 
 from wire import ErrorCode, StripefsError
 
-from ._proc import mounts, pid_alive
+from ..core import mounts, pid_alive
+from ..fuse._mounts import mount_state_path, record_path
 
-__all__ = ["MountedFile", "resolve_mounted", "mount_state_path", "MOUNT_STATE_DIR"]
-
-MOUNT_STATE_DIR = "/run/stripefs/mounts"
+__all__ = ["MountedFile", "resolve_mounted"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,12 +31,6 @@ class MountedFile:
     ino: int
     path: str  # the stripefs path (root + path inside the mount); informative only
     mountpoint: str
-
-
-def mount_state_path(mountpoint: str, state_dir: str | None = None) -> str:
-    """The state file the mount daemon writes for ``mountpoint``."""
-    base = state_dir or os.environ.get("STRIPEFS_MOUNT_STATE_DIR") or MOUNT_STATE_DIR
-    return os.path.join(base, quote(os.path.abspath(mountpoint), safe="") + ".json")
 
 
 def _inside(path: str, mountpoint: str) -> bool:
@@ -83,8 +63,8 @@ def resolve_mounted(path: str, *, mountinfo: str = "/proc/self/mountinfo", state
         raise StripefsError(ErrorCode.INVALID, "not on a stripefs FUSE mount", path)
     mp = best[0]
     state_file = mount_state_path(mp, state_dir)
-    if state_dir is None and not os.path.exists(state_file) and os.path.exists(_cli_record(mp)):
-        state_file = _cli_record(mp)
+    if state_dir is None and not os.path.exists(state_file) and os.path.exists(record_path(mp)):
+        state_file = record_path(mp)  # the record of `stripefs mount` carries the cluster file too
     try:
         with open(state_file) as f:
             state = json.load(f)
@@ -100,14 +80,3 @@ def resolve_mounted(path: str, *, mountinfo: str = "/proc/self/mountinfo", state
     inner = os.path.relpath(real, mp)
     spath = posixpath.normpath(posixpath.join(root, "" if inner == "." else inner))
     return MountedFile(cluster_file, ino, spath, mp)
-
-
-def _cli_record(mountpoint: str) -> str:
-    # Also accepted: the record `stripefs mount` keeps next to the user's cluster state
-    # (fsclient.fuse_cli), when it carries a "cluster_file" key.
-    from ._config import default_state_file
-
-    digest = hashlib.sha1(mountpoint.encode()).hexdigest()[:16]
-    return os.path.join(os.path.dirname(default_state_file()), "mounts", digest + ".json")
-
-

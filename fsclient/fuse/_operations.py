@@ -47,8 +47,7 @@ import trio
 
 from wire import Attr, DirEntry, messages as m
 
-from ._client import AsyncClient, Client
-from ._file import StripeFile
+from ..core import AsyncClient, Client, StripeFile
 
 __all__ = ["StripeOperations", "FuseConfig", "ORPHAN_DIR"]
 
@@ -439,7 +438,7 @@ class StripeOperations(pyfuse3.Operations):
         stamp = (attr.size, attr.mtime_ns)
         busy = state is not None and state.handles > 0
         if state is None:
-            state = self.files[ino] = OpenFile(StripeFile(self.client, f"<inode {ino}>", attr, readable=True, writable=True))
+            state = self.files[ino] = OpenFile(StripeFile(self.client.core, f"<inode {ino}>", attr, readable=True, writable=True))
         state.handles += 1
         fh = next(self._fh)
         self.handles[fh] = ino
@@ -593,6 +592,6 @@ def _daemon_alive(pid: int) -> bool:
     """Is ``pid`` a running stripefs mount daemon (not a recycled pid)?"""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"fuse_cli" in f.read()
+            return b"fsclient.fuse" in f.read()
     except OSError:
         return False

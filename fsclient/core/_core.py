@@ -4,7 +4,8 @@ After ``open`` the client knows the file's layout and computes chunk placement
 itself: chunk ``i`` of a file lives on chain ``layout.chains[i % stripe]``. The
 metadata service is off the data path (one call at open, one at close/fsync).
 
-Data path (threads, blocking sockets; see shared/PEERS.md for why):
+Data path (threads, blocking sockets: the kernel copy releases the GIL, so threads
+use both cores, ~30% above a single event loop; docs/architecture.md):
 
 * every storage server gets ``conns_per_server`` pipelined connections, each
   with a reader thread (responses land with ``recv_into`` straight in the

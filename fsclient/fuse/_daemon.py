@@ -16,8 +16,6 @@ Options (``-o``): ours are ``attr_timeout=S``, ``entry_timeout=S``,
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import logging
 import os
 import signal
@@ -28,8 +26,8 @@ from typing import Any
 
 from wire import StripefsError, messages as m
 
-from ._config import default_state_file, find_cluster
-from ._proc import mounts, pid_alive
+from ..core import Client, find_cluster, pid_alive
+from ._mounts import mount_record, mounted_fstype, record_path, remove_mount_record, write_mount_record
 
 READY_TIMEOUT = 30.0
 UMOUNT_WAIT = 15.0
@@ -39,40 +37,10 @@ class MountError(Exception):
     """A mount or unmount that cannot proceed; the message says why."""
 
 
-# -- bookkeeping --------------------------------------------------------------------------
-def _run_dir() -> str:
-    d = os.path.join(os.path.dirname(default_state_file()), "mounts")
-    os.makedirs(d, exist_ok=True)
-    return d
-
-
-def _record_path(mountpoint: str) -> str:
-    return os.path.join(_run_dir(), hashlib.sha1(mountpoint.encode()).hexdigest()[:16] + ".json")
-
-
-def mount_record(mountpoint: str) -> dict[str, Any] | None:
-    """``{"pid", "mountpoint", "log"}`` of the daemon serving ``mountpoint``, if recorded."""
-    try:
-        with open(_record_path(os.path.abspath(mountpoint))) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def mounted_fstype(mountpoint: str) -> str | None:
-    """The file system type mounted exactly at ``mountpoint`` (works on dead FUSE mounts)."""
-    mountpoint = os.path.abspath(mountpoint)
-    found = None
-    for mp, fstype in mounts():
-        if mp == mountpoint:
-            found = fstype
-    return found
-
-
 # -- options ---------------------------------------------------------------------------------
 def parse_options(opts: list[str]) -> tuple[Any, set[str]]:
     """Split ``-o`` values into our :class:`FuseConfig` and the libfuse option set."""
-    from .fuse import FuseConfig
+    from ._operations import FuseConfig
 
     cfg = FuseConfig()
     fuse_opts = {"default_permissions", "fsname=stripefs", "subtype=stripefs"}
@@ -107,8 +75,6 @@ def preflight(mountpoint: str, cluster: str | None) -> None:
         raise MountError(f"{mountpoint} is busy: something is already mounted there (stripefs umount {mountpoint})")
     if not os.path.isdir(mountpoint):
         raise MountError(f"mount point {mountpoint} is not an existing directory")
-    from ._client import Client
-
     try:
         with Client(cluster) as c:
             c.core.call(m.Statfs(), timeout=5.0)
@@ -123,8 +89,7 @@ def serve(mountpoint: str, cluster: str | None, options: list[str], ready_fd: in
     import pyfuse3
     import trio
 
-    from ._client import Client
-    from .fuse import StripeOperations
+    from ._operations import StripeOperations
 
     cfg, fuse_opts = parse_options(options)
     client = Client(cluster)
@@ -132,10 +97,7 @@ def serve(mountpoint: str, cluster: str | None, options: list[str], ready_fd: in
     # cluster_file lets fsclient.batchread map files under the mount to (cluster, inode).
     record = {"pid": os.getpid(), "mountpoint": mountpoint, "log": os.environ.get("STRIPEFS_MOUNT_LOG"),
               "cluster_file": client.config.path, "root": "/"}
-    tmp = _record_path(mountpoint) + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-    os.replace(tmp, _record_path(mountpoint))
+    write_mount_record(mountpoint, record)
 
     def tell(text: str) -> None:
         if ready_fd is not None:
@@ -150,7 +112,7 @@ def serve(mountpoint: str, cluster: str | None, options: list[str], ready_fd: in
     except RuntimeError as exc:
         tell(f"error: FUSE mount of {mountpoint} failed: {exc}")
         client.close()
-        os.unlink(_record_path(mountpoint))
+        remove_mount_record(mountpoint)
         return 1
 
     async def announce() -> None:
@@ -183,10 +145,7 @@ def serve(mountpoint: str, cluster: str | None, options: list[str], ready_fd: in
     finally:
         pyfuse3.close(unmount=mounted_fstype(mountpoint) is not None)
         client.close()
-        try:
-            os.unlink(_record_path(mountpoint))
-        except OSError:
-            pass
+        remove_mount_record(mountpoint)
     return 0
 
 
@@ -211,14 +170,14 @@ def mount(mountpoint: str, cluster: str | None, options: list[str], foreground: 
     if foreground:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         return serve(mountpoint, cluster, options)
-    log_path = _record_path(mountpoint)[:-5] + ".log"
+    log_path = record_path(mountpoint, create_dir=True)[:-5] + ".log"
     r, w = os.pipe()
-    cmd = [sys.executable, "-m", "fsclient.fuse_cli", "mount", mountpoint, "--foreground", "--ready-fd", str(w)]
+    cmd = [sys.executable, "-m", "fsclient.fuse", "mount", mountpoint, "--foreground", "--ready-fd", str(w)]
     if cluster:
         cmd += ["--cluster", cluster]
     for opt in options:
         cmd += ["-o", opt]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "STRIPEFS_MOUNT_LOG": log_path,
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     with open(log_path, "ab") as logf:
@@ -283,10 +242,7 @@ def umount(mountpoint: str, lazy: bool = False) -> int:
             _reap(pid)
         if pid_alive(pid):
             os.kill(pid, signal.SIGTERM)
-    try:
-        os.unlink(_record_path(mountpoint))
-    except OSError:
-        pass
+    remove_mount_record(mountpoint)
     return 0
 
 
@@ -329,6 +285,3 @@ def main(argv: list[str]) -> int:
         print(f"stripefs {cmd}: {exc}", file=sys.stderr)
         return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

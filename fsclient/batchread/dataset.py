@@ -33,9 +33,8 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from wire import ErrorCode, StripefsError
 
-from ._batchread_ring import ReadRing, RegisteredFile
-from ._client import Client
-from ._config import ClusterConfig, find_cluster
+from ..core import Client, ClusterConfig, find_cluster
+from ._ring import ReadRing, RegisteredFile
 
 __all__ = ["RecordDataset", "IndexDataset", "Batch", "collate_batch", "loader"]
 

@@ -1,4 +1,12 @@
-"""A local cluster on 127.0.0.1: ``stripefs up`` / ``stripefs down``.
+"""A local cluster on 127.0.0.1: ``stripefs up`` / ``stripefs down``, tests, benchmarks, the demo.
+
+Real processes (``python -m metadata``, ``python -m storage``) on loopback; the
+functions :func:`up`, :func:`down` and :func:`add_server` are what the CLI runs,
+and :class:`LocalCluster` is the handle tests and benchmarks hold::
+
+    with LocalCluster.start("/tmp/c", servers=4) as cluster:
+        with cluster.client() as fs:
+            fs.write_bytes("/x", b"...")
 
 Everything lives under ``ROOT``::
 
@@ -24,8 +32,9 @@ from typing import Any
 
 from wire import ErrorCode, StripefsError, new_secret
 
-from ._config import remember_cluster
-from ._proc import pid_alive
+from .core import Client, pid_alive, remember_cluster
+
+__all__ = ["LocalCluster", "up", "down", "add_server", "read_cluster"]
 
 READY_TIMEOUT = 30.0
 
@@ -246,3 +255,51 @@ def down(root: str, timeout: float = 10.0) -> int:
     cluster["pids"] = []
     _write_cluster(os.path.abspath(root), cluster)
     return len(pids)
+
+
+class LocalCluster:
+    """A running local cluster: :attr:`file` is its cluster.json, :attr:`data` its content.
+
+    ``kw`` are :func:`up`'s options; :meth:`restart` stops every process and starts
+    them again with the same data, :meth:`up` starts only what is not running.
+    """
+
+    def __init__(self, root: str, **kw: Any):
+        self.root = os.path.abspath(root)
+        self.kw = kw
+        self.data: dict[str, Any] = read_cluster(self.root) or {}
+        self.file = os.path.join(self.root, "cluster.json")
+
+    @classmethod
+    def start(cls, root: str, **kw: Any) -> "LocalCluster":
+        handle = cls(root, **kw)
+        handle.up()
+        return handle
+
+    def up(self) -> dict[str, Any]:
+        """Start whatever is not running (the whole cluster, or just its dead processes)."""
+        self.data = up(self.root, **self.kw)
+        return self.data
+
+    def down(self) -> int:
+        return down(self.root)
+
+    def restart(self) -> None:
+        self.down()
+        self.up()
+
+    def add_server(self) -> dict[str, Any]:
+        self.data = add_server(self.root)
+        return self.data
+
+    def client(self, **kw: Any) -> Client:
+        return Client(self.file, **kw)
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.down()
+        except OSError:
+            pass

@@ -20,13 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 from wire import Attr, ErrorCode, StripefsError
 
+from ..core import fill_bytes
+
 if TYPE_CHECKING:
-    from ._client import Client
+    from ..core import Client
 
 __all__ = ["read_ranges"]
 
 
-def _clamp(start: int | None, end: int | None, size: int) -> tuple[int, int]:
+def clamp(start: int | None, end: int | None, size: int) -> tuple[int, int]:
     """fsspec range semantics: None = file start/end, negative = from the end; clipped to the file."""
     s = 0 if start is None else (max(0, size + start) if start < 0 else min(start, size))
     e = size if end is None else (max(0, size + end) if end < 0 else min(end, size))
@@ -72,7 +74,7 @@ def read_ranges(client: "Client", paths: list[str], starts: list[Any], ends: lis
             if isinstance(attr, BaseException):
                 out[i] = attr
                 continue
-            s, e = _clamp(start, end, attr.size)
+            s, e = clamp(start, end, attr.size)
             if s == e:
                 out[i] = b""
             else:
@@ -98,8 +100,6 @@ def _stat(client: "Client", path: str) -> "Attr | OSError":
 
 
 def _read_span(client: "Client", attr: Attr, span: tuple[int, int, list[tuple[int, int, int]]]) -> "bytes | OSError":
-    from ._fsspec_file import fill_bytes
-
     s, e, _members = span
     assert attr.layout is not None
     try:

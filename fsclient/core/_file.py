@@ -28,7 +28,7 @@ from wire import Attr, ErrorCode, MAX_FILE_SIZE, StripefsError, messages as m
 from ._rawbytes import fill_bytes
 
 if TYPE_CHECKING:
-    from ._client import Client
+    from ._core import ClientCore
 
 MAX_WINDOW = 32 << 20
 
@@ -36,12 +36,11 @@ MAX_WINDOW = 32 << 20
 class StripeFile(io.RawIOBase):
     """A file opened with :meth:`fsclient.Client.open`. Binary; not thread-safe."""
 
-    def __init__(self, client: "Client", path: str, attr: Attr, *, readable: bool, writable: bool, append: bool = False):
+    def __init__(self, core: "ClientCore", path: str, attr: Attr, *, readable: bool, writable: bool, append: bool = False):
         super().__init__()
         if attr.layout is None:
             raise StripefsError(ErrorCode.INVALID, "not a regular file", path)
-        self.client = client
-        self.core = client.core
+        self.core = core
         self.name = path
         self.attr = attr
         self.ino = attr.ino

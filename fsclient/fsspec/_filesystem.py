@@ -44,9 +44,9 @@ from fsspec.utils import stringify_path
 
 from wire import Attr, ErrorCode, StripefsError
 
-from ._client import Client
-from ._fsspec_file import StripeFsFile, fill_bytes
-from ._fsspec_ranges import _clamp, read_ranges
+from ..core import Client, fill_bytes
+from ._file import StripeFsFile
+from ._ranges import clamp, read_ranges
 
 __all__ = ["StripeFileSystem", "StripeFsFile"]
 
@@ -237,7 +237,7 @@ class StripeFileSystem(AbstractFileSystem):
         attr = self.client.stat(p)
         if attr.is_dir or attr.layout is None:
             raise StripefsError(ErrorCode.IS_DIR, "is a directory", p)
-        s, e = _clamp(start, end, attr.size)
+        s, e = clamp(start, end, attr.size)
         layout, ino, size = attr.layout, attr.ino, attr.size
         return fill_bytes(e - s, lambda view, pos: self.client.core.read_into(ino, layout, size, s + pos, view))
 

@@ -14,17 +14,28 @@ from __future__ import annotations
 import io
 import posixpath
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from wire import ErrorCode, StripefsError
 
-from ._rawbytes import fill_bytes
+from ..core import Client, fill_bytes
 
 if TYPE_CHECKING:
-    from ._file import StripeFile
-    from .fsspec_fs import StripeFileSystem
+    from ..core import StripeFile
 
 __all__ = ["StripeFsFile", "fill_bytes"]
+
+
+class _FileSystem(Protocol):
+    """What a file needs of its filesystem (``StripeFileSystem``; kept abstract so the
+    file module does not import the filesystem module that imports it)."""
+
+    client: Client
+
+    def _ensure_parent(self, path: str) -> None: ...
+    def _retry_with_parent(self, path: str, fn: Callable[[], Any]) -> Any: ...
+    def invalidate_cache(self, path: str | None = None) -> None: ...
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]: ...
 
 MODES = ("rb", "wb", "ab", "xb")
 
@@ -40,7 +51,7 @@ class StripeFsFile(io.RawIOBase):
         FileNotFoundError, IsADirectoryError, FileExistsError: as the native ``open``.
     """
 
-    def __init__(self, fs: "StripeFileSystem", path: str, mode: str = "rb", *, autocommit: bool = True):
+    def __init__(self, fs: _FileSystem, path: str, mode: str = "rb", *, autocommit: bool = True):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"stripefs files open as {', '.join(MODES)}; got {mode!r}")

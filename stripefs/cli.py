@@ -18,14 +18,13 @@ from typing import Any, Callable
 
 from wire import ErrorCode, StripefsError
 
-from . import _cluster
-from ._client import Client
+from fsclient import Client, testing
 
 # name -> "module:function" taking (argv) and returning an exit status; loaded lazily so
 # `stripefs ls` does not import torch or pyfuse3.
 EXTRA_COMMANDS: dict[str, tuple[str, str]] = {
-    "mount": ("fsclient.fuse_cli", "Mount the file system with FUSE"),
-    "umount": ("fsclient.fuse_cli", "Unmount a stripefs FUSE mount"),
+    "mount": ("fsclient.fuse", "Mount the file system with FUSE"),
+    "umount": ("fsclient.fuse", "Unmount a stripefs FUSE mount"),
     "mover": ("staging.mover_cli", "Run the checkpoint mover for a staging directory"),
     "bench": ("bench.cli", "Run the throughput benchmark"),
 }
@@ -56,14 +55,14 @@ def _progress(total: int, desc: str) -> Any:
 
 # -- cluster commands ----------------------------------------------------------------------
 def cmd_up(a: argparse.Namespace) -> int:
-    c = _cluster.up(a.root, servers=a.servers, replicas=a.replicas, chunk_size=parse_size(a.chunk_size), stripe=a.stripe)
+    c = testing.up(a.root, servers=a.servers, replicas=a.replicas, chunk_size=parse_size(a.chunk_size), stripe=a.stripe)
     print(f"{c['metadata']['host']}:{c['metadata']['port']}")
     print(f"cluster file: {os.path.join(c['root'], 'cluster.json')} ({len(c['servers'])} storage servers)", file=sys.stderr)
     return 0
 
 
 def cmd_add_server(a: argparse.Namespace) -> int:
-    c = _cluster.add_server(a.root)
+    c = testing.add_server(a.root)
     s = c["servers"][-1]
     print(f"{s['host']}:{s['port']}")
     print("the new server copies its share of the chains in the background; watch `stripefs status`", file=sys.stderr)
@@ -71,7 +70,7 @@ def cmd_add_server(a: argparse.Namespace) -> int:
 
 
 def cmd_down(a: argparse.Namespace) -> int:
-    n = _cluster.down(a.root)
+    n = testing.down(a.root)
     print(f"stopped {n} processes", file=sys.stderr)
     return 0
 

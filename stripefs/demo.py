@@ -19,8 +19,7 @@ import subprocess
 import sys
 import time
 
-from . import _cluster
-from ._client import Client
+from fsclient import Client, testing
 
 
 def say(msg: str) -> None:
@@ -57,7 +56,7 @@ def demo_core(c: Client) -> str:
 
 def demo_fuse(root: str, cluster_file: str, digest: str) -> None:
     try:
-        import fsclient.fuse_cli  # noqa: F401
+        import pyfuse3  # noqa: F401
     except ImportError as exc:
         print(f"(FUSE mount not available: {exc})")
         return
@@ -67,7 +66,7 @@ def demo_fuse(root: str, cluster_file: str, digest: str) -> None:
     mnt = os.path.join(root, "mnt")
     os.makedirs(mnt, exist_ok=True)
     say(f"mount the cluster at {mnt} and use shell tools")
-    stripefs = [sys.executable, "-m", "fsclient.cli"]
+    stripefs = [sys.executable, "-m", "stripefs"]
     subprocess.run([*stripefs, "umount", mnt], capture_output=True)
     subprocess.run([*stripefs, "mount", mnt, "--cluster", cluster_file], check=True)
     try:
@@ -110,18 +109,18 @@ def demo_checkpoint(cluster_file: str, root: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fsclient.demo")
+    p = argparse.ArgumentParser(prog="python -m stripefs.demo")
     p.add_argument("--root", default="/tmp/stripefs-demo")
     p.add_argument("--fresh", action="store_true", help="delete ROOT first")
     args = p.parse_args(argv)
     if args.fresh and os.path.exists(args.root):
         try:
-            _cluster.down(args.root)
+            testing.down(args.root)
         except OSError:
             pass
         shutil.rmtree(args.root)
     say(f"start a local cluster under {args.root} (metadata service + 4 storage servers)")
-    cluster = _cluster.up(args.root, servers=4)
+    cluster = testing.up(args.root, servers=4)
     cluster_file = os.path.join(cluster["root"], "cluster.json")
     print(f"metadata service at {cluster['metadata']['host']}:{cluster['metadata']['port']}; cluster file {cluster_file}")
     with Client(cluster_file) as c:
@@ -129,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         demo_fuse(args.root, cluster_file, digest)
         demo_checkpoint(cluster_file, args.root)
         say("cluster status")
-    subprocess.run([sys.executable, "-m", "fsclient.cli", "status", "--cluster", cluster_file], check=True)
+    subprocess.run([sys.executable, "-m", "stripefs", "status", "--cluster", cluster_file], check=True)
     print(f"\nThe cluster keeps running. Try: .venv/bin/stripefs ls -l /demo    Stop it: .venv/bin/stripefs down --root {args.root}")
     return 0
 
