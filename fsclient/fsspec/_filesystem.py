@@ -139,6 +139,54 @@ class StripeFileSystem(AbstractFileSystem):
             self.dircache[p] = entries
         return [dict(e) for e in entries] if detail else [e["name"] for e in entries]
 
+    def walk(self, path: str, maxdepth: int | None = None, topdown: bool = True, on_error: Any = "omit",
+             **kwargs: Any) -> Iterator[tuple[str, Any, Any]]:
+        """``os.walk`` over stripefs, never descending through a symlink.
+
+        Listings follow links (a link to a directory lists as ``type: directory``
+        with ``islink``), but a walk reports every link among the files, as
+        ``os.walk(followlinks=False)`` and fsspec's own contract do. Everything
+        recursive is built on this (``find``, ``du``, ``expand_path``, so ``rm``,
+        ``copy``, ``get`` with ``recursive=True``): removing ``run1`` whose
+        ``latest`` links to ``run0`` removes the link, never ``run0``'s files.
+
+        Args: as ``AbstractFileSystem.walk`` (``detail`` in kwargs; ``dirs`` may be
+        pruned in place when ``topdown``).
+        """
+        if maxdepth is not None and maxdepth < 1:
+            raise ValueError("maxdepth must be at least 1")
+        detail = kwargs.pop("detail", False)
+        top = self._strip_protocol(path).rstrip("/") or "/"
+        try:
+            listing = self.ls(top, detail=True, **kwargs)
+        except OSError as exc:  # FileNotFoundError included
+            if on_error == "raise":
+                raise
+            if callable(on_error):
+                on_error(exc)
+            return
+        dirs: dict[str, Any] = {}
+        files: dict[str, Any] = {}
+        for info in listing:
+            full = info["name"].rstrip("/") or "/"
+            if full == top:  # `top` is a file: fsspec names its entry ""
+                files[""] = info
+            elif info["type"] == "directory" and not info.get("islink"):
+                dirs[posixpath.basename(full)] = info
+            else:
+                files[posixpath.basename(full)] = info
+        shown_dirs: Any = dirs if detail else list(dirs)
+        shown_files: Any = files if detail else list(files)
+        if topdown:
+            yield top, shown_dirs, shown_files
+        deeper = None if maxdepth is None else maxdepth - 1
+        if deeper is None or deeper >= 1:
+            for name in list(shown_dirs):  # what the caller left after pruning
+                yield from self.walk(posixpath.join(top, name), maxdepth=deeper, topdown=topdown,
+                                     on_error=on_error, detail=detail, **kwargs)
+        if not topdown:
+            yield top, shown_dirs, shown_files
+
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         """One metadata round trip (no parent listing, no cache)."""
         p = self._strip_protocol(path)

@@ -56,6 +56,20 @@ def test_cli_end_to_end(cluster, tmp_path, testdir: str) -> None:
     assert len(status["chains"]) >= 4 and {t for c in status["chains"] for t in c["targets"]} == {s["server_id"] for s in status["servers"]}
 
 
+def test_cli_rm_r_removes_links_not_what_they_point_at(cluster, client: Client, testdir: str) -> None:
+    client.makedirs(f"{testdir}/run0/sub")
+    client.write_bytes(f"{testdir}/run0/sub/a.bin", b"keep me")
+    client.makedirs(f"{testdir}/run1")
+    client.symlink(f"{testdir}/run0", f"{testdir}/run1/latest")
+    client.symlink(f"{testdir}/run0/sub/a.bin", f"{testdir}/run1/a-link")
+    run_cli("rm", "-r", f"{testdir}/run1", cluster=cluster.file)
+    assert not client.exists(f"{testdir}/run1")
+    assert client.read_bytes(f"{testdir}/run0/sub/a.bin") == b"keep me"
+    client.symlink(f"{testdir}/run0", f"{testdir}/top-link")
+    run_cli("rm", "-r", f"{testdir}/top-link", cluster=cluster.file)  # the link itself goes
+    assert client.listdir(f"{testdir}/run0") == ["sub"]
+
+
 def test_cluster_file_is_private(cluster) -> None:
     assert os.stat(cluster.file).st_mode & 0o777 == 0o600
 

@@ -206,3 +206,25 @@ def test_errors_map_to_builtin_exceptions(sfs: StripeFileSystem, root: str) -> N
     with pytest.raises(PermissionError) as info:
         bad.ls("/")
     assert info.value.errno == errno.EACCES
+
+
+def test_recursive_operations_never_descend_through_symlinks(sfs: StripeFileSystem, root: str, tmp_path: Any) -> None:
+    # The usual "latest checkpoint" link: removing, listing or copying run1 must not reach run0.
+    sfs.makedirs(f"{root}/run0/sub")
+    sfs.makedirs(f"{root}/run1")
+    sfs.pipe({f"{root}/run0/a.bin": b"a" * 10, f"{root}/run0/sub/b.bin": b"b" * 20, f"{root}/run1/c.bin": b"c" * 30})
+    sfs.client.symlink(f"{root}/run0", f"{root}/run1/latest")
+    sfs.client.symlink(f"{root}/run0/a.bin", f"{root}/run1/a-link")
+    run1 = [f"{root}/run1/{n}" for n in ("a-link", "c.bin", "latest")]
+    assert sfs.find(f"{root}/run1") == run1
+    assert [w[0] for w in sfs.walk(f"{root}/run1")] == [f"{root}/run1"]
+    assert sorted(sfs.walk(f"{root}/run1", topdown=False, detail=False))[0][2] == ["a-link", "c.bin", "latest"]
+    assert sfs.info(f"{root}/run1/latest")["type"] == "directory"  # info and ls follow the link itself
+    sfs.get(f"{root}/run1", str(tmp_path / "got"), recursive=True)
+    assert not (tmp_path / "got" / "latest" / "sub").exists()
+    sfs.copy(f"{root}/run1", f"{root}/run2", recursive=True)
+    assert not sfs.exists(f"{root}/run2/latest/sub/b.bin") or sfs.client.lstat(f"{root}/run2/latest").is_symlink
+    sfs.rm(f"{root}/run1", recursive=True)
+    assert not sfs.exists(f"{root}/run1")
+    assert sfs.cat({f"{root}/run0/a.bin", f"{root}/run0/sub/b.bin"}) == {
+        f"{root}/run0/a.bin": b"a" * 10, f"{root}/run0/sub/b.bin": b"b" * 20}
