@@ -41,6 +41,9 @@ MAX_SYMLINKS = 40  # as Linux: ELOOP after 40 links in one resolution
 MAX_READDIR = 10_000
 
 
+_NODE_TYPES = frozenset({stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK, stat.S_IFREG})
+
+
 def _err(code: ErrorCode, message: str) -> StripefsError:
     return StripefsError(code, message)
 
@@ -130,9 +133,9 @@ class Namespace:
 
     def _new_inode(self, txn: Txn, parent: int, name: str, mode: int, uid: int, gid: int, *,
                    nlink: int = 1, size: int = 0, layout: Layout | None = None,
-                   target: str | None = None) -> Attr:
+                   target: str | None = None, rdev: int = 0) -> Attr:
         now = time.time_ns()
-        attr = Attr(self._counter(txn, "next_ino"), mode, nlink, uid, gid, size, now, now, now, layout, target)
+        attr = Attr(self._counter(txn, "next_ino"), mode, nlink, uid, gid, size, now, now, now, layout, target, rdev)
         txn.put_inode(attr)
         txn.put_dentry(parent, DirEntry(name, attr.ino, mode))
         return attr
@@ -329,6 +332,35 @@ class Namespace:
         with self._store.transaction() as txn:
             self._new_parent_checked(txn, parent, name)
             attr = self._new_inode(txn, parent, name, stat.S_IFLNK | 0o777, uid, gid, size=size, target=target)
+            self._touch_dir(txn, parent, attr.ctime_ns)
+            return attr
+
+    def mknod(self, parent: int, name: str, mode: int, rdev: int, uid: int, gid: int, *,
+              chains: list[int]) -> Attr:
+        """Make a FIFO, socket, character or block device node, or an empty regular file.
+
+        The namespace stores the node (type, permission bits, owner, ``rdev`` for
+        devices); what it does when opened is the kernel's business.
+
+        Args:
+            mode: type bits and permission bits (``S_IFIFO | 0o644``...).
+            rdev: the device number; kept for ``S_IFCHR``/``S_IFBLK`` only.
+            chains: where a regular file may be striped.
+
+        Raises:
+            StripefsError: EINVAL (a directory, symlink or unknown type: those have
+                their own calls), EEXIST, ENOENT/ENOTDIR (parent).
+        """
+        kind = stat.S_IFMT(mode)
+        if kind not in _NODE_TYPES:
+            raise _err(ErrorCode.INVALID, f"mknod makes fifos, sockets, devices and regular files, not type {kind:o}")
+        if not 0 <= rdev < 1 << 64:
+            raise _err(ErrorCode.INVALID, "rdev out of range")
+        with self._store.transaction() as txn:
+            self._new_parent_checked(txn, parent, name)
+            layout = self._pick_layout(txn, parent, chains) if kind == stat.S_IFREG else None
+            attr = self._new_inode(txn, parent, name, kind | (mode & 0o7777), uid, gid, layout=layout,
+                                   rdev=rdev if kind in (stat.S_IFCHR, stat.S_IFBLK) else 0)
             self._touch_dir(txn, parent, attr.ctime_ns)
             return attr
 

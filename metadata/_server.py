@@ -18,6 +18,7 @@ import functools
 import json
 import logging
 import os
+import stat
 import time
 from typing import Any, Callable
 
@@ -340,6 +341,12 @@ class MetadataService(Service):
             return {"attr": (await self._ns(ns.mkdir, msg.parent, msg.name, msg.mode, msg.uid, msg.gid)).to_wire()}
         if isinstance(msg, m.Symlink):
             return {"attr": (await self._ns(ns.symlink, msg.parent, msg.name, msg.target, msg.uid, msg.gid)).to_wire()}
+        if isinstance(msg, m.Mknod):
+            if stat.S_ISREG(msg.mode):
+                self.members.freeze()
+            chains = self.members.chain_ids() if stat.S_ISREG(msg.mode) else []
+            attr = await self._ns(ns.mknod, msg.parent, msg.name, msg.mode, msg.rdev, msg.uid, msg.gid, chains=chains)
+            return {"attr": attr.to_wire()}
         if isinstance(msg, m.Readlink):
             return {"target": await self._ns(ns.readlink, msg.ino)}
         if isinstance(msg, m.Link):

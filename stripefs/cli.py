@@ -123,7 +123,7 @@ def cmd_scrub(a: argparse.Namespace) -> int:
 
 # -- file commands ----------------------------------------------------------------------------
 def _type_char(mode: int) -> str:
-    return "d" if _stat.S_ISDIR(mode) else "l" if _stat.S_ISLNK(mode) else "-"
+    return _stat.filemode(mode)[0]  # d l - p s c b, as ls shows them
 
 
 def cmd_ls(a: argparse.Namespace) -> int:
@@ -138,7 +138,9 @@ def cmd_ls(a: argparse.Namespace) -> int:
                 attr = e.attr
                 if a.long and attr is not None:
                     mtime = time.strftime("%Y-%m-%d %H:%M", time.localtime(attr.mtime_ns / 1e9))
-                    print(f"{_stat.filemode(attr.mode)} {attr.nlink:>3} {attr.uid:>5} {attr.gid:>5} {attr.size:>12} {mtime} {e.name}")
+                    size = (f"{os.major(attr.rdev)}, {os.minor(attr.rdev)}"  # device nodes show their number, as ls does
+                            if _stat.S_ISCHR(attr.mode) or _stat.S_ISBLK(attr.mode) else str(attr.size))
+                    print(f"{_stat.filemode(attr.mode)} {attr.nlink:>3} {attr.uid:>5} {attr.gid:>5} {size:>12} {mtime} {e.name}")
                 else:
                     print(e.name + ("/" if _stat.S_ISDIR(e.mode) else ""))
     return 0

@@ -293,6 +293,24 @@ class GetLayout(Message):
     ino: int
 
 
+@message(31, mutates=True)
+class Mknod(Message):
+    """A FIFO, socket, character or block device node (or an empty regular file).
+
+    ``mode`` carries the type bits (``S_IFIFO``, ``S_IFSOCK``, ``S_IFCHR``, ``S_IFBLK``,
+    ``S_IFREG``); ``rdev`` is kept for device nodes only. The file system stores the
+    node; the kernel gives it its behaviour.
+    """
+
+    parent: int
+    name: str
+    mode: int
+    rdev: int = 0
+    uid: int = 0
+    gid: int = 0
+    # response: {"attr"}
+
+
 # --- storage servers (40-59) -------------------------------------------------------------
 
 

@@ -105,6 +105,7 @@ class Attr:
     ctime_ns: int
     layout: Layout | None = None
     target: str | None = None  # symlink target
+    rdev: int = 0  # device number of a character or block device node
 
     @property
     def is_dir(self) -> bool:
@@ -141,6 +142,7 @@ class Attr:
                 ctime_ns=int(d["ctime_ns"]),
                 layout=Layout.from_wire(layout) if layout is not None else None,
                 target=d.get("target"),
+                rdev=int(d.get("rdev", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise _bad(f"bad attr: {exc}") from exc

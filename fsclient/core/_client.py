@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import posixpath
+import stat as _stat  # Client.stat is a method
 import time
 from typing import Any, Callable, Iterator
 
@@ -205,6 +206,26 @@ class Client:
         parent, name, p = self._parent(path)
         return self._wrap(lambda: self.core.attr(m.Symlink(parent=parent.ino, name=name, target=target,
                                                             uid=os.getuid(), gid=os.getgid())), p)
+
+    def mknod(self, path: str, mode: int = _stat.S_IFREG | 0o666, rdev: int = 0) -> Attr:
+        """Make a FIFO, socket, device node or empty regular file, as ``os.mknod``.
+
+        Args:
+            mode: type bits (``stat.S_IFIFO``, ``S_IFSOCK``, ``S_IFCHR``, ``S_IFBLK``,
+                ``S_IFREG``) and permission bits.
+            rdev: device number (``os.makedev``) for character and block devices.
+
+        Raises:
+            FileExistsError, FileNotFoundError, NotADirectoryError; OSError(EINVAL)
+            for a directory or symlink type.
+        """
+        parent, name, p = self._parent(path)
+        return self._wrap(lambda: self.core.attr(m.Mknod(parent=parent.ino, name=name, mode=mode, rdev=rdev,
+                                                          uid=os.getuid(), gid=os.getgid())), p)
+
+    def mkfifo(self, path: str, mode: int = 0o666) -> Attr:
+        """Make a FIFO (named pipe), as ``os.mkfifo``."""
+        return self.mknod(path, _stat.S_IFIFO | (mode & 0o7777))
 
     def readlink(self, path: str) -> str:
         attr = self.lstat(path)

@@ -231,7 +231,7 @@ class StripeOperations(pyfuse3.Operations):
         e.st_mode = attr.mode
         # An orphaned (silly-renamed) inode is unlinked as far as users can tell.
         e.st_nlink = attr.nlink - 1 if state is not None and state.orphan else attr.nlink
-        e.st_uid, e.st_gid, e.st_rdev = attr.uid, attr.gid, 0
+        e.st_uid, e.st_gid, e.st_rdev = attr.uid, attr.gid, attr.rdev
         e.st_size = size
         e.st_blksize = BLKSIZE
         e.st_blocks = (size + 511) // 512
@@ -476,10 +476,9 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        if not stat.S_ISREG(mode):
-            raise pyfuse3.FUSEError(errno.EOPNOTSUPP)  # no fifos, sockets or device nodes
-        reply = await self.aio.call(m.Create(parent=parent_inode, name=_name(name), mode=stat.S_IMODE(mode),
-                                             uid=ctx.uid, gid=ctx.gid, exclusive=True))
+        # The node is stored; the kernel gives fifos, sockets and devices their behaviour.
+        reply = await self.aio.call(m.Mknod(parent=parent_inode, name=_name(name), mode=mode, rdev=rdev,
+                                            uid=ctx.uid, gid=ctx.gid))
         return self._looked_up(Attr.from_wire(reply["attr"]))
 
     def _state(self, fh: int) -> OpenFile:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import stat
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -106,6 +109,24 @@ def test_links_and_symlinks(client: Client, testdir: str) -> None:
     assert client.readlink(f"{testdir}/s") == "b"
     assert client.read_bytes(f"{testdir}/s") == b"data"
     assert client.lstat(f"{testdir}/s").is_symlink
+
+
+def test_special_files_through_the_native_api_and_ls(client: Client, cluster, testdir: str) -> None:
+    client.mkfifo(f"{testdir}/fifo", 0o600)
+    client.mknod(f"{testdir}/tty", stat.S_IFCHR | 0o620, os.makedev(4, 1))
+    assert stat.S_ISFIFO(client.lstat(f"{testdir}/fifo").mode)
+    assert client.lstat(f"{testdir}/tty").rdev == os.makedev(4, 1)
+    with pytest.raises(OSError) as info:
+        client.open(f"{testdir}/fifo", "rb")  # no bytes behind a node on the native route
+    assert info.value.errno == errno.EINVAL
+    with pytest.raises(FileExistsError):
+        client.mkfifo(f"{testdir}/fifo")
+    with pytest.raises(OSError) as info:
+        client.mknod(f"{testdir}/d", stat.S_IFDIR | 0o755)
+    assert info.value.errno == errno.EINVAL
+    ls = subprocess.run([sys.executable, "-m", "stripefs", "ls", "-l", testdir, "--cluster", cluster.file],
+                        capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "prw-------" in ls and "crw--w----" in ls and "4, 1" in ls
 
 
 def test_sparse_and_truncate(client: Client, testdir: str) -> None:

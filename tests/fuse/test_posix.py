@@ -314,8 +314,50 @@ class TestFileSystem:
         assert errno_of(os.setxattr, p, "user.k", b"v") == errno.EOPNOTSUPP
         assert errno_of(os.getxattr, p, "user.k") == errno.EOPNOTSUPP
 
-    def test_mknod_fifo_refused(self, mdir: str) -> None:
-        assert errno_of(os.mkfifo, f"{mdir}/fifo") == errno.EOPNOTSUPP
+
+
+class TestSpecialFiles:
+    def test_fifo_is_stored_and_works_as_a_pipe(self, mdir: str, client, testdir: str) -> None:
+        p = f"{mdir}/fifo"
+        os.mkfifo(p, 0o640)
+        st = os.lstat(p)
+        assert stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o640 & ~_umask()
+        assert stat.S_ISFIFO(client.lstat(f"{testdir}/fifo").mode)  # stored in the namespace
+        # The kernel gives the node its behaviour: bytes pass through, nothing is stored.
+        fd_r = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+        fd_w = os.open(p, os.O_WRONLY)
+        os.write(fd_w, b"through the pipe")
+        assert os.read(fd_r, 100) == b"through the pipe"
+        os.close(fd_w)
+        os.close(fd_r)
+        assert os.lstat(p).st_size == 0
+        assert errno_of(os.mkfifo, p) == errno.EEXIST
+        assert errno_of(os.mkdir, p) == errno.EEXIST
+        assert errno_of(os.symlink, "x", p) == errno.EEXIST
+
+    @pytest.mark.parametrize("kind", [stat.S_IFCHR, stat.S_IFBLK])
+    def test_device_nodes_keep_rdev(self, mdir: str, kind: int) -> None:
+        p = f"{mdir}/dev"
+        os.mknod(p, kind | 0o600, os.makedev(7, 42))
+        st = os.lstat(p)
+        assert stat.S_IFMT(st.st_mode) == kind and (os.major(st.st_rdev), os.minor(st.st_rdev)) == (7, 42)
+        os.chmod(p, 0o644)
+        os.chown(p, 1234, 5678)
+        os.rename(p, f"{mdir}/dev2")
+        os.link(f"{mdir}/dev2", f"{mdir}/dev3")
+        st = os.lstat(f"{mdir}/dev3")
+        assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_nlink, st.st_rdev) == (
+            0o644, 1234, 5678, 2, os.makedev(7, 42))
+        os.unlink(f"{mdir}/dev2")
+        os.unlink(f"{mdir}/dev3")
+        assert os.listdir(mdir) == []
+
+    def test_socket_node_and_regular_mknod(self, mdir: str) -> None:
+        os.mknod(f"{mdir}/sock", stat.S_IFSOCK | 0o600)
+        assert stat.S_ISSOCK(os.lstat(f"{mdir}/sock").st_mode)
+        os.mknod(f"{mdir}/plain", stat.S_IFREG | 0o600)
+        write(f"{mdir}/plain", b"data")
+        assert read(f"{mdir}/plain") == b"data"
 
 
 def _umask() -> int:

@@ -238,6 +238,54 @@ def test_resolve_paths(ns: Namespace) -> None:
         ns.resolve("/" + "x" * 256)
 
 
+@pytest.mark.parametrize("kind", [stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK])
+def test_special_files_are_stored_with_type_mode_owner_and_rdev(ns: Namespace, kind: int) -> None:
+    dev = (8 << 8) | 1
+    node = ns.mknod(ROOT_INO, "node", kind | 0o640, dev, 1000, 1001, chains=CHAINS)
+    assert stat.S_IFMT(node.mode) == kind and stat.S_IMODE(node.mode) == 0o640
+    assert (node.uid, node.gid, node.layout, node.size) == (1000, 1001, None, 0)
+    assert node.rdev == (dev if kind in (stat.S_IFCHR, stat.S_IFBLK) else 0)
+    assert ns.lookup(ROOT_INO, "node") == node
+    entry = ns.readdir(ROOT_INO, plus=True)[0][0]
+    assert stat.S_IFMT(entry.mode) == kind and entry.attr == node
+    with raises(errno.EEXIST):
+        ns.mknod(ROOT_INO, "node", kind | 0o640, 0, 0, 0, chains=CHAINS)
+    with raises(errno.EEXIST):
+        ns.mkdir(ROOT_INO, "node", DIR, 0, 0)
+    with raises(errno.EINVAL):
+        ns.setattr(node.ino, size=10)  # a node has no bytes of its own
+    ns.link(node.ino, ROOT_INO, "hard")
+    ns.rename(ROOT_INO, "hard", ROOT_INO, "moved")
+    assert ns.setattr(node.ino, mode=0o600).mode == kind | 0o600  # type bits stay
+    ns.unlink(ROOT_INO, "node")
+    assert ns.unlink(ROOT_INO, "moved").nlink == 0
+    assert names(ns) == [] and ns.garbage() == []  # nothing for the storage servers to remove
+
+
+def test_mknod_regular_file_gets_a_layout_and_other_types_are_refused(ns: Namespace) -> None:
+    f = ns.mknod(ROOT_INO, "f", stat.S_IFREG | 0o600, 123, 0, 0, chains=CHAINS)
+    assert f.is_file and f.layout is not None and f.rdev == 0
+    for bad in (stat.S_IFDIR | 0o755, stat.S_IFLNK | 0o777, 0o644):
+        with raises(errno.EINVAL):
+            ns.mknod(ROOT_INO, "x", bad, 0, 0, 0, chains=CHAINS)
+
+
+def test_sqlite_store_gains_rdev_on_an_old_database(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    old = sqlite3.connect(path)
+    old.executescript(
+        "CREATE TABLE inodes (ino INTEGER PRIMARY KEY, ftype INTEGER NOT NULL, mode INTEGER NOT NULL,"
+        " nlink INTEGER NOT NULL, uid INTEGER NOT NULL, gid INTEGER NOT NULL, size INTEGER NOT NULL,"
+        " atime_ns INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, ctime_ns INTEGER NOT NULL,"
+        " chunk_size INTEGER, chains TEXT, target TEXT);"
+        "INSERT INTO inodes VALUES (7, 32768, 33188, 1, 0, 0, 5, 1, 2, 3, 65536, '1,2', NULL);")
+    old.commit()
+    old.close()
+    with SqliteStore(path) as store, store.transaction() as txn:
+        attr = txn.get_inode(7)
+        assert attr is not None and (attr.size, attr.rdev) == (5, 0)
+
+
 def test_resolve_symlinks(ns: Namespace) -> None:
     a = ns.mkdir(ROOT_INO, "a", DIR, 0, 0)
     b = ns.mkdir(a.ino, "b", DIR, 0, 0)
