@@ -26,21 +26,21 @@ import random
 import secrets
 import stat
 import time
+
 from wire._errors import ErrorCode, StripefsError
-from wire._types import (MAX_CHUNK, MAX_FILE_SIZE, MAX_PATH, MAX_STRIPE, MIN_CHUNK, Attr,
-                         DirEntry, Layout, validate_name)
+from wire._types import (MAX_CHUNK, MAX_FILE_SIZE, MAX_PATH, MAX_STRIPE, MAX_XATTR_NAME, MAX_XATTR_TOTAL,
+                         MAX_XATTR_VALUE, MIN_CHUNK, XATTR_NAMESPACES, Attr, DirEntry, Layout, validate_name)
 
 from ._store import DirRow, GarbageItem, Store, Txn
 
-__all__ = ["Namespace", "GarbageItem", "ROOT_INO", "RENAME_NOREPLACE", "RENAME_EXCHANGE"]
+__all__ = ["Namespace", "GarbageItem", "ROOT_INO", "RENAME_NOREPLACE", "RENAME_EXCHANGE", "XATTR_CREATE", "XATTR_REPLACE"]
 
 ROOT_INO = 1
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 MAX_SYMLINKS = 40  # as Linux: ELOOP after 40 links in one resolution
 MAX_READDIR = 10_000
-
-
+XATTR_CREATE, XATTR_REPLACE = 1, 2  # setxattr(2) flags
 _NODE_TYPES = frozenset({stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK, stat.S_IFREG})
 
 
@@ -548,6 +548,78 @@ class Namespace:
                                       mtime_ns=mtime_ns if mtime_ns is not None else now)
             txn.put_inode(new)
             return new
+
+    # ------------------------------------------------------------------ extended attributes
+
+    @staticmethod
+    def _check_xattr_name(name: bytes) -> None:
+        if not name or len(name) > MAX_XATTR_NAME or b"\x00" in name:
+            raise _err(ErrorCode.RANGE if len(name) > MAX_XATTR_NAME else ErrorCode.INVALID,
+                       f"extended attribute names are 1-{MAX_XATTR_NAME} bytes without NUL")
+        if not name.startswith(XATTR_NAMESPACES) or name in XATTR_NAMESPACES:
+            raise _err(ErrorCode.NOT_SUPPORTED, f"extended attribute namespace of {name!r} is not supported")
+
+    def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> Attr:
+        """Set an extended attribute (``XATTR_CREATE``/``XATTR_REPLACE`` in ``flags``).
+
+        Caveats:
+            ``user.*`` attributes belong to regular files and directories only (EPERM
+            elsewhere, as Linux); the caller is trusted for ``trusted.*``/``security.*``.
+
+        Raises:
+            StripefsError: ENOENT; EEXIST (CREATE, present); ENODATA (REPLACE, absent);
+                ERANGE (name over 255 bytes); E2BIG (value over 64 KiB); ENOSPC (the
+                inode's attributes would pass 1 MiB); EOPNOTSUPP (unknown namespace).
+        """
+        self._check_xattr_name(name)
+        if flags & ~(XATTR_CREATE | XATTR_REPLACE) or flags == XATTR_CREATE | XATTR_REPLACE:
+            raise _err(ErrorCode.INVALID, f"bad setxattr flags {flags}")
+        if len(value) > MAX_XATTR_VALUE:
+            raise _err(ErrorCode.ARG_TOO_BIG, f"extended attribute values are at most {MAX_XATTR_VALUE} bytes")
+        with self._store.transaction() as txn:
+            attr = self._inode(txn, ino)
+            if name.startswith(b"user.") and not (attr.is_file or attr.is_dir):
+                raise _err(ErrorCode.PERMISSION, "user.* attributes are for regular files and directories")
+            present = dict(txn.list_xattrs(ino))
+            if flags & XATTR_CREATE and name in present:
+                raise _err(ErrorCode.EXISTS, f"extended attribute {name!r} exists")
+            if flags & XATTR_REPLACE and name not in present:
+                raise _err(ErrorCode.NO_DATA, f"no extended attribute {name!r}")
+            total = sum(len(n) + size for n, size in present.items() if n != name) + len(name) + len(value)
+            if total > MAX_XATTR_TOTAL:
+                raise _err(ErrorCode.NO_SPACE, f"extended attributes of inode {ino} would pass {MAX_XATTR_TOTAL} bytes")
+            txn.put_xattr(ino, name, value)
+            attr = dataclasses.replace(attr, ctime_ns=time.time_ns())
+            txn.put_inode(attr)
+            return attr
+
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        """The value of an extended attribute. Raises ENOENT, ENODATA."""
+        self._check_xattr_name(name)
+        with self._store.transaction() as txn:
+            self._inode(txn, ino)
+            value = txn.get_xattr(ino, name)
+            if value is None:
+                raise _err(ErrorCode.NO_DATA, f"no extended attribute {name!r}")
+            return value
+
+    def listxattr(self, ino: int) -> list[bytes]:
+        """Names of the inode's extended attributes, sorted."""
+        with self._store.transaction() as txn:
+            self._inode(txn, ino)
+            return [name for name, _ in txn.list_xattrs(ino)]
+
+    def removexattr(self, ino: int, name: bytes) -> Attr:
+        """Remove an extended attribute. Raises ENOENT, ENODATA."""
+        self._check_xattr_name(name)
+        with self._store.transaction() as txn:
+            attr = self._inode(txn, ino)
+            if txn.get_xattr(ino, name) is None:
+                raise _err(ErrorCode.NO_DATA, f"no extended attribute {name!r}")
+            txn.delete_xattr(ino, name)
+            attr = dataclasses.replace(attr, ctime_ns=time.time_ns())
+            txn.put_inode(attr)
+            return attr
 
     # ------------------------------------------------------------------ layouts
 

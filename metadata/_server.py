@@ -347,6 +347,14 @@ class MetadataService(Service):
             chains = self.members.chain_ids() if stat.S_ISREG(msg.mode) else []
             attr = await self._ns(ns.mknod, msg.parent, msg.name, msg.mode, msg.rdev, msg.uid, msg.gid, chains=chains)
             return {"attr": attr.to_wire()}
+        if isinstance(msg, m.GetXattr):
+            return {"value": await self._ns(ns.getxattr, msg.ino, msg.name)}
+        if isinstance(msg, m.SetXattr):
+            return {"attr": (await self._ns(ns.setxattr, msg.ino, msg.name, msg.value, msg.flags)).to_wire()}
+        if isinstance(msg, m.ListXattr):
+            return {"names": await self._ns(ns.listxattr, msg.ino)}
+        if isinstance(msg, m.RemoveXattr):
+            return {"attr": (await self._ns(ns.removexattr, msg.ino, msg.name)).to_wire()}
         if isinstance(msg, m.Readlink):
             return {"target": await self._ns(ns.readlink, msg.ino)}
         if isinstance(msg, m.Link):

@@ -125,6 +125,22 @@ class Txn(abc.ABC):
     def count_inodes(self) -> dict[int, tuple[int, int]]:
         """``{file type bits: (inode count, sum of sizes)}``."""
 
+    @abc.abstractmethod
+    def get_xattr(self, ino: int, name: bytes) -> bytes | None: ...
+
+    @abc.abstractmethod
+    def put_xattr(self, ino: int, name: bytes, value: bytes) -> None:
+        """Insert or replace the extended attribute ``name`` of ``ino``."""
+
+    @abc.abstractmethod
+    def delete_xattr(self, ino: int, name: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def list_xattrs(self, ino: int) -> list[tuple[bytes, int]]:
+        """``(name, value size)`` of every extended attribute of ``ino``, by name.
+
+        ``delete_inode`` removes an inode's extended attributes with it."""
+
 
 class Store(abc.ABC):
     """A backend: hands out transactions that commit on success, roll back on exception."""
@@ -181,6 +197,8 @@ class _MemoryTxn(Txn):
 
     def delete_inode(self, ino: int) -> None:
         self._del(self._s.inodes, ino)
+        for key in [k for k in self._s.xattrs if k[0] == ino]:
+            self._del(self._s.xattrs, key)
 
     def get_dir(self, ino: int) -> DirRow | None:
         return self._s.dirs.get(ino)
@@ -229,6 +247,18 @@ class _MemoryTxn(Txn):
             out[stat.S_IFMT(attr.mode)] = (n + 1, size + attr.size)
         return out
 
+    def get_xattr(self, ino: int, name: bytes) -> bytes | None:
+        return self._s.xattrs.get((ino, name))
+
+    def put_xattr(self, ino: int, name: bytes, value: bytes) -> None:
+        self._set(self._s.xattrs, (ino, name), bytes(value))
+
+    def delete_xattr(self, ino: int, name: bytes) -> None:
+        self._del(self._s.xattrs, (ino, name))
+
+    def list_xattrs(self, ino: int) -> list[tuple[bytes, int]]:
+        return sorted((name, len(v)) for (i, name), v in self._s.xattrs.items() if i == ino)
+
 
 class MemoryStore(Store):
     """An in-process store for tests and fakes; same semantics as :class:`SqliteStore`."""
@@ -239,6 +269,7 @@ class MemoryStore(Store):
         self.dentries: dict[int, dict[bytes, DirEntry]] = {}
         self.meta: dict[str, str] = {}
         self.garbage: dict[int, GarbageItem] = {}
+        self.xattrs: dict[tuple[int, bytes], bytes] = {}
         self._open = False
 
     @contextmanager
@@ -304,6 +335,7 @@ class SqlTxn(Txn):
 
     def delete_inode(self, ino: int) -> None:
         self._q("DELETE FROM inodes WHERE ino = ?", (ino,))
+        self._q("DELETE FROM xattrs WHERE ino = ?", (ino,))
 
     def get_dir(self, ino: int) -> DirRow | None:
         row = self._q("SELECT ino, parent, chunk_size, stripe FROM dirs WHERE ino = ?", (ino,)).fetchone()
@@ -360,6 +392,21 @@ class SqlTxn(Txn):
         rows = self._q("SELECT ftype, COUNT(*), COALESCE(SUM(size), 0) FROM inodes GROUP BY ftype").fetchall()
         return {ftype: (n, size) for ftype, n, size in rows}
 
+    def get_xattr(self, ino: int, name: bytes) -> bytes | None:
+        row = self._q("SELECT value FROM xattrs WHERE ino = ? AND name = ?", (ino, name)).fetchone()
+        return bytes(row[0]) if row else None
+
+    def put_xattr(self, ino: int, name: bytes, value: bytes) -> None:
+        self._q("INSERT INTO xattrs (ino, name, value) VALUES (?, ?, ?) "
+                "ON CONFLICT (ino, name) DO UPDATE SET value = excluded.value", (ino, name, bytes(value)))
+
+    def delete_xattr(self, ino: int, name: bytes) -> None:
+        self._q("DELETE FROM xattrs WHERE ino = ? AND name = ?", (ino, name))
+
+    def list_xattrs(self, ino: int) -> list[tuple[bytes, int]]:
+        rows = self._q("SELECT name, LENGTH(value) FROM xattrs WHERE ino = ? ORDER BY name", (ino,)).fetchall()
+        return [(bytes(name), n) for name, n in rows]
+
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS inodes (
@@ -376,6 +423,8 @@ CREATE TABLE IF NOT EXISTS garbage (
     id INTEGER PRIMARY KEY, kind TEXT NOT NULL, ino INTEGER NOT NULL, length INTEGER NOT NULL,
     chunk_size INTEGER NOT NULL, chains TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS xattrs (
+    ino INTEGER NOT NULL, name BLOB NOT NULL, value BLOB NOT NULL, PRIMARY KEY (ino, name));
 """
 
 

@@ -54,6 +54,7 @@ class ErrorCode(enum.IntEnum):
     ACCESS = 24
     NO_DATA = 25
     RANGE = 26
+    ARG_TOO_BIG = 27
 
     @property
     def errno(self) -> int:
@@ -88,6 +89,7 @@ _ERRNO: dict[ErrorCode, int] = {
     ErrorCode.ACCESS: _errno.EACCES,
     ErrorCode.NO_DATA: _errno.ENODATA,
     ErrorCode.RANGE: _errno.ERANGE,
+    ErrorCode.ARG_TOO_BIG: _errno.E2BIG,
 }
 
 _FROM_ERRNO: dict[int, ErrorCode] = {}

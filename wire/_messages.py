@@ -311,6 +311,37 @@ class Mknod(Message):
     # response: {"attr"}
 
 
+@message(32)
+class GetXattr(Message):
+    ino: int
+    name: bytes
+    # response: {"value"}
+
+
+@message(33, mutates=True)
+class SetXattr(Message):
+    """``flags``: 1 XATTR_CREATE (must not exist), 2 XATTR_REPLACE (must exist)."""
+
+    ino: int
+    name: bytes
+    value: bytes
+    flags: int = 0
+    # response: {"attr"}
+
+
+@message(34)
+class ListXattr(Message):
+    ino: int
+    # response: {"names": [bytes, ...]}
+
+
+@message(35, mutates=True)
+class RemoveXattr(Message):
+    ino: int
+    name: bytes
+    # response: {"attr"}
+
+
 # --- storage servers (40-59) -------------------------------------------------------------
 
 

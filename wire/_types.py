@@ -23,6 +23,10 @@ __all__ = [
     "MAX_CHUNK",
     "MAX_STRIPE",
     "MAX_FILE_SIZE",
+    "MAX_XATTR_NAME",
+    "MAX_XATTR_VALUE",
+    "MAX_XATTR_TOTAL",
+    "XATTR_NAMESPACES",
     "validate_name",
 ]
 
@@ -32,6 +36,10 @@ MIN_CHUNK = 64 * 1024
 MAX_CHUNK = 64 * 1024 * 1024
 MAX_STRIPE = 256
 MAX_FILE_SIZE = 1 << 50  # 1 PiB: "writes past sane limits" get EFBIG
+MAX_XATTR_NAME = 255  # bytes, "user.x" included (Linux's XATTR_NAME_MAX)
+MAX_XATTR_VALUE = 64 * 1024  # Linux's XATTR_SIZE_MAX
+MAX_XATTR_TOTAL = 1 << 20  # names + values of one inode
+XATTR_NAMESPACES = (b"user.", b"trusted.", b"security.")  # system.* (ACLs) would not be enforced
 
 
 def _bad(msg: str) -> StripefsError:

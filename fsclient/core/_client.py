@@ -227,6 +227,36 @@ class Client:
         """Make a FIFO (named pipe), as ``os.mkfifo``."""
         return self.mknod(path, _stat.S_IFIFO | (mode & 0o7777))
 
+    # -- extended attributes (as os.getxattr & co.; follow_symlinks like os) -----------------
+    def getxattr(self, path: str, name: str | bytes, *, follow_symlinks: bool = True) -> bytes:
+        """The value of extended attribute ``name``. Raises ``OSError(ENODATA)`` when absent."""
+        ino = self.stat(path, follow=follow_symlinks).ino
+        return self._wrap(lambda: self.core.call(m.GetXattr(ino=ino, name=os.fsencode(name)))["value"], normpath(path))
+
+    def setxattr(self, path: str, name: str | bytes, value: bytes, flags: int = 0, *,
+                 follow_symlinks: bool = True) -> None:
+        """Set extended attribute ``name``; ``flags`` as ``os.XATTR_CREATE``/``os.XATTR_REPLACE``.
+
+        Raises:
+            OSError: EEXIST/ENODATA for the flags, E2BIG (value over 64 KiB), ERANGE
+                (name over 255 bytes), ENOSPC (over 1 MiB per inode), EOPNOTSUPP (a
+                namespace other than user., trusted., security.), EPERM (user.* on a
+                symlink or special file).
+        """
+        ino = self.stat(path, follow=follow_symlinks).ino
+        self._wrap(lambda: self.core.call(m.SetXattr(ino=ino, name=os.fsencode(name), value=bytes(value),
+                                                     flags=flags)), normpath(path))
+
+    def listxattr(self, path: str, *, follow_symlinks: bool = True) -> list[str]:
+        """Names of the extended attributes, as ``os.listxattr``."""
+        ino = self.stat(path, follow=follow_symlinks).ino
+        return [os.fsdecode(n) for n in self.core.call(m.ListXattr(ino=ino))["names"]]
+
+    def removexattr(self, path: str, name: str | bytes, *, follow_symlinks: bool = True) -> None:
+        """Remove extended attribute ``name``. Raises ``OSError(ENODATA)`` when absent."""
+        ino = self.stat(path, follow=follow_symlinks).ino
+        self._wrap(lambda: self.core.call(m.RemoveXattr(ino=ino, name=os.fsencode(name))), normpath(path))
+
     def readlink(self, path: str) -> str:
         attr = self.lstat(path)
         return self.core.call(m.Readlink(ino=attr.ino))["target"]

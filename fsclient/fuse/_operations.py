@@ -23,8 +23,9 @@ Semantics (docs/fuse.md has the long form):
 Caveats:
 
 * Permission checks are the kernel's (``default_permissions``); no ACLs.
-* xattrs are not supported: the handlers answer ENOSYS once and the kernel
-  answers EOPNOTSUPP from then on without asking.
+* Extended attributes (``user.``, ``trusted.``, ``security.``) are stored by the
+  metadata service; ``system.*`` (POSIX ACLs) is refused, since the kernel would
+  not enforce ACLs under ``default_permissions``.
 * Open-but-unlinked files survive only for handles of the mount that unlinked;
   another mount's handles lose the data (the metadata service cannot know them).
 """
@@ -216,6 +217,10 @@ class StripeOperations(pyfuse3.Operations):
         self._fh = itertools.count(1)
         self._orphan_dir: int | None = None
         self._rbufs: list[mmap.mmap] = []  # never closed: pyfuse3 may still hold a view
+        # (ino, name) -> when "no such attribute" stops being trusted. The kernel asks for
+        # security.capability before every write(2) to a file; answering that from here
+        # keeps a metadata round trip off each write (as stale as attributes may be).
+        self._no_xattr: dict[tuple[int, bytes], float] = {}
 
     # -- helpers ------------------------------------------------------------------------
     def _entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
@@ -566,18 +571,37 @@ class StripeOperations(pyfuse3.Operations):
         s.f_namemax = 255
         return s
 
-    # xattrs: ENOSYS makes the kernel answer EOPNOTSUPP itself from then on (no round trips).
+    # -- extended attributes: stored by the metadata service. The kernel checks the
+    # namespace rules (trusted.* needs CAP_SYS_ADMIN, user.* only on files and
+    # directories, write permission for setting) before it asks us; pyfuse3 turns
+    # XATTR_CREATE/XATTR_REPLACE into a getxattr first.
+    @_errors
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
-        raise pyfuse3.FUSEError(errno.ENOSYS)
+        self._no_xattr.pop((inode, name), None)
+        await self.aio.call(m.SetXattr(ino=inode, name=name, value=value))
 
+    @_errors
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        raise pyfuse3.FUSEError(errno.ENOSYS)
+        key = (inode, name)
+        if self._no_xattr.get(key, 0.0) > trio.current_time():
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        try:
+            return (await self.aio.call(m.GetXattr(ino=inode, name=name)))["value"]
+        except OSError as exc:
+            if exc.errno == errno.ENODATA:
+                if len(self._no_xattr) > 100_000:  # bounded: forget everything rather than grow
+                    self._no_xattr.clear()
+                self._no_xattr[key] = trio.current_time() + self.config.attr_timeout
+            raise
 
+    @_errors
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
-        raise pyfuse3.FUSEError(errno.ENOSYS)
+        return list((await self.aio.call(m.ListXattr(ino=inode)))["names"])
 
+    @_errors
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        raise pyfuse3.FUSEError(errno.ENOSYS)
+        self._no_xattr.pop((inode, name), None)
+        await self.aio.call(m.RemoveXattr(ino=inode, name=name))
 
 
 def _invalidate(ino: int) -> None:

@@ -129,6 +129,26 @@ def test_special_files_through_the_native_api_and_ls(client: Client, cluster, te
     assert "prw-------" in ls and "crw--w----" in ls and "4, 1" in ls
 
 
+def test_xattrs_through_the_native_api(client: Client, testdir: str) -> None:
+    p = f"{testdir}/f"
+    client.write_bytes(p, b"x")
+    client.setxattr(p, "user.checkpoint.step", b"1000")
+    client.setxattr(p, b"user.raw", b"\xff")
+    assert client.listxattr(p) == ["user.checkpoint.step", "user.raw"]
+    assert client.getxattr(p, "user.checkpoint.step") == b"1000"
+    with pytest.raises(FileExistsError):
+        client.setxattr(p, "user.raw", b"", os.XATTR_CREATE)
+    client.removexattr(p, "user.raw")
+    with pytest.raises(OSError) as info:
+        client.getxattr(p, "user.raw")
+    assert info.value.errno == errno.ENODATA
+    client.symlink(p, f"{testdir}/l")
+    assert client.getxattr(f"{testdir}/l", "user.checkpoint.step") == b"1000"  # follows, as os does
+    with pytest.raises(OSError) as info:
+        client.getxattr(f"{testdir}/l", "user.checkpoint.step", follow_symlinks=False)
+    assert info.value.errno == errno.ENODATA
+
+
 def test_sparse_and_truncate(client: Client, testdir: str) -> None:
     p = f"{testdir}/sparse"
     with client.open(p, "wb") as f:

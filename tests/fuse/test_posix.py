@@ -6,6 +6,7 @@ import ctypes
 import errno
 import os
 import stat
+import struct
 import time
 
 import pytest
@@ -308,12 +309,29 @@ class TestFileSystem:
         st = os.statvfs(mnt)
         assert st.f_blocks > 0 and st.f_bavail <= st.f_blocks and st.f_namemax == 255
 
-    def test_xattrs_not_supported(self, mdir: str) -> None:
+    def test_xattrs(self, mdir: str, client, testdir: str) -> None:
         p = f"{mdir}/f"
         write(p, b"")
-        assert errno_of(os.setxattr, p, "user.k", b"v") == errno.EOPNOTSUPP
-        assert errno_of(os.getxattr, p, "user.k") == errno.EOPNOTSUPP
-
+        os.setxattr(p, "user.k", b"v")
+        assert os.getxattr(p, "user.k") == b"v" and os.listxattr(p) == ["user.k"]
+        assert client.getxattr(f"{testdir}/f", "user.k") == b"v"  # stored in the cluster
+        assert errno_of(os.setxattr, p, "user.k", b"w", os.XATTR_CREATE) == errno.EEXIST
+        assert errno_of(os.setxattr, p, "user.new", b"w", os.XATTR_REPLACE) == errno.ENODATA
+        os.setxattr(p, "user.new", b"now")  # a remembered "absent" must not outlive a set
+        assert os.getxattr(p, "user.new") == b"now"
+        os.removexattr(p, "user.new")
+        os.setxattr(p, "user.k", b"w" * 65536, os.XATTR_REPLACE)
+        assert os.getxattr(p, "user.k") == b"w" * 65536
+        os.removexattr(p, "user.k")
+        assert errno_of(os.getxattr, p, "user.k") == errno.ENODATA and os.listxattr(p) == []
+        os.setxattr(p, "trusted.t", b"root may")  # the tests run as root
+        acl = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, perm, 0xFFFFFFFF)
+                                              for tag, perm in ((0x01, 6), (0x04, 4), (0x20, 4)))
+        assert errno_of(os.setxattr, p, "system.posix_acl_access", acl) == errno.EOPNOTSUPP  # ACLs: not enforced, refused
+        os.symlink("f", f"{mdir}/l")
+        with pytest.raises(OSError) as info:
+            os.setxattr(f"{mdir}/l", "user.k", b"v", follow_symlinks=False)
+        assert info.value.errno == errno.EPERM
 
 
 class TestSpecialFiles:

@@ -286,6 +286,53 @@ def test_sqlite_store_gains_rdev_on_an_old_database(tmp_path: Path) -> None:
         assert attr is not None and (attr.size, attr.rdev) == (5, 0)
 
 
+def test_xattrs_set_get_list_remove_with_flags_and_limits(ns: Namespace) -> None:
+    f = mkfile(ns, ROOT_INO, "f")
+    before = ns.getattr(f.ino).ctime_ns
+    assert ns.setxattr(f.ino, b"user.a", b"1").ctime_ns >= before
+    ns.setxattr(f.ino, b"trusted.t", b"\x00binary\xff")
+    assert ns.getxattr(f.ino, b"user.a") == b"1" and ns.getxattr(f.ino, b"trusted.t") == b"\x00binary\xff"
+    assert ns.listxattr(f.ino) == [b"trusted.t", b"user.a"]
+    with raises(errno.EEXIST):
+        ns.setxattr(f.ino, b"user.a", b"2", _namespace.XATTR_CREATE)
+    with raises(errno.ENODATA):
+        ns.setxattr(f.ino, b"user.b", b"2", _namespace.XATTR_REPLACE)
+    ns.setxattr(f.ino, b"user.a", b"22", _namespace.XATTR_REPLACE)
+    assert ns.getxattr(f.ino, b"user.a") == b"22"
+    ns.removexattr(f.ino, b"user.a")
+    with raises(errno.ENODATA):
+        ns.getxattr(f.ino, b"user.a")
+    with raises(errno.ENODATA):
+        ns.removexattr(f.ino, b"user.a")
+    with raises(errno.ERANGE):
+        ns.setxattr(f.ino, b"user." + b"n" * 251, b"")
+    with raises(errno.E2BIG):
+        ns.setxattr(f.ino, b"user.big", b"v" * (64 * 1024 + 1))
+    with raises(errno.EOPNOTSUPP):
+        ns.setxattr(f.ino, b"system.posix_acl_access", b"")
+    with raises(errno.EOPNOTSUPP):
+        ns.setxattr(f.ino, b"nonamespace", b"")
+    for i in range(15):
+        ns.setxattr(f.ino, f"user.k{i}".encode(), b"v" * (64 * 1024))
+    with raises(errno.ENOSPC):  # 1 MiB per inode
+        ns.setxattr(f.ino, b"user.k15", b"v" * (64 * 1024))
+    link = ns.symlink(ROOT_INO, "l", "f", 0, 0)
+    with raises(errno.EPERM):
+        ns.setxattr(link.ino, b"user.a", b"1")
+    ns.setxattr(link.ino, b"trusted.a", b"1")
+
+
+def test_xattrs_go_with_their_inode(ns: Namespace, store: Store) -> None:
+    f = mkfile(ns, ROOT_INO, "f")
+    ns.setxattr(f.ino, b"user.a", b"1")
+    ns.link(f.ino, ROOT_INO, "g")
+    ns.unlink(ROOT_INO, "f")
+    assert ns.getxattr(f.ino, b"user.a") == b"1"  # still linked as g
+    ns.unlink(ROOT_INO, "g")
+    with store.transaction() as txn:
+        assert txn.list_xattrs(f.ino) == []
+
+
 def test_resolve_symlinks(ns: Namespace) -> None:
     a = ns.mkdir(ROOT_INO, "a", DIR, 0, 0)
     b = ns.mkdir(a.ino, "b", DIR, 0, 0)
