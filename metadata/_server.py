@@ -27,6 +27,7 @@ import trio
 from rpc import ReplayCache, ServerConn, Service, TrioConnection, serve_rpc
 from wire import ErrorCode, FrameHead, Message, Routing, ServerInfo, StripefsError, messages as m
 
+from ._leases import Leases
 from ._namespace import Namespace
 from ._store import GarbageItem
 
@@ -247,6 +248,7 @@ class MetadataService(Service):
 
     def __init__(self, ns: Namespace, members: Membership, secret: str, gc_grace: float = GC_GRACE):
         self.ns = ns
+        self.leases = Leases(ns.store)
         self.gc_grace = gc_grace
         self._first_seen: dict[int, float] = {}
         self._drop_seen: dict[tuple[int, int], float] = {}
@@ -355,6 +357,11 @@ class MetadataService(Service):
             return {"names": await self._ns(ns.listxattr, msg.ino)}
         if isinstance(msg, m.RemoveXattr):
             return {"attr": (await self._ns(ns.removexattr, msg.ino, msg.name)).to_wire()}
+        if isinstance(msg, m.AcquireLock):
+            row = await self._ns(self.leases.acquire, msg.key, msg.owner, msg.ttl_ms * 1_000_000)
+            return {"token": row.token, "expires_ns": row.expires_ns}
+        if isinstance(msg, m.ReleaseLock):
+            return {"released": await self._ns(self.leases.release, msg.key, msg.owner)}
         if isinstance(msg, m.Readlink):
             return {"target": await self._ns(ns.readlink, msg.ino)}
         if isinstance(msg, m.Link):

@@ -61,6 +61,19 @@ class GarbageItem:
     layout: Layout
 
 
+@dataclass(frozen=True, slots=True)
+class LockRow:
+    """An advisory lease lock: held by ``owner`` until ``expires_ns`` (server clock).
+
+    ``token`` grows by one at every new holder (a fencing token: a storage write or
+    commit that carries it can be refused once a newer holder exists)."""
+
+    key: str
+    owner: bytes
+    token: int
+    expires_ns: int
+
+
 def encode_name(name: str) -> bytes:
     return name.encode("utf-8", "surrogateescape")
 
@@ -124,6 +137,16 @@ class Txn(abc.ABC):
     @abc.abstractmethod
     def count_inodes(self) -> dict[int, tuple[int, int]]:
         """``{file type bits: (inode count, sum of sizes)}``."""
+
+    @abc.abstractmethod
+    def get_lock(self, key: str) -> LockRow | None: ...
+
+    @abc.abstractmethod
+    def put_lock(self, row: LockRow) -> None:
+        """Insert or replace the lock ``row.key``."""
+
+    @abc.abstractmethod
+    def delete_lock(self, key: str) -> None: ...
 
     @abc.abstractmethod
     def get_xattr(self, ino: int, name: bytes) -> bytes | None: ...
@@ -247,6 +270,15 @@ class _MemoryTxn(Txn):
             out[stat.S_IFMT(attr.mode)] = (n + 1, size + attr.size)
         return out
 
+    def get_lock(self, key: str) -> LockRow | None:
+        return self._s.locks.get(key)
+
+    def put_lock(self, row: LockRow) -> None:
+        self._set(self._s.locks, row.key, row)
+
+    def delete_lock(self, key: str) -> None:
+        self._del(self._s.locks, key)
+
     def get_xattr(self, ino: int, name: bytes) -> bytes | None:
         return self._s.xattrs.get((ino, name))
 
@@ -270,6 +302,7 @@ class MemoryStore(Store):
         self.meta: dict[str, str] = {}
         self.garbage: dict[int, GarbageItem] = {}
         self.xattrs: dict[tuple[int, bytes], bytes] = {}
+        self.locks: dict[str, LockRow] = {}
         self._open = False
 
     @contextmanager
@@ -392,6 +425,18 @@ class SqlTxn(Txn):
         rows = self._q("SELECT ftype, COUNT(*), COALESCE(SUM(size), 0) FROM inodes GROUP BY ftype").fetchall()
         return {ftype: (n, size) for ftype, n, size in rows}
 
+    def get_lock(self, key: str) -> LockRow | None:
+        row = self._q("SELECT key, owner, token, expires_ns FROM locks WHERE key = ?", (key,)).fetchone()
+        return LockRow(row[0], bytes(row[1]), row[2], row[3]) if row else None
+
+    def put_lock(self, r: LockRow) -> None:
+        self._q("INSERT INTO locks (key, owner, token, expires_ns) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, token = excluded.token, "
+                "expires_ns = excluded.expires_ns", (r.key, r.owner, r.token, r.expires_ns))
+
+    def delete_lock(self, key: str) -> None:
+        self._q("DELETE FROM locks WHERE key = ?", (key,))
+
     def get_xattr(self, ino: int, name: bytes) -> bytes | None:
         row = self._q("SELECT value FROM xattrs WHERE ino = ? AND name = ?", (ino, name)).fetchone()
         return bytes(row[0]) if row else None
@@ -425,6 +470,8 @@ CREATE TABLE IF NOT EXISTS garbage (
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS xattrs (
     ino INTEGER NOT NULL, name BLOB NOT NULL, value BLOB NOT NULL, PRIMARY KEY (ino, name));
+CREATE TABLE IF NOT EXISTS locks (
+    key TEXT PRIMARY KEY, owner BLOB NOT NULL, token INTEGER NOT NULL, expires_ns INTEGER NOT NULL);
 """
 
 

@@ -16,7 +16,7 @@ PUBLIC: dict[str, set[str]] = {
     'metadata': {'MemoryStore', 'MetadataService', 'Namespace', 'RENAME_EXCHANGE', 'RENAME_NOREPLACE', 'serve_metadata', 'SqliteStore'},
     'storage': {'BLOCK', 'ChunkMeta', 'ChunkStore', 'HEADER_SIZE', 'serve_storage', 'StorageService'},
     'fsclient': {'AsyncClient', 'Client', 'ClusterConfig', 'find_cluster', 'normpath', 'ROOT_INO', 'StripeFile'},
-    'fsclient.core': {'AsyncClient', 'Client', 'ClientCore', 'ClusterConfig', 'default_state_file', 'fill_bytes', 'find_cluster', 'mode_flags', 'mounts', 'normpath', 'pid_alive', 'PREFIX', 'remember_cluster', 'ROOT_INO', 'split', 'StripeFile'},
+    'fsclient.core': {'Lease', 'AsyncClient', 'Client', 'ClientCore', 'ClusterConfig', 'default_state_file', 'fill_bytes', 'find_cluster', 'mode_flags', 'mounts', 'normpath', 'pid_alive', 'PREFIX', 'remember_cluster', 'ROOT_INO', 'split', 'StripeFile'},
     'fsclient.fuse': {'FuseConfig', 'main', 'mount', 'mount_record', 'MOUNT_STATE_DIR', 'mount_state_path', 'mounted_fstype', 'MountError', 'StripeOperations', 'umount'},
     'fsclient.fsspec': {'StripeFileSystem', 'StripeFsFile'},
     'fsclient.batchread': {'Completion', 'MOUNT_STATE_DIR', 'mount_state_path', 'MountedFile', 'read_batch', 'ReadRing', 'RegisteredFile', 'resolve_mounted', 'SharedBuffer'},

@@ -55,6 +55,7 @@ class ErrorCode(enum.IntEnum):
     NO_DATA = 25
     RANGE = 26
     ARG_TOO_BIG = 27
+    WOULD_BLOCK = 28
 
     @property
     def errno(self) -> int:
@@ -90,6 +91,7 @@ _ERRNO: dict[ErrorCode, int] = {
     ErrorCode.NO_DATA: _errno.ENODATA,
     ErrorCode.RANGE: _errno.ERANGE,
     ErrorCode.ARG_TOO_BIG: _errno.E2BIG,
+    ErrorCode.WOULD_BLOCK: _errno.EAGAIN,
 }
 
 _FROM_ERRNO: dict[int, ErrorCode] = {}
@@ -157,6 +159,7 @@ _BUILTINS: dict[int, type[OSError]] = {
     _errno.EACCES: PermissionError,
     _errno.ETIMEDOUT: TimeoutError,
     _errno.ECONNREFUSED: ConnectionRefusedError,
+    _errno.EAGAIN: BlockingIOError,
 }
 _BY_BASE: dict[type[OSError], type[StripefsError]] = {
     base: type(f"Stripefs{base.__name__}", (StripefsError, base), {"__module__": __name__})

@@ -342,6 +342,23 @@ class RemoveXattr(Message):
     # response: {"attr"}
 
 
+@message(36, mutates=True)
+class AcquireLock(Message):
+    """Take or renew an advisory lease lock (``key`` is any text, e.g. a path)."""
+
+    key: str
+    owner: bytes  # the client session
+    ttl_ms: int
+    # response: {"token", "expires_ns"}; WOULD_BLOCK while another owner holds it
+
+
+@message(37, mutates=True)
+class ReleaseLock(Message):
+    key: str
+    owner: bytes
+    # response: {"released": bool}
+
+
 # --- storage servers (40-59) -------------------------------------------------------------
 
 

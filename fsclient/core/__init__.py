@@ -15,11 +15,12 @@ from ._client import PREFIX, ROOT_INO, AsyncClient, Client, normpath
 from ._config import ClusterConfig, default_state_file, find_cluster, remember_cluster
 from ._core import ClientCore, split
 from ._file import StripeFile, mode_flags
+from ._lease import Lease
 from ._proc import mounts, pid_alive
 from ._rawbytes import fill_bytes
 
 __all__ = [
     "PREFIX", "ROOT_INO", "AsyncClient", "Client", "normpath",
     "ClusterConfig", "default_state_file", "find_cluster", "remember_cluster",
-    "ClientCore", "split", "StripeFile", "mode_flags", "mounts", "pid_alive", "fill_bytes",
+    "ClientCore", "split", "StripeFile", "Lease", "mode_flags", "mounts", "pid_alive", "fill_bytes",
 ]

@@ -12,6 +12,7 @@ import os
 import posixpath
 import stat as _stat  # Client.stat is a method
 import time
+import weakref
 from typing import Any, Callable, Iterator
 
 import trio
@@ -20,7 +21,9 @@ from wire import Attr, DirEntry, ErrorCode, StripefsError, messages as m
 
 from ._config import ClusterConfig, find_cluster
 from ._core import ClientCore
+from . import _lease
 from ._file import StripeFile, mode_flags
+from ._lease import Lease
 
 __all__ = ["Client", "AsyncClient", "normpath", "ROOT_INO"]
 
@@ -67,9 +70,32 @@ class Client:
                  conns_per_server: int = 2, max_inflight: int = 32):
         self.config = find_cluster(cluster, secret)
         self.core = ClientCore(self.config, conns_per_server=conns_per_server, max_inflight=max_inflight)
+        self._session = os.urandom(16)  # owner of this client's leases
+        self._leases: weakref.WeakSet[Lease] = weakref.WeakSet()
 
     def close(self) -> None:
+        for lease in list(self._leases):  # the session ends: its leases go with it
+            lease.release()
         self.core.close()
+
+    def lease(self, key: str, ttl: float = 10.0, *, wait: bool = True, timeout: float | None = None) -> Lease:
+        """Take the advisory lease lock ``key`` (any text, e.g. a path), renewed while held.
+
+        Args:
+            key: what the lease is for; every client naming it competes for it.
+            ttl: seconds the lease outlives a holder that stopped renewing (0.1 s-1 h).
+            wait: keep trying while another client holds it (else fail at once).
+            timeout: give up after this many seconds of waiting (None: forever).
+
+        Returns:
+            A :class:`~fsclient.core.Lease` (a context manager) with a fencing ``token``.
+
+        Raises:
+            BlockingIOError: held by another client (``wait=False`` or ``timeout`` passed).
+        """
+        lease = _lease.acquire(self.core, key, self._session, ttl, wait, timeout)
+        self._leases.add(lease)
+        return lease
 
     def __enter__(self) -> "Client":
         return self
