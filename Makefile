@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-APT_PKGS := fuse3 libfuse3-dev pkg-config fio
+APT_PKGS := fuse3 libfuse3-dev pkg-config fio postgresql
 DEMO_ROOT ?= /tmp/stripefs-demo
 
 .PHONY: setup sysdeps demo test bench clean
@@ -23,8 +23,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 	# torch trap: a bare `torch` requirement pulls a multi-GB CUDA build; 2.13.0 is a CPU build on disk.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
-	$(BIN)/pip install -q -e ".[fuse,torch,test,bench]" 2>&1 | grep -v "^WARNING: Location" || true
-	$(BIN)/python -c "import wire, metadata, storage, fsclient, pyfuse3, torch"
+	$(BIN)/pip install -q -e ".[fuse,torch,test,bench,postgres]" 2>&1 | grep -v "^WARNING: Location" || true
+	$(BIN)/python -c "import wire, metadata, storage, fsclient, pyfuse3, torch, psycopg"
 	touch $(STAMP)
 
 setup: $(STAMP)

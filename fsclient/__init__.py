@@ -4,7 +4,7 @@
 * :mod:`fsclient.fuse` -- the FUSE mount (``stripefs mount``);
 * :mod:`fsclient.fsspec` -- the ``stripefs://`` fsspec filesystem;
 * :mod:`fsclient.batchread` -- zero-copy batch reads and datasets for dataloaders;
-* :mod:`fsclient.testing` -- a local cluster on 127.0.0.1 (``stripefs up``, tests, benchmarks).
+* :mod:`fsclient.testing` -- local clusters on 127.0.0.1 (``stripefs up``, tests, benchmarks).
 
     >>> import fsclient
     >>> fs = fsclient.Client()               # cluster of the last `stripefs up`

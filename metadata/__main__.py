@@ -13,11 +13,12 @@ import trio
 from ._server import serve_metadata
 
 
-async def _main(args: argparse.Namespace, secret: str, cluster_id: str) -> None:
+async def _main(args: argparse.Namespace, secret: str, cluster_id: str, raw: dict) -> None:
     async with trio.open_nursery() as nursery:
         host, port = await nursery.start(functools.partial(
             serve_metadata, args.state, secret=secret, host=args.host, port=args.port, cluster_id=cluster_id,
             chunk_size=args.chunk_size, max_stripe=args.stripe, gc_grace=args.gc_grace, replicas=args.replicas,
+            store_url=args.store or raw.get("metadata_store_url"),
         ))
         if args.ready:
             tmp = args.ready + ".tmp"
@@ -38,11 +39,12 @@ def main() -> None:
     p.add_argument("--gc-grace", type=float, default=30.0, help="seconds before chunks of removed files are reclaimed")
     p.add_argument("--replicas", type=int, default=1, help="targets per chain (new clusters)")
     p.add_argument("--ready", help="file to write host:port into once serving")
+    p.add_argument("--store", help="postgresql://... to keep the namespace in PostgreSQL (default: the cluster file's metadata_store_url, else SQLite in --state); prefer the cluster file: a URL here shows in ps")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s metadata %(levelname)s %(message)s")
     with open(args.cluster) as f:
         raw = json.load(f)
-    trio.run(_main, args, raw["secret"], raw.get("cluster_id", ""))
+    trio.run(_main, args, raw["secret"], raw.get("cluster_id", ""), raw)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import functools
 import json
 import logging
 import os
+import random
 import stat
 import time
 from typing import Any, Callable
@@ -29,7 +30,7 @@ from wire import ErrorCode, FrameHead, Message, Routing, ServerInfo, StripefsErr
 
 from ._leases import Leases
 from ._namespace import Namespace
-from ._store import GarbageItem
+from ._store import GarbageItem, SqliteStore, Store
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +232,7 @@ class Membership:
 
 
 MAX_BATCH = 256  # operations per group commit
+MAX_BATCH_RETRIES = 8  # reruns of a batch that lost a serialization race (PostgreSQL)
 
 
 class _Job:
@@ -248,6 +250,7 @@ class MetadataService(Service):
 
     def __init__(self, ns: Namespace, members: Membership, secret: str, gc_grace: float = GC_GRACE):
         self.ns = ns
+        self.store_kind = "postgresql" if type(ns.store).__name__ == "PostgresStore" else "sqlite"
         self.leases = Leases(ns.store)
         self.gc_grace = gc_grace
         self._first_seen: dict[int, float] = {}
@@ -289,18 +292,29 @@ class MetadataService(Service):
                 job.done.set()
 
     def _run_batch(self, jobs: list["_Job"]) -> None:
-        try:
-            with self.ns.store.batch():
-                for job in jobs:
-                    try:
-                        job.result = job.fn()
-                    except Exception as exc:  # this operation fails alone (its savepoint rolled back)
-                        job.exc = exc
-        except Exception as exc:  # the commit itself failed: nothing of the batch is durable
+        store = self.ns.store
+        for attempt in range(MAX_BATCH_RETRIES + 1):
             for job in jobs:
-                if job.exc is None:
-                    job.result = None
-                    job.exc = StripefsError(ErrorCode.IO, f"metadata commit failed: {exc}")
+                job.result, job.exc = None, None
+            try:
+                with store.batch():
+                    for job in jobs:
+                        try:
+                            job.result = job.fn()
+                        except Exception as exc:
+                            if store.retryable(exc):  # lost a race with another service: rerun the batch
+                                raise
+                            job.exc = exc  # this operation fails alone (its savepoint rolled back)
+                return
+            except Exception as exc:  # nothing of the batch is durable
+                if store.retryable(exc) and attempt < MAX_BATCH_RETRIES:
+                    time.sleep(random.uniform(0, 0.002 * 2 ** attempt))  # worker thread: spread the rerun
+                    continue
+                for job in jobs:
+                    if job.exc is None:
+                        job.result = None
+                        job.exc = StripefsError(ErrorCode.IO, f"metadata commit failed: {exc}")
+                return
 
     async def handle(self, conn: ServerConn, head: FrameHead, msg: Message, payload: Any) -> None:
         key = (conn.client_id, head.req_id)
@@ -425,7 +439,7 @@ class MetadataService(Service):
         routing = self.members.routing()
         counts = await self._ns(self.ns.counts)
         return {
-            "metadata": {"pid": os.getpid(), "uptime": time.time() - self.started, **counts},
+            "metadata": {"pid": os.getpid(), "uptime": time.time() - self.started, "store": self.store_kind, **counts},
             "servers": [s.to_wire() for s in routing.servers.values()],
             "chains": [{"chain_id": c, "targets": [t for t, _ in ms], "states": [st for _, st in ms]}
                        for c, ms in sorted(routing.members.items())],
@@ -532,6 +546,17 @@ class MetadataService(Service):
                 log.exception("garbage collection pass failed")
 
 
+def open_store(state_dir: str, store_url: str | None = None) -> Store:
+    """The namespace store: PostgreSQL for a ``postgresql://`` URL, else SQLite under ``state_dir``."""
+    if store_url and store_url.startswith(("postgresql://", "postgres://")):
+        from ._pgstore import PostgresStore
+
+        return PostgresStore(store_url)
+    if store_url:
+        raise StripefsError(ErrorCode.INVALID, f"unknown metadata store {store_url.split(':', 1)[0]!r}")
+    return SqliteStore(os.path.join(state_dir, "meta.db"))
+
+
 async def serve_metadata(
     state_dir: str,
     *,
@@ -543,13 +568,17 @@ async def serve_metadata(
     max_stripe: int = 16,
     gc_grace: float = GC_GRACE,
     replicas: int = 1,
+    store_url: str | None = None,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the metadata of the cluster whose state lives in ``state_dir``."""
-    from ._store import SqliteStore
+    """Serve the metadata of the cluster whose state lives in ``state_dir``.
 
+    Args:
+        store_url: a ``postgresql://`` URL to keep the namespace in PostgreSQL; by
+            default it is SQLite in ``state_dir/meta.db``.
+    """
     os.makedirs(state_dir, exist_ok=True)
-    store = await trio.to_thread.run_sync(SqliteStore, os.path.join(state_dir, "meta.db"))
+    store = await trio.to_thread.run_sync(open_store, state_dir, store_url)
     ns = await trio.to_thread.run_sync(lambda: Namespace(store, default_chunk_size=chunk_size, max_stripe=max_stripe))
     members = Membership(os.path.join(state_dir, "servers.json"), replicas)
     service = MetadataService(ns, members, secret, gc_grace)

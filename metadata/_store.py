@@ -172,6 +172,12 @@ class Store(abc.ABC):
     def transaction(self) -> AbstractContextManager[Txn]:
         """A context manager yielding a :class:`Txn`."""
 
+    def retryable(self, exc: BaseException) -> bool:
+        """Whether ``exc`` means "run the whole transaction (or batch) again": a
+        serialization failure or deadlock between concurrent writers. Single-writer
+        backends never raise one."""
+        return False
+
     @contextmanager
     def batch(self) -> Iterator[None]:
         """Group commit: transactions opened inside commit together at the end.
@@ -423,7 +429,7 @@ class SqlTxn(Txn):
 
     def count_inodes(self) -> dict[int, tuple[int, int]]:
         rows = self._q("SELECT ftype, COUNT(*), COALESCE(SUM(size), 0) FROM inodes GROUP BY ftype").fetchall()
-        return {ftype: (n, size) for ftype, n, size in rows}
+        return {ftype: (int(n), int(size)) for ftype, n, size in rows}  # PostgreSQL's SUM is NUMERIC
 
     def get_lock(self, key: str) -> LockRow | None:
         row = self._q("SELECT key, owner, token, expires_ns FROM locks WHERE key = ?", (key,)).fetchone()

@@ -55,7 +55,8 @@ def _progress(total: int, desc: str) -> Any:
 
 # -- cluster commands ----------------------------------------------------------------------
 def cmd_up(a: argparse.Namespace) -> int:
-    c = testing.up(a.root, servers=a.servers, replicas=a.replicas, chunk_size=parse_size(a.chunk_size), stripe=a.stripe)
+    c = testing.up(a.root, servers=a.servers, replicas=a.replicas, chunk_size=parse_size(a.chunk_size), stripe=a.stripe,
+                   metadata_store=a.metadata_store, postgres_url=a.postgres_url)
     print(f"{c['metadata']['host']}:{c['metadata']['port']}")
     print(f"cluster file: {os.path.join(c['root'], 'cluster.json')} ({len(c['servers'])} storage servers)", file=sys.stderr)
     return 0
@@ -84,7 +85,8 @@ def cmd_status(a: argparse.Namespace) -> int:
         print()
         return 0
     md = st["metadata"]
-    print(f"metadata  {md['address']}  pid {md['pid']}  inodes {md.get('inodes', '?')}  routing v{st['routing_version']}")
+    print(f"metadata  {md['address']}  pid {md['pid']}  store {md.get('store', 'sqlite')}  inodes {md.get('inodes', '?')}  "
+          f"routing v{st['routing_version']}")
     print(f"{'id':>3} {'address':<22} {'state':<8} {'pid':>7} {'used':>12} {'capacity':>12}")
     for s in st["servers"]:
         print(f"{s['server_id']:>3} {s['host'] + ':' + str(s['port']):<22} {s['state']:<8} {s['pid']:>7} {_human(s['used']):>12} {_human(s['capacity']):>12}")
@@ -265,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--replicas", type=int, default=1, help="targets per chain: 1, 2 or 3")
     sp.add_argument("--chunk-size", default="4M")
     sp.add_argument("--stripe", type=int, default=16)
+    sp.add_argument("--metadata-store", choices=["sqlite", "postgresql"], default="sqlite",
+                    help="where the namespace lives (postgresql: a private server under --root unless --postgres-url)")
+    sp.add_argument("--postgres-url", help="postgresql://user:password@host:port/db for --metadata-store postgresql")
     sp = add("add-server", cmd_add_server, "Add a storage server to the running cluster under --root (rebalances)", cluster=False)
     sp.add_argument("--root", required=True)
     sp = add("down", cmd_down, "Stop the local cluster under --root", cluster=False)

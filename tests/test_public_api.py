@@ -21,7 +21,7 @@ PUBLIC: dict[str, set[str]] = {
     'fsclient.fsspec': {'StripeFileSystem', 'StripeFsFile'},
     'fsclient.batchread': {'Completion', 'MOUNT_STATE_DIR', 'mount_state_path', 'MountedFile', 'read_batch', 'ReadRing', 'RegisteredFile', 'resolve_mounted', 'SharedBuffer'},
     'fsclient.batchread.dataset': {'Batch', 'collate_batch', 'IndexDataset', 'loader', 'RecordDataset'},
-    'fsclient.testing': {'add_server', 'down', 'LocalCluster', 'read_cluster', 'up'},
+    'fsclient.testing': {'LocalPostgres', 'postgres_bin', 'add_server', 'down', 'LocalCluster', 'read_cluster', 'up'},
     'staging': {'CheckpointConflict', 'ChecksumError', 'default_staging_dir', 'latest', 'load', 'Mover', 'MoverOptions', 'read_manifest', 'save', 'SaveHandle', 'StagedStorageReader', 'StagedStorageWriter'},
     'bench': {'aggregate', 'BenchConfig', 'run_bench'},
 }

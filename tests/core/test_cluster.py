@@ -171,3 +171,27 @@ def test_dead_server_gives_clear_error_and_others_keep_serving(make_cluster) -> 
         if other:
             assert c.read_bytes(other) == b"b" * 100
         c.mkdir("/meta-still-works")
+
+
+def test_postgresql_metadata_store_end_to_end(make_cluster, tmp_path) -> None:
+    from fsclient.testing import LocalPostgres, postgres_bin
+
+    if postgres_bin("initdb") is None:
+        pytest.skip("PostgreSQL server binaries are not installed (apt-get install postgresql)")
+    h = make_cluster(servers=2, metadata_store="postgresql")
+    try:
+        data = os.urandom(3 * TEST_CHUNK + 5)
+        with h.client() as c:
+            c.makedirs("/pg/d")
+            c.write_bytes("/pg/d/f", data)
+            c.setxattr("/pg/d/f", "user.k", b"v")
+            assert c.status()["metadata"]["store"] == "postgresql"
+        h.restart()  # metadata service, storage servers and the private PostgreSQL
+        with h.client() as c:
+            assert c.read_bytes("/pg/d/f") == data and c.getxattr("/pg/d/f", "user.k") == b"v"
+        status = json.loads(run_cli("status", "--json", cluster=h.file).stdout)
+        assert status["metadata"]["store"] == "postgresql"
+    finally:
+        h.down()
+        LocalPostgres(h.root).destroy()
+    assert not LocalPostgres(h.root).running()

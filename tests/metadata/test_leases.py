@@ -9,24 +9,20 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from metadata._leases import Leases
-from metadata._store import MemoryStore, SqliteStore, Store
+from metadata._store import Store
 from wire._errors import StripefsError
 
 A, B = b"owner-a!", b"owner-b!"
 S = 1_000_000_000
 
 
-@pytest.fixture(params=["sqlite", "memory"])
-def leases(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Leases]:
-    s: Store = SqliteStore(tmp_path / "meta.db") if request.param == "sqlite" else MemoryStore()
-    yield Leases(s)
-    s.close()
+@pytest.fixture
+def leases(store: Store) -> Leases:
+    return Leases(store)
 
 
 def test_one_holder_at_a_time_with_growing_fencing_tokens(leases: Leases) -> None:

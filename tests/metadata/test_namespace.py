@@ -25,13 +25,6 @@ FILE = 0o644
 DIR = 0o755
 
 
-@pytest.fixture(params=["sqlite", "memory"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    s: Store = SqliteStore(tmp_path / "meta.db") if request.param == "sqlite" else MemoryStore()
-    yield s
-    s.close()
-
-
 @pytest.fixture
 def ns(store: Store) -> Namespace:
     return Namespace(store)

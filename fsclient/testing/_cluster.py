@@ -32,7 +32,7 @@ from typing import Any
 
 from wire import ErrorCode, StripefsError, new_secret
 
-from .core import Client, pid_alive, remember_cluster
+from ..core import Client, pid_alive, remember_cluster
 
 __all__ = ["LocalCluster", "up", "down", "add_server", "read_cluster"]
 
@@ -98,13 +98,25 @@ def _port_free(port: int) -> bool:
 
 
 def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 << 20, stripe: int = 16,
-       gc_grace: float = 30.0) -> dict[str, Any]:
-    """Start (or restart) the cluster under ``root``; returns the cluster.json content."""
+       gc_grace: float = 30.0, metadata_store: str = "sqlite", postgres_url: str | None = None) -> dict[str, Any]:
+    """Start (or restart) the cluster under ``root``; returns the cluster.json content.
+
+    Args:
+        metadata_store: ``sqlite`` (a file under ``root/meta``) or ``postgresql``.
+        postgres_url: the database for ``postgresql``; without one, a private
+            PostgreSQL server is initialised under ``root`` and started (and
+            ``down`` stops it).
+    """
     if not 1 <= replicas <= 3 or replicas > servers:
         raise StripefsError(ErrorCode.INVALID, "--replicas must be 1, 2 or 3 and at most --servers")
+    if metadata_store not in ("sqlite", "postgresql"):
+        raise StripefsError(ErrorCode.INVALID, "--metadata-store is sqlite or postgresql")
+    if postgres_url and metadata_store != "postgresql":
+        raise StripefsError(ErrorCode.INVALID, "--postgres-url needs --metadata-store postgresql")
     root = os.path.abspath(root)
     os.makedirs(os.path.join(root, "logs"), exist_ok=True)
     old = read_cluster(root)
+    _start_private_postgres(root, old)
     if old and any(pid_alive(p) for p in old.get("pids", [])):
         if all(pid_alive(p) for p in old.get("pids", [])):
             remember_cluster(os.path.join(root, "cluster.json"))
@@ -125,7 +137,16 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
         "stripe": stripe,
         "replicas": replicas,
         "gc_grace": gc_grace,
+        "metadata_store": (old or {}).get("metadata_store") or metadata_store,
     }
+    if cluster["metadata_store"] == "postgresql":
+        url = (old or {}).get("metadata_store_url") or postgres_url
+        if url is None:  # a private server under ROOT
+            url = _start_private_postgres(root, {"metadata_store": "postgresql", "private_postgres": True})
+            cluster["private_postgres"] = True
+        else:
+            cluster["private_postgres"] = bool((old or {}).get("private_postgres"))
+        cluster["metadata_store_url"] = url
     path = _write_cluster(root, cluster)  # secret must be on disk (0600) before servers read it
     procs: list[subprocess.Popen] = []
     try:
@@ -159,6 +180,18 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
     _write_cluster(root, cluster)
     remember_cluster(path)
     return cluster
+
+
+def _start_private_postgres(root: str, cluster: dict[str, Any] | None) -> str | None:
+    """Start the private PostgreSQL of a cluster that has one; returns its URL."""
+    if not cluster or cluster.get("metadata_store") != "postgresql" or not cluster.get("private_postgres"):
+        return None
+    from ._postgres import LocalPostgres
+
+    pg = LocalPostgres(root)
+    url = pg.start()
+    pg.ensure_database()
+    return url
 
 
 def _start_server(root: str, i: int, maddr: str, cluster_file: str) -> tuple[subprocess.Popen, str, str]:
@@ -254,6 +287,10 @@ def down(root: str, timeout: float = 10.0) -> int:
                 pass
     cluster["pids"] = []
     _write_cluster(os.path.abspath(root), cluster)
+    if cluster.get("private_postgres"):
+        from ._postgres import LocalPostgres
+
+        LocalPostgres(os.path.abspath(root)).stop()
     return len(pids)
 
 

@@ -1,0 +1,60 @@
+"""Stores for the namespace tests: every backend, PostgreSQL included (a private server)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from fsclient.testing import LocalPostgres, postgres_bin
+from metadata._store import MemoryStore, SqliteStore, Store
+
+STORES = ["sqlite", "memory", "postgresql"]
+_schemas = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """One private PostgreSQL server for the session (initdb + pg_ctl on 127.0.0.1)."""
+    if postgres_bin("initdb") is None:
+        pytest.skip("PostgreSQL server binaries are not installed (apt-get install postgresql)")
+    pg = LocalPostgres(tempfile.mkdtemp(prefix="stripefs-pgtest-"))
+    url = pg.start()
+    pg.ensure_database()
+    yield url
+    pg.destroy()
+
+
+def make_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Store:
+    if kind == "sqlite":
+        return SqliteStore(tmp_path / "meta.db")
+    if kind == "memory":
+        return MemoryStore()
+    from metadata._pgstore import PostgresStore
+
+    import psycopg
+
+    url = request.getfixturevalue("pg_url")
+    schema = f"t{os.getpid()}_{next(_schemas)}"  # a fresh namespace per test, cheaper than a database
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+    request.addfinalizer(lambda: _drop_schema(url, schema))
+    return PostgresStore(f"{url}?options=-csearch_path%3D{schema}")
+
+
+def _drop_schema(url: str, schema: str) -> None:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+@pytest.fixture(params=STORES)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    s = make_store(request.param, tmp_path, request)
+    yield s
+    s.close()
