@@ -106,7 +106,8 @@ class OpenFile:
     ``lock`` (StripeFile is not thread-safe).
     """
 
-    def __init__(self, file: StripeFile):
+    def __init__(self, client: Client, file: StripeFile):
+        self.client = client  # parallel reads (read_at) bypass the file's readahead state
         self.file = file
         self.handles = 0
         self.lock = trio.Lock()
@@ -155,7 +156,7 @@ class OpenFile:
     def read_at(self, offset: int, dest: memoryview) -> int:
         """Read exactly the asked range into ``dest``; safe to run in parallel (no state)."""
         f = self.file
-        return f.core.read_into(f.ino, f.layout, self.length(), offset, dest)
+        return self.client.read_into(f.ino, f.layout, self.length(), offset, dest)
 
     def write(self, offset: int, data: bytes) -> int:
         self.dirty = True
@@ -297,7 +298,7 @@ class StripeOperations(pyfuse3.Operations):
 
     @_errors
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
-        return os.fsencode((await self.aio.call(m.Readlink(ino=inode)))["target"])
+        return os.fsencode((await self.aio.call(m.Readlink(ino=inode))).target)
 
     # -- directories ----------------------------------------------------------------------
     @_errors
@@ -317,8 +318,8 @@ class StripeOperations(pyfuse3.Operations):
                 after = d.page[-1].name if d.page else ""
                 d.base += len(d.page)
                 reply = await self.aio.call(m.Readdir(ino=d.ino, after=after, limit=READDIR_PAGE, plus=True))
-                d.page = [DirEntry.from_wire(e) for e in reply["entries"]]
-                d.more = bool(reply["more"]) and bool(d.page)
+                d.page = reply.entries
+                d.more = reply.more and bool(d.page)
             if i >= d.base + len(d.page):
                 return
             e = d.page[i - d.base]
@@ -419,13 +420,13 @@ class StripeOperations(pyfuse3.Operations):
         host, removed, after = socket.gethostname(), 0, ""
         while True:
             reply = await self.aio.call(m.Readdir(ino=d.ino, after=after, limit=READDIR_PAGE))
-            names = [DirEntry.from_wire(e).name for e in reply["entries"]]
+            names = [e.name for e in reply.entries]
             for name in names:
                 parts = name.split("@")
                 if len(parts) >= 4 and parts[-3] == host and parts[-2].isdigit() and not _daemon_alive(int(parts[-2])):
                     await self.aio.call(m.Unlink(parent=d.ino, name=name))
                     removed += 1
-            if not reply["more"] or not names:
+            if not reply.more or not names:
                 return removed
             after = names[-1]
 
@@ -438,7 +439,7 @@ class StripeOperations(pyfuse3.Operations):
         stamp = (attr.size, attr.mtime_ns)
         busy = state is not None and state.handles > 0
         if state is None:
-            state = self.files[ino] = OpenFile(StripeFile(self.client.core, f"<inode {ino}>", attr, readable=True, writable=True))
+            state = self.files[ino] = OpenFile(self.client, self.client.open_inode(attr, readable=True, writable=True))
         state.handles += 1
         fh = next(self._fh)
         self.handles[fh] = ino
@@ -468,7 +469,7 @@ class StripeOperations(pyfuse3.Operations):
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         reply = await self.aio.call(m.Create(parent=parent_inode, name=_name(name), mode=stat.S_IMODE(mode), uid=ctx.uid,
                                              gid=ctx.gid, exclusive=bool(flags & os.O_EXCL), truncate=bool(flags & os.O_TRUNC)))
-        attr = Attr.from_wire(reply["attr"])
+        attr = reply.attr
         await self._wait_closing(attr.ino)
         fi = await self._open_state(attr, flags & ~os.O_TRUNC)
         return fi, self._looked_up(attr)
@@ -480,7 +481,7 @@ class StripeOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EOPNOTSUPP)  # no fifos, sockets or device nodes
         reply = await self.aio.call(m.Create(parent=parent_inode, name=_name(name), mode=stat.S_IMODE(mode),
                                              uid=ctx.uid, gid=ctx.gid, exclusive=True))
-        return self._looked_up(Attr.from_wire(reply["attr"]))
+        return self._looked_up(reply.attr)
 
     def _state(self, fh: int) -> OpenFile:
         try:
@@ -560,9 +561,9 @@ class StripeOperations(pyfuse3.Operations):
         s = pyfuse3.StatvfsData()
         s.f_bsize = BLKSIZE
         s.f_frsize = 4096
-        s.f_blocks = st["capacity"] // s.f_frsize
-        s.f_bfree = s.f_bavail = st["free"] // s.f_frsize
-        s.f_files = st["files"] + (1 << 32)
+        s.f_blocks = st.capacity // s.f_frsize
+        s.f_bfree = s.f_bavail = st.free // s.f_frsize
+        s.f_files = st.files + (1 << 32)
         s.f_ffree = s.f_favail = 1 << 32  # inodes are rows in the metadata store: no fixed table
         s.f_namemax = 255
         return s

@@ -19,9 +19,9 @@ def test_striping_lands_on_every_server(client: Client, cluster, testdir: str) -
     with client.open(path, "wb") as f:
         f.write(data)
     placement = client.placement(path)
-    assert {p["server"] for p in placement} == {s["server_id"] for s in client.status()["servers"]}
+    assert {p["server"] for p in placement} == {s.server_id for s in client.status().servers}
     attr = client.stat(path)
-    assert attr.size == len(data) and attr.layout.stripe == min(16, len(client.core.routing().chains))
+    assert attr.size == len(data) and attr.layout.stripe == min(16, len(client.routing().chains))
     chunk_dir = f"{attr.ino:016x}"
     holders = [s for s in cluster.data["servers"] if os.path.isdir(os.path.join(s["root"], "chunks", chunk_dir))]
     assert len(holders) == 4  # bytes really are on every server's disk
