@@ -96,6 +96,8 @@ class ReplyMessage:
                     kwargs[field] = dec(header[field])
                 except StripefsError as exc:
                     raise StripefsError(ErrorCode.PROTOCOL, f"{name}: field {field!r}: {exc.message}") from None
+                except (TypeError, ValueError, KeyError, AttributeError) as exc:  # a value type's from_wire choked
+                    raise StripefsError(ErrorCode.PROTOCOL, f"{name}: field {field!r}: {exc}") from None
             elif required:
                 raise StripefsError(ErrorCode.PROTOCOL, f"{name}: missing field {field!r}")
         extra = set(header) - {c[0] for c in cls._codecs}
