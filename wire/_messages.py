@@ -94,8 +94,8 @@ class ReplyMessage:
             if field in header:
                 try:
                     kwargs[field] = dec(header[field])
-                except StripefsError as exc:
-                    raise StripefsError(ErrorCode.PROTOCOL, f"{name}: field {field!r}: {exc.message}") from None
+                except StripefsError as exc:  # the decoders name the field
+                    raise StripefsError(ErrorCode.PROTOCOL, f"{name}: {exc.message}") from None
                 except (TypeError, ValueError, KeyError, AttributeError) as exc:  # a value type's from_wire choked
                     raise StripefsError(ErrorCode.PROTOCOL, f"{name}: field {field!r}: {exc}") from None
             elif required:
@@ -110,19 +110,27 @@ def _field_codec(name: str, tp: Any) -> tuple[Callable[[Any], Any], Callable[[An
     """``(decode, encode)`` of one reply field; ``encode`` None means "sent as is".
 
     Value types (``Attr``, ``Routing``, ...) travel as their ``to_wire`` form and
-    are rebuilt with ``from_wire`` (which validates); so do lists of them.
+    are rebuilt with ``from_wire`` (which validates); so do lists of them. A
+    decoder's StripefsError names the field.
     """
+
+    def rebuild(from_wire: Callable[[Any], Any], v: Any) -> Any:
+        try:
+            return from_wire(v)
+        except StripefsError as exc:
+            raise StripefsError(ErrorCode.INVALID, f"field {name!r}: {exc.message}") from None
+
     if isinstance(tp, type) and hasattr(tp, "from_wire"):
-        return tp.from_wire, lambda v: v.to_wire()
+        return (lambda v: rebuild(tp.from_wire, v)), (lambda v: v.to_wire())
     if typing.get_origin(tp) is list:
         (item,) = typing.get_args(tp) or (Any,)
         if isinstance(item, type) and hasattr(item, "from_wire"):
             def decode_list(v: Any) -> list[Any]:
                 if not isinstance(v, (list, tuple)):
-                    raise StripefsError(ErrorCode.INVALID, f"expected a list, got {type(v).__name__}")
-                return [item.from_wire(x) for x in v]
+                    raise StripefsError(ErrorCode.INVALID, f"field {name!r}: expected a list, got {type(v).__name__}")
+                return [rebuild(item.from_wire, x) for x in v]
 
-            return decode_list, lambda v: [x.to_wire() for x in v]
+            return decode_list, (lambda v: [x.to_wire() for x in v])
     return (lambda v: _check(name, v, tp)), None
 
 

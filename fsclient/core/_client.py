@@ -193,7 +193,7 @@ class Client:
             attr = self.stat(p)
         if attr.is_dir:
             raise StripefsError(ErrorCode.IS_DIR, "is a directory", p)
-        f = StripeFile(self, p, attr, readable=flags["read"], writable=flags["write"], append=flags["append"])
+        f = self.open_inode(attr, name=p, readable=flags["read"], writable=flags["write"], append=flags["append"])
         if flags["text"]:
             return io.TextIOWrapper(f, encoding=encoding or "utf-8", newline=newline)  # type: ignore[arg-type]
         return f
