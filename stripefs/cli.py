@@ -104,7 +104,7 @@ def cmd_scrub(a: argparse.Namespace) -> int:
     bad_left = 0
     with Client(a.cluster) as c:
         routing = c.routing(refresh=True)
-        report = []
+        report: list[dict[str, Any]] = []
         for sid, info in sorted(routing.servers.items()):
             if info.state != "serving":
                 report.append({"server_id": sid, "state": info.state, "skipped": True})

@@ -77,7 +77,7 @@ class ReplyMessage:
             values = []
             for name, tp in flat:
                 v: Any = header.get(name)
-                if type(v) is not tp or (tp is int and not _INT_MIN <= v < _INT_END):
+                if type(v) is not tp or (tp is int and not _INT_MIN <= v < _INT_END):  # type: ignore[operator]
                     break
                 values.append(v)
             else:
