@@ -405,7 +405,8 @@ class Client:
     def call_storage(self, server_id: int, msg: Message[R], *, timeout: float | None = 120.0) -> R:
         """Send one request to a storage server (e.g. ``Scrub``) and return its typed reply.
 
-        Not retried: storage control requests are not all idempotent in effect.
+        Not retried: the caller chose the server, and after a failure it may no
+        longer be the right one (see :meth:`routing` with ``refresh=True``).
 
         Raises:
             StripefsError: the server's error, UNAVAILABLE, TIMEOUT after
