@@ -188,7 +188,7 @@ def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
             from fsclient import Client
 
             with Client(cfg.cluster) as c:
-                server_counts = [len(c.core.routing().servers)]
+                server_counts = [len(c.routing().servers)]
         for k, servers in enumerate(server_counts):
             root = None
             cluster_file = cfg.cluster

@@ -40,6 +40,7 @@ from typing import Any, Callable
 import numpy as np
 
 from bench.floors import machine_facts, parse_size
+from wire import ServerInfo
 
 MiB = 1 << 20
 STAMP = struct.Struct("!QQ")  # (file tag, MiB index) at the start of every MiB
@@ -118,7 +119,7 @@ def reader(c: Any, path: str, src: mmap.mmap, block: int) -> Loop:
 
     def op(i: int) -> int:
         off = (i % nblocks) * block
-        n = c.core.read_into(attr.ino, attr.layout, attr.size, off, view)
+        n = c.read_into(attr.ino, attr.layout, attr.size, off, view)
         return n if sample_ok(view, src, off, n) else -1
     return Loop(op)
 
@@ -130,15 +131,15 @@ def write_file(c: Any, path: str, src: mmap.mmap) -> float:
     return now() - t0
 
 
-def server(c: Any, sid: int) -> dict[str, Any]:
-    return next(s for s in c.status()["servers"] if s["server_id"] == sid)
+def server(c: Any, sid: int) -> ServerInfo:
+    return next(s for s in c.status().servers if s.server_id == sid)
 
 
 def wait_state(c: Any, sid: int, state: str, timeout: float) -> float:
     deadline = now() + timeout
-    while server(c, sid)["state"] != state:
+    while server(c, sid).state != state:
         if now() > deadline:
-            raise TimeoutError(f"server {sid} not {state} after {timeout:.0f}s: {c.status()['servers']}")
+            raise TimeoutError(f"server {sid} not {state} after {timeout:.0f}s: {c.status().servers}")
         time.sleep(0.05)
     return now()
 
@@ -216,14 +217,14 @@ def failures(root: str, args: argparse.Namespace, src: mmap.mmap, src2: mmap.mma
             # for the failover (a probe whose chains all avoid the victim would not).
             victim = c.placement("/probe")[0]["replicas"][0]
             pview = memoryview(src)[:probe_len]
-            wr = Loop(lambda i: (cw.core.write_from(pattr.ino, pattr.layout, 0, pview), probe_len)[1])
+            wr = Loop(lambda i: (cw.write_from(pattr.ino, pattr.layout, 0, pview), probe_len)[1])
             rd = reader(cr, "/base", src, chunk)
             rd.start(), wr.start()
             time.sleep(args.settle)
             ready_by = now() + 30  # on a loaded machine the loops may not have finished one op yet
             while now() < ready_by and not (any(x[3] for x in list(rd.log)) and any(x[3] for x in list(wr.log))):
                 time.sleep(0.05)
-            os.kill(server(c, victim)["pid"], signal.SIGKILL)
+            os.kill(server(c, victim).pid, signal.SIGKILL)
             t_kill = now()
             t_off = wait_state(c, victim, "offline", 30)
             deadline = now() + 30  # RETRY_FOR is 20 s: a write must have resumed by then
@@ -260,7 +261,7 @@ def failures(root: str, args: argparse.Namespace, src: mmap.mmap, src2: mmap.mma
             t_restart = now()
             testing.up(croot, **kw)  # restarts only the dead server; it registers as syncing
             t_up = now()
-            states = {server(c, victim)["state"]}
+            states = {server(c, victim).state}
             t_serving = wait_state(c, victim, "serving", 300)
             rd.stop()
             bad += rd.bad

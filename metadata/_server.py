@@ -21,18 +21,19 @@ import os
 import random
 import stat
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import trio
 
 from rpc import ReplayCache, ServerConn, Service, TrioConnection, serve_rpc
-from wire import ErrorCode, FrameHead, Message, Routing, ServerInfo, StripefsError, messages as m
+from wire import ErrorCode, FrameHead, Message, ReplyMessage, Routing, ServerInfo, StripefsError, messages as m
 
 from ._leases import Leases
 from ._namespace import Namespace
 from ._store import GarbageItem, SqliteStore, Store
 
 log = logging.getLogger(__name__)
+R = TypeVar("R", bound=ReplyMessage)
 
 OFFLINE_AFTER = 5.0
 # Chains per server when the table is built: more chains than servers lets a new server
@@ -231,6 +232,20 @@ class Membership:
         return sorted(self.table)
 
 
+async def _call(conn: TrioConnection, msg: Message[R]) -> R:
+    """One control call to a storage server, its reply decoded and checked.
+
+    The transport hands the response header up as a plain map; the caller
+    knows the request, so the reply is typed here.
+
+    Raises:
+        StripefsError: the server's error, UNAVAILABLE/TIMEOUT from the
+            transport, PROTOCOL for a malformed reply.
+    """
+    header, _payload = await conn.call(msg)
+    return m.decode_reply(msg, header)
+
+
 MAX_BATCH = 256  # operations per group commit
 MAX_BATCH_RETRIES = 8  # reruns of a batch that lost a serialization race (PostgreSQL)
 
@@ -326,23 +341,23 @@ class MetadataService(Service):
                 await conn.send(head, prior)
                 return
         try:
-            reply = await self._dispatch(msg)
+            reply = (await self._dispatch(msg)).to_header()
         except StripefsError as exc:
             if msg.MUTATES:
                 self.replay.put(key, exc)
             raise
         if msg.MUTATES:
-            self.replay.put(key, reply)
+            self.replay.put(key, reply)  # the encoded header: a replay resends it as is
         await conn.send(head, reply)
 
-    async def _dispatch(self, msg: Message) -> dict[str, Any]:
+    async def _dispatch(self, msg: Message[Any]) -> ReplyMessage:
         ns = self.ns
         if isinstance(msg, m.GetAttr):
-            return {"attr": (await self._ns(ns.getattr, msg.ino)).to_wire()}
+            return m.AttrReply(await self._ns(ns.getattr, msg.ino))
         if isinstance(msg, m.Lookup):
-            return {"attr": (await self._ns(ns.lookup, msg.parent, msg.name)).to_wire()}
+            return m.AttrReply(await self._ns(ns.lookup, msg.parent, msg.name))
         if isinstance(msg, m.Resolve):
-            return {"attr": (await self._ns(ns.resolve, msg.path, msg.follow)).to_wire()}
+            return m.AttrReply(await self._ns(ns.resolve, msg.path, msg.follow))
         if isinstance(msg, m.Create):
             self.members.freeze()
             chains = self.members.chain_ids()
@@ -352,48 +367,48 @@ class MetadataService(Service):
             )
             if msg.truncate and not created:
                 await self.truncate_chunks(attr, 0)
-            return {"attr": attr.to_wire(), "created": created}
+            return m.CreateReply(attr, created)
         if isinstance(msg, m.Mkdir):
-            return {"attr": (await self._ns(ns.mkdir, msg.parent, msg.name, msg.mode, msg.uid, msg.gid)).to_wire()}
+            return m.AttrReply(await self._ns(ns.mkdir, msg.parent, msg.name, msg.mode, msg.uid, msg.gid))
         if isinstance(msg, m.Symlink):
-            return {"attr": (await self._ns(ns.symlink, msg.parent, msg.name, msg.target, msg.uid, msg.gid)).to_wire()}
+            return m.AttrReply(await self._ns(ns.symlink, msg.parent, msg.name, msg.target, msg.uid, msg.gid))
         if isinstance(msg, m.Mknod):
             if stat.S_ISREG(msg.mode):
                 self.members.freeze()
             chains = self.members.chain_ids() if stat.S_ISREG(msg.mode) else []
-            attr = await self._ns(ns.mknod, msg.parent, msg.name, msg.mode, msg.rdev, msg.uid, msg.gid, chains=chains)
-            return {"attr": attr.to_wire()}
+            return m.AttrReply(await self._ns(ns.mknod, msg.parent, msg.name, msg.mode, msg.rdev, msg.uid, msg.gid,
+                                              chains=chains))
         if isinstance(msg, m.GetXattr):
-            return {"value": await self._ns(ns.getxattr, msg.ino, msg.name)}
+            return m.XattrReply(await self._ns(ns.getxattr, msg.ino, msg.name))
         if isinstance(msg, m.SetXattr):
-            return {"attr": (await self._ns(ns.setxattr, msg.ino, msg.name, msg.value, msg.flags)).to_wire()}
+            return m.AttrReply(await self._ns(ns.setxattr, msg.ino, msg.name, msg.value, msg.flags))
         if isinstance(msg, m.ListXattr):
-            return {"names": await self._ns(ns.listxattr, msg.ino)}
+            return m.XattrNamesReply(await self._ns(ns.listxattr, msg.ino))
         if isinstance(msg, m.RemoveXattr):
-            return {"attr": (await self._ns(ns.removexattr, msg.ino, msg.name)).to_wire()}
+            return m.AttrReply(await self._ns(ns.removexattr, msg.ino, msg.name))
         if isinstance(msg, m.AcquireLock):
             row = await self._ns(self.leases.acquire, msg.key, msg.owner, msg.ttl_ms * 1_000_000)
-            return {"token": row.token, "expires_ns": row.expires_ns}
+            return m.LockReply(row.token, row.expires_ns)
         if isinstance(msg, m.ReleaseLock):
-            return {"released": await self._ns(self.leases.release, msg.key, msg.owner)}
+            return m.ReleaseLockReply(await self._ns(self.leases.release, msg.key, msg.owner))
         if isinstance(msg, m.Readlink):
-            return {"target": await self._ns(ns.readlink, msg.ino)}
+            return m.ReadlinkReply(await self._ns(ns.readlink, msg.ino))
         if isinstance(msg, m.Link):
-            return {"attr": (await self._ns(ns.link, msg.ino, msg.new_parent, msg.new_name)).to_wire()}
+            return m.AttrReply(await self._ns(ns.link, msg.ino, msg.new_parent, msg.new_name))
         if isinstance(msg, m.Readdir):
             entries, more = await self._ns(ns.readdir, msg.ino, msg.after, msg.limit, msg.plus)
-            return {"entries": [e.to_wire() for e in entries], "more": more}
+            return m.ReaddirReply(list(entries), bool(more))
         if isinstance(msg, m.Unlink):
             attr = await self._ns(ns.unlink, msg.parent, msg.name)
             self.gc_wakeup.set()
-            return {"attr": attr.to_wire()}
+            return m.AttrReply(attr)
         if isinstance(msg, m.Rmdir):
             await self._ns(ns.rmdir, msg.parent, msg.name)
-            return {}
+            return m.EmptyReply()
         if isinstance(msg, m.Rename):
             await self._ns(ns.rename, msg.parent, msg.name, msg.new_parent, msg.new_name, msg.flags)
             self.gc_wakeup.set()
-            return {}
+            return m.EmptyReply()
         if isinstance(msg, m.SetAttr):
             attr = await self._ns(
                 ns.setattr, msg.ino, mode=msg.mode, uid=msg.uid, gid=msg.gid,
@@ -401,51 +416,51 @@ class MetadataService(Service):
             )
             if msg.size is not None:
                 await self.truncate_chunks(attr, msg.size)
-            return {"attr": attr.to_wire()}
+            return m.AttrReply(attr)
         if isinstance(msg, m.CommitLength):
-            return {"attr": (await self._ns(ns.commit_length, msg.ino, msg.length, msg.mtime_ns)).to_wire()}
+            return m.AttrReply(await self._ns(ns.commit_length, msg.ino, msg.length, msg.mtime_ns))
         if isinstance(msg, m.SetLayout):
             await self._ns(ns.set_layout, msg.ino, msg.chunk_size, msg.stripe)
-            return {}
+            return m.EmptyReply()
         if isinstance(msg, m.GetLayout):
-            return {"layout": await self._ns(ns.get_layout, msg.ino)}
+            return m.LayoutReply(await self._ns(ns.get_layout, msg.ino))
         if isinstance(msg, m.GetRouting):
-            return {"routing": self.members.routing().to_wire()}
+            return m.RoutingReply(self.members.routing())
         if isinstance(msg, m.Statfs):
             return await self._statfs()
         if isinstance(msg, m.ClusterStatus):
             return await self._status()
         if isinstance(msg, m.RegisterServer):
             sid, state = self.members.register(msg)
-            return {"server_id": sid, "state": state, "routing_version": self.members.version}
+            return m.RegisterServerReply(sid, state, self.members.version)
         if isinstance(msg, m.Heartbeat):
             state = self.members.heartbeat(msg)
-            return {"state": state, "routing_version": self.members.version}
+            return m.HeartbeatReply(state, self.members.version)
         if isinstance(msg, m.SyncDone):
             self.members.sync_done(msg.server_id)
-            return {"routing_version": self.members.version}
+            return m.SyncDoneReply(self.members.version)
         if isinstance(msg, m.Ping):
-            return {}
+            return m.EmptyReply()
         raise StripefsError(ErrorCode.NOT_SUPPORTED, f"{type(msg).__name__} is not a metadata request")
 
-    async def _statfs(self) -> dict[str, Any]:
+    async def _statfs(self) -> m.StatfsReply:
         servers = [s for s in self.members.servers.values() if s.state == "serving"]
         counts = await self._ns(self.ns.counts)
         capacity = sum(s.capacity for s in servers)
         used = sum(s.used for s in servers)
-        return {"capacity": capacity, "used": used, "free": max(0, capacity - used), "files": counts.get("inodes", 0)}
+        return m.StatfsReply(capacity=capacity, used=used, free=max(0, capacity - used), files=counts.get("inodes", 0))
 
-    async def _status(self) -> dict[str, Any]:
+    async def _status(self) -> m.ClusterStatusReply:
         routing = self.members.routing()
         counts = await self._ns(self.ns.counts)
-        return {
-            "metadata": {"pid": os.getpid(), "uptime": time.time() - self.started, "store": self.store_kind, **counts},
-            "servers": [s.to_wire() for s in routing.servers.values()],
-            "chains": [{"chain_id": c, "targets": [t for t, _ in ms], "states": [st for _, st in ms]}
-                       for c, ms in sorted(routing.members.items())],
-            "replicas": routing.replicas,
-            "routing_version": routing.version,
-        }
+        return m.ClusterStatusReply(
+            metadata={"pid": os.getpid(), "uptime": time.time() - self.started, "store": self.store_kind, **counts},
+            servers=list(routing.servers.values()),
+            chains=[{"chain_id": c, "targets": [t for t, _ in ms], "states": [st for _, st in ms]}
+                    for c, ms in sorted(routing.members.items())],
+            replicas=routing.replicas,
+            routing_version=routing.version,
+        )
 
     # -- background work -------------------------------------------------------------------
     def _conn(self, server_id: int) -> TrioConnection | None:
@@ -508,12 +523,12 @@ class MetadataService(Service):
             conn = self._conn(sid)
             if conn is None:
                 continue  # server no longer exists: nothing to delete there
-            await conn.call(m.RemoveChunks(ino=item.ino, from_index=first))
+            await _call(conn, m.RemoveChunks(ino=item.ino, from_index=first))
         if cut is not None:
             for sid in table.get(layout.chain_of(cut[0]), []):
                 conn = self._conn(sid)
                 if conn is not None:
-                    await conn.call(m.TruncateChunk(ino=item.ino, index=cut[0], length=cut[1]))
+                    await _call(conn, m.TruncateChunk(ino=item.ino, index=cut[0], length=cut[1]))
 
     async def drop_moved_chains(self) -> None:
         """Tell servers that left a chain to delete its chunks, once everyone has the new routing."""
@@ -526,7 +541,7 @@ class MetadataService(Service):
                 self.members.add_drop_done(item)
                 continue
             try:
-                await conn.call(m.DropChain(chain=item[1]))
+                await _call(conn, m.DropChain(chain=item[1]))
             except StripefsError as exc:
                 log.info("dropping chain %d on server %d postponed: %s", item[1], item[0], exc.message)
                 continue

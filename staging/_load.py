@@ -66,8 +66,8 @@ class _Source:
         f = self.open(name)
         if self.client is None:
             return os.preadv(f, [dest], offset)
-        # Straight to the thread-safe core: StripeFile's readahead window is per-thread state.
-        return self.client.core.read_into(f.ino, f.layout, f.size, offset, dest)
+        # Straight to the client's stateless read: StripeFile's readahead window is per-thread state.
+        return self.client.read_into(f.ino, f.layout, f.size, offset, dest)
 
     def close(self) -> None:
         for f in self._files.values():

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import crc32c
 
 from fsclient import Client, normpath
-from wire import ErrorCode, StripefsError, messages as m
+from wire import ErrorCode, StripefsError
 
 from ._format import CHECK_CHUNK, MANIFEST, CheckpointConflict, ChecksumError, parse_manifest
 from ._journal import CkptRow, FileRow, Journal, fault_point
@@ -67,7 +67,7 @@ def client_for(cluster: str | None) -> Client:
     key = cluster or ""
     with _clients_lock:
         c = _clients.get(key)
-        if c is None or c.core.pid != os.getpid():
+        if c is None or c.pid != os.getpid():
             c = _clients[key] = Client(cluster)
         return c
 
@@ -218,8 +218,7 @@ class Uploader:
                             if local.readinto(view) != n:
                                 raise ChecksumError(f"staged file {f.name} is shorter than recorded", local.name)
                             _verify(view, off, f, local.name)
-                        futs = client.core.submit_write(sf.ino, sf.layout, off, view)
-                        inflight.append((off, n, buf, futs[0]))
+                        inflight.append((off, n, buf, client.submit_write(sf.ino, sf.layout, off, view)))
                         off += n
                     start, n, buf, fut = inflight.popleft()
                     fut.result()
@@ -232,7 +231,7 @@ class Uploader:
                     fault_point("upload_piece")
                     throttle.account(n)
                 # The length is committed once, at the end, as close() does for ordinary writes.
-                client.core.attr(m.CommitLength(ino=sf.ino, length=f.size, mtime_ns=time.time_ns()))
+                client.commit_length(sf.ino, f.size, mtime_ns=time.time_ns())
             finally:
                 while inflight:  # never free a buffer the sender may still read
                     try:

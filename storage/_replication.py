@@ -22,19 +22,42 @@ import logging
 import os
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, TypeVar
 
 import trio
 
 from rpc import TrioConnection
-from wire import ErrorCode, Routing, StripefsError, messages as m
+from wire import ErrorCode, Message, ReplyMessage, Routing, StripefsError, messages as m
 
 from ._chunks import ChunkStore, VersionGap
 
 log = logging.getLogger(__name__)
+R = TypeVar("R", bound=ReplyMessage)
 
 POOL_PER_PEER = 8
 SETTLE = 3.0  # seconds: > 2 heartbeats, so every peer routes by the table that includes us
+
+
+async def control_call(conn: TrioConnection, msg: Message[R], payload: bytes = b"") -> tuple[R, bytes]:
+    """One call over a trio control connection, its reply decoded and checked.
+
+    The transport hands the response header up as a plain map; the caller
+    knows the request, so the reply is typed here, above the transport.
+
+    Args:
+        conn: a connection to the metadata service or a peer storage server.
+        msg: the request.
+        payload: bytes sent after the header (a forwarded chunk write).
+
+    Returns:
+        ``(reply, payload)``: the typed reply and the response payload (a chunk copy).
+
+    Raises:
+        StripefsError: the peer's error, UNAVAILABLE/TIMEOUT from the
+            transport, PROTOCOL for a malformed reply.
+    """
+    header, data = await conn.call(msg, payload)
+    return m.decode_reply(msg, header), data
 
 
 class Replicator:
@@ -54,13 +77,13 @@ class Replicator:
     async def refresh(self, at_least: int = 0) -> Routing:
         async with self._refresh_lock:
             if self.routing is None or self.routing.version < at_least or at_least == -1:
-                reply, _ = await self.meta.call(m.GetRouting())
-                self.routing = Routing.from_wire(reply["routing"])
+                reply, _ = await control_call(self.meta, m.GetRouting())
+                self.routing = reply.routing
         assert self.routing is not None
         return self.routing
 
     # -- peers ------------------------------------------------------------------------------
-    async def call_peer(self, sid: int, msg: m.Message, payload: bytes = b"") -> tuple[dict[str, Any], bytes]:
+    async def call_peer(self, sid: int, msg: Message[R], payload: bytes = b"") -> tuple[R, bytes]:
         routing = self.routing or await self.refresh()
         info = routing.servers.get(sid)
         if info is None:
@@ -71,7 +94,7 @@ class Replicator:
             conn.close()
             conn = TrioConnection((info.host, info.port), self.secret)
         try:
-            result = await conn.call(msg, payload)
+            result = await control_call(conn, msg, payload)
         except StripefsError as exc:
             if exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.PROTOCOL):
                 conn.close()
@@ -101,7 +124,7 @@ class Replicator:
                 self._locks[key] = (lock2, users2 - 1)
 
     # -- the write path ---------------------------------------------------------------------
-    async def write(self, msg: m.WriteChunk, view: memoryview) -> dict[str, Any]:
+    async def write(self, msg: m.WriteChunk, view: memoryview) -> m.WriteChunkReply:
         """Apply a chunk write here and along the rest of its chain."""
         routing = self.routing
         if routing is None or msg.routing_version > routing.version:
@@ -128,7 +151,7 @@ class Replicator:
                 # already includes this write, then pass the write on.
                 meta = await self.copy_chunk(order[pos - 1], msg.ino, msg.index)
             await self._forward(order, pos, msg, view, msg.version, routing.version)
-        return {"length": meta.length, "version": meta.version}
+        return m.WriteChunkReply(length=meta.length, version=meta.version)
 
     async def _forward(self, order: list[int], pos: int, msg: m.WriteChunk, view: memoryview, version: int, rv: int) -> None:
         if pos + 1 >= len(order):
@@ -147,7 +170,7 @@ class Replicator:
     async def copy_chunk(self, source: int, ino: int, index: int, *, force: bool = False) -> Any:
         reply, data = await self.call_peer(source, m.FetchChunk(ino=ino, index=index))
         return await trio.to_thread.run_sync(
-            lambda: self.store.replace(ino, index, int(reply["chain"]), int(reply["version"]), data, force=force)
+            lambda: self.store.replace(ino, index, reply.chain, reply.version, data, force=force)
         )
 
     # -- resync -------------------------------------------------------------------------------
@@ -178,7 +201,7 @@ class Replicator:
                 break
             await trio.sleep(0.2)
         log.info("resync done: %d chunks copied, %d removed", total_copied, total_removed)
-        await self.meta.call(m.SyncDone(server_id=self.server_id or 0))
+        await control_call(self.meta, m.SyncDone(server_id=self.server_id or 0))
 
     async def _resync_pass(self, started: float) -> tuple[int, int]:
         routing = await self.refresh(-1)
@@ -192,7 +215,7 @@ class Replicator:
             if not sources:
                 continue
             reply, _ = await self.call_peer(sources[0], m.ListChunks(chain=chain))
-            remote = {(int(i), int(x)): int(v) for i, x, v, _n in reply["chunks"]}
+            remote = {(int(i), int(x)): int(v) for i, x, v, _n in reply.chunks}
             local = {(i, x): v for i, x, v, _n in held.get(chain, [])}
             self.sync_progress = {"chain": chain, "total": len(remote), "done": 0}
             for (ino, index), version in remote.items():
@@ -219,7 +242,7 @@ class Replicator:
             return False
 
     # -- scrub --------------------------------------------------------------------------------
-    async def scrub(self, repair: bool) -> dict[str, Any]:
+    async def scrub(self, repair: bool) -> m.ScrubReply:
         checked, bad = await trio.to_thread.run_sync(self.store.scrub)
         repaired = 0
         if repair and bad:
@@ -235,4 +258,4 @@ class Replicator:
                         break
                     except StripefsError as exc:
                         log.info("repair of %d:%d from %d failed: %s", ino, index, peer, exc.message)
-        return {"checked": checked, "bad": [list(b) for b in bad], "repaired": repaired}
+        return m.ScrubReply(checked=checked, bad=[list(b) for b in bad], repaired=repaired)

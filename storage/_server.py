@@ -26,7 +26,7 @@ from rpc._server import send_all, sendfile_all
 from wire import FLAG_ERROR, FLAG_RESPONSE, ErrorCode, FrameHead, Message, StripefsError, encode_prefix, messages as m
 
 from ._chunks import ChunkStore
-from ._replication import Replicator
+from ._replication import Replicator, control_call
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +79,11 @@ class StorageService(Service):
                     meta = await trio.to_thread.run_sync(
                         store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain
                     )
-                    reply = {"length": meta.length, "version": meta.version}
+                    reply = m.WriteChunkReply(length=meta.length, version=meta.version)
             finally:
                 view.release()
                 self.pool.put(payload)
-            await conn.send(head, reply)
+            await conn.send(head, reply.to_header())
         elif isinstance(msg, m.ReadChunk):
             routing = self.repl.routing
             if msg.chain and routing is not None and self.server_id not in routing.chains.get(msg.chain, (self.server_id,)):
@@ -96,7 +96,7 @@ class StorageService(Service):
                     await trio.to_thread.run_sync(self._small_read, conn.sock.fileno(), head, msg)
                 return
             fd, off, n, data, clen = await trio.to_thread.run_sync(store.open_read, msg.ino, msg.index, msg.offset, msg.length)
-            header = {"length": n, "chunk_length": clen}
+            header = m.ReadChunkReply(length=n, chunk_length=clen).to_header()
             if data is not None:
                 await conn.send(head, header, payload=data)
             elif fd >= 0:
@@ -108,36 +108,37 @@ class StorageService(Service):
                 await conn.send(head, header)
         elif isinstance(msg, m.RemoveChunks):
             n = await trio.to_thread.run_sync(store.remove, msg.ino, msg.from_index)
-            await conn.send(head, {"removed": n})
+            await conn.send(head, m.RemovedReply(removed=n).to_header())
         elif isinstance(msg, m.TruncateChunk):
             await trio.to_thread.run_sync(store.truncate, msg.ino, msg.index, msg.length)
-            await conn.send(head, {})
+            await conn.send(head, m.EmptyReply().to_header())
         elif isinstance(msg, m.StatChunk):
             meta = await trio.to_thread.run_sync(store.stat, msg.ino, msg.index)
             if meta is None:
                 raise StripefsError(ErrorCode.NOT_FOUND, "no such chunk")
-            await conn.send(head, {"length": meta.length, "version": meta.version, "crcs": meta.crcs})
+            await conn.send(head, m.StatChunkReply(length=meta.length, version=meta.version, crcs=meta.crcs).to_header())
         elif isinstance(msg, m.FetchChunk):
             found = await trio.to_thread.run_sync(store.read_whole, msg.ino, msg.index)
             if found is None:
                 raise StripefsError(ErrorCode.NOT_FOUND, "no such chunk")
             meta, data = found
-            await conn.send(head, {"version": meta.version, "chain": meta.chain, "length": meta.length}, payload=data)
+            await conn.send(head, m.FetchChunkReply(version=meta.version, chain=meta.chain, length=meta.length).to_header(),
+                            payload=data)
         elif isinstance(msg, m.DropChain):
             routing = await self.repl.refresh(-1)
             if self.server_id in routing.forward_order(msg.chain):
                 raise StripefsError(ErrorCode.BUSY, f"server {self.server_id} still belongs to chain {msg.chain}")
             removed = await trio.to_thread.run_sync(store.drop_chain, msg.chain)
-            await conn.send(head, {"removed": removed})
+            await conn.send(head, m.RemovedReply(removed=removed).to_header())
         elif isinstance(msg, m.ListChunks):
             chunks = await trio.to_thread.run_sync(store.list_chain, msg.chain)
-            await conn.send(head, {"chunks": [list(c) for c in chunks]})
+            await conn.send(head, m.ListChunksReply(chunks=[list(c) for c in chunks]).to_header())
         elif isinstance(msg, m.Scrub):
-            await conn.send(head, await self.repl.scrub(msg.repair))
+            await conn.send(head, (await self.repl.scrub(msg.repair)).to_header())
         elif isinstance(msg, m.TargetInfo):
-            await conn.send(head, await self.info())
+            await conn.send(head, (await self.info()).to_header())
         elif isinstance(msg, m.Ping):
-            await conn.send(head, {})
+            await conn.send(head, m.EmptyReply().to_header())
         else:
             raise StripefsError(ErrorCode.NOT_SUPPORTED, f"{type(msg).__name__} is not a storage request")
 
@@ -149,7 +150,8 @@ class StorageService(Service):
             send_all(sock_fd, memoryview(encode_prefix(head.msg_type, head.req_id, exc.to_wire(), 0, FLAG_RESPONSE | FLAG_ERROR)))
             return
         try:
-            send_all(sock_fd, memoryview(encode_prefix(head.msg_type, head.req_id, {"length": n, "chunk_length": clen}, n, FLAG_RESPONSE)))
+            reply = m.ReadChunkReply(length=n, chunk_length=clen).to_header()
+            send_all(sock_fd, memoryview(encode_prefix(head.msg_type, head.req_id, reply, n, FLAG_RESPONSE)))
             if data is not None:
                 send_all(sock_fd, memoryview(data))
             elif fd >= 0:
@@ -167,18 +169,18 @@ class StorageService(Service):
         routing = self.repl.routing
         return routing is None or routing.forward_order(chain) != [self.server_id]
 
-    async def info(self) -> dict[str, Any]:
+    async def info(self) -> m.TargetInfoReply:
         total, free = await trio.to_thread.run_sync(self.store.capacity)
-        return {
-            "server_id": self.server_id,
-            "capacity": total,
-            "free": free,
-            "used": self.store.used,
-            "chunks": self.store.chunks,
-            "root": self.store.root,
-            "syncing": self.repl.syncing,
-            "sync_progress": self.repl.sync_progress,
-        }
+        return m.TargetInfoReply(
+            server_id=self.server_id,
+            capacity=total,
+            free=free,
+            used=self.store.used,
+            chunks=self.store.chunks,
+            root=self.store.root,
+            syncing=self.repl.syncing,
+            sync_progress=dict(self.repl.sync_progress),
+        )
 
 
 def _load_identity(root: str) -> dict[str, Any]:
@@ -204,23 +206,27 @@ async def _register_and_heartbeat(service: StorageService, meta: TrioConnection,
     while True:
         try:
             info = await service.info()
+            reply: m.RegisterServerReply | m.HeartbeatReply
             if not registered.is_set():
-                reply, _ = await meta.call(m.RegisterServer(
+                registration, _ = await control_call(meta, m.RegisterServer(
                     host=host, port=port, root=root, server_id=ident.get("server_id"),
-                    capacity=info["capacity"], used=info["used"], pid=os.getpid(),
+                    capacity=info.capacity, used=info.used, pid=os.getpid(),
                 ))
-                service.server_id = int(reply["server_id"])
+                service.server_id = registration.server_id
+                reply = registration
                 if ident.get("server_id") != service.server_id:
                     ident["server_id"] = service.server_id
                     await trio.to_thread.run_sync(_save_identity, root, ident)
                 registered.set()
             else:
                 assert service.server_id is not None
-                reply, _ = await meta.call(m.Heartbeat(server_id=service.server_id, capacity=info["capacity"], used=info["used"], chunks=info["chunks"]))
+                reply, _ = await control_call(meta, m.Heartbeat(
+                    server_id=service.server_id, capacity=info.capacity, used=info.used, chunks=info.chunks,
+                ))
             repl = service.repl
-            if repl.routing is None or repl.routing.version != reply.get("routing_version"):
+            if repl.routing is None or repl.routing.version != reply.routing_version:
                 await repl.refresh(-1)
-            if reply.get("state") == "syncing" and not repl.syncing:
+            if reply.state == "syncing" and not repl.syncing:
                 nursery.start_soon(repl.resync)
         except StripefsError as exc:
             if exc.code == ErrorCode.NOT_FOUND and registered.is_set():

@@ -79,21 +79,23 @@ def cmd_down(a: argparse.Namespace) -> int:
 def cmd_status(a: argparse.Namespace) -> int:
     with Client(a.cluster) as c:
         st = c.status()
-        st["metadata"]["address"] = "%s:%d" % c.config.metadata
+        address = "%s:%d" % c.config.metadata
     if a.json:
-        json.dump(st, sys.stdout, indent=2)
+        out = st.to_header()  # the wire form: plain maps, as the service sent them
+        out["metadata"] = {**out["metadata"], "address": address}
+        json.dump(out, sys.stdout, indent=2)
         print()
         return 0
-    md = st["metadata"]
-    print(f"metadata  {md['address']}  pid {md['pid']}  store {md.get('store', 'sqlite')}  inodes {md.get('inodes', '?')}  "
-          f"routing v{st['routing_version']}")
+    md = st.metadata
+    print(f"metadata  {address}  pid {md['pid']}  store {md.get('store', 'sqlite')}  inodes {md.get('inodes', '?')}  "
+          f"routing v{st.routing_version}")
     print(f"{'id':>3} {'address':<22} {'state':<8} {'pid':>7} {'used':>12} {'capacity':>12}")
-    for s in st["servers"]:
-        print(f"{s['server_id']:>3} {s['host'] + ':' + str(s['port']):<22} {s['state']:<8} {s['pid']:>7} {_human(s['used']):>12} {_human(s['capacity']):>12}")
+    for s in st.servers:
+        print(f"{s.server_id:>3} {s.host + ':' + str(s.port):<22} {s.state:<8} {s.pid:>7} {_human(s.used):>12} {_human(s.capacity):>12}")
     def chain(c: dict[str, Any]) -> str:
         return "[" + ",".join(f"{t}{'' if s == 'serving' else '(' + s + ')'}" for t, s in zip(c["targets"], c["states"])) + "]"
 
-    print(f"chains (replicas {st.get('replicas', 1)}): " + "  ".join(f"{c['chain_id']}:{chain(c)}" for c in st["chains"]))
+    print(f"chains (replicas {st.replicas}): " + "  ".join(f"{c['chain_id']}:{chain(c)}" for c in st.chains))
     return 0
 
 
@@ -103,15 +105,15 @@ def cmd_scrub(a: argparse.Namespace) -> int:
 
     bad_left = 0
     with Client(a.cluster) as c:
-        routing = c.core.routing(refresh=True)
-        report = []
+        routing = c.routing(refresh=True)
+        report: list[dict[str, Any]] = []
         for sid, info in sorted(routing.servers.items()):
             if info.state != "serving":
                 report.append({"server_id": sid, "state": info.state, "skipped": True})
                 continue
-            r = c.core.data_conn(sid).call(m.Scrub(repair=not a.no_repair), timeout=3600).header
-            bad_left += len(r["bad"]) - r["repaired"]
-            report.append({"server_id": sid, "state": info.state, **r})
+            scrubbed = c.call_storage(sid, m.Scrub(repair=not a.no_repair), timeout=3600)
+            bad_left += len(scrubbed.bad) - scrubbed.repaired
+            report.append({"server_id": sid, "state": info.state, **scrubbed.to_header()})
     if a.json:
         print(json.dumps(report, indent=2))
     else:

@@ -21,7 +21,7 @@ from ._frames import (
     encode_frame,
     encode_prefix,
 )
-from ._messages import MESSAGES, Message, decode_message
+from ._messages import MESSAGES, Message, ReplyMessage, decode_message, decode_reply
 from ._types import (
     MAX_CHUNK,
     MAX_FILE_SIZE,
@@ -42,7 +42,7 @@ __all__ = [
     "ErrorCode", "StripefsError", "error_from_oserror",
     "FLAG_ERROR", "FLAG_RESPONSE", "MAGIC", "MAX_HEADER", "MAX_PAYLOAD", "NEED_DATA", "PREFIX",
     "VERSION", "Frame", "FrameDecoder", "FrameHead", "encode_frame", "encode_prefix",
-    "MESSAGES", "Message", "decode_message",
+    "MESSAGES", "Message", "ReplyMessage", "decode_message", "decode_reply",
     "MAX_CHUNK", "MAX_FILE_SIZE", "MAX_NAME", "MAX_PATH", "MAX_STRIPE", "MIN_CHUNK",
     "Attr", "DirEntry", "Layout", "Routing", "ServerInfo", "validate_name",
 ]

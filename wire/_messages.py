@@ -1,9 +1,17 @@
-"""The numbered message table (3FS ``Service.h`` style).
+"""The numbered message table (3FS ``Service.h`` style), requests and their replies.
 
-Each request is a small frozen dataclass with a stable numeric id. Its
-response travels under the same id with the RESPONSE flag; an error response
-carries ``{"code", "message"}`` with the ERROR flag. Bulk bytes (chunk data)
-travel as the frame payload, never inside these headers.
+Each request is a small frozen dataclass with a stable numeric id, declared as
+``class GetAttr(Message[AttrReply])``: the type argument is the request's reply
+type, which the decorator records as ``GetAttr.Reply`` (and type checkers see,
+so ``ClientCore.call(m.GetAttr(...))`` is an ``AttrReply``). The reply travels
+under the request's id with the RESPONSE flag; an error response carries
+``{"code", "message"}`` with the ERROR flag. Bulk bytes (chunk data) travel as
+the frame payload, never inside these headers.
+
+Replies are frozen dataclasses too. ``to_header()`` gives the msgpack map sent
+on the wire (value types such as :class:`Attr` as their ``to_wire`` maps), and
+:func:`decode_reply` rebuilds and validates one -- the transports in ``rpc``
+hand headers up as plain dicts and the caller that knows the request decodes.
 
 Numbers are stable: never renumber, only append. ``docs/protocol.md`` lists
 the table.
@@ -14,14 +22,19 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from typing import Any, ClassVar, TypeVar
+from typing import Any, Callable, ClassVar, Generic, TypeVar
 
 from ._errors import ErrorCode, StripefsError
+from ._types import Attr, DirEntry, Routing, ServerInfo
 
-__all__ = ["Message", "MESSAGES", "message", "decode_message", "encode_fields"]
+__all__ = [
+    "Message", "ReplyMessage", "MESSAGES", "message", "reply", "decode_message", "decode_reply", "encode_fields",
+]
 
-T = TypeVar("T", bound="Message")
-MESSAGES: dict[int, type["Message"]] = {}
+T = TypeVar("T", bound="Message[Any]")
+RT = TypeVar("RT", bound="ReplyMessage")
+R = TypeVar("R", bound="ReplyMessage", covariant=True)
+MESSAGES: dict[int, type["Message[Any]"]] = {}
 
 _PRIMS: dict[Any, tuple[type, ...]] = {
     int: (int,),
@@ -32,13 +45,124 @@ _PRIMS: dict[Any, tuple[type, ...]] = {
     dict: (dict,),
     list: (list, tuple),
 }
+_INT_MIN = -(1 << 63)  # the integers msgpack can carry
+_INT_END = 1 << 64
 
 
-class Message:
-    """Base of every request. Subclasses are frozen dataclasses."""
+class ReplyMessage:
+    """Base of every reply. Subclasses are frozen dataclasses made by :func:`reply`."""
+
+    # Set by @reply: how each field is decoded and encoded (see _field_codec), and, for
+    # replies whose fields are all required plain ints/strs/bools, the exact type of each
+    # field -- the fast path of from_header (chunk replies decode once per chunk).
+    _codecs: ClassVar[tuple[tuple[str, Callable[[Any], Any], Callable[[Any], Any] | None, bool], ...]]
+    _flat: ClassVar[tuple[tuple[str, type], ...] | None]
+
+    def to_header(self) -> dict[str, Any]:
+        """The msgpack map sent on the wire for this reply."""
+        return {name: getattr(self, name) if enc is None else enc(getattr(self, name))
+                for name, _dec, enc, _req in self._codecs}
+
+    @classmethod
+    def from_header(cls: type[RT], header: dict[str, Any]) -> RT:
+        """Build and validate this reply from a decoded response header.
+
+        Raises:
+            StripefsError: PROTOCOL for a header that is not a map, or has
+                missing, extra or mistyped fields (the peer broke the protocol).
+        """
+        flat = cls._flat
+        if flat is not None and type(header) is dict and len(header) == len(flat):
+            # Fast path, no reflection: exact types, all fields present (then none is extra).
+            values = []
+            for name, tp in flat:
+                v: Any = header.get(name)
+                if type(v) is not tp or (tp is int and not _INT_MIN <= v < _INT_END):  # type: ignore[operator]
+                    break
+                values.append(v)
+            else:
+                return cls(*values)
+        return cls._decode_checked(header)
+
+    @classmethod
+    def _decode_checked(cls: type[RT], header: Any) -> RT:
+        name = cls.__name__
+        if not isinstance(header, dict):
+            raise StripefsError(ErrorCode.PROTOCOL, f"{name}: reply header is not a map")
+        kwargs: dict[str, Any] = {}
+        for field, dec, _enc, required in cls._codecs:
+            if field in header:
+                try:
+                    kwargs[field] = dec(header[field])
+                except StripefsError as exc:  # the decoders name the field
+                    raise StripefsError(ErrorCode.PROTOCOL, f"{name}: {exc.message}") from None
+                except (TypeError, ValueError, KeyError, AttributeError) as exc:  # a value type's from_wire choked
+                    raise StripefsError(ErrorCode.PROTOCOL, f"{name}: field {field!r}: {exc}") from None
+            elif required:
+                raise StripefsError(ErrorCode.PROTOCOL, f"{name}: missing field {field!r}")
+        extra = set(header) - {c[0] for c in cls._codecs}
+        if extra:
+            raise StripefsError(ErrorCode.PROTOCOL, f"{name}: unknown fields {sorted(map(str, extra))}")
+        return cls(**kwargs)
+
+
+def _field_codec(name: str, tp: Any) -> tuple[Callable[[Any], Any], Callable[[Any], Any] | None]:
+    """``(decode, encode)`` of one reply field; ``encode`` None means "sent as is".
+
+    Value types (``Attr``, ``Routing``, ...) travel as their ``to_wire`` form and
+    are rebuilt with ``from_wire`` (which validates); so do lists of them. A
+    decoder's StripefsError names the field.
+    """
+
+    def rebuild(from_wire: Callable[[Any], Any], v: Any) -> Any:
+        try:
+            return from_wire(v)
+        except StripefsError as exc:
+            raise StripefsError(ErrorCode.INVALID, f"field {name!r}: {exc.message}") from None
+
+    if isinstance(tp, type) and hasattr(tp, "from_wire"):
+        return (lambda v: rebuild(tp.from_wire, v)), (lambda v: v.to_wire())
+    if typing.get_origin(tp) is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        if isinstance(item, type) and hasattr(item, "from_wire"):
+            def decode_list(v: Any) -> list[Any]:
+                if not isinstance(v, (list, tuple)):
+                    raise StripefsError(ErrorCode.INVALID, f"field {name!r}: expected a list, got {type(v).__name__}")
+                return [rebuild(item.from_wire, x) for x in v]
+
+            return decode_list, (lambda v: [x.to_wire() for x in v])
+    return (lambda v: _check(name, v, tp)), None
+
+
+@typing.dataclass_transform(frozen_default=True)  # type checkers see the fields as __init__ arguments
+def reply(cls: type[RT]) -> type[RT]:
+    """Class decorator: make a frozen dataclass usable as a reply (see :class:`ReplyMessage`)."""
+    cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
+    hints = typing.get_type_hints(cls)
+    codecs = []
+    flat: list[tuple[str, type]] | None = []
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        tp = hints[f.name]
+        dec, enc = _field_codec(f.name, tp)
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        codecs.append((f.name, dec, enc, required))
+        if flat is not None and required and tp in (int, str, bool):
+            flat.append((f.name, tp))
+        else:
+            flat = None
+    cls._codecs = tuple(codecs)
+    cls._flat = tuple(flat) if flat is not None else None
+    return cls
+
+
+class Message(Generic[R]):
+    """Base of every request. Subclasses are frozen dataclasses, ``Message[TheirReply]``."""
 
     MSG_ID: ClassVar[int]
     MUTATES: ClassVar[bool] = False  # replayed responses are cached for retried mutations
+    # The reply type (the class's type argument); None only for the server's Challenge,
+    # which is never answered with a response of its own.
+    Reply: ClassVar[type[ReplyMessage] | None]
 
     def to_header(self) -> dict[str, Any]:
         return encode_fields(self)
@@ -70,20 +194,33 @@ def _check(name: str, value: Any, tp: Any) -> Any:
         raise StripefsError(ErrorCode.INVALID, f"field {name!r}: expected int, got bool")
     if not isinstance(value, allowed):
         raise StripefsError(ErrorCode.INVALID, f"field {name!r}: expected {base.__name__}, got {type(value).__name__}")
-    if base is int and not -(1 << 63) <= value < 1 << 64:
+    if base is int and not _INT_MIN <= value < _INT_END:
         raise StripefsError(ErrorCode.INVALID, f"field {name!r}: integer out of range")
     return value
 
 
-def message(msg_id: int, *, mutates: bool = False):
-    """Class decorator: make a frozen dataclass and register it under ``msg_id``."""
+@typing.dataclass_transform(frozen_default=True)
+def message(msg_id: int, *, mutates: bool = False, answered: bool = True) -> Callable[[type[T]], type[T]]:
+    """Class decorator: make a frozen dataclass and register it under ``msg_id``.
+
+    The class must name its reply type as ``Message[ReplyType]``; ``answered=False``
+    is for the one message that gets no response (the server's Challenge).
+    """
 
     def wrap(cls: type[T]) -> type[T]:
         if msg_id in MESSAGES:
             raise RuntimeError(f"message id {msg_id} registered twice")
+        reply_cls = None
+        for base in getattr(cls, "__orig_bases__", ()):
+            if typing.get_origin(base) is Message:
+                (reply_cls,) = typing.get_args(base)
+        if answered != (reply_cls is not None) or (reply_cls is not None and not issubclass(reply_cls, ReplyMessage)):
+            raise RuntimeError(f"{cls.__name__}: declare the reply type as Message[SomeReply]"
+                               if answered else f"{cls.__name__}: an unanswered message has no reply type")
         cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
         cls.MSG_ID = msg_id
         cls.MUTATES = mutates
+        cls.Reply = reply_cls
         cls._hints = typing.get_type_hints(cls)  # type: ignore[attr-defined]
         MESSAGES[msg_id] = cls
         return cls
@@ -91,7 +228,7 @@ def message(msg_id: int, *, mutates: bool = False):
     return wrap
 
 
-def decode_message(msg_type: int, header: dict[str, Any]) -> Message:
+def decode_message(msg_type: int, header: dict[str, Any]) -> Message[Any]:
     """Build and validate the request for ``msg_type`` from a decoded header.
 
     Raises:
@@ -114,10 +251,194 @@ def decode_message(msg_type: int, header: dict[str, Any]) -> Message:
     return cls(**kwargs)
 
 
+def decode_reply(request: "Message[RT] | type[Message[RT]]", header: dict[str, Any]) -> RT:
+    """Build and validate the reply to ``request`` (a request or its class) from a response header.
+
+    Args:
+        request: the request that was answered, or its class.
+        header: the decoded msgpack header of the (non-error) response.
+
+    Returns:
+        The typed reply, e.g. an :class:`AttrReply` for a :class:`GetAttr`.
+
+    Raises:
+        StripefsError: PROTOCOL for a header with missing, extra or mistyped
+            fields, or for a message that is never answered.
+    """
+    cls = request.Reply
+    if cls is None:
+        name = request.__name__ if isinstance(request, type) else type(request).__name__
+        raise StripefsError(ErrorCode.PROTOCOL, f"{name} is never answered")
+    return cls.from_header(header)  # type: ignore[return-value]
+
+
+# --- replies -------------------------------------------------------------------------------
+# Field names are the wire keys; docs/protocol.md lists which request gets which reply.
+
+
+@reply
+class EmptyReply(ReplyMessage):
+    """The answer of requests that return nothing but success (``{}``)."""
+
+
+@reply
+class AuthenticateReply(ReplyMessage):
+    proof: bytes  # HMAC-SHA256(secret, "server" | client nonce | server nonce)
+
+
+@reply
+class StatfsReply(ReplyMessage):
+    capacity: int  # bytes, over the serving storage servers
+    used: int
+    free: int
+    files: int  # inodes
+
+
+@reply
+class AttrReply(ReplyMessage):
+    """The inode's attributes after the operation (Unlink: ``nlink`` after it)."""
+
+    attr: Attr
+
+
+@reply
+class CreateReply(ReplyMessage):
+    attr: Attr
+    created: bool  # False: the name existed (not exclusive) and was opened
+
+
+@reply
+class ReadlinkReply(ReplyMessage):
+    target: str
+
+
+@reply
+class ReaddirReply(ReplyMessage):
+    entries: list[DirEntry]  # on the wire: [name, ino, mode, attr or None] each
+    more: bool  # another page follows (ask again with after=<last name>)
+
+
+@reply
+class LayoutReply(ReplyMessage):
+    layout: dict[str, int]  # a directory's defaults: {"chunk_size": n, "stripe": n}
+
+
+@reply
+class RoutingReply(ReplyMessage):
+    routing: Routing
+
+
+@reply
+class ClusterStatusReply(ReplyMessage):
+    metadata: dict[str, Any]  # {"pid", "uptime", and the store's counts, e.g. "inodes"}
+    servers: list[ServerInfo]
+    chains: list[dict[str, Any]]  # [{"chain_id", "targets", "states"}], by chain id
+    replicas: int
+    routing_version: int
+
+
+@reply
+class RegisterServerReply(ReplyMessage):
+    server_id: int
+    state: str  # serving | syncing
+    routing_version: int
+
+
+@reply
+class HeartbeatReply(ReplyMessage):
+    state: str
+    routing_version: int
+
+
+@reply
+class SyncDoneReply(ReplyMessage):
+    routing_version: int
+
+
+@reply
+class WriteChunkReply(ReplyMessage):
+    length: int  # the chunk's length after the write
+    version: int  # the chunk's version after the write
+
+
+@reply
+class ReadChunkReply(ReplyMessage):
+    """Header of a chunk read; the bytes are the payload."""
+
+    length: int  # bytes in the payload (fewer than asked at a chunk's end, 0 for a hole)
+    chunk_length: int  # the chunk's stored length
+
+
+@reply
+class RemovedReply(ReplyMessage):
+    removed: int  # chunks removed
+
+
+@reply
+class StatChunkReply(ReplyMessage):
+    length: int
+    version: int
+    crcs: list[int]  # CRC32C of each 64 KiB block
+
+
+@reply
+class TargetInfoReply(ReplyMessage):
+    server_id: int | None  # None before the server registered
+    capacity: int
+    free: int
+    used: int
+    chunks: int
+    root: str
+    syncing: bool
+    sync_progress: dict[str, int]  # {"chain", "total", "done"} of the running resync; {} when none ran
+
+
+@reply
+class ListChunksReply(ReplyMessage):
+    chunks: list[list[int]]  # [[ino, index, version, length], ...]
+
+
+@reply
+class FetchChunkReply(ReplyMessage):
+    """Header of a whole-chunk copy; the chunk's bytes are the payload."""
+
+    version: int
+    chain: int
+    length: int
+
+
+@reply
+class XattrReply(ReplyMessage):
+    value: bytes
+
+
+@reply
+class XattrNamesReply(ReplyMessage):
+    names: list[bytes]  # sorted
+
+
+@reply
+class LockReply(ReplyMessage):
+    token: int  # fencing token: larger for every new holder
+    expires_ns: int  # on the metadata service's clock
+
+
+@reply
+class ReleaseLockReply(ReplyMessage):
+    released: bool  # False: the owner did not hold it (expired, taken over)
+
+
+@reply
+class ScrubReply(ReplyMessage):
+    checked: int
+    bad: list[list[int]]  # [[ino, index, chain], ...] that failed verification
+    repaired: int
+
+
 # --- handshake (1-9) -------------------------------------------------------------------
 
 
-@message(1)
+@message(1, answered=False)
 class Challenge(Message):
     """Server -> client on connect: prove you know the cluster secret."""
 
@@ -127,15 +448,14 @@ class Challenge(Message):
 
 
 @message(2)
-class Authenticate(Message):
+class Authenticate(Message[AuthenticateReply]):
     client_id: bytes  # 16 random bytes, stable per client process
     nonce: bytes
     proof: bytes  # HMAC-SHA256(secret, "client" | server nonce | client nonce)
-    # response: {"proof": HMAC-SHA256(secret, "server" | client nonce | server nonce)}
 
 
 @message(3)
-class Ping(Message):
+class Ping(Message[EmptyReply]):
     pass
 
 
@@ -143,29 +463,29 @@ class Ping(Message):
 
 
 @message(10)
-class Statfs(Message):
+class Statfs(Message[StatfsReply]):
     pass
 
 
 @message(11)
-class GetAttr(Message):
+class GetAttr(Message[AttrReply]):
     ino: int
 
 
 @message(12)
-class Lookup(Message):
+class Lookup(Message[AttrReply]):
     parent: int
     name: str
 
 
 @message(13)
-class Resolve(Message):
+class Resolve(Message[AttrReply]):
     path: str
     follow: bool = True
 
 
 @message(14, mutates=True)
-class Create(Message):
+class Create(Message[CreateReply]):
     parent: int
     name: str
     mode: int
@@ -176,7 +496,7 @@ class Create(Message):
 
 
 @message(15, mutates=True)
-class Mkdir(Message):
+class Mkdir(Message[AttrReply]):
     parent: int
     name: str
     mode: int
@@ -185,7 +505,7 @@ class Mkdir(Message):
 
 
 @message(16, mutates=True)
-class Symlink(Message):
+class Symlink(Message[AttrReply]):
     parent: int
     name: str
     target: str
@@ -194,19 +514,19 @@ class Symlink(Message):
 
 
 @message(17)
-class Readlink(Message):
+class Readlink(Message[ReadlinkReply]):
     ino: int
 
 
 @message(18, mutates=True)
-class Link(Message):
+class Link(Message[AttrReply]):
     ino: int
     new_parent: int
     new_name: str
 
 
 @message(19)
-class Readdir(Message):
+class Readdir(Message[ReaddirReply]):
     ino: int
     after: str = ""
     limit: int = 1000
@@ -214,19 +534,19 @@ class Readdir(Message):
 
 
 @message(20, mutates=True)
-class Unlink(Message):
+class Unlink(Message[AttrReply]):
     parent: int
     name: str
 
 
 @message(21, mutates=True)
-class Rmdir(Message):
+class Rmdir(Message[EmptyReply]):
     parent: int
     name: str
 
 
 @message(22, mutates=True)
-class Rename(Message):
+class Rename(Message[EmptyReply]):
     parent: int
     name: str
     new_parent: int
@@ -235,7 +555,7 @@ class Rename(Message):
 
 
 @message(23, mutates=True)
-class SetAttr(Message):
+class SetAttr(Message[AttrReply]):
     ino: int
     mode: int | None = None
     uid: int | None = None
@@ -246,31 +566,31 @@ class SetAttr(Message):
 
 
 @message(24, mutates=True)
-class CommitLength(Message):
+class CommitLength(Message[AttrReply]):
     ino: int
     length: int
     mtime_ns: int | None = None
 
 
 @message(25, mutates=True)
-class SetLayout(Message):
+class SetLayout(Message[EmptyReply]):
     ino: int
     chunk_size: int | None = None
     stripe: int | None = None
 
 
 @message(26)
-class GetRouting(Message):
+class GetRouting(Message[RoutingReply]):
     pass
 
 
 @message(27)
-class ClusterStatus(Message):
+class ClusterStatus(Message[ClusterStatusReply]):
     pass
 
 
 @message(28, mutates=True)
-class RegisterServer(Message):
+class RegisterServer(Message[RegisterServerReply]):
     host: str
     port: int
     root: str
@@ -281,7 +601,7 @@ class RegisterServer(Message):
 
 
 @message(29)
-class Heartbeat(Message):
+class Heartbeat(Message[HeartbeatReply]):
     server_id: int
     capacity: int = 0
     used: int = 0
@@ -289,12 +609,12 @@ class Heartbeat(Message):
 
 
 @message(30)
-class GetLayout(Message):
+class GetLayout(Message[LayoutReply]):
     ino: int
 
 
 @message(31, mutates=True)
-class Mknod(Message):
+class Mknod(Message[AttrReply]):
     """A FIFO, socket, character or block device node (or an empty regular file).
 
     ``mode`` carries the type bits (``S_IFIFO``, ``S_IFSOCK``, ``S_IFCHR``, ``S_IFBLK``,
@@ -312,14 +632,14 @@ class Mknod(Message):
 
 
 @message(32)
-class GetXattr(Message):
+class GetXattr(Message[XattrReply]):
     ino: int
     name: bytes
     # response: {"value"}
 
 
 @message(33, mutates=True)
-class SetXattr(Message):
+class SetXattr(Message[AttrReply]):
     """``flags``: 1 XATTR_CREATE (must not exist), 2 XATTR_REPLACE (must exist)."""
 
     ino: int
@@ -330,20 +650,20 @@ class SetXattr(Message):
 
 
 @message(34)
-class ListXattr(Message):
+class ListXattr(Message[XattrNamesReply]):
     ino: int
     # response: {"names": [bytes, ...]}
 
 
 @message(35, mutates=True)
-class RemoveXattr(Message):
+class RemoveXattr(Message[AttrReply]):
     ino: int
     name: bytes
     # response: {"attr"}
 
 
 @message(36, mutates=True)
-class AcquireLock(Message):
+class AcquireLock(Message[LockReply]):
     """Take or renew an advisory lease lock (``key`` is any text, e.g. a path)."""
 
     key: str
@@ -353,7 +673,7 @@ class AcquireLock(Message):
 
 
 @message(37, mutates=True)
-class ReleaseLock(Message):
+class ReleaseLock(Message[ReleaseLockReply]):
     key: str
     owner: bytes
     # response: {"released": bool}
@@ -363,7 +683,7 @@ class ReleaseLock(Message):
 
 
 @message(40, mutates=True)
-class WriteChunk(Message):
+class WriteChunk(Message[WriteChunkReply]):
     """Payload: the bytes. ``crc`` is CRC32C of the payload (end-to-end check)."""
 
     ino: int
@@ -374,11 +694,10 @@ class WriteChunk(Message):
     chain: int = 0  # the chain the chunk belongs to (replicated writes go head -> tail)
     routing_version: int = 0  # the sender's routing table version (STALE_ROUTING if it differs)
     version: int | None = None  # set by the chain head when it forwards to the next replica
-    # response: {"length": chunk length after the write, "version": chunk version}
 
 
 @message(41)
-class ReadChunk(Message):
+class ReadChunk(Message[ReadChunkReply]):
     """Response payload: up to ``length`` bytes (fewer at the chunk's end; holes are short)."""
 
     ino: int
@@ -387,11 +706,10 @@ class ReadChunk(Message):
     length: int
     chain: int = 0  # when set, a server that no longer serves the chain answers STALE_ROUTING
     routing_version: int = 0  # the sender's routing version: a server behind it refreshes first
-    # response: {"length": bytes in the payload, "chunk_length": n, "version": v}
 
 
 @message(42, mutates=True)
-class RemoveChunks(Message):
+class RemoveChunks(Message[RemovedReply]):
     """Remove every chunk of ``ino`` with index >= ``from_index`` (GC, truncate)."""
 
     ino: int
@@ -399,60 +717,54 @@ class RemoveChunks(Message):
 
 
 @message(43, mutates=True)
-class TruncateChunk(Message):
+class TruncateChunk(Message[EmptyReply]):
     ino: int
     index: int
     length: int
 
 
 @message(44)
-class StatChunk(Message):
+class StatChunk(Message[StatChunkReply]):
     ino: int
     index: int
-    # response: {"length", "version", "crc"} (crc of the whole chunk, computed)
 
 
 @message(45)
-class TargetInfo(Message):
+class TargetInfo(Message[TargetInfoReply]):
     pass
-    # response: {"server_id", "capacity", "used", "chunks", "root"}
 
 
 @message(46)
-class ListChunks(Message):
+class ListChunks(Message[ListChunksReply]):
     """Chunks of one chain held by a storage server (resync compares versions)."""
 
     chain: int
-    # response: {"chunks": [[ino, index, version, length], ...]}
 
 
 @message(47)
-class FetchChunk(Message):
+class FetchChunk(Message[FetchChunkReply]):
     """A whole chunk, verified, with its version (payload), for a replica to copy."""
 
     ino: int
     index: int
-    # response: {"version", "chain", "length"} + payload; NOT_FOUND if absent
 
 
 @message(48)
-class SyncDone(Message):
+class SyncDone(Message[SyncDoneReply]):
     """Storage -> metadata: this server has caught up with its chains."""
 
     server_id: int
 
 
 @message(49)
-class Scrub(Message):
+class Scrub(Message[ScrubReply]):
     """Verify every chunk on the server; repair bad ones from a replica."""
 
     repair: bool = True
-    # response: {"checked": n, "bad": [[ino, index, chain]], "repaired": n}
 
 
 @message(50, mutates=True)
-class DropChain(Message):
+class DropChain(Message[RemovedReply]):
     """Metadata -> storage: this server left ``chain`` (its data moved): delete its chunks."""
 
     chain: int
-    # response: {"removed": n}

@@ -28,12 +28,28 @@ from ..core import ClusterConfig, split
 from ._mounted import resolve_mounted
 
 if TYPE_CHECKING:
+    from rpc import Reply
+
     from ..core import Client
 
 __all__ = ["ReadRing", "Completion", "RegisteredFile"]
 
 RETRYABLE = (ErrorCode.UNAVAILABLE, ErrorCode.STALE_ROUTING)
 RETRY_DELAY = 0.1
+_read_reply = m.ReadChunkReply.from_header  # decoded once per piece: bind the fast path once
+
+
+def _received(reply: "Reply") -> int:
+    """Bytes a ``ReadChunk`` answer delivered, as its typed header announces them.
+
+    Raises:
+        StripefsError: PROTOCOL for a malformed header or one that disagrees
+            with the payload received.
+    """
+    got = _read_reply(reply.header).length
+    if got != reply.nbytes:
+        raise StripefsError(ErrorCode.PROTOCOL, f"ReadChunk reply announces {got} bytes, its payload has {reply.nbytes}")
+    return got
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +135,6 @@ class ReadRing:
         if entries < 1 or max_inflight < 1:
             raise StripefsError(ErrorCode.INVALID, "entries and max_inflight must be >= 1")
         self.client = client
-        self.core = client.core
         self.entries = entries
         self.max_inflight = max_inflight
         self.forbid_holes = forbid_holes
@@ -154,7 +169,7 @@ class ReadRing:
         mf = resolve_mounted(path, **kw)
         if ClusterConfig.from_file(mf.cluster_file).metadata != self.client.config.metadata:
             raise StripefsError(ErrorCode.CROSS_DEVICE, f"mount {mf.mountpoint} serves another cluster", path)
-        attr = self.core.attr(m.GetAttr(ino=mf.ino))
+        attr = self.client.stat_inode(mf.ino)
         if not attr.is_file or attr.layout is None:
             raise StripefsError(ErrorCode.INVALID, "not a regular file", path)
         return RegisteredFile(attr.ino, attr.layout, attr.size, path)
@@ -287,7 +302,7 @@ class ReadRing:
                 retry, self._retry = self._retry, []
             time.sleep(RETRY_DELAY)
             try:
-                self.core.routing(refresh=True)
+                self.client.routing(refresh=True)
             except StripefsError:
                 pass  # the piece fails again below with the server's own error
             self._queue.extendleft(retry)
@@ -300,13 +315,14 @@ class ReadRing:
             with self._cv:
                 self._inflight += 1
             try:
-                targets = self.core.routing().chains.get(s.file.layout.chain_of(index))
+                routing = self.client.routing()
+                targets = routing.chains.get(s.file.layout.chain_of(index))
                 if not targets:
                     raise StripefsError(ErrorCode.UNAVAILABLE, f"chain {s.file.layout.chain_of(index)} has no serving target")
                 sid = targets[0]
-                fut = self.core.data_conn(sid).submit(
+                fut = self.client.data_connection(sid).submit(
                     m.ReadChunk(ino=s.file.ino, index=index, offset=coff, length=k, chain=s.file.layout.chain_of(index),
-                                routing_version=self.core.routing().version),
+                                routing_version=routing.version),
                     dest=s.dest[pos : pos + k])
             except StripefsError as exc:
                 fut = Future()
@@ -319,8 +335,13 @@ class ReadRing:
         s = self._slots[i]
         exc = fut.exception()
         err: StripefsError | None = None
+        got = 0
         if exc is None:
-            got = fut.result().nbytes
+            try:
+                got = _received(fut.result())
+            except StripefsError as bad:  # a malformed reply: fails like a server error
+                exc = bad
+        if exc is None:
             if got < k:  # within the file size (clipped at submit): a hole or short chunk
                 if self.forbid_holes:
                     err = StripefsError(ErrorCode.NO_DATA, f"hole in {s.file.path} at chunk {index} "  # type: ignore[union-attr]

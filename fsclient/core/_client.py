@@ -2,7 +2,14 @@
 
 ``Client`` is synchronous and thread-safe; ``AsyncClient`` exposes the same
 operations to trio code (the FUSE daemon) by running them on worker threads,
-sharing one :class:`~fsclient._core.ClientCore`.
+sharing one :class:`~fsclient.core._core.ClientCore`, which stays private.
+
+Besides the path API, ``Client`` has a small interface by inode for the front
+ends (FUSE, fsspec, batch reads, staging, the CLI, benchmarks): typed metadata
+calls, attributes and file objects by inode, chunk reads and writes into and
+from caller buffers, length commits, the routing table, storage connections and
+the shared buffer pool (docs/architecture.md, "The client interface front ends
+use").
 """
 
 from __future__ import annotations
@@ -13,11 +20,13 @@ import posixpath
 import stat as _stat  # Client.stat is a method
 import time
 import weakref
-from typing import Any, Callable, Iterator
+from concurrent.futures import Future
+from typing import Any, Callable, Iterator, TypeVar
 
 import trio
 
-from wire import Attr, DirEntry, ErrorCode, StripefsError, messages as m
+from rpc import BufferPool, Connection
+from wire import Attr, DirEntry, ErrorCode, Layout, Message, ReplyMessage, Routing, StripefsError, messages as m
 
 from ._config import ClusterConfig, find_cluster
 from ._core import ClientCore
@@ -29,6 +38,7 @@ __all__ = ["Client", "AsyncClient", "normpath", "ROOT_INO"]
 
 ROOT_INO = 1
 PREFIX = "stripefs://"
+R = TypeVar("R", bound=ReplyMessage)
 
 
 def normpath(path: str) -> str:
@@ -69,14 +79,14 @@ class Client:
     def __init__(self, cluster: "str | os.PathLike[str] | ClusterConfig | None" = None, *, secret: str | None = None,
                  conns_per_server: int = 2, max_inflight: int = 32):
         self.config = find_cluster(cluster, secret)
-        self.core = ClientCore(self.config, conns_per_server=conns_per_server, max_inflight=max_inflight)
+        self._core = ClientCore(self.config, conns_per_server=conns_per_server, max_inflight=max_inflight)
         self._session = os.urandom(16)  # owner of this client's leases
         self._leases: weakref.WeakSet[Lease] = weakref.WeakSet()
 
     def close(self) -> None:
         for lease in list(self._leases):  # the session ends: its leases go with it
             lease.release()
-        self.core.close()
+        self._core.close()
 
     def lease(self, key: str, ttl: float = 10.0, *, wait: bool = True, timeout: float | None = None) -> Lease:
         """Take the advisory lease lock ``key`` (any text, e.g. a path), renewed while held.
@@ -93,7 +103,7 @@ class Client:
         Raises:
             BlockingIOError: held by another client (``wait=False`` or ``timeout`` passed).
         """
-        lease = _lease.acquire(self.core, key, self._session, ttl, wait, timeout)
+        lease = _lease.acquire(self._core, key, self._session, ttl, wait, timeout)
         self._leases.add(lease)
         return lease
 
@@ -107,7 +117,7 @@ class Client:
     def stat(self, path: str, *, follow: bool = True) -> Attr:
         p = normpath(path)
         try:
-            return self.core.attr(m.Resolve(path=p, follow=follow))
+            return self._core.attr(m.Resolve(path=p, follow=follow))
         except StripefsError as exc:
             raise StripefsError(exc.code, exc.message, p) from None
 
@@ -159,10 +169,10 @@ class Client:
             raise StripefsError(ErrorCode.NOT_DIR, "not a directory", normpath(path))
         after = ""
         while True:
-            reply = self.core.call(m.Readdir(ino=d.ino, after=after, limit=1000, plus=attrs))
-            entries = [DirEntry.from_wire(e) for e in reply["entries"]]
+            reply = self._core.call(m.Readdir(ino=d.ino, after=after, limit=1000, plus=attrs))
+            entries = reply.entries
             yield from entries
-            if not reply["more"] or not entries:
+            if not reply.more or not entries:
                 return
             after = entries[-1].name
 
@@ -172,7 +182,7 @@ class Client:
     def mkdir(self, path: str, mode: int = 0o777, *, exist_ok: bool = False) -> Attr:
         parent, name, p = self._parent(path)
         try:
-            return self._wrap(lambda: self.core.attr(m.Mkdir(parent=parent.ino, name=name, mode=mode & 0o7777,
+            return self._wrap(lambda: self._core.attr(m.Mkdir(parent=parent.ino, name=name, mode=mode & 0o7777,
                                                               uid=os.getuid(), gid=os.getgid())), p)
         except FileExistsError:
             if exist_ok and self.isdir(p):
@@ -192,7 +202,7 @@ class Client:
 
     def rmdir(self, path: str) -> None:
         parent, name, p = self._parent(path)
-        self._wrap(lambda: self.core.call(m.Rmdir(parent=parent.ino, name=name)), p)
+        self._wrap(lambda: self._core.call(m.Rmdir(parent=parent.ino, name=name)), p)
 
     # -- files ----------------------------------------------------------------------------
     def open(self, path: str, mode: str = "rb", *, encoding: str | None = None, newline: str | None = None) -> Any:
@@ -200,24 +210,24 @@ class Client:
         flags = mode_flags(mode)
         if flags["create"]:
             parent, name, p = self._parent(path)
-            reply = self._wrap(lambda: self.core.call(m.Create(
+            reply = self._wrap(lambda: self._core.call(m.Create(
                 parent=parent.ino, name=name, mode=0o666, uid=os.getuid(), gid=os.getgid(),
                 exclusive=flags["exclusive"], truncate=flags["truncate"],
             )), p)
-            attr = Attr.from_wire(reply["attr"])
+            attr = reply.attr
         else:
             p = normpath(path)
             attr = self.stat(p)
         if attr.is_dir:
             raise StripefsError(ErrorCode.IS_DIR, "is a directory", p)
-        f = StripeFile(self.core, p, attr, readable=flags["read"], writable=flags["write"], append=flags["append"])
+        f = self.open_inode(attr, name=p, readable=flags["read"], writable=flags["write"], append=flags["append"])
         if flags["text"]:
             return io.TextIOWrapper(f, encoding=encoding or "utf-8", newline=newline)  # type: ignore[arg-type]
         return f
 
     def remove(self, path: str) -> None:
         parent, name, p = self._parent(path)
-        self._wrap(lambda: self.core.call(m.Unlink(parent=parent.ino, name=name)), p)
+        self._wrap(lambda: self._core.call(m.Unlink(parent=parent.ino, name=name)), p)
 
     unlink = remove
 
@@ -226,11 +236,11 @@ class Client:
         sp, sname, s = self._parent(src)
         dp, dname, d = self._parent(dst)
         flags = (1 if noreplace else 0) | (2 if exchange else 0)
-        self._wrap(lambda: self.core.call(m.Rename(parent=sp.ino, name=sname, new_parent=dp.ino, new_name=dname, flags=flags)), s)
+        self._wrap(lambda: self._core.call(m.Rename(parent=sp.ino, name=sname, new_parent=dp.ino, new_name=dname, flags=flags)), s)
 
     def symlink(self, target: str, path: str) -> Attr:
         parent, name, p = self._parent(path)
-        return self._wrap(lambda: self.core.attr(m.Symlink(parent=parent.ino, name=name, target=target,
+        return self._wrap(lambda: self._core.attr(m.Symlink(parent=parent.ino, name=name, target=target,
                                                             uid=os.getuid(), gid=os.getgid())), p)
 
     def mknod(self, path: str, mode: int = _stat.S_IFREG | 0o666, rdev: int = 0) -> Attr:
@@ -246,8 +256,8 @@ class Client:
             for a directory or symlink type.
         """
         parent, name, p = self._parent(path)
-        return self._wrap(lambda: self.core.attr(m.Mknod(parent=parent.ino, name=name, mode=mode, rdev=rdev,
-                                                          uid=os.getuid(), gid=os.getgid())), p)
+        return self._wrap(lambda: self._core.attr(m.Mknod(parent=parent.ino, name=name, mode=mode, rdev=rdev,
+                                                           uid=os.getuid(), gid=os.getgid())), p)
 
     def mkfifo(self, path: str, mode: int = 0o666) -> Attr:
         """Make a FIFO (named pipe), as ``os.mkfifo``."""
@@ -257,7 +267,7 @@ class Client:
     def getxattr(self, path: str, name: str | bytes, *, follow_symlinks: bool = True) -> bytes:
         """The value of extended attribute ``name``. Raises ``OSError(ENODATA)`` when absent."""
         ino = self.stat(path, follow=follow_symlinks).ino
-        return self._wrap(lambda: self.core.call(m.GetXattr(ino=ino, name=os.fsencode(name)))["value"], normpath(path))
+        return self._wrap(lambda: self._core.call(m.GetXattr(ino=ino, name=os.fsencode(name))).value, normpath(path))
 
     def setxattr(self, path: str, name: str | bytes, value: bytes, flags: int = 0, *,
                  follow_symlinks: bool = True) -> None:
@@ -270,46 +280,46 @@ class Client:
                 symlink or special file).
         """
         ino = self.stat(path, follow=follow_symlinks).ino
-        self._wrap(lambda: self.core.call(m.SetXattr(ino=ino, name=os.fsencode(name), value=bytes(value),
-                                                     flags=flags)), normpath(path))
+        self._wrap(lambda: self._core.call(m.SetXattr(ino=ino, name=os.fsencode(name), value=bytes(value),
+                                                      flags=flags)), normpath(path))
 
     def listxattr(self, path: str, *, follow_symlinks: bool = True) -> list[str]:
         """Names of the extended attributes, as ``os.listxattr``."""
         ino = self.stat(path, follow=follow_symlinks).ino
-        return [os.fsdecode(n) for n in self.core.call(m.ListXattr(ino=ino))["names"]]
+        return [os.fsdecode(n) for n in self._core.call(m.ListXattr(ino=ino)).names]
 
     def removexattr(self, path: str, name: str | bytes, *, follow_symlinks: bool = True) -> None:
         """Remove extended attribute ``name``. Raises ``OSError(ENODATA)`` when absent."""
         ino = self.stat(path, follow=follow_symlinks).ino
-        self._wrap(lambda: self.core.call(m.RemoveXattr(ino=ino, name=os.fsencode(name))), normpath(path))
+        self._wrap(lambda: self._core.call(m.RemoveXattr(ino=ino, name=os.fsencode(name))), normpath(path))
 
     def readlink(self, path: str) -> str:
         attr = self.lstat(path)
-        return self.core.call(m.Readlink(ino=attr.ino))["target"]
+        return self._core.call(m.Readlink(ino=attr.ino)).target
 
     def link(self, src: str, dst: str) -> Attr:
         attr = self.lstat(src)
         parent, name, p = self._parent(dst)
-        return self._wrap(lambda: self.core.attr(m.Link(ino=attr.ino, new_parent=parent.ino, new_name=name)), p)
+        return self._wrap(lambda: self._core.attr(m.Link(ino=attr.ino, new_parent=parent.ino, new_name=name)), p)
 
     def truncate(self, path: str, size: int) -> Attr:
         attr = self.stat(path)
-        return self.core.attr(m.SetAttr(ino=attr.ino, size=size))
+        return self._core.attr(m.SetAttr(ino=attr.ino, size=size))
 
     def chmod(self, path: str, mode: int) -> Attr:
-        return self.core.attr(m.SetAttr(ino=self.stat(path).ino, mode=mode & 0o7777))
+        return self._core.attr(m.SetAttr(ino=self.stat(path).ino, mode=mode & 0o7777))
 
     def chown(self, path: str, uid: int, gid: int) -> Attr:
-        return self.core.attr(m.SetAttr(ino=self.stat(path).ino, uid=uid, gid=gid))
+        return self._core.attr(m.SetAttr(ino=self.stat(path).ino, uid=uid, gid=gid))
 
     def utime(self, path: str, ns: tuple[int, int] | None = None) -> Attr:
         now = time.time_ns()
         atime, mtime = ns if ns is not None else (now, now)
-        return self.core.attr(m.SetAttr(ino=self.stat(path).ino, atime_ns=atime, mtime_ns=mtime))
+        return self._core.attr(m.SetAttr(ino=self.stat(path).ino, atime_ns=atime, mtime_ns=mtime))
 
     def set_layout(self, path: str, *, chunk_size: int | None = None, stripe: int | None = None) -> None:
         """Set a directory's default layout; files created below inherit it."""
-        self.core.call(m.SetLayout(ino=self.stat(path).ino, chunk_size=chunk_size, stripe=stripe))
+        self._core.call(m.SetLayout(ino=self.stat(path).ino, chunk_size=chunk_size, stripe=stripe))
 
     # -- whole-file helpers -------------------------------------------------------------
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
@@ -324,7 +334,7 @@ class Client:
     def copy(self, src: str, dst: str, *, callback: Callable[[int], None] | None = None) -> None:
         """Copy through a reused aligned buffer, window by window (no per-chunk bytes objects)."""
         with self.open(src, "rb") as fin, self.open(dst, "wb") as fout:
-            buf = self.core.buffers.get(fin.window * 2)
+            buf = self._core.buffers.get(fin.window * 2)
             try:
                 view = memoryview(buf)
                 while True:
@@ -336,14 +346,169 @@ class Client:
                         callback(n)
             finally:
                 view.release()
-                self.core.buffers.put(buf)
+                self._core.buffers.put(buf)
+
+    # -- the interface front ends use (by inode; docs/architecture.md) -----------------------
+    def call(self, msg: Message[R], *, timeout: float = 60.0) -> R:
+        """Send one request to the metadata service and return its typed reply.
+
+        Retried across reconnects with the same request id, so a mutation is
+        never applied twice (the service replays its first answer).
+
+        Args:
+            msg: any metadata request, e.g. ``messages.Readdir(ino=..., after="")``.
+            timeout: seconds before giving up on an unreachable service.
+
+        Returns:
+            The request's reply type (``type(msg).Reply``), e.g. a ``ReaddirReply``.
+
+        Raises:
+            StripefsError: the service's error (``FileNotFoundError`` etc.);
+                UNAVAILABLE/TIMEOUT after ``timeout``; PROTOCOL for a malformed reply.
+        """
+        return self._core.call(msg, timeout)
+
+    def stat_inode(self, ino: int) -> Attr:
+        """The attributes of inode ``ino`` (``GetAttr``), without a path.
+
+        Raises:
+            StripefsError: NOT_FOUND when the inode is gone.
+        """
+        return self._core.attr(m.GetAttr(ino=ino))
+
+    def open_inode(self, attr: Attr, *, name: str | None = None, readable: bool = True, writable: bool = False,
+                   append: bool = False) -> StripeFile:
+        """A file object on an inode whose attributes the caller already has.
+
+        For front ends that address files by inode (the FUSE daemon). No
+        metadata request is sent: the layout and size come from ``attr``.
+
+        Args:
+            attr: the inode's attributes (from :meth:`stat_inode`, a lookup or a create).
+            name: shown in errors and ``repr``; defaults to ``<inode N>``.
+            readable, writable, append: the open mode.
+
+        Returns:
+            A :class:`StripeFile` (binary, buffered, not thread-safe).
+
+        Raises:
+            StripefsError: INVALID when ``attr`` is not a regular file.
+        """
+        return StripeFile(self, name or f"<inode {attr.ino}>", attr, readable=readable, writable=writable, append=append)
+
+    def read_into(self, ino: int, layout: Layout, file_size: int, offset: int, dest: memoryview) -> int:
+        """Read a file's bytes at ``offset`` straight into ``dest``, all chunks in parallel.
+
+        Thread-safe and stateless (no readahead): what dataloaders, range reads
+        and parallel FUSE reads use. Holes and short chunks read as zeros.
+
+        Args:
+            ino, layout: the file (from its :class:`Attr`).
+            file_size: the length to read up to (``attr.size``, or a writer's own view).
+            offset: where to start.
+            dest: a writable byte buffer; up to ``len(dest)`` bytes are read.
+
+        Returns:
+            Bytes read: ``min(len(dest), file_size - offset)``, 0 at or past the end.
+
+        Raises:
+            StripefsError: CHECKSUM (EIO) when no replica has good bytes,
+                UNAVAILABLE when a chain stays unreachable, TIMEOUT.
+        """
+        return self._core.read_into(ino, layout, file_size, offset, dest)
+
+    def write_from(self, ino: int, layout: Layout, offset: int, data: memoryview) -> None:
+        """Write ``data`` at ``offset``, all chunks in parallel; returns once every chunk is acknowledged.
+
+        The length is not committed: call :meth:`commit_length` (as ``close`` does).
+
+        Raises:
+            StripefsError: the storage servers' errors after retries (UNAVAILABLE,
+                NO_SPACE, ...).
+        """
+        self._core.write_from(ino, layout, offset, data)
+
+    def submit_write(self, ino: int, layout: Layout, offset: int, data: memoryview) -> "Future[None]":
+        """Start writing ``data`` at ``offset`` in the background.
+
+        The caller must keep ``data`` unchanged until the future resolves. The
+        length is not committed: call :meth:`commit_length` once all are done.
+
+        Returns:
+            A future resolving (to None) when every chunk is acknowledged, or
+            raising the write's :class:`StripefsError`.
+        """
+        (done,) = self._core.submit_write(ino, layout, offset, data)
+        return done
+
+    def commit_length(self, ino: int, length: int, *, mtime_ns: int | None = None) -> Attr:
+        """Publish a file's length after its writes were acknowledged (``close``/``fsync`` do this).
+
+        The size becomes ``max(size, length)``: commits of concurrent or retried
+        writers never shrink a file (truncation is ``SetAttr``'s job).
+
+        Args:
+            ino: the file.
+            length: the end of the bytes written.
+            mtime_ns: the modification time to record; None records the
+                service's clock only when the size grows.
+
+        Returns:
+            The inode's attributes after the commit.
+        """
+        return self._core.attr(m.CommitLength(ino=ino, length=length, mtime_ns=mtime_ns))
+
+    def routing(self, refresh: bool = False) -> Routing:
+        """The chain table: which storage servers serve each chain, head first.
+
+        Cached; ``refresh=True`` asks the metadata service again (after a server
+        failed or moved). Connections to servers that moved are dropped.
+        """
+        return self._core.routing(refresh)
+
+    def data_connection(self, server_id: int) -> Connection:
+        """A pipelined connection to storage server ``server_id``, shared with the data path.
+
+        For front ends that schedule chunk requests themselves (the batch read
+        ring, scrub): ``submit(msg, dest=view)`` receives a payload straight into
+        ``view``; decode the reply with ``wire.decode_reply(msg, reply.header)``.
+
+        Raises:
+            StripefsError: UNAVAILABLE for a server the routing table does not know
+                or that does not answer.
+        """
+        return self._core.data_conn(server_id)
+
+    def call_storage(self, server_id: int, msg: Message[R], *, timeout: float | None = 120.0) -> R:
+        """Send one request to a storage server (e.g. ``Scrub``) and return its typed reply.
+
+        Not retried: the caller chose the server, and after a failure it may no
+        longer be the right one (see :meth:`routing` with ``refresh=True``).
+
+        Raises:
+            StripefsError: the server's error, UNAVAILABLE, TIMEOUT after
+                ``timeout`` seconds, PROTOCOL for a malformed reply.
+        """
+        return m.decode_reply(msg, self._core.data_conn(server_id).call(msg, timeout=timeout).header)
+
+    @property
+    def buffers(self) -> BufferPool:
+        """The client's pool of page-aligned buffers (``get(n)``/``put(buf)``), shared by its files."""
+        return self._core.buffers
+
+    @property
+    def pid(self) -> int:
+        """The process whose connections this client holds (a forked child reconnects under its own)."""
+        return self._core.pid
 
     # -- cluster --------------------------------------------------------------------------
-    def statfs(self) -> dict[str, Any]:
-        return self.core.call(m.Statfs())
+    def statfs(self) -> m.StatfsReply:
+        """Capacity, usage and file count of the cluster (serving storage servers)."""
+        return self._core.call(m.Statfs())
 
-    def status(self) -> dict[str, Any]:
-        return self.core.call(m.ClusterStatus())
+    def status(self) -> m.ClusterStatusReply:
+        """The metadata service, every storage server with its state, and the chain table."""
+        return self._core.call(m.ClusterStatus())
 
     def placement(self, path: str) -> list[dict[str, Any]]:
         """Where each chunk of a file lives.
@@ -355,7 +520,7 @@ class Client:
         attr = self.stat(path)
         if attr.layout is None:
             raise StripefsError(ErrorCode.IS_DIR, "not a regular file", normpath(path))
-        routing = self.core.routing(refresh=True)
+        routing = self._core.routing(refresh=True)
         out = []
         nchunks = -(-attr.size // attr.layout.chunk_size)
         for index in range(nchunks):
@@ -372,22 +537,30 @@ class AsyncClient:
     """Trio face of :class:`Client`: every method runs the sync one on a worker thread.
 
     The data path is threads anyway (see ``_core``); this keeps blocking calls
-    off the trio loop (the FUSE daemon's) while sharing one core.
+    off the trio loop (the FUSE daemon's) while sharing the client's connections.
+    Any :class:`Client` method is available as a coroutine (``await aio.stat(p)``).
+
+    Args:
+        client: the client whose connections are used.
+        limiter: bounds the worker threads in use at once (32 by default).
     """
 
     def __init__(self, client: Client, *, limiter: trio.CapacityLimiter | None = None):
         self.sync = client
-        self.core = client.core
         self.limiter = limiter or trio.CapacityLimiter(32)
 
     async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a blocking function on a worker thread (under the limiter)."""
         return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs), limiter=self.limiter)
 
-    async def call(self, msg: m.Message) -> dict[str, Any]:
-        return await self.run(self.core.call, msg)
+    async def call(self, msg: Message[R]) -> R:
+        """:meth:`Client.call` on a worker thread: the typed reply of a metadata request."""
+        return await self.run(self.sync.call, msg)
 
-    async def attr(self, msg: m.Message) -> Attr:
-        return await self.run(self.core.attr, msg)
+    async def attr(self, msg: Message[m.AttrReply]) -> Attr:
+        """A metadata request answered with attributes (``GetAttr``, ``Lookup``, ``Mkdir``, ...): its ``attr``."""
+        reply: m.AttrReply = await self.call(msg)
+        return reply.attr
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         fn = getattr(self.sync, name)

@@ -30,12 +30,12 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import Future
-from typing import Any, Iterator
+from typing import Any, Iterator, TypeVar
 
 import crc32c
 
 from rpc import BufferPool, Connection, Reply, abandon
-from wire import Attr, ErrorCode, Layout, Routing, StripefsError, messages as m
+from wire import Attr, ErrorCode, Layout, Message, ReplyMessage, Routing, StripefsError, messages as m
 
 from ._config import ClusterConfig
 
@@ -45,6 +45,10 @@ RETRY_FOR = 20.0  # seconds a chunk request keeps retrying (a dead replica is dr
 RETRY_DELAY = 0.2
 REQUEST_TIMEOUT = 120.0
 _LIVE: "weakref.WeakSet[ClientCore]" = weakref.WeakSet()
+R = TypeVar("R", bound=ReplyMessage)
+# Chunk replies are decoded once per chunk: bind the decoders once (a fast path, no reflection).
+_read_reply = m.ReadChunkReply.from_header
+_write_reply = m.WriteChunkReply.from_header
 
 
 def _after_fork_in_child() -> None:
@@ -132,31 +136,41 @@ class ClientCore:
                     )
         return conn
 
-    def call(self, msg: m.Message, timeout: float = 60.0) -> dict[str, Any]:
+    def call(self, msg: Message[R], timeout: float = 60.0) -> R:
         """One metadata request, retried across reconnects with the same request id.
 
         The metadata service replays its answer to a retried mutation, so a
         retry after a lost connection cannot apply an operation twice.
+
+        Returns:
+            The typed reply (``msg.Reply``), decoded and checked.
+
+        Raises:
+            StripefsError: the service's error; UNAVAILABLE/TIMEOUT once
+                ``timeout`` has passed; PROTOCOL for a malformed reply.
         """
         req_id = next(self._ids)
         deadline = time.monotonic() + timeout
         delay = RETRY_DELAY
         while True:
             try:
-                return self._meta_conn().call(msg, timeout=timeout, req_id=req_id).header
+                header = self._meta_conn().call(msg, timeout=timeout, req_id=req_id).header
+                break
             except StripefsError as exc:
                 if exc.code not in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT) or time.monotonic() + delay > deadline:
                     raise
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
+        return m.decode_reply(msg, header)
 
-    def attr(self, msg: m.Message) -> Attr:
-        return Attr.from_wire(self.call(msg)["attr"])
+    def attr(self, msg: Message[m.AttrReply]) -> Attr:
+        """A metadata request answered with an inode's attributes (:class:`AttrReply`)."""
+        return self.call(msg).attr
 
     # -- routing ----------------------------------------------------------------------------
     def routing(self, refresh: bool = False) -> Routing:
         if refresh or self._routing is None or os.getpid() != self.pid:
-            routing = Routing.from_wire(self.call(m.GetRouting())["routing"])
+            routing = self.call(m.GetRouting()).routing
             with self._lock:
                 old = self._routing
                 self._routing = routing
@@ -269,8 +283,11 @@ class ClientCore:
 
         def finish(p: tuple[int, int, int, int, int], reply: Reply) -> None:
             _index, _coff, k, pos, _chain = p
-            if reply.nbytes < k:  # a hole or a chunk shorter than the file length: zeros
-                dest[pos + reply.nbytes : pos + k] = bytes(k - reply.nbytes)
+            got = _read_reply(reply.header).length
+            if got != reply.nbytes:
+                raise StripefsError(ErrorCode.PROTOCOL, f"ReadChunk reply announces {got} bytes, its payload has {reply.nbytes}")
+            if got < k:  # a hole or a chunk shorter than the file length: zeros
+                dest[pos + got : pos + k] = bytes(k - got)
 
         self._run_pieces(pieces, submit, finish)
         return n
@@ -300,7 +317,8 @@ class ClientCore:
                                        chain=chain, routing_version=self.routing().version)
                     return conn.submit(msg, payload=data[pos : pos + k])
 
-                self._run_pieces(pieces, submit, lambda p, r: None)
+                # Decoding checks each acknowledgement is a well-formed WriteChunkReply.
+                self._run_pieces(pieces, submit, lambda p, r: _write_reply(r.header))
                 done.set_result(None)
             except BaseException as exc:  # delivered to whoever waits on the future
                 done.set_exception(exc)

@@ -21,26 +21,61 @@ import io
 import threading
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from wire import Attr, ErrorCode, MAX_FILE_SIZE, StripefsError, messages as m
+from wire import Attr, ErrorCode, Layout, MAX_FILE_SIZE, Message, ReplyMessage, StripefsError, messages as m
 
 from ._rawbytes import fill_bytes
 
 if TYPE_CHECKING:
-    from ._core import ClientCore
+    from rpc import BufferPool
+
+R = TypeVar("R", bound=ReplyMessage)
+
+
+class ChunkIO(Protocol):
+    """What a :class:`StripeFile` needs from its client: :class:`fsclient.Client` provides it.
+
+    Spelled out here (rather than importing ``Client``) so the file object
+    depends on the narrow interface, not on the client that owns it.
+    """
+
+    @property
+    def buffers(self) -> "BufferPool": ...
+
+    def read_into(self, ino: int, layout: Layout, file_size: int, offset: int, dest: memoryview) -> int: ...
+
+    def write_from(self, ino: int, layout: Layout, offset: int, data: memoryview) -> None: ...
+
+    def submit_write(self, ino: int, layout: Layout, offset: int, data: memoryview) -> "Future[None]": ...
+
+    def commit_length(self, ino: int, length: int, *, mtime_ns: int | None = None) -> Attr: ...
+
+    def call(self, msg: Message[R], *, timeout: float = ...) -> R: ...
 
 MAX_WINDOW = 32 << 20
 
 
 class StripeFile(io.RawIOBase):
-    """A file opened with :meth:`fsclient.Client.open`. Binary; not thread-safe."""
+    """A file opened with :meth:`fsclient.Client.open` or :meth:`~fsclient.Client.open_inode`.
 
-    def __init__(self, core: "ClientCore", path: str, attr: Attr, *, readable: bool, writable: bool, append: bool = False):
+    Binary; not thread-safe.
+
+    Args:
+        client: what the file reads, writes and commits through (a :class:`fsclient.Client`).
+        path: the name shown in errors and ``repr``.
+        attr: the inode's attributes at open (a regular file: it has a layout).
+        readable, writable, append: the open mode.
+
+    Raises:
+        StripefsError: INVALID when ``attr`` is not a regular file.
+    """
+
+    def __init__(self, client: ChunkIO, path: str, attr: Attr, *, readable: bool, writable: bool, append: bool = False):
         super().__init__()
         if attr.layout is None:
             raise StripefsError(ErrorCode.INVALID, "not a regular file", path)
-        self.core = core
+        self._client = client
         self.name = path
         self.attr = attr
         self.ino = attr.ino
@@ -139,7 +174,7 @@ class StripeFile(io.RawIOBase):
         if want >= self.window // 2 or (not sequential and not self._in_window(offset)):
             # Big reads go straight into the caller's buffer; small random reads fetch
             # exactly what was asked (no window of readahead for a dataloader's 4 KiB sample).
-            return self.core.read_into(self.ino, self.layout, length, offset, dest[:want])
+            return self._client.read_into(self.ino, self.layout, length, offset, dest[:want])
         done = 0
         while done < want:
             buf, start, blen = self._window_for(offset + done, length)
@@ -192,8 +227,8 @@ class StripeFile(io.RawIOBase):
         self._ra.clear()
         start = offset - offset % self.layout.chunk_size
         blen = min(self.window, length - start)
-        buf = self.core.buffers.get(self.window)
-        self.core.read_into(self.ino, self.layout, length, start, memoryview(buf)[:blen])
+        buf = self._client.buffers.get(self.window)
+        self._client.read_into(self.ino, self.layout, length, start, memoryview(buf)[:blen])
         self._ra.append([start, blen, buf, None])
         self._prefetch(start + blen, length)
         return buf, start, blen
@@ -205,14 +240,14 @@ class StripeFile(io.RawIOBase):
             old = self._ra.pop(0)
             if old[3] is not None:
                 old[3].result()
-            self.core.buffers.put(old[2])
+            self._client.buffers.put(old[2])
         blen = min(self.window, length - start)
-        buf = self.core.buffers.get(self.window)
+        buf = self._client.buffers.get(self.window)
         fut: Future = Future()
 
         def run() -> None:
             try:
-                fut.set_result(self.core.read_into(self.ino, self.layout, length, start, memoryview(buf)[:blen]))
+                fut.set_result(self._client.read_into(self.ino, self.layout, length, start, memoryview(buf)[:blen]))
             except BaseException as exc:
                 fut.set_exception(exc)
 
@@ -246,13 +281,13 @@ class StripeFile(io.RawIOBase):
             self._submit_buffer()
         if not self._wlen and n >= self.window:
             self._reap(block=False)
-            self.core.write_from(self.ino, self.layout, offset, view)
+            self._client.write_from(self.ino, self.layout, offset, view)
             self._written_end = max(self._written_end, offset + n)
             return n
         done = 0
         while done < n:
             if self._wbuf is None:
-                self._wbuf = self._spare.pop() if self._spare else self.core.buffers.get(self.window)
+                self._wbuf = self._spare.pop() if self._spare else self._client.buffers.get(self.window)
                 self._wstart, self._wlen = offset + done, 0
             k = min(n - done, self.window - self._wlen)
             self._wbuf[self._wlen : self._wlen + k] = view[done : done + k]
@@ -267,7 +302,7 @@ class StripeFile(io.RawIOBase):
             return
         buf, start, n = self._wbuf, self._wstart, self._wlen
         self._wbuf, self._wlen = None, 0
-        futs = self.core.submit_write(self.ino, self.layout, start, memoryview(buf)[:n])
+        futs = [self._client.submit_write(self.ino, self.layout, start, memoryview(buf)[:n])]
         self._inflight.append((buf, futs))
         self._written_end = max(self._written_end, start + n)
         self._reap(block=len(self._inflight) >= 2)
@@ -305,8 +340,8 @@ class StripeFile(io.RawIOBase):
 
     def _commit(self) -> None:
         if self._dirty:
-            reply = self.core.attr(m.CommitLength(ino=self.ino, length=self._length(), mtime_ns=time.time_ns()))
-            self.size = reply.size
+            attr = self._client.commit_length(self.ino, self._length(), mtime_ns=time.time_ns())
+            self.size = attr.size
             self._dirty = False
 
     def truncate(self, size: int | None = None) -> int:
@@ -315,7 +350,7 @@ class StripeFile(io.RawIOBase):
             raise io.UnsupportedOperation("file not open for writing")
         size = self._pos if size is None else size
         self._drain()
-        attr = self.core.attr(m.SetAttr(ino=self.ino, size=size))
+        attr = self._client.call(m.SetAttr(ino=self.ino, size=size)).attr
         self.size = attr.size
         self._written_end = min(self._written_end, size)
         self._ra.clear()
@@ -335,10 +370,10 @@ class StripeFile(io.RawIOBase):
                         w[3].result()
                     except StripefsError:
                         pass
-                self.core.buffers.put(w[2])
+                self._client.buffers.put(w[2])
             self._ra.clear()
             for buf in self._spare + ([self._wbuf] if self._wbuf is not None else []):
-                self.core.buffers.put(buf)
+                self._client.buffers.put(buf)
             self._spare, self._wbuf = [], None
             super().close()
 

@@ -65,7 +65,7 @@ class Lease:
             except OSError as exc:
                 log.info("lease %r renewal failed, retrying: %s", self.key, exc)
                 continue
-            if reply["token"] != self.token:  # expired and re-taken by us: work since may be fenced
+            if reply.token != self.token:  # expired and re-taken by us: work since may be fenced
                 self.lost = True
                 return
             self._deadline = sent + self.ttl
@@ -95,7 +95,7 @@ def acquire(core: "ClientCore", key: str, owner: bytes, ttl: float, wait: bool, 
     while True:
         try:
             reply = core.call(m.AcquireLock(key=key, owner=owner, ttl_ms=int(ttl * 1000)))
-            return Lease(core, key, owner, ttl, reply["token"])
+            return Lease(core, key, owner, ttl, reply.token)
         except BlockingIOError:
             if not wait or (deadline is not None and time.monotonic() + delay > deadline):
                 raise

@@ -287,7 +287,7 @@ class StripeFileSystem(AbstractFileSystem):
             raise StripefsError(ErrorCode.IS_DIR, "is a directory", p)
         s, e = clamp(start, end, attr.size)
         layout, ino, size = attr.layout, attr.ino, attr.size
-        return fill_bytes(e - s, lambda view, pos: self.client.core.read_into(ino, layout, size, s + pos, view))
+        return fill_bytes(e - s, lambda view, pos: self.client.read_into(ino, layout, size, s + pos, view))
 
     def cat_ranges(self, paths: list[str], starts: Any, ends: Any, max_gap: int | None = None,
                    on_error: str = "return", **kwargs: Any) -> list[Any]:
@@ -400,7 +400,7 @@ class StripeFileSystem(AbstractFileSystem):
 
 def _blocks(client: Client, readinto: Callable[[memoryview], int]) -> Iterator[memoryview]:
     """Fill one reused page-aligned buffer from ``readinto`` and yield its filled part, until EOF."""
-    buf = client.core.buffers.get(STEP)
+    buf = client.buffers.get(STEP)
     view = memoryview(buf)
     try:
         while True:
@@ -410,7 +410,7 @@ def _blocks(client: Client, readinto: Callable[[memoryview], int]) -> Iterator[m
             yield view[:n]
     finally:
         view.release()
-        client.core.buffers.put(buf)
+        client.buffers.put(buf)
 
 
 def _download(client: Client, src: io.RawIOBase, dst: Any, callback: Callback) -> None:

@@ -103,6 +103,6 @@ def _read_span(client: "Client", attr: Attr, span: tuple[int, int, list[tuple[in
     s, e, _members = span
     assert attr.layout is not None
     try:
-        return fill_bytes(e - s, lambda view, pos: client.core.read_into(attr.ino, attr.layout, attr.size, s + pos, view))
+        return fill_bytes(e - s, lambda view, pos: client.read_into(attr.ino, attr.layout, attr.size, s + pos, view))
     except OSError as exc:
         return exc

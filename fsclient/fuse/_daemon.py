@@ -77,7 +77,7 @@ def preflight(mountpoint: str, cluster: str | None) -> None:
         raise MountError(f"mount point {mountpoint} is not an existing directory")
     try:
         with Client(cluster) as c:
-            c.core.call(m.Statfs(), timeout=5.0)
+            c.call(m.Statfs(), timeout=5.0)
     except StripefsError as exc:
         raise MountError(f"cluster unreachable: {exc.message}") from None
     except OSError as exc:

@@ -107,7 +107,8 @@ class OpenFile:
     ``lock`` (StripeFile is not thread-safe).
     """
 
-    def __init__(self, file: StripeFile):
+    def __init__(self, client: Client, file: StripeFile):
+        self.client = client  # parallel reads (read_at) bypass the file's readahead state
         self.file = file
         self.handles = 0
         self.lock = trio.Lock()
@@ -156,7 +157,7 @@ class OpenFile:
     def read_at(self, offset: int, dest: memoryview) -> int:
         """Read exactly the asked range into ``dest``; safe to run in parallel (no state)."""
         f = self.file
-        return f.core.read_into(f.ino, f.layout, self.length(), offset, dest)
+        return self.client.read_into(f.ino, f.layout, self.length(), offset, dest)
 
     def write(self, offset: int, data: bytes) -> int:
         self.dirty = True
@@ -302,7 +303,7 @@ class StripeOperations(pyfuse3.Operations):
 
     @_errors
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
-        return os.fsencode((await self.aio.call(m.Readlink(ino=inode)))["target"])
+        return os.fsencode((await self.aio.call(m.Readlink(ino=inode))).target)
 
     # -- directories ----------------------------------------------------------------------
     @_errors
@@ -322,8 +323,8 @@ class StripeOperations(pyfuse3.Operations):
                 after = d.page[-1].name if d.page else ""
                 d.base += len(d.page)
                 reply = await self.aio.call(m.Readdir(ino=d.ino, after=after, limit=READDIR_PAGE, plus=True))
-                d.page = [DirEntry.from_wire(e) for e in reply["entries"]]
-                d.more = bool(reply["more"]) and bool(d.page)
+                d.page = reply.entries
+                d.more = reply.more and bool(d.page)
             if i >= d.base + len(d.page):
                 return
             e = d.page[i - d.base]
@@ -424,13 +425,13 @@ class StripeOperations(pyfuse3.Operations):
         host, removed, after = socket.gethostname(), 0, ""
         while True:
             reply = await self.aio.call(m.Readdir(ino=d.ino, after=after, limit=READDIR_PAGE))
-            names = [DirEntry.from_wire(e).name for e in reply["entries"]]
+            names = [e.name for e in reply.entries]
             for name in names:
                 parts = name.split("@")
                 if len(parts) >= 4 and parts[-3] == host and parts[-2].isdigit() and not _daemon_alive(int(parts[-2])):
                     await self.aio.call(m.Unlink(parent=d.ino, name=name))
                     removed += 1
-            if not reply["more"] or not names:
+            if not reply.more or not names:
                 return removed
             after = names[-1]
 
@@ -443,7 +444,7 @@ class StripeOperations(pyfuse3.Operations):
         stamp = (attr.size, attr.mtime_ns)
         busy = state is not None and state.handles > 0
         if state is None:
-            state = self.files[ino] = OpenFile(StripeFile(self.client.core, f"<inode {ino}>", attr, readable=True, writable=True))
+            state = self.files[ino] = OpenFile(self.client, self.client.open_inode(attr, readable=True, writable=True))
         state.handles += 1
         fh = next(self._fh)
         self.handles[fh] = ino
@@ -473,7 +474,7 @@ class StripeOperations(pyfuse3.Operations):
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         reply = await self.aio.call(m.Create(parent=parent_inode, name=_name(name), mode=stat.S_IMODE(mode), uid=ctx.uid,
                                              gid=ctx.gid, exclusive=bool(flags & os.O_EXCL), truncate=bool(flags & os.O_TRUNC)))
-        attr = Attr.from_wire(reply["attr"])
+        attr = reply.attr
         await self._wait_closing(attr.ino)
         fi = await self._open_state(attr, flags & ~os.O_TRUNC)
         return fi, self._looked_up(attr)
@@ -484,7 +485,7 @@ class StripeOperations(pyfuse3.Operations):
         # The node is stored; the kernel gives fifos, sockets and devices their behaviour.
         reply = await self.aio.call(m.Mknod(parent=parent_inode, name=_name(name), mode=mode, rdev=rdev,
                                             uid=ctx.uid, gid=ctx.gid))
-        return self._looked_up(Attr.from_wire(reply["attr"]))
+        return self._looked_up(reply.attr)
 
     def _state(self, fh: int) -> OpenFile:
         try:
@@ -564,9 +565,9 @@ class StripeOperations(pyfuse3.Operations):
         s = pyfuse3.StatvfsData()
         s.f_bsize = BLKSIZE
         s.f_frsize = 4096
-        s.f_blocks = st["capacity"] // s.f_frsize
-        s.f_bfree = s.f_bavail = st["free"] // s.f_frsize
-        s.f_files = st["files"] + (1 << 32)
+        s.f_blocks = st.capacity // s.f_frsize
+        s.f_bfree = s.f_bavail = st.free // s.f_frsize
+        s.f_files = st.files + (1 << 32)
         s.f_ffree = s.f_favail = 1 << 32  # inodes are rows in the metadata store: no fixed table
         s.f_namemax = 255
         return s
@@ -586,7 +587,7 @@ class StripeOperations(pyfuse3.Operations):
         if self._no_xattr.get(key, 0.0) > trio.current_time():
             raise pyfuse3.FUSEError(errno.ENODATA)
         try:
-            return (await self.aio.call(m.GetXattr(ino=inode, name=name)))["value"]
+            return (await self.aio.call(m.GetXattr(ino=inode, name=name))).value
         except OSError as exc:
             if exc.errno == errno.ENODATA:
                 if len(self._no_xattr) > 100_000:  # bounded: forget everything rather than grow
@@ -596,7 +597,7 @@ class StripeOperations(pyfuse3.Operations):
 
     @_errors
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
-        return list((await self.aio.call(m.ListXattr(ino=inode)))["names"])
+        return list((await self.aio.call(m.ListXattr(ino=inode))).names)
 
     @_errors
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:

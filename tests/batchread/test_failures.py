@@ -22,7 +22,7 @@ def test_server_killed_mid_batch_fails_only_its_reads(make_cluster) -> None:
         client.write_bytes("/big.bin", data)
         ring = ReadRing(client, retries=1)
         f = ring.open("/big.bin")
-        routing = client.core.routing()
+        routing = client.routing()
         server_of = [routing.chains[f.layout.chain_of(i)][0] for i in range(16)]
         victim = server_of[0]
         port = routing.servers[victim].port

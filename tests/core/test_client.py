@@ -22,9 +22,9 @@ def test_striping_lands_on_every_server(client: Client, cluster, testdir: str) -
     with client.open(path, "wb") as f:
         f.write(data)
     placement = client.placement(path)
-    assert {p["server"] for p in placement} == {s["server_id"] for s in client.status()["servers"]}
+    assert {p["server"] for p in placement} == {s.server_id for s in client.status().servers}
     attr = client.stat(path)
-    assert attr.size == len(data) and attr.layout.stripe == min(16, len(client.core.routing().chains))
+    assert attr.size == len(data) and attr.layout.stripe == min(16, len(client.routing().chains))
     chunk_dir = f"{attr.ino:016x}"
     holders = [s for s in cluster.data["servers"] if os.path.isdir(os.path.join(s["root"], "chunks", chunk_dir))]
     assert len(holders) == 4  # bytes really are on every server's disk
@@ -277,3 +277,41 @@ def test_unlink_reclaims_chunks(client: Client, cluster, testdir: str) -> None:
             break
         time.sleep(0.1)
     assert not left
+
+
+def test_front_end_interface_by_inode(client: Client, testdir: str) -> None:
+    """The by-inode interface front ends use (docs/architecture.md): typed replies, no core."""
+    from wire import messages as m
+
+    assert not hasattr(client, "core")  # the core is private: front ends use the interface
+    path = f"{testdir}/iface"
+    data = os.urandom(TEST_CHUNK * 2 + 777)
+    created = client.call(m.Create(parent=client.stat(testdir).ino, name="iface", mode=0o644))
+    assert isinstance(created, m.CreateReply) and created.created and created.attr.size == 0
+    attr = created.attr
+    buf = client.buffers.get(len(data))
+    try:
+        buf[: len(data)] = data
+        client.submit_write(attr.ino, attr.layout, 0, memoryview(buf)[: TEST_CHUNK]).result(60)
+        client.write_from(attr.ino, attr.layout, TEST_CHUNK, memoryview(buf)[TEST_CHUNK : len(data)])
+    finally:
+        client.buffers.put(buf)
+    assert client.stat_inode(attr.ino).size == 0  # nothing is visible before the commit
+    committed = client.commit_length(attr.ino, len(data))
+    assert committed.size == len(data) == client.stat(path).size
+    dest = bytearray(len(data) + 10)
+    assert client.read_into(attr.ino, attr.layout, committed.size, 0, memoryview(dest)) == len(data)
+    assert bytes(dest[: len(data)]) == data
+    with client.open_inode(client.stat_inode(attr.ino)) as f:
+        assert f.read() == data and f.name == f"<inode {attr.ino}>"
+    chain = attr.layout.chain_of(0)
+    sid = client.routing(refresh=True).chains[chain][0]
+    stat = client.call_storage(sid, m.StatChunk(ino=attr.ino, index=0))
+    assert isinstance(stat, m.StatChunkReply) and stat.length == TEST_CHUNK and stat.version >= 1
+    reply = client.data_connection(sid).call(m.ReadChunk(ino=attr.ino, index=0, offset=0, length=10, chain=chain))
+    assert m.decode_reply(m.ReadChunk, reply.header) == m.ReadChunkReply(length=10, chunk_length=TEST_CHUNK)
+    assert reply.payload == data[:10]
+    assert client.pid == os.getpid()
+    listing = client.call(m.Readdir(ino=client.stat(testdir).ino))
+    assert [e.name for e in listing.entries] == ["iface"] and listing.more is False
+    assert isinstance(client.statfs(), m.StatfsReply) and client.statfs().files >= 1

@@ -86,7 +86,7 @@ def test_restart_keeps_committed_files(make_cluster) -> None:
     assert h.data["metadata"]["port"] == port  # same address when free: old clients keep working
     with h.client() as c:
         assert c.read_bytes("/keep/link") == data
-        assert len(c.status()["servers"]) == 3
+        assert len(c.status().servers) == 3
 
 
 def test_wrong_secret_is_refused(cluster) -> None:
@@ -135,8 +135,8 @@ def test_garbage_frames_do_not_hurt_the_server(cluster, client: Client, testdir:
 def test_bad_requests_get_typed_errors(cluster, client: Client, testdir: str) -> None:
     client.write_bytes(f"{testdir}/f", b"x" * 10)
     attr = client.stat(f"{testdir}/f")
-    sid = client.core.routing().chains[attr.layout.chain_of(0)][0]
-    conn = client.core.data_conn(sid)
+    sid = client.routing().chains[attr.layout.chain_of(0)][0]
+    conn = client.data_connection(sid)
     with pytest.raises(StripefsError) as exc:  # payload does not match its checksum
         conn.call(m.WriteChunk(ino=attr.ino, index=0, offset=0, crc=1234, chunk_size=TEST_CHUNK), payload=b"abc")
     assert exc.value.code == ErrorCode.CHECKSUM
@@ -160,8 +160,8 @@ def test_dead_server_gives_clear_error_and_others_keep_serving(make_cluster) -> 
         c.write_bytes("/a", b"a" * 100)
         c.write_bytes("/b", b"b" * 100)
         sid_a = c.placement("/a")[0]["server"]
-        victim = next(s for s in c.status()["servers"] if s["server_id"] == sid_a)
-        os.kill(victim["pid"], signal.SIGKILL)
+        victim = next(s for s in c.status().servers if s.server_id == sid_a)
+        os.kill(victim.pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(OSError) as exc:
             c.read_bytes("/a")
@@ -185,7 +185,7 @@ def test_postgresql_metadata_store_end_to_end(make_cluster, tmp_path) -> None:
             c.makedirs("/pg/d")
             c.write_bytes("/pg/d/f", data)
             c.setxattr("/pg/d/f", "user.k", b"v")
-            assert c.status()["metadata"]["store"] == "postgresql"
+            assert c.status().metadata["store"] == "postgresql"
         h.restart()  # metadata service, storage servers and the private PostgreSQL
         with h.client() as c:
             assert c.read_bytes("/pg/d/f") == data and c.getxattr("/pg/d/f", "user.k") == b"v"

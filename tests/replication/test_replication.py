@@ -21,15 +21,15 @@ def wait_all_serving(c: Client, n: int, timeout: float = 40.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         st = c.status()
-        if len(st["servers"]) == n and all(s["state"] == "serving" for s in st["servers"]):
+        if len(st.servers) == n and all(s.state == "serving" for s in st.servers):
             return
         time.sleep(0.2)
-    raise AssertionError(f"servers did not all come back serving: {c.status()['servers']}")
+    raise AssertionError(f"servers did not all come back serving: {c.status().servers}")
 
 
 def server_pid(h, sid: int) -> int:
     with h.client() as c:
-        return next(s["pid"] for s in c.status()["servers"] if s["server_id"] == sid)
+        return next(s.pid for s in c.status().servers if s.server_id == sid)
 
 
 class Workload:
@@ -104,7 +104,7 @@ def test_kill_a_server_during_traffic_then_resync(make_cluster, replicas: int) -
     with h.client() as c:
         wait_all_serving(c, 3)
         # The returning server caught up: kill the others in its chains and read through it.
-        others = [s["server_id"] for s in c.status()["servers"] if s["server_id"] != victim]
+        others = [s.server_id for s in c.status().servers if s.server_id != victim]
     for sid in others[: replicas - 1]:
         os.kill(server_pid(h, sid), signal.SIGKILL)
     time.sleep(6.0)
@@ -139,11 +139,11 @@ def test_corrupt_replica_is_read_around_and_scrub_repairs(make_cluster) -> None:
 
     assert main(["scrub", "--cluster", h.file]) == 0  # found and repaired
     with h.client() as c:
-        sid = next(s["server_id"] for s in c.status()["servers"] if s["port"] == h.data["servers"][0]["port"])
+        sid = next(s.server_id for s in c.status().servers if s.port == h.data["servers"][0]["port"])
         from wire import messages as m
 
-        again = c.core.data_conn(sid).call(m.Scrub(repair=False)).header
-        assert again["bad"] == [] and again["checked"] >= flipped
+        again = c.call_storage(sid, m.Scrub(repair=False))
+        assert again.bad == [] and again.checked >= flipped
 
 
 def test_kill_head_middle_tail_and_two_of_three(make_cluster) -> None:
@@ -153,7 +153,7 @@ def test_kill_head_middle_tail_and_two_of_three(make_cluster) -> None:
         c.set_layout("/d", stripe=1)
         c.write_bytes("/d/probe", b"p")
         chain = c.stat("/d/probe").layout.chains[0]
-        order = list(c.core.routing(refresh=True).chains[chain])
+        order = list(c.routing(refresh=True).chains[chain])
     assert len(order) == 3
     head, middle, tail = order
     with Workload(h, "/d", writers=2) as load:
@@ -164,7 +164,7 @@ def test_kill_head_middle_tail_and_two_of_three(make_cluster) -> None:
         time.sleep(6.5)
     load.verify()
     with h.client() as c:
-        assert [s["state"] for s in c.status()["servers"] if s["server_id"] == tail] == ["serving"]
+        assert [s.state for s in c.status().servers if s.server_id == tail] == ["serving"]
         c.write_bytes("/d/after", b"still writable")
         assert c.read_bytes("/d/after") == b"still writable"
 
@@ -198,10 +198,10 @@ def test_add_server_rebalances_without_downtime(make_cluster, replicas: int) -> 
             st = c.status()
         time.sleep(0.5)
     load.verify()
-    new_sid = max(s["server_id"] for s in st["servers"])
-    slots = [t for ch in st["chains"] for t in ch["targets"]]
+    new_sid = max(s.server_id for s in st.servers)
+    slots = [t for ch in st.chains for t in ch["targets"]]
     assert slots.count(new_sid) >= 1  # the newcomer holds a fair share of chain slots
-    assert all(len(ch["targets"]) == replicas for ch in st["chains"])
+    assert all(len(ch["targets"]) == replicas for ch in st.chains)
     new_root = h.data["servers"][-1]["root"]
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # its chunks are on its disk; the donors dropped theirs
@@ -213,11 +213,11 @@ def test_add_server_rebalances_without_downtime(make_cluster, replicas: int) -> 
     with h.client() as c:
         for p, d in {**files, **load.acked}.items():
             assert c.read_bytes(p) == d, p
-        total_chunks = sum(s.get("used", 0) for s in c.status()["servers"])
+        total_chunks = sum(s.used for s in c.status().servers)
     expect = sum(len(d) for d in {**files, **load.acked}.values()) * replicas
     deadline = time.monotonic() + 30
     while total_chunks > expect and time.monotonic() < deadline:  # donors' copies are dropped
         time.sleep(0.5)
         with h.client() as c:
-            total_chunks = sum(s.get("used", 0) for s in c.status()["servers"])
+            total_chunks = sum(s.used for s in c.status().servers)
     assert total_chunks == expect

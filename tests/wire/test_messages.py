@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import pickle
+import typing
+from typing import Any
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -90,3 +93,179 @@ def test_auth_proofs() -> None:
     assert not wire.check_proof(wire.client_proof("other", s, c), proof)
     assert not wire.check_proof(wire.server_proof("secret", s, c), proof)  # roles differ
     assert not wire.check_proof(proof, "not bytes")
+
+
+# --- replies ---------------------------------------------------------------------------------
+
+# The reply type of every request: pinned, because it is part of the protocol.
+REPLY_OF = {
+    "Challenge": None, "Authenticate": "AuthenticateReply", "Ping": "EmptyReply", "Statfs": "StatfsReply",
+    "GetAttr": "AttrReply", "Lookup": "AttrReply", "Resolve": "AttrReply", "Create": "CreateReply",
+    "Mkdir": "AttrReply", "Symlink": "AttrReply", "Readlink": "ReadlinkReply", "Link": "AttrReply",
+    "Readdir": "ReaddirReply", "Unlink": "AttrReply", "Rmdir": "EmptyReply", "Rename": "EmptyReply",
+    "SetAttr": "AttrReply", "CommitLength": "AttrReply", "SetLayout": "EmptyReply", "GetRouting": "RoutingReply",
+    "ClusterStatus": "ClusterStatusReply", "RegisterServer": "RegisterServerReply", "Heartbeat": "HeartbeatReply",
+    "GetLayout": "LayoutReply", "WriteChunk": "WriteChunkReply", "ReadChunk": "ReadChunkReply",
+    "RemoveChunks": "RemovedReply", "TruncateChunk": "EmptyReply", "StatChunk": "StatChunkReply",
+    "TargetInfo": "TargetInfoReply", "ListChunks": "ListChunksReply", "FetchChunk": "FetchChunkReply",
+    "SyncDone": "SyncDoneReply", "Scrub": "ScrubReply", "DropChain": "RemovedReply",
+}
+
+LAYOUT = wire.Layout(1 << 20, (3, 1, 2))
+ATTR = wire.Attr(7, 0o100644, 1, 1000, 1000, 12345, 1, 2, 3, LAYOUT)
+SERVER = wire.ServerInfo(1, "127.0.0.1", 4000, "serving", 100, 10, 42, 1.5)
+ROUTING = wire.Routing(3, {1: (1, 2)}, {1: SERVER}, {1: ((1, "serving"), (2, "syncing"))}, 2)
+
+# One instance of every reply type, with the header map it must travel as (the wire format).
+SAMPLES: list[tuple[m.ReplyMessage, dict]] = [
+    (m.EmptyReply(), {}),
+    (m.AuthenticateReply(proof=b"p" * 32), {"proof": b"p" * 32}),
+    (m.StatfsReply(capacity=100, used=10, free=90, files=3), {"capacity": 100, "used": 10, "free": 90, "files": 3}),
+    (m.AttrReply(attr=ATTR), {"attr": ATTR.to_wire()}),
+    (m.CreateReply(attr=ATTR, created=True), {"attr": ATTR.to_wire(), "created": True}),
+    (m.ReadlinkReply(target="/x"), {"target": "/x"}),
+    (m.ReaddirReply(entries=[wire.DirEntry("a", 7, 0o100644, ATTR), wire.DirEntry("b", 8, 0o40755)], more=False),
+     {"entries": [["a", 7, 0o100644, ATTR.to_wire()], ["b", 8, 0o40755, None]], "more": False}),
+    (m.LayoutReply(layout={"chunk_size": 1 << 20, "stripe": 4}), {"layout": {"chunk_size": 1 << 20, "stripe": 4}}),
+    (m.RoutingReply(routing=ROUTING), {"routing": ROUTING.to_wire()}),
+    (m.ClusterStatusReply(metadata={"pid": 1, "inodes": 2}, servers=[SERVER],
+                          chains=[{"chain_id": 1, "targets": [1, 2], "states": ["serving", "syncing"]}],
+                          replicas=2, routing_version=3),
+     {"metadata": {"pid": 1, "inodes": 2}, "servers": [SERVER.to_wire()],
+      "chains": [{"chain_id": 1, "targets": [1, 2], "states": ["serving", "syncing"]}], "replicas": 2, "routing_version": 3}),
+    (m.RegisterServerReply(server_id=1, state="serving", routing_version=3), {"server_id": 1, "state": "serving", "routing_version": 3}),
+    (m.HeartbeatReply(state="syncing", routing_version=4), {"state": "syncing", "routing_version": 4}),
+    (m.SyncDoneReply(routing_version=5), {"routing_version": 5}),
+    (m.WriteChunkReply(length=4096, version=2), {"length": 4096, "version": 2}),
+    (m.ReadChunkReply(length=100, chunk_length=4096), {"length": 100, "chunk_length": 4096}),
+    (m.RemovedReply(removed=3), {"removed": 3}),
+    (m.StatChunkReply(length=10, version=1, crcs=[1, 2]), {"length": 10, "version": 1, "crcs": [1, 2]}),
+    (m.TargetInfoReply(server_id=None, capacity=10, free=5, used=5, chunks=1, root="/r", syncing=False, sync_progress={}),
+     {"server_id": None, "capacity": 10, "free": 5, "used": 5, "chunks": 1, "root": "/r", "syncing": False, "sync_progress": {}}),
+    (m.ListChunksReply(chunks=[[7, 0, 1, 100]]), {"chunks": [[7, 0, 1, 100]]}),
+    (m.FetchChunkReply(version=1, chain=2, length=100), {"version": 1, "chain": 2, "length": 100}),
+    (m.ScrubReply(checked=4, bad=[[7, 0, 1]], repaired=1), {"checked": 4, "bad": [[7, 0, 1]], "repaired": 1}),
+]
+
+
+def _over_the_wire(header: dict) -> dict:
+    """A header after msgpack encoding and decoding, as a response frame (tuples become lists)."""
+    dec = wire.FrameDecoder()
+    dec.feed(wire.encode_frame(41, 9, header, flags=wire.FLAG_RESPONSE))
+    frame = dec.next_event()
+    assert isinstance(frame, wire.Frame) and frame.head.is_response
+    return frame.head.header
+
+
+def test_every_request_names_its_reply_type() -> None:
+    assert {cls.__name__: cls.Reply and cls.Reply.__name__ for cls in wire.MESSAGES.values()} == REPLY_OF
+    for cls in wire.MESSAGES.values():
+        assert cls.Reply is None or issubclass(cls.Reply, wire.ReplyMessage)
+    assert m.GetAttr(ino=1).Reply is m.AttrReply  # on instances too
+
+
+def test_every_reply_type_has_a_sample() -> None:
+    used = {cls.Reply for cls in wire.MESSAGES.values() if cls.Reply is not None}
+    assert used == {type(r) for r, _ in SAMPLES}
+
+
+@pytest.mark.parametrize("reply, header", SAMPLES, ids=[type(r).__name__ for r, _ in SAMPLES])
+def test_reply_roundtrip_keeps_the_wire_format(reply: m.ReplyMessage, header: dict) -> None:
+    assert reply.to_header() == header  # the keys (and value encodings) on the wire are unchanged
+    request = next(cls for cls in wire.MESSAGES.values() if cls.Reply is type(reply))
+    assert wire.decode_reply(request, _over_the_wire(reply.to_header())) == reply
+    assert type(reply).from_header(header) == reply
+
+
+def test_typed_fields_are_value_types() -> None:
+    r = wire.decode_reply(m.Readdir, _over_the_wire(SAMPLES[6][1]))
+    assert r.entries[0].attr == ATTR and r.entries[0].attr.layout.chains == (3, 1, 2) and r.more is False
+    assert wire.decode_reply(m.GetRouting, _over_the_wire({"routing": ROUTING.to_wire()})).routing.chains == {1: (1, 2)}
+    assert wire.decode_reply(m.ClusterStatus, SAMPLES[9][1]).servers[0].pid == 42
+
+
+@pytest.mark.parametrize(
+    "request_cls, header",
+    [
+        (m.ReadChunk, {"length": 1}),  # missing field
+        (m.ReadChunk, {"length": 1, "chunk_length": 2, "version": 3}),  # extra field
+        (m.ReadChunk, {"length": "1", "chunk_length": 2}),  # wrong type
+        (m.ReadChunk, {"length": True, "chunk_length": 2}),  # bool is not an int here
+        (m.ReadChunk, {"length": 2**70, "chunk_length": 2}),  # out of range
+        (m.ReadChunk, {"length": None, "chunk_length": 2}),
+        (m.ReadChunk, [1, 2]),  # not a map
+        (m.WriteChunk, {}),
+        (m.Ping, {"x": 1}),
+        (m.GetAttr, {"attr": "not a map"}),  # a value type that does not decode
+        (m.GetAttr, {"attr": {"ino": 1}}),
+        (m.Readdir, {"entries": [["a", 1]], "more": False}),
+        (m.Readdir, {"entries": "no", "more": False}),
+        (m.Readdir, {"entries": [["a", "x", 1, None]], "more": False}),  # from_wire raising ValueError
+        (m.GetRouting, {"routing": {"version": 1}}),
+        (m.Create, {"attr": ATTR.to_wire(), "created": 1}),
+        (m.TargetInfo, {**SAMPLES[17][1], "server_id": "1"}),
+        (m.StatChunk, {"length": 1, "version": 1, "crcs": 5}),
+        (m.Challenge, {}),  # never answered
+    ],
+)
+def test_invalid_replies_are_protocol_errors(request_cls: type, header: object) -> None:
+    with pytest.raises(StripefsError) as exc:
+        wire.decode_reply(request_cls, header)  # type: ignore[arg-type]
+    assert exc.value.code == ErrorCode.PROTOCOL and exc.value.errno == errno.EPROTO
+
+
+def test_optional_reply_field_accepts_none_and_its_type() -> None:
+    header = SAMPLES[17][1]
+    assert wire.decode_reply(m.TargetInfo, header).server_id is None
+    assert wire.decode_reply(m.TargetInfo, {**header, "server_id": 3}).server_id == 3
+
+
+_TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=8)
+_INT = st.integers(-(2**63), 2**64 - 1)
+_U32 = st.integers(0, 2**32 - 1)
+_LAYOUT = st.builds(wire.Layout, st.sampled_from([1 << 16, 1 << 20, 1 << 26]), st.lists(_U32, min_size=1, max_size=4).map(tuple))
+_ATTR = st.builds(wire.Attr, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _INT, st.none() | _LAYOUT, st.none() | _TEXT)
+_SERVER = st.builds(wire.ServerInfo, _INT, _TEXT, _INT, _TEXT, _INT, _INT, _INT, st.floats(allow_nan=False))
+_ROUTING = st.builds(
+    wire.Routing, _INT,
+    st.dictionaries(_U32, st.lists(_U32, max_size=3).map(tuple), max_size=3),
+    st.lists(_SERVER, max_size=3, unique_by=lambda s: s.server_id).map(lambda ss: {s.server_id: s for s in ss}),
+    st.dictionaries(_U32, st.lists(st.tuples(_U32, _TEXT), max_size=3).map(tuple), max_size=3),
+    _INT,
+)
+_SCALAR = st.none() | _INT | _TEXT | st.booleans()
+_FIELD: dict[object, st.SearchStrategy] = {
+    int: _INT, str: _TEXT, bool: st.booleans(), bytes: st.binary(max_size=8), int | None: st.none() | _INT,
+    wire.Attr: _ATTR, wire.Routing: _ROUTING, list[wire.ServerInfo]: st.lists(_SERVER, max_size=3),
+    list[wire.DirEntry]: st.lists(st.builds(wire.DirEntry, _TEXT, _INT, _INT, st.none() | _ATTR), max_size=3),
+    list[int]: st.lists(_INT, max_size=4), list[list[int]]: st.lists(st.lists(_INT, max_size=4), max_size=3),
+    dict[str, int]: st.dictionaries(_TEXT, _INT, max_size=3), dict[str, Any]: st.dictionaries(_TEXT, _SCALAR, max_size=3),
+    list[dict[str, Any]]: st.lists(st.dictionaries(_TEXT, _SCALAR, max_size=3), max_size=3),
+}
+
+
+def _replies() -> st.SearchStrategy:
+    strategies = []
+    for cls in sorted({c.Reply for c in wire.MESSAGES.values() if c.Reply is not None}, key=lambda c: c.__name__):
+        hints = typing.get_type_hints(cls)
+        fields = {f.name: _FIELD[hints[f.name]] for f in dataclasses.fields(cls)}
+        strategies.append(st.builds(cls, **fields))
+    return st.one_of(strategies)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_replies())
+def test_hypothesis_reply_roundtrip(reply: m.ReplyMessage) -> None:
+    request = next(cls for cls in wire.MESSAGES.values() if cls.Reply is type(reply))
+    assert wire.decode_reply(request, _over_the_wire(reply.to_header())) == reply
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([c for c in sorted(wire.MESSAGES) if wire.MESSAGES[c].Reply is not None]),
+       st.dictionaries(st.text(max_size=10), st.one_of(st.none(), st.integers(), st.text(max_size=5), st.booleans(),
+                                                       st.binary(max_size=5), st.lists(st.integers(), max_size=3))))
+def test_fuzz_decode_reply(msg_type: int, header: dict) -> None:
+    try:
+        wire.decode_reply(wire.MESSAGES[msg_type], header)
+    except StripefsError as exc:
+        assert exc.code == ErrorCode.PROTOCOL
