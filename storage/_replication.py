@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator
 
 import trio
 
-from rpc import TrioConnection
+from rpc import TrioConnection, TrioPool
 from wire import ErrorCode, Routing, StripefsError, messages as m
 
 from ._chunks import ChunkStore, VersionGap
@@ -44,7 +44,7 @@ class Replicator:
         self.meta = meta
         self.server_id: int | None = None
         self.routing: Routing | None = None
-        self._idle: dict[int, list[TrioConnection]] = {}
+        self.peers = TrioPool(secret, keep=POOL_PER_PEER)  # forwarding runs many calls to a peer at once
         self._locks: dict[tuple[int, int], tuple[trio.Lock, int]] = {}
         self._refresh_lock = trio.Lock()
         self.syncing = False
@@ -60,29 +60,12 @@ class Replicator:
         return self.routing
 
     # -- peers ------------------------------------------------------------------------------
-    async def call_peer(self, sid: int, msg: m.Message, payload: bytes = b"") -> tuple[dict[str, Any], bytes]:
+    async def call_peer(self, sid: int, msg: m.Message, payload: bytes = b"") -> tuple[dict[str, Any], bytes | bytearray]:
         routing = self.routing or await self.refresh()
         info = routing.servers.get(sid)
         if info is None:
             raise StripefsError(ErrorCode.UNAVAILABLE, f"unknown storage server {sid}")
-        idle = self._idle.setdefault(sid, [])
-        conn = idle.pop() if idle else TrioConnection((info.host, info.port), self.secret)
-        if conn.address != (info.host, info.port):
-            conn.close()
-            conn = TrioConnection((info.host, info.port), self.secret)
-        try:
-            result = await conn.call(msg, payload)
-        except StripefsError as exc:
-            if exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.PROTOCOL):
-                conn.close()
-                raise
-            idle.append(conn)
-            raise
-        if len(idle) < POOL_PER_PEER:
-            idle.append(conn)
-        else:
-            conn.close()
-        return result
+        return await self.peers.call(sid, (info.host, info.port), msg, payload)
 
     @asynccontextmanager
     async def chunk_lock(self, key: tuple[int, int]) -> AsyncIterator[None]:

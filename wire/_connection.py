@@ -46,7 +46,7 @@ from ._events import (
     ResponseCancelled,
     ResponseReceived,
 )
-from ._frames import FLAG_ERROR, FLAG_RESPONSE, NEED_DATA, FrameDecoder, FrameHead, _NeedData, encode_prefix
+from ._frames import FLAG_ERROR, FLAG_RESPONSE, NEED_DATA, PREFIX, FrameDecoder, FrameHead, _NeedData, encode_prefix
 from ._messages import Authenticate, Challenge, Message, decode_message
 
 __all__ = ["ConnState", "ClientConnection", "ServerConnection"]
@@ -149,18 +149,21 @@ class _Machine:
     def _next_head(self) -> FrameHead | _NeedData:
         if self.state is ConnState.ERROR:
             raise _protocol("connection failed earlier: close it")
-        if self._decoder.payload_left and not self._discarding:
-            raise _protocol("the previous frame's payload has not been moved or discarded")
-        if self._discarding:
+        decoder = self._decoder
+        if decoder.payload_left:
+            if not self._discarding:
+                raise _protocol("the previous frame's payload has not been moved or discarded")
             if self._eof:
                 raise self._fail(_protocol("connection closed in the middle of a payload"))
             return NEED_DATA
+        if decoder.buffered < PREFIX.size and not self._eof:
+            return NEED_DATA  # the common wait (between frames), answered without parsing
         try:
-            head = self._decoder.next_head()
+            head = decoder.next_head()
         except StripefsError as exc:
             raise self._fail(exc) from None
         if head is NEED_DATA and self._eof:
-            if self._decoder.buffered:
+            if decoder.buffered:
                 raise self._fail(_protocol("connection closed in the middle of a frame"))
             self.state = ConnState.CLOSED
         return head
@@ -317,6 +320,7 @@ class ServerConnection(_Machine):
         self.cluster_id = cluster_id
         self._nonce = nonce if nonce is not None else auth.new_nonce()
         self.client_id = b""  # the peer's, once authenticated
+        self._authenticated = False
 
     def start(self) -> bytes:
         """The challenge frame, sent first on every accepted connection."""
@@ -367,6 +371,7 @@ class ServerConnection(_Machine):
         proof = auth.server_proof(self._secret, self._nonce, msg.nonce)
         self._out += encode_prefix(head.msg_type, head.req_id, {"proof": proof}, 0, FLAG_RESPONSE)
         self.state = ConnState.READY
+        self._authenticated = True
         return HandshakeComplete(self.role, self.client_id)
 
     def send_response(self, head: FrameHead, header: dict[str, Any], payload_len: int = 0) -> bytes:
@@ -386,6 +391,7 @@ class ServerConnection(_Machine):
         return encode_prefix(head.msg_type, head.req_id, error.to_wire(), 0, FLAG_RESPONSE | FLAG_ERROR)
 
     def _check_ready(self) -> None:
-        if self.state not in (ConnState.READY, ConnState.CLOSED):
-            # CLOSED still answers: a client may half-close after its last request.
+        # Requests already received are still answered after EOF (a client may half-close
+        # after its last request) or a later protocol error on the receiving side.
+        if not self._authenticated:
             raise _protocol(f"cannot answer: connection is {self.state.value}")
