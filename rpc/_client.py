@@ -270,12 +270,14 @@ class Connection:
         machine = self._machine
         try:
             while True:
+                if machine.next_read_size():
+                    self._feed()  # also where discarded payloads (cancelled, errors) are dropped
+                    continue
                 with self._plock:
                     event = machine.next_event()
-                    pending = self._pending.pop(event.req_id, None) if hasattr(event, "req_id") else None
-                if event is wire.NEED_DATA:
-                    self._feed()  # discarded payloads (cancelled, errors) are dropped in there
-                    continue
+                    if event is wire.NEED_DATA:
+                        continue
+                    pending = self._pending.pop(event.req_id, None) if not isinstance(event, ConnectionClosed) else None
                 if isinstance(event, ResponseReceived):
                     assert pending is not None  # the machine matched the id
                     self._complete(pending, event)

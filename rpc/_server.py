@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
 MAX_IN_FLIGHT = 64  # per connection; back-pressure beyond that
-MIN_READ = 64  # a header's tail in one read; payload bytes past it are few (copied once)
+MIN_READ = 256  # a whole small request in one read; the few payload bytes past a header are copied once
 SOCK_BUF = 4 << 20
 
 
@@ -86,6 +86,8 @@ class ServerConn:
             StripefsError: a refused handshake (after the refusal was sent) or a broken stream.
         """
         while True:
+            while self.machine.next_read_size():
+                await self._fill()
             try:
                 event = self.machine.next_event()
             finally:
@@ -95,7 +97,6 @@ class ServerConn:
                         await _trio_sendall(self.sock, out)
             if event is not NEED_DATA:
                 return event  # type: ignore[return-value]
-            await self._fill()
 
     async def handshake(self) -> None:
         """Send the challenge and check the peer's answer.

@@ -15,7 +15,8 @@ payload in the stream. The transport either moves it itself --
 ``take_payload(dest)`` for bytes already buffered, then ``recv_into`` for the rest
 reported with ``payload_received(n)`` -- or calls ``discard_payload()``, after which
 the machine drops those bytes as they are fed. ``next_read_size()`` says how many
-bytes to read so that no payload byte is ever buffered by the machine.
+bytes to read so that no payload byte is ever buffered by the machine (and 0
+when a frame head is complete: no need to ask ``next_event`` before that).
 
 States::
 
@@ -101,16 +102,22 @@ class _Machine:
         self._decoder.feed(data)
 
     def next_read_size(self) -> int:
-        """How many bytes the transport should read next without buffering payload bytes.
+        """How many bytes to read before calling :meth:`next_event`, without buffering payload bytes.
 
         The rest of the next frame's prefix and header, or the rest of a payload being
-        discarded (capped); 0 while a payload awaits the transport (move it first).
+        discarded (capped). 0 means "call next_event" (a head is complete, or the
+        stream is bad and next_event will say so) or, while a payload awaits the
+        transport, "move it first".
         """
+        decoder = self._decoder
+        if self._eof:
+            return 0  # next_event reports the end (or a frame cut short)
         if self._discarding:
-            return min(self._decoder.payload_left, _DISCARD_READ)
-        if self._decoder.payload_left:
+            return min(decoder.payload_left, _DISCARD_READ)
+        if decoder.payload_left:
             return 0
-        return self._decoder.head_bytes_needed() or 1
+        need = decoder.head_bytes_needed()
+        return need if need <= decoder.max_header else 0  # an oversized header fails in next_event
 
     @property
     def payload_left(self) -> int:
@@ -138,6 +145,8 @@ class _Machine:
     # -- outgoing bytes ------------------------------------------------------------------
     def data_to_send(self) -> bytes:
         """Bytes the machine itself wants sent (handshake frames, refusals); empties the queue."""
+        if not self._out:
+            return b""
         out, self._out = bytes(self._out), bytearray()
         return out
 

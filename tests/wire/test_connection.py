@@ -512,3 +512,23 @@ def test_random_chunkings_give_the_same_events(cuts: list[int]) -> None:
         ("ErrorReceived", ids[4], b""),
         ("ResponseReceived", ids[2], b"\x02" * 6),
     ]
+
+
+def test_next_read_size_walks_a_frame_exactly() -> None:
+    client, server = ready()
+    req, _ = client.send_request(m.ReadChunk(ino=1, index=0, offset=0, length=5))
+    head = type("H", (), {"msg_type": 41, "req_id": req})()
+    frame = server.send_response(head, {"length": 5}, 5) + b"hello"
+    assert client.next_read_size() == 28
+    client.receive_data(frame[:28])
+    assert client.next_read_size() == len(frame) - 28 - 5  # the header, not the payload
+    client.receive_data(frame[28:-5])
+    assert client.next_read_size() == 0  # a head is complete: ask next_event
+    assert client.next_event() == ResponseReceived(req, {"length": 5}, 5)
+    assert client.next_read_size() == 0  # the payload is the transport's to move
+    client.discard_payload()
+    assert client.next_read_size() == 5
+    client.receive_data(b"hello")
+    assert client.next_read_size() == 28
+    client.receive_data(b"")
+    assert client.next_read_size() == 0 and client.next_event() == ConnectionClosed()
