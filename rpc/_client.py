@@ -140,9 +140,10 @@ class Connection:
             threading.Thread(target=self._send_loop, name=f"stripefs-tx-{address[1]}", daemon=True).start()
 
     # -- handshake --------------------------------------------------------------------
-    def _feed(self) -> None:
-        """Read what the machine asks for (never payload bytes: those go to their buffer)."""
-        data = self.sock.recv(self._machine.next_read_size())
+    def _feed(self, n: int) -> None:
+        """Read up to ``n`` bytes, what the machine asked for (never payload bytes: those go
+        to their buffer)."""
+        data = self.sock.recv(n)
         if not data:
             raise EOFError("connection closed by peer")
         self._machine.receive_data(data)
@@ -158,7 +159,7 @@ class Connection:
                     return self._machine.role
                 if event is not wire.NEED_DATA:
                     raise EOFError("connection closed during the handshake")
-                self._feed()
+                self._feed(max(self._machine.next_read_size(), 1))
         except (OSError, EOFError) as exc:
             if isinstance(exc, StripefsError):
                 raise
@@ -270,8 +271,9 @@ class Connection:
         machine = self._machine
         try:
             while True:
-                if machine.next_read_size():
-                    self._feed()  # also where discarded payloads (cancelled, errors) are dropped
+                n = machine.next_read_size()
+                if n:
+                    self._feed(n)  # also where discarded payloads (cancelled, errors) are dropped
                     continue
                 with self._plock:
                     event = machine.next_event()

@@ -73,11 +73,10 @@ class ServerConn:
         """The authenticated peer's client id (b"" before the handshake)."""
         return self.machine.client_id
 
-    async def _fill(self) -> None:
+    async def _fill(self, n: int) -> None:
         # Read only a little past the end of the next header when a payload may follow,
         # so the payload goes straight from the socket into its destination buffer.
-        data = await self.sock.recv(max(self.machine.next_read_size(), MIN_READ))
-        self.machine.receive_data(data)
+        self.machine.receive_data(await self.sock.recv(max(n, MIN_READ)))
 
     async def next_event(self) -> Event:
         """The next event from the peer (frames the machine answers itself are sent here).
@@ -86,8 +85,8 @@ class ServerConn:
             StripefsError: a refused handshake (after the refusal was sent) or a broken stream.
         """
         while True:
-            while self.machine.next_read_size():
-                await self._fill()
+            while n := self.machine.next_read_size():
+                await self._fill(n)
             try:
                 event = self.machine.next_event()
             finally:

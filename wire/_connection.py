@@ -109,13 +109,12 @@ class _Machine:
         stream is bad and next_event will say so) or, while a payload awaits the
         transport, "move it first".
         """
-        decoder = self._decoder
         if self._eof:
             return 0  # next_event reports the end (or a frame cut short)
-        if self._discarding:
-            return min(decoder.payload_left, _DISCARD_READ)
-        if decoder.payload_left:
-            return 0
+        decoder = self._decoder
+        left = decoder.payload_left
+        if left:
+            return min(left, _DISCARD_READ) if self._discarding else 0
         need = decoder.head_bytes_needed()
         return need if need <= decoder.max_header else 0  # an oversized header fails in next_event
 
