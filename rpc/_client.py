@@ -31,6 +31,7 @@ from wire import (
     ErrorCode,
     ErrorReceived,
     HandshakeComplete,
+    ResponseCancelled,
     ResponseReceived,
     StripefsError,
 )
@@ -279,7 +280,8 @@ class Connection:
                     event = machine.next_event()
                     if event is wire.NEED_DATA:
                         continue
-                    pending = self._pending.pop(event.req_id, None) if not isinstance(event, ConnectionClosed) else None
+                    answer = isinstance(event, (ResponseReceived, ErrorReceived, ResponseCancelled))
+                    pending = self._pending.pop(event.req_id, None) if answer else None  # type: ignore[union-attr]
                 if isinstance(event, ResponseReceived):
                     assert pending is not None  # the machine matched the id
                     self._complete(pending, event)

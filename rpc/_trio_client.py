@@ -94,7 +94,7 @@ class TrioConnection:
         return data
 
     async def call(self, msg: wire.Message, payload: bytes | memoryview = b"",
-                   timeout: float = CALL_TIMEOUT) -> tuple[dict[str, Any], bytes]:
+                   timeout: float = CALL_TIMEOUT) -> tuple[dict[str, Any], bytes | bytearray]:
         """Send one request and wait for its response: ``(header, payload)``.
 
         Raises:
@@ -120,6 +120,7 @@ class TrioConnection:
                         refused = event.error  # the machine skips its payload; the connection stays good
                     else:
                         assert isinstance(event, ResponseReceived)
+                        header = event.header
                         data = await self._payload(event.payload_len) if event.payload_len else b""
             except trio.TooSlowError as exc:
                 self._fail()
@@ -134,7 +135,7 @@ class TrioConnection:
                 raise
             if refused is not None:
                 raise refused
-            return event.header, data  # type: ignore[return-value]
+            return header, data
 
     def _fail(self) -> None:
         self.close()
