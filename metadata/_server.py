@@ -21,11 +21,11 @@ import os
 import random
 import stat
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
 import trio
 
-from rpc import ReplayCache, ServerConn, Service, TrioConnection, serve_rpc
+from rpc import ReplayCache, ServerConn, Service, TrioPool, serve_rpc
 from wire import ErrorCode, FrameHead, Message, ReplyMessage, Routing, ServerInfo, StripefsError, messages as m
 
 from ._leases import Leases
@@ -33,7 +33,6 @@ from ._namespace import Namespace
 from ._store import GarbageItem, SqliteStore, Store
 
 log = logging.getLogger(__name__)
-R = TypeVar("R", bound=ReplyMessage)
 
 OFFLINE_AFTER = 5.0
 # Chains per server when the table is built: more chains than servers lets a new server
@@ -232,20 +231,6 @@ class Membership:
         return sorted(self.table)
 
 
-async def _call(conn: TrioConnection, msg: Message[R]) -> R:
-    """One control call to a storage server, its reply decoded and checked.
-
-    The transport hands the response header up as a plain map; the caller
-    knows the request, so the reply is typed here.
-
-    Raises:
-        StripefsError: the server's error, UNAVAILABLE/TIMEOUT from the
-            transport, PROTOCOL for a malformed reply.
-    """
-    header, _payload = await conn.call(msg)
-    return m.decode_reply(msg, header)
-
-
 MAX_BATCH = 256  # operations per group commit
 MAX_BATCH_RETRIES = 8  # reruns of a batch that lost a serialization race (PostgreSQL)
 
@@ -276,7 +261,7 @@ class MetadataService(Service):
         self._jobs: list[_Job] = []
         self._jobs_ready = trio.Event()
         self.replay = ReplayCache()
-        self.conns: dict[int, TrioConnection] = {}
+        self.storage = TrioPool(secret, keep=1)  # calls to storage servers run one at a time
         self.gc_wakeup = trio.Event()
         self.started = time.time()
 
@@ -463,16 +448,18 @@ class MetadataService(Service):
         )
 
     # -- background work -------------------------------------------------------------------
-    def _conn(self, server_id: int) -> TrioConnection | None:
+    def _address(self, server_id: int) -> tuple[str, int] | None:
         info = self.members.servers.get(server_id)
-        if info is None:
-            return None
-        conn = self.conns.get(server_id)
-        if conn is None or conn.address != (info.host, info.port):
-            if conn is not None:
-                conn.close()
-            conn = self.conns[server_id] = TrioConnection((info.host, info.port), self.secret)
-        return conn
+        return None if info is None else (info.host, info.port)
+
+    async def _call_storage(self, server_id: int, msg: Message) -> bool:
+        """One call to a storage server; False when the server no longer exists."""
+        address = self._address(server_id)
+        if address is None:
+            return False
+        header, _payload = await self.storage.call(server_id, address, msg)
+        m.decode_reply(msg, header)  # a malformed answer is a broken peer (PROTOCOL)
+        return True
 
     async def truncate_chunks(self, attr: Any, length: int) -> None:
         """Cut a file's chunks to ``length`` before answering the truncating request.
@@ -519,16 +506,11 @@ class MetadataService(Service):
             cut = (item.length // cs, item.length % cs) if item.length % cs else None
         table = self.members.table
         targets = {t for c in set(layout.chains) for t in table.get(c, [])}
-        for sid in sorted(targets):
-            conn = self._conn(sid)
-            if conn is None:
-                continue  # server no longer exists: nothing to delete there
-            await _call(conn, m.RemoveChunks(ino=item.ino, from_index=first))
+        for sid in sorted(targets):  # a server that no longer exists has nothing to delete
+            await self._call_storage(sid, m.RemoveChunks(ino=item.ino, from_index=first))
         if cut is not None:
             for sid in table.get(layout.chain_of(cut[0]), []):
-                conn = self._conn(sid)
-                if conn is not None:
-                    await _call(conn, m.TruncateChunk(ino=item.ino, index=cut[0], length=cut[1]))
+                await self._call_storage(sid, m.TruncateChunk(ino=item.ino, index=cut[0], length=cut[1]))
 
     async def drop_moved_chains(self) -> None:
         """Tell servers that left a chain to delete its chunks, once everyone has the new routing."""
@@ -536,12 +518,8 @@ class MetadataService(Service):
         for item in list(self.members.drops):
             if now - self._drop_seen.setdefault(item, now) < DROP_GRACE:
                 continue
-            conn = self._conn(item[0])
-            if conn is None:
-                self.members.add_drop_done(item)
-                continue
             try:
-                await _call(conn, m.DropChain(chain=item[1]))
+                await self._call_storage(item[0], m.DropChain(chain=item[1]))  # gone: nothing to drop
             except StripefsError as exc:
                 log.info("dropping chain %d on server %d postponed: %s", item[1], item[0], exc.message)
                 continue

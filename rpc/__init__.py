@@ -1,13 +1,23 @@
 """Socket transports for the wire protocol.
 
 * :func:`serve_rpc` / :class:`Service` -- the trio server loop (metadata and storage servers);
+  :meth:`ServerConn.reply_from_thread` / :class:`ThreadReply` answer from a worker thread;
 * :class:`Connection` -- a blocking, pipelined client connection with in-place receives;
-* :class:`TrioConnection` -- a small trio client for server-to-server control calls.
+* :class:`TrioConnection` -- a small trio client for server-to-server control calls;
+* :class:`ConnectionPool` / :class:`TrioPool` -- connections by server (moves, breakage, fork).
+
+Every one of them drives the sans-IO state machines of ``wire`` (``ClientConnection``,
+``ServerConnection``); none speaks the protocol itself.
 """
 
 from ._buffers import BufferPool, aligned
 from ._client import Connection, Reply, abandon, unavailable
+from ._pool import ConnectionPool, TrioPool
+from ._replies import ThreadReply
 from ._server import ReplayCache, ServerConn, Service, serve_rpc, tune_socket
 from ._trio_client import TrioConnection
 
-__all__ = ["BufferPool", "aligned", "Connection", "Reply", "abandon", "unavailable", "ReplayCache", "ServerConn", "Service", "serve_rpc", "tune_socket", "TrioConnection"]
+__all__ = [
+    "BufferPool", "aligned", "Connection", "Reply", "abandon", "unavailable", "ConnectionPool", "TrioPool",
+    "ThreadReply", "ReplayCache", "ServerConn", "Service", "serve_rpc", "tune_socket", "TrioConnection",
+]

@@ -7,8 +7,8 @@ cores (measured on 2-core VMs: ~30% above any single event loop; docs/architectu
 A :class:`Connection` has one reader thread that demultiplexes responses by
 request id. A caller may hand a destination ``memoryview`` with the request;
 the response payload is then received with ``recv_into`` straight into it --
-no intermediate ``bytes``. Frames are read with exact-length reads so payload
-bytes never pass through a staging buffer.
+no intermediate ``bytes``. Frames are read with exact-length reads (the state
+machine says how many bytes) so payload bytes never pass through a staging buffer.
 """
 
 from __future__ import annotations
@@ -24,7 +24,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import wire
-from wire import ErrorCode, FrameDecoder, StripefsError, messages
+from wire import (
+    ClientConnection,
+    ConnectionClosed,
+    ConnState,
+    ErrorCode,
+    ErrorReceived,
+    HandshakeComplete,
+    ResponseCancelled,
+    ResponseReceived,
+    StripefsError,
+)
 
 from ._server import SOCK_BUF
 
@@ -87,6 +97,10 @@ class Connection:
     Thread-safe: any thread may :meth:`submit`; one reader thread completes the
     futures. When the peer goes away every pending request fails with
     ``UNAVAILABLE`` and :attr:`broken` becomes true; callers open a new one.
+
+    The protocol (handshake, request ids, response matching) is the sans-IO
+    :class:`wire.ClientConnection`; this class moves bytes. ``_plock`` serialises
+    the calls into the machine that touch its table of requests in flight.
     """
 
     def __init__(
@@ -101,7 +115,7 @@ class Connection:
     ):
         self.address = address
         self.pid = os.getpid()
-        self._ids = ids or itertools.count(1)
+        self._machine = ClientConnection(secret, client_id, expect_role, ids=ids)
         self._pending: dict[int, _Pending] = {}
         self._plock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -112,7 +126,7 @@ class Connection:
             raise unavailable(address, exc) from exc
         try:
             _tune(self.sock)
-            self.role = self._handshake(secret, client_id, expect_role)
+            self.role = self._handshake()
             self.sock.settimeout(None)
         except BaseException:
             self.sock.close()
@@ -127,49 +141,26 @@ class Connection:
             threading.Thread(target=self._send_loop, name=f"stripefs-tx-{address[1]}", daemon=True).start()
 
     # -- handshake --------------------------------------------------------------------
-    def _recv_exact(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        while view:
-            k = self.sock.recv_into(view)
-            if k == 0:
-                raise EOFError("connection closed by peer")
-            view = view[k:]
-        return bytes(buf)
+    def _feed(self, n: int) -> None:
+        """Read up to ``n`` bytes, what the machine asked for (never payload bytes: those go
+        to their buffer)."""
+        data = self.sock.recv(n)
+        if not data:
+            raise EOFError("connection closed by peer")
+        self._machine.receive_data(data)
 
-    def _read_head(self, dec: FrameDecoder) -> wire.FrameHead:
-        """Read exactly one prefix + header, leaving the payload in the socket."""
-        prefix = self._recv_exact(wire.PREFIX.size)
-        hlen = wire.PREFIX.unpack(prefix)[6]
-        dec.feed(prefix)
-        if hlen <= dec.max_header:
-            dec.feed(self._recv_exact(hlen))
-        head = dec.next_head()  # validates magic, version, limits
-        if head is wire.NEED_DATA:
-            raise StripefsError(ErrorCode.PROTOCOL, "incomplete frame header")
-        return head  # type: ignore[return-value]
-
-    def _handshake(self, secret: str, client_id: bytes, expect_role: str | None) -> str:
-        dec = FrameDecoder()
+    def _handshake(self) -> str:
         try:
-            head = self._read_head(dec)
-            if head.msg_type != messages.Challenge.MSG_ID:
-                raise StripefsError(ErrorCode.PROTOCOL, "server did not send a challenge")
-            challenge = wire.decode_message(head.msg_type, head.header)
-            assert isinstance(challenge, messages.Challenge)
-            if expect_role and challenge.role != expect_role:
-                raise StripefsError(ErrorCode.PROTOCOL, f"expected a {expect_role} server, found {challenge.role}")
-            nonce = wire.new_nonce()
-            auth = messages.Authenticate(
-                client_id=client_id, nonce=nonce, proof=wire.client_proof(secret, challenge.nonce, nonce)
-            )
-            self.sock.sendall(wire.encode_frame(auth.MSG_ID, 0, auth.to_header()))
-            head = self._read_head(dec)
-            if head.is_error:
-                raise StripefsError.from_wire(head.header)
-            if not wire.check_proof(wire.server_proof(secret, challenge.nonce, nonce), head.header.get("proof")):
-                raise StripefsError(ErrorCode.AUTH, "server failed to prove it knows the cluster secret")
-            return challenge.role
+            while True:
+                event = self._machine.next_event()
+                out = self._machine.data_to_send()
+                if out:
+                    self.sock.sendall(out)
+                if isinstance(event, HandshakeComplete):
+                    return self._machine.role
+                if event is not wire.NEED_DATA:
+                    raise EOFError("connection closed during the handshake")
+                self._feed(max(self._machine.next_read_size(), 1))
         except (OSError, EOFError) as exc:
             if isinstance(exc, StripefsError):
                 raise
@@ -191,19 +182,24 @@ class Connection:
         if self.broken:
             fut.set_exception(unavailable(self.address, "connection is broken"))
             return fut
-        if req_id is None:
-            req_id = next(self._ids)
         pending = _Pending(fut, dest)
         # call()/abandon() need the pending record after a timeout; drop the link once
         # the future resolves so future <-> pending is not a reference cycle.
         fut.pending = pending  # type: ignore[attr-defined]
         fut.conn = self  # type: ignore[attr-defined]
         fut.add_done_callback(_unlink_pending)
-        with self._plock:
-            self._pending[req_id] = pending
         plen = len(payload) if payload is not None else 0
         try:
-            prefix = wire.encode_prefix(msg.MSG_ID, req_id, msg.to_header(), plen)
+            with self._plock:
+                if self.broken:  # checked under the lock: _fail_all may have just emptied the table
+                    raise unavailable(self.address, "connection is broken")
+                req_id, prefix = self._machine.send_request(msg, plen, req_id)
+                self._pending[req_id] = pending
+        except StripefsError as exc:
+            # A machine that failed under the reader means a dead connection, not a bad request.
+            fut.set_exception(unavailable(self.address, exc) if self._machine.state is ConnState.ERROR else exc)
+            return fut
+        try:
             if self._sendq is not None and plen > 65536:
                 # Big payloads go through the send thread so a caller can fan out to many
                 # servers at once; small frames are sent right here (one thread hop less).
@@ -216,9 +212,6 @@ class Connection:
                     self.sock.sendall(prefix)
                     if plen:
                         self.sock.sendall(payload)  # type: ignore[arg-type]
-        except StripefsError as exc:
-            self._pop(req_id)
-            fut.set_exception(exc)
         except OSError as exc:
             self._fail_all(unavailable(self.address, exc))
         return fut
@@ -255,13 +248,9 @@ class Connection:
             abandon(fut)
             raise StripefsError(ErrorCode.TIMEOUT, f"{type(msg).__name__} to {self.address[0]}:{self.address[1]} timed out") from exc
 
-    def _pop(self, req_id: int) -> _Pending | None:
-        with self._plock:
-            return self._pending.pop(req_id, None)
-
     def _fail_all(self, exc: StripefsError) -> None:
-        self.broken = True
         with self._plock:
+            self.broken = True
             pending, self._pending = self._pending, {}
         for p in pending.values():
             if not p.future.done():
@@ -280,37 +269,27 @@ class Connection:
             view = view[k:]
 
     def _read_loop(self) -> None:
-        dec = FrameDecoder()
+        machine = self._machine
         try:
             while True:
-                head = self._read_head(dec)
-                pending = self._pop(head.req_id)
-                n = head.payload_len
-                if pending is None:  # late answer to a cancelled request
-                    self._discard(dec, n)
+                n = machine.next_read_size()
+                if n:
+                    self._feed(n)  # also where discarded payloads (cancelled, errors) are dropped
                     continue
-                if head.is_error:
-                    self._discard(dec, n)
-                    pending.future.set_exception(StripefsError.from_wire(head.header))
-                    continue
-                if n and pending.dest is not None:
-                    with pending.lock:
-                        dest = pending.dest
-                        if dest is None:  # abandoned after a timeout: the connection is closing
-                            raise EOFError("request abandoned")
-                        if n > len(dest):
-                            raise StripefsError(ErrorCode.PROTOCOL, "response payload larger than the request allows")
-                        self._recv_into(dest[:n])
-                        pending.dest = dest = None  # no reference to the caller's buffer survives
-                    dec.payload_received(n)
-                    pending.future.set_result(Reply(head.header, n))
-                elif n:
-                    data = bytearray(n)
-                    self._recv_into(memoryview(data))
-                    dec.payload_received(n)
-                    pending.future.set_result(Reply(head.header, 0, bytes(data)))
-                else:
-                    pending.future.set_result(Reply(head.header))
+                with self._plock:
+                    event = machine.next_event()
+                    if event is wire.NEED_DATA:
+                        continue
+                    answer = isinstance(event, (ResponseReceived, ErrorReceived, ResponseCancelled))
+                    pending = self._pending.pop(event.req_id, None) if answer else None  # type: ignore[union-attr]
+                if isinstance(event, ResponseReceived):
+                    assert pending is not None  # the machine matched the id
+                    self._complete(pending, event)
+                elif isinstance(event, ErrorReceived):
+                    assert pending is not None
+                    pending.future.set_exception(event.error)
+                elif isinstance(event, ConnectionClosed):
+                    raise EOFError("connection closed by peer")
                 pending = None  # do not pin the last request's buffer while waiting
         except (OSError, EOFError, StripefsError) as exc:
             err = exc if isinstance(exc, StripefsError) and exc.code == ErrorCode.PROTOCOL else unavailable(self.address, exc)
@@ -321,16 +300,29 @@ class Connection:
             except OSError:
                 pass
 
-    def _discard(self, dec: FrameDecoder, n: int) -> None:
-        scratch = memoryview(bytearray(min(n, 1 << 20))) if n else None
-        left = n
-        while left:
-            k = self.sock.recv_into(scratch[: min(left, len(scratch))])  # type: ignore[index]
-            if k == 0:
-                raise EOFError("connection closed by peer")
-            left -= k
-        if n:
-            dec.payload_received(n)
+    def _complete(self, pending: _Pending, event: ResponseReceived) -> None:
+        """Move a response's payload (``recv_into`` the caller's buffer when it gave one)."""
+        n = event.payload_len
+        if n and pending.dest is not None:
+            with pending.lock:
+                dest = pending.dest
+                if dest is None:  # abandoned after a timeout: the connection is closing
+                    raise EOFError("request abandoned")
+                if n > len(dest):
+                    raise StripefsError(ErrorCode.PROTOCOL, "response payload larger than the request allows")
+                got = self._machine.take_payload(dest[:n])
+                self._recv_into(dest[got:n])
+                pending.dest = dest = None  # no reference to the caller's buffer survives
+            self._machine.payload_received(n - got)
+            pending.future.set_result(Reply(event.header, n))
+        elif n:
+            data = bytearray(n)
+            got = self._machine.take_payload(data)
+            self._recv_into(memoryview(data)[got:])
+            self._machine.payload_received(n - got)
+            pending.future.set_result(Reply(event.header, 0, bytes(data)))
+        else:
+            pending.future.set_result(Reply(event.header))
 
     def close(self) -> None:
         self._fail_all(StripefsError(ErrorCode.UNAVAILABLE, "connection closed"))

@@ -6,30 +6,42 @@ A request's payload is read by its handler *before* the next frame is parsed,
 because the stream is ordered; handlers that do not want the payload get it
 discarded. Responses share one send lock per connection.
 
-Bulk sends go through worker threads (``sendfile`` of a chunk file, or a
-buffer), so no blocking call runs on the trio loop.
+The protocol itself (handshake, request decoding, payload hand-off) is the
+sans-IO :class:`wire.ServerConnection`; this module only moves bytes. Bulk sends
+go through worker threads (``sendfile`` of a chunk file, or a buffer; see
+``_replies.py``), so no blocking call runs on the trio loop.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import os
-import select
 import socket
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import trio
 
 import wire
-from wire import ErrorCode, FrameDecoder, FrameHead, StripefsError, messages
+from wire import (
+    NEED_DATA,
+    BadRequest,
+    ErrorCode,
+    Event,
+    FrameHead,
+    HandshakeComplete,
+    RequestReceived,
+    ServerConnection,
+    StripefsError,
+)
+
+from ._replies import ThreadReply, send_all, sendfile_all
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
 MAX_IN_FLIGHT = 64  # per connection; back-pressure beyond that
-RECV_SIZE = 256 * 1024
+MIN_READ = 256  # a whole small request in one read; the few payload bytes past a header are copied once
 SOCK_BUF = 4 << 20
 
 
@@ -43,88 +55,74 @@ def tune_socket(sock: Any) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def _wait_fd(fd: int, events: int) -> None:
-    p = select.poll()
-    p.register(fd, events)
-    if not p.poll(60_000):
-        raise StripefsError(ErrorCode.TIMEOUT, "peer stopped reading")
-
-
-def sendfile_all(sock_fd: int, file_fd: int, offset: int, count: int) -> None:
-    """Send ``count`` bytes of a file with ``sendfile`` on a non-blocking socket (thread)."""
-    while count > 0:
-        try:
-            n = os.sendfile(sock_fd, file_fd, offset, count)
-        except BlockingIOError:
-            _wait_fd(sock_fd, select.POLLOUT)
-            continue
-        if n == 0:
-            raise StripefsError(ErrorCode.IO, "file shorter than announced payload")
-        offset += n
-        count -= n
-
-
-def send_all(sock_fd: int, data: memoryview) -> None:
-    """``send`` a buffer on a non-blocking socket from a worker thread."""
-    view = memoryview(data).cast("B")
-    while view:
-        try:
-            n = os.write(sock_fd, view)
-        except BlockingIOError:
-            _wait_fd(sock_fd, select.POLLOUT)
-            continue
-        view = view[n:]
-
-
 class ServerConn:
-    """One accepted, authenticated connection, as a handler sees it."""
+    """One accepted connection, as a handler sees it.
 
-    def __init__(self, sock: trio.socket.SocketType, peer: Any):
+    Bytes move through a :class:`wire.ServerConnection` state machine (the
+    handshake, request decoding, payload hand-off); this class only does I/O.
+    """
+
+    def __init__(self, sock: trio.socket.SocketType, peer: Any, machine: ServerConnection):
         self.sock = sock
         self.peer = peer
-        self.decoder = FrameDecoder()
+        self.machine = machine
         self.send_lock = trio.Lock()
-        self.client_id = b""
 
-    async def _fill(self) -> None:
-        # Read only up to the end of the next header when a payload may follow, so the
-        # payload goes straight from the socket into its destination buffer.
-        want = self.decoder.head_bytes_needed()
-        data = await self.sock.recv(max(want, 64) if want else RECV_SIZE)
-        if not data:
-            raise EOFError
-        self.decoder.feed(data)
+    @property
+    def client_id(self) -> bytes:
+        """The authenticated peer's client id (b"" before the handshake)."""
+        return self.machine.client_id
 
-    async def next_head(self) -> FrameHead:
+    async def _fill(self, n: int) -> None:
+        # Read only a little past the end of the next header when a payload may follow,
+        # so the payload goes straight from the socket into its destination buffer.
+        self.machine.receive_data(await self.sock.recv(max(n, MIN_READ)))
+
+    async def next_event(self) -> Event:
+        """The next event from the peer (frames the machine answers itself are sent here).
+
+        Raises:
+            StripefsError: a refused handshake (after the refusal was sent) or a broken stream.
+        """
         while True:
-            head = self.decoder.next_head()
-            if head is not wire.NEED_DATA:
-                return head  # type: ignore[return-value]
-            await self._fill()
+            while n := self.machine.next_read_size():
+                await self._fill(n)
+            try:
+                event = self.machine.next_event()
+            finally:
+                out = self.machine.data_to_send()
+                if out:
+                    async with self.send_lock:
+                        await _trio_sendall(self.sock, out)
+            if event is not NEED_DATA:
+                return event  # type: ignore[return-value]
+
+    async def handshake(self) -> None:
+        """Send the challenge and check the peer's answer.
+
+        Raises:
+            StripefsError: AUTH (refused, the peer was told), PROTOCOL.
+            EOFError: the peer left first.
+        """
+        await _trio_sendall(self.sock, self.machine.start())
+        event = await self.next_event()
+        if not isinstance(event, HandshakeComplete):
+            raise EOFError("connection closed during the handshake")
 
     async def recv_payload_into(self, dest: memoryview) -> None:
         """Receive the current frame's payload straight into ``dest`` (exact length)."""
-        got = self.decoder.take_payload(dest)
+        got = self.machine.take_payload(dest)
         view = memoryview(dest)[got:]
         while view:
             n = await self.sock.recv_into(view)
             if n == 0:
                 raise EOFError
-            self.decoder.payload_received(n)
+            self.machine.payload_received(n)
             view = view[n:]
 
     async def discard_payload(self) -> None:
-        left = self.decoder.payload_left
-        if not left:
-            return
-        scratch = memoryview(bytearray(min(left, RECV_SIZE)))
-        while self.decoder.payload_left:
-            if self.decoder.take_payload(None):
-                continue
-            n = await self.sock.recv_into(scratch[: self.decoder.payload_left])
-            if n == 0:
-                raise EOFError
-            self.decoder.payload_received(n)
+        """Drop the current frame's payload (the reader skips it as it arrives)."""
+        self.machine.discard_payload()
 
     async def send(
         self,
@@ -133,25 +131,62 @@ class ServerConn:
         *,
         payload: memoryview | bytes | None = None,
         file: tuple[int, int, int] | None = None,
-        flags: int = wire.FLAG_RESPONSE,
     ) -> None:
         """Send a response; the payload is a buffer or ``(fd, offset, length)`` to sendfile."""
         plen = len(payload) if payload is not None else (file[2] if file else 0)
-        prefix = wire.encode_prefix(head.msg_type, head.req_id, header, plen, flags)
+        prefix = self.machine.send_response(head, header, plen)
         async with self.send_lock:
-            await _trio_sendall(self.sock, prefix)
-            if plen == 0:
-                return
-            fd = self.sock.fileno()
-            if file is not None:
-                await trio.to_thread.run_sync(sendfile_all, fd, *file)
-            elif plen < 256 * 1024:
-                await _trio_sendall(self.sock, payload)  # type: ignore[arg-type]
-            else:
-                await trio.to_thread.run_sync(send_all, fd, memoryview(payload))  # type: ignore[arg-type]
+            try:
+                if file is not None:
+                    await _trio_sendall(self.sock, prefix)
+                    await trio.to_thread.run_sync(sendfile_all, self.sock.fileno(), *file)
+                elif plen <= 16384:  # one send; copying a small payload is cheaper than a syscall
+                    await _trio_sendall(self.sock, prefix + bytes(payload) if plen else prefix)  # type: ignore[arg-type]
+                elif plen < 256 * 1024:
+                    await _trio_sendall(self.sock, prefix)
+                    await _trio_sendall(self.sock, payload)  # type: ignore[arg-type]
+                else:
+                    await _trio_sendall(self.sock, prefix)
+                    await trio.to_thread.run_sync(send_all, self.sock.fileno(), payload)
+            except BaseException:
+                self._tear()
+                raise
 
     async def send_error(self, head: FrameHead, exc: StripefsError) -> None:
-        await self.send(head, exc.to_wire(), flags=wire.FLAG_RESPONSE | wire.FLAG_ERROR)
+        prefix = self.machine.send_error(head, exc)
+        async with self.send_lock:
+            try:
+                await _trio_sendall(self.sock, prefix)
+            except BaseException:
+                self._tear()
+                raise
+
+    async def reply_from_thread(self, head: FrameHead, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(reply, *args)`` on a worker thread that answers ``head`` itself.
+
+        ``reply`` is a :class:`ThreadReply`; the send lock is held (here, in the trio
+        task) for the whole call, so the frame goes out in one piece and in order.
+        If ``fn`` raises before sending, the caller answers with the error as usual.
+
+        Raises:
+            RuntimeError: ``fn`` returned without answering.
+        """
+        async with self.send_lock:
+            reply = ThreadReply(self.sock.fileno(), self.machine, head)
+            try:
+                await trio.to_thread.run_sync(fn, reply, *args)
+            finally:
+                if reply.torn:
+                    self._tear()
+        if not reply.sent:
+            raise RuntimeError(f"{getattr(fn, '__name__', fn)} returned without answering")
+
+    def _tear(self) -> None:
+        """A frame went out in part: nothing more may be sent; the peer sees EOF, not garbage."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 async def _trio_sendall(sock: trio.socket.SocketType, data: bytes | memoryview) -> None:
@@ -200,32 +235,12 @@ class ReplayCache:
             self._d.popitem(last=False)
 
 
-async def _authenticate(conn: ServerConn, secret: str, role: str, cluster_id: str) -> None:
-    nonce = wire.new_nonce()
-    challenge = messages.Challenge(nonce=nonce, role=role, cluster_id=cluster_id)
-    await _trio_sendall(conn.sock, wire.encode_frame(messages.Challenge.MSG_ID, 0, challenge.to_header()))
-    head = await conn.next_head()
-    await conn.discard_payload()
-    try:
-        if head.msg_type != messages.Authenticate.MSG_ID:
-            raise StripefsError(ErrorCode.AUTH, "authenticate first")
-        msg = wire.decode_message(head.msg_type, head.header)
-        assert isinstance(msg, messages.Authenticate)
-        if not wire.check_proof(wire.client_proof(secret, nonce, msg.nonce), msg.proof):
-            raise StripefsError(ErrorCode.AUTH, "authentication failed: wrong cluster secret")
-    except StripefsError as exc:
-        await conn.send_error(head, exc)
-        raise
-    conn.client_id = msg.client_id
-    await conn.send(head, {"proof": wire.server_proof(secret, nonce, msg.nonce)})
-
-
 _CONN_ERRORS = (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError, trio.TooSlowError)
 
 
 async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service, secret: str, cluster_id: str) -> None:
     """Serve one connection. Nothing that happens here may take the server down."""
-    conn = ServerConn(sock, peer)
+    conn = ServerConn(sock, peer, ServerConnection(secret, service.role, cluster_id))
     limit = trio.Semaphore(MAX_IN_FLIGHT)
 
     async def reply_error(head: FrameHead, exc: StripefsError) -> None:
@@ -251,13 +266,13 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
 
     async def read_loop(nursery: trio.Nursery) -> None:
         while True:
-            head = await conn.next_head()
-            try:
-                msg = wire.decode_message(head.msg_type, head.header)
-            except StripefsError as exc:
-                await conn.discard_payload()
-                await reply_error(head, exc)
+            event = await conn.next_event()
+            if isinstance(event, BadRequest):  # its payload is skipped; the stream goes on
+                await reply_error(event.head, event.error)
                 continue
+            if not isinstance(event, RequestReceived):  # ConnectionClosed
+                return
+            head, msg = event.head, event.message
             await limit.acquire()
             try:
                 payload = await service.receive_payload(conn, head, msg)
@@ -270,7 +285,7 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
 
     try:
         with trio.fail_after(HANDSHAKE_TIMEOUT):
-            await _authenticate(conn, secret, service.role, cluster_id)
+            await conn.handshake()
         async with trio.open_nursery() as nursery:
             try:
                 await read_loop(nursery)

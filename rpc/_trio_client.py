@@ -1,11 +1,13 @@
 """A small trio client for control calls between servers (registration, heartbeats, GC).
 
-One request at a time per connection; reconnects lazily after a failure.
+One request at a time per connection; reconnects lazily after a failure. The
+protocol is the sans-IO :class:`wire.ClientConnection`; this class moves bytes.
+Concurrent callers that need several connections to one server take them from
+:class:`rpc.TrioPool`.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import socket
 from typing import Any
@@ -13,86 +15,139 @@ from typing import Any
 import trio
 
 import wire
-from wire import ErrorCode, FrameDecoder, StripefsError, messages
+from wire import (
+    ClientConnection,
+    ConnectionClosed,
+    ErrorCode,
+    ErrorReceived,
+    Event,
+    HandshakeComplete,
+    ResponseReceived,
+    StripefsError,
+)
 
 from ._client import unavailable
 
 CALL_TIMEOUT = 30.0
+CONNECT_TIMEOUT = 10.0
+RECV_SIZE = 1 << 16
 
 
 class TrioConnection:
+    """A lazily connected, one-call-at-a-time trio connection to one server.
+
+    Args:
+        address: ``(host, port)``.
+        secret: the cluster secret.
+        client_id: the id presented to the server (random by default).
+    """
+
     def __init__(self, address: tuple[str, int], secret: str, *, client_id: bytes | None = None):
         self.address = address
         self.secret = secret
         self.client_id = client_id or os.urandom(16)
         self._sock: trio.socket.SocketType | None = None
-        self._dec = FrameDecoder()
+        self._machine: ClientConnection | None = None
         self._lock = trio.Lock()
-        self._ids = itertools.count(1)
+        self.broken = False  # the last call failed on the transport; reconnects on the next one
 
-    async def _recv_frame(self) -> wire.Frame:
-        assert self._sock is not None
+    async def _event(self) -> Event:
+        assert self._sock is not None and self._machine is not None
         while True:
-            ev = self._dec.next_event()
-            if ev is not wire.NEED_DATA:
-                return ev  # type: ignore[return-value]
-            data = await self._sock.recv(1 << 20)
-            if not data:
+            event = self._machine.next_event()
+            out = self._machine.data_to_send()
+            if out:
+                await _sendall(self._sock, out)
+            if isinstance(event, ConnectionClosed):
                 raise EOFError("connection closed by peer")
-            self._dec.feed(data)
+            if event is not wire.NEED_DATA:
+                return event  # type: ignore[return-value]
+            self._machine.receive_data(await self._sock.recv(max(self._machine.next_read_size(), RECV_SIZE)))
 
     async def _connect(self) -> None:
         sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            with trio.fail_after(10):
+            with trio.fail_after(CONNECT_TIMEOUT):
                 await sock.connect(self.address)
-            self._sock, self._dec = sock, FrameDecoder()
-            frame = await self._recv_frame()
-            challenge = wire.decode_message(frame.head.msg_type, frame.head.header)
-            if not isinstance(challenge, messages.Challenge):
-                raise StripefsError(ErrorCode.PROTOCOL, "server did not send a challenge")
-            nonce = wire.new_nonce()
-            auth = messages.Authenticate(self.client_id, nonce, wire.client_proof(self.secret, challenge.nonce, nonce))
-            await sock.send(wire.encode_frame(auth.MSG_ID, 0, auth.to_header()))
-            frame = await self._recv_frame()
-            if frame.head.is_error:
-                raise StripefsError.from_wire(frame.head.header)
-            if not wire.check_proof(wire.server_proof(self.secret, challenge.nonce, nonce), frame.head.header.get("proof")):
-                raise StripefsError(ErrorCode.AUTH, "server failed to prove it knows the cluster secret")
+            self._sock, self._machine = sock, ClientConnection(self.secret, self.client_id)
+            event = await self._event()
+            if not isinstance(event, HandshakeComplete):  # pragma: no cover - the machine allows nothing else
+                raise StripefsError(ErrorCode.PROTOCOL, f"unexpected {type(event).__name__} during the handshake")
+            self.broken = False
         except BaseException:
             sock.close()
-            self._sock = None
+            self._sock = self._machine = None
             raise
 
-    async def call(self, msg: wire.Message, payload: bytes = b"", timeout: float = CALL_TIMEOUT) -> tuple[dict[str, Any], bytes]:
-        """Send one request and wait for its response: ``(header, payload)``."""
+    async def _payload(self, n: int) -> bytearray:
+        """The current response's payload: what the machine buffered, then straight from the socket."""
+        assert self._sock is not None and self._machine is not None
+        data = bytearray(n)
+        view = memoryview(data)
+        got = self._machine.take_payload(view)
+        while got < n:
+            k = await self._sock.recv_into(view[got:])
+            if k == 0:
+                raise EOFError("connection closed by peer")
+            self._machine.payload_received(k)
+            got += k
+        return data
+
+    async def call(self, msg: wire.Message, payload: bytes | memoryview = b"",
+                   timeout: float = CALL_TIMEOUT) -> tuple[dict[str, Any], bytes | bytearray]:
+        """Send one request and wait for its response: ``(header, payload)``.
+
+        Raises:
+            StripefsError: the server's error; TIMEOUT; UNAVAILABLE when the server
+            cannot be reached; PROTOCOL for a broken stream. Any failure other than the
+            server's error closes the connection (:attr:`broken`).
+        """
         async with self._lock:
+            refused: StripefsError | None = None
             try:
                 with trio.fail_after(timeout):
                     if self._sock is None:
                         await self._connect()
-                    assert self._sock is not None
-                    req_id = next(self._ids)
-                    data = memoryview(wire.encode_frame(msg.MSG_ID, req_id, msg.to_header(), payload))
-                    while data:
-                        data = data[await self._sock.send(data):]
-                    frame = await self._recv_frame()
+                    assert self._sock is not None and self._machine is not None
+                    _, prefix = self._machine.send_request(msg, len(payload))
+                    if len(payload) <= 65536:
+                        await _sendall(self._sock, prefix + bytes(payload))
+                    else:
+                        await _sendall(self._sock, prefix)
+                        await _sendall(self._sock, payload)
+                    event = await self._event()
+                    if isinstance(event, ErrorReceived):
+                        refused = event.error  # the machine skips its payload; the connection stays good
+                    else:
+                        assert isinstance(event, ResponseReceived)
+                        header = event.header
+                        data = await self._payload(event.payload_len) if event.payload_len else b""
             except trio.TooSlowError as exc:
-                self.close()
+                self._fail()
                 raise StripefsError(ErrorCode.TIMEOUT, f"{type(msg).__name__} to {self.address} timed out") from exc
             except (OSError, EOFError) as exc:
-                self.close()
+                self._fail()
                 if isinstance(exc, StripefsError):
                     raise
                 raise unavailable(self.address, exc) from exc
-            if frame.head.req_id != req_id:
-                self.close()
-                raise StripefsError(ErrorCode.PROTOCOL, "response to a different request")
-            if frame.head.is_error:
-                raise StripefsError.from_wire(frame.head.header)
-            return frame.head.header, frame.payload
+            except BaseException:
+                self._fail()  # cancelled mid-call: the stream position is unknown
+                raise
+            if refused is not None:
+                raise refused
+            return header, data
+
+    def _fail(self) -> None:
+        self.close()
+        self.broken = True
 
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close()
-            self._sock = None
+        self._sock = self._machine = None
+
+
+async def _sendall(sock: trio.socket.SocketType, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[await sock.send(view):]

@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, TypeVar
 
 import trio
 
-from rpc import TrioConnection
+from rpc import TrioConnection, TrioPool
 from wire import ErrorCode, Message, ReplyMessage, Routing, StripefsError, messages as m
 
 from ._chunks import ChunkStore, VersionGap
@@ -38,7 +38,7 @@ POOL_PER_PEER = 8
 SETTLE = 3.0  # seconds: > 2 heartbeats, so every peer routes by the table that includes us
 
 
-async def control_call(conn: TrioConnection, msg: Message[R], payload: bytes = b"") -> tuple[R, bytes]:
+async def control_call(conn: TrioConnection, msg: Message[R], payload: bytes = b"") -> tuple[R, bytes | bytearray]:
     """One call over a trio control connection, its reply decoded and checked.
 
     The transport hands the response header up as a plain map; the caller
@@ -67,7 +67,7 @@ class Replicator:
         self.meta = meta
         self.server_id: int | None = None
         self.routing: Routing | None = None
-        self._idle: dict[int, list[TrioConnection]] = {}
+        self.peers = TrioPool(secret, keep=POOL_PER_PEER)  # forwarding runs many calls to a peer at once
         self._locks: dict[tuple[int, int], tuple[trio.Lock, int]] = {}
         self._refresh_lock = trio.Lock()
         self.syncing = False
@@ -83,29 +83,13 @@ class Replicator:
         return self.routing
 
     # -- peers ------------------------------------------------------------------------------
-    async def call_peer(self, sid: int, msg: Message[R], payload: bytes = b"") -> tuple[R, bytes]:
+    async def call_peer(self, sid: int, msg: Message[R], payload: bytes = b"") -> tuple[R, bytes | bytearray]:
         routing = self.routing or await self.refresh()
         info = routing.servers.get(sid)
         if info is None:
             raise StripefsError(ErrorCode.UNAVAILABLE, f"unknown storage server {sid}")
-        idle = self._idle.setdefault(sid, [])
-        conn = idle.pop() if idle else TrioConnection((info.host, info.port), self.secret)
-        if conn.address != (info.host, info.port):
-            conn.close()
-            conn = TrioConnection((info.host, info.port), self.secret)
-        try:
-            result = await control_call(conn, msg, payload)
-        except StripefsError as exc:
-            if exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.PROTOCOL):
-                conn.close()
-                raise
-            idle.append(conn)
-            raise
-        if len(idle) < POOL_PER_PEER:
-            idle.append(conn)
-        else:
-            conn.close()
-        return result
+        header, data = await self.peers.call(sid, (info.host, info.port), msg, payload)
+        return m.decode_reply(msg, header), data
 
     @asynccontextmanager
     async def chunk_lock(self, key: tuple[int, int]) -> AsyncIterator[None]:

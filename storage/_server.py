@@ -21,9 +21,8 @@ from typing import Any
 
 import trio
 
-from rpc import BufferPool, ServerConn, Service, TrioConnection, serve_rpc
-from rpc._server import send_all, sendfile_all
-from wire import FLAG_ERROR, FLAG_RESPONSE, ErrorCode, FrameHead, Message, StripefsError, encode_prefix, messages as m
+from rpc import BufferPool, ServerConn, Service, ThreadReply, TrioConnection, serve_rpc
+from wire import ErrorCode, FrameHead, Message, StripefsError, messages as m
 
 from ._chunks import ChunkStore
 from ._replication import Replicator, control_call
@@ -92,8 +91,7 @@ class StorageService(Service):
             if msg.length <= SMALL_READ:
                 # Latency matters for small reads (dataloader samples): read and send in one
                 # worker-thread hop, holding the connection's send lock.
-                async with conn.send_lock:
-                    await trio.to_thread.run_sync(self._small_read, conn.sock.fileno(), head, msg)
+                await conn.reply_from_thread(head, self._small_read, msg)
                 return
             fd, off, n, data, clen = await trio.to_thread.run_sync(store.open_read, msg.ino, msg.index, msg.offset, msg.length)
             header = m.ReadChunkReply(length=n, chunk_length=clen).to_header()
@@ -142,20 +140,20 @@ class StorageService(Service):
         else:
             raise StripefsError(ErrorCode.NOT_SUPPORTED, f"{type(msg).__name__} is not a storage request")
 
-    def _small_read(self, sock_fd: int, head: FrameHead, msg: m.ReadChunk) -> None:
-        """Runs in a worker thread with the send lock held: read, then answer."""
+    def _small_read(self, reply: ThreadReply, msg: m.ReadChunk) -> None:
+        """Runs in a worker thread with the send lock held: read, then answer.
+
+        A failure to read propagates before anything is sent; the caller answers it.
+        """
+        fd, off, n, data, clen = self.store.open_read(msg.ino, msg.index, msg.offset, msg.length)
         try:
-            fd, off, n, data, clen = self.store.open_read(msg.ino, msg.index, msg.offset, msg.length)
-        except StripefsError as exc:
-            send_all(sock_fd, memoryview(encode_prefix(head.msg_type, head.req_id, exc.to_wire(), 0, FLAG_RESPONSE | FLAG_ERROR)))
-            return
-        try:
-            reply = m.ReadChunkReply(length=n, chunk_length=clen).to_header()
-            send_all(sock_fd, memoryview(encode_prefix(head.msg_type, head.req_id, reply, n, FLAG_RESPONSE)))
+            header = m.ReadChunkReply(length=n, chunk_length=clen).to_header()
             if data is not None:
-                send_all(sock_fd, memoryview(data))
+                reply.send(header, payload=data)
             elif fd >= 0:
-                sendfile_all(sock_fd, fd, off, n)
+                reply.send(header, file=(fd, off, n))
+            else:
+                reply.send(header)
         finally:
             if fd >= 0:
                 os.close(fd)

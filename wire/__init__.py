@@ -1,11 +1,23 @@
-"""stripefs wire protocol: sans-IO frames, the numbered message table, typed errors, auth.
+"""stripefs wire protocol: sans-IO frames, the numbered message table, typed errors, auth,
+and the connection state machines every transport drives (``ClientConnection``, ``ServerConnection``).
 
 Nothing in this package touches a socket (sans-IO, in the style of h11). Transports live in ``rpc``.
 """
 
 from . import _messages as messages
 from ._auth import check_proof, client_proof, new_nonce, new_secret, server_proof
+from ._connection import ClientConnection, ConnState, ServerConnection
 from ._errors import ErrorCode, StripefsError, error_from_oserror
+from ._events import (
+    BadRequest,
+    ConnectionClosed,
+    ErrorReceived,
+    Event,
+    HandshakeComplete,
+    RequestReceived,
+    ResponseCancelled,
+    ResponseReceived,
+)
 from ._frames import (
     FLAG_ERROR,
     FLAG_RESPONSE,
@@ -39,6 +51,9 @@ from ._types import (
 
 __all__ = [
     "messages", "check_proof", "client_proof", "new_nonce", "new_secret", "server_proof",
+    "ClientConnection", "ConnState", "ServerConnection",
+    "BadRequest", "ConnectionClosed", "ErrorReceived", "Event", "HandshakeComplete", "RequestReceived",
+    "ResponseCancelled", "ResponseReceived",
     "ErrorCode", "StripefsError", "error_from_oserror",
     "FLAG_ERROR", "FLAG_RESPONSE", "MAGIC", "MAX_HEADER", "MAX_PAYLOAD", "NEED_DATA", "PREFIX",
     "VERSION", "Frame", "FrameDecoder", "FrameHead", "encode_frame", "encode_prefix",

@@ -34,7 +34,7 @@ from typing import Any, Iterator, TypeVar
 
 import crc32c
 
-from rpc import BufferPool, Connection, Reply, abandon
+from rpc import BufferPool, Connection, ConnectionPool, Reply, abandon
 from wire import Attr, ErrorCode, Layout, Message, ReplyMessage, Routing, StripefsError, messages as m
 
 from ._config import ClusterConfig
@@ -101,10 +101,13 @@ class ClientCore:
         self.pid = os.getpid()
         self.client_id = os.urandom(16)
         self._ids = itertools.count(1)
-        self._lock = threading.RLock()  # data_conn() may refresh routing while holding it
-        self._meta: Connection | None = None
-        self._data: dict[int, list[Connection]] = {}
-        self._rr = itertools.count()
+        self._lock = threading.RLock()
+        # Pools forget the parent's sockets in a forked child on their own; new ones here
+        # also carry the child's new client id.
+        secret = self.config.secret
+        self._meta = ConnectionPool(secret, self.client_id, expect_role="metadata", ids=self._ids)
+        self._data = ConnectionPool(secret, self.client_id, per_server=self.conns_per_server,
+                                    expect_role="storage", send_thread=True)
         self._routing: Routing | None = None
 
     def _reset_after_fork(self) -> None:
@@ -113,28 +116,14 @@ class ClientCore:
         self._init_state()
 
     def close(self) -> None:
-        with self._lock:
-            conns = [c for cs in self._data.values() for c in cs]
-            if self._meta is not None:
-                conns.append(self._meta)
-            self._data, self._meta = {}, None
-        if os.getpid() == self.pid:
-            for c in conns:
-                c.close()
+        self._data.close()  # in a forked child the pools only forget the parent's sockets
+        self._meta.close()
 
     # -- metadata ---------------------------------------------------------------------------
     def _meta_conn(self) -> Connection:
         if os.getpid() != self.pid:
             self._reset_after_fork()
-        conn = self._meta
-        if conn is None or conn.broken:
-            with self._lock:
-                conn = self._meta
-                if conn is None or conn.broken:
-                    conn = self._meta = Connection(
-                        self.config.metadata, self.config.secret, self.client_id, expect_role="metadata", ids=self._ids
-                    )
-        return conn
+        return self._meta.get("metadata", self.config.metadata)
 
     def call(self, msg: Message[R], timeout: float = 60.0) -> R:
         """One metadata request, retried across reconnects with the same request id.
@@ -172,14 +161,7 @@ class ClientCore:
         if refresh or self._routing is None or os.getpid() != self.pid:
             routing = self.call(m.GetRouting()).routing
             with self._lock:
-                old = self._routing
-                self._routing = routing
-                if old is not None:
-                    for sid, info in routing.servers.items():
-                        prev = old.servers.get(sid)
-                        if prev is not None and (prev.host, prev.port) != (info.host, info.port):
-                            for c in self._data.pop(sid, []):
-                                c.close()
+                self._routing = routing  # servers that moved get new connections in data_conn
         assert self._routing is not None
         return self._routing
 
@@ -200,22 +182,10 @@ class ClientCore:
     def data_conn(self, server_id: int) -> Connection:
         if os.getpid() != self.pid:
             self._reset_after_fork()
-        conns = self._data.get(server_id)
-        if conns:
-            conn = conns[next(self._rr) % len(conns)]
-            if not conn.broken:
-                return conn
-        with self._lock:
-            conns = [c for c in self._data.get(server_id, []) if not c.broken]
-            if len(conns) < self.conns_per_server:
-                info = self.routing().servers.get(server_id)
-                if info is None:
-                    raise StripefsError(ErrorCode.UNAVAILABLE, f"unknown storage server {server_id}")
-                while len(conns) < self.conns_per_server:
-                    conns.append(Connection((info.host, info.port), self.config.secret, self.client_id,
-                                            expect_role="storage", send_thread=True))
-                self._data[server_id] = conns
-            return conns[next(self._rr) % len(conns)]
+        info = self.routing().servers.get(server_id)
+        if info is None:
+            raise StripefsError(ErrorCode.UNAVAILABLE, f"unknown storage server {server_id}")
+        return self._data.get(server_id, (info.host, info.port))
 
     # -- data path --------------------------------------------------------------------------
     def _run_pieces(self, pieces: list[tuple[Any, ...]], submit: Any, finish: Any) -> None:

@@ -109,6 +109,8 @@ REPLY_OF = {
     "RemoveChunks": "RemovedReply", "TruncateChunk": "EmptyReply", "StatChunk": "StatChunkReply",
     "TargetInfo": "TargetInfoReply", "ListChunks": "ListChunksReply", "FetchChunk": "FetchChunkReply",
     "SyncDone": "SyncDoneReply", "Scrub": "ScrubReply", "DropChain": "RemovedReply",
+    "Mknod": "AttrReply", "GetXattr": "XattrReply", "SetXattr": "AttrReply", "ListXattr": "XattrNamesReply",
+    "RemoveXattr": "AttrReply", "AcquireLock": "LockReply", "ReleaseLock": "ReleaseLockReply",
 }
 
 LAYOUT = wire.Layout(1 << 20, (3, 1, 2))
@@ -145,6 +147,10 @@ SAMPLES: list[tuple[m.ReplyMessage, dict]] = [
     (m.ListChunksReply(chunks=[[7, 0, 1, 100]]), {"chunks": [[7, 0, 1, 100]]}),
     (m.FetchChunkReply(version=1, chain=2, length=100), {"version": 1, "chain": 2, "length": 100}),
     (m.ScrubReply(checked=4, bad=[[7, 0, 1]], repaired=1), {"checked": 4, "bad": [[7, 0, 1]], "repaired": 1}),
+    (m.XattrReply(value=b"\x00v"), {"value": b"\x00v"}),
+    (m.XattrNamesReply(names=[b"user.a", b"user.b"]), {"names": [b"user.a", b"user.b"]}),
+    (m.LockReply(token=3, expires_ns=10**18), {"token": 3, "expires_ns": 10**18}),
+    (m.ReleaseLockReply(released=True), {"released": True}),
 ]
 
 
@@ -238,7 +244,7 @@ _FIELD: dict[object, st.SearchStrategy] = {
     int: _INT, str: _TEXT, bool: st.booleans(), bytes: st.binary(max_size=8), int | None: st.none() | _INT,
     wire.Attr: _ATTR, wire.Routing: _ROUTING, list[wire.ServerInfo]: st.lists(_SERVER, max_size=3),
     list[wire.DirEntry]: st.lists(st.builds(wire.DirEntry, _TEXT, _INT, _INT, st.none() | _ATTR), max_size=3),
-    list[int]: st.lists(_INT, max_size=4), list[list[int]]: st.lists(st.lists(_INT, max_size=4), max_size=3),
+    list[int]: st.lists(_INT, max_size=4), list[bytes]: st.lists(st.binary(max_size=8), max_size=3), list[list[int]]: st.lists(st.lists(_INT, max_size=4), max_size=3),
     dict[str, int]: st.dictionaries(_TEXT, _INT, max_size=3), dict[str, Any]: st.dictionaries(_TEXT, _SCALAR, max_size=3),
     list[dict[str, Any]]: st.lists(st.dictionaries(_TEXT, _SCALAR, max_size=3), max_size=3),
 }
