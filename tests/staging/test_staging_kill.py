@@ -118,3 +118,14 @@ def test_trainer_killed_at_random_time(cluster, client, testdir, sdir):
         out = staging.load(f"{testdir}/{name}", cluster=cluster.file, prefer_local=False)
         assert out["step"] == step
     assert staging.latest(f"stripefs:/{testdir}", cluster=cluster.file) is not None
+
+
+def test_mover_killed_after_last_piece_before_length_commit(cluster, client, testdir, sdir):
+    """Issue 13's reproduction: the last piece is sent and journaled, its length not yet committed."""
+    assert trainer(cluster, sdir, f"stripefs:/{testdir}", 5, 1, upload=False).returncode == 0
+    killed = mover(cluster, sdir, kill_at="upload_piece:4")  # 12 MiB + a small tensor: four 4 MiB pieces
+    assert killed.returncode == -signal.SIGKILL
+    done = mover(cluster, sdir)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert staging.latest(f"stripefs:/{testdir}", cluster=cluster.file).endswith("step-000005")
+    expect_step(cluster, f"{testdir}/step-000005", 5)
