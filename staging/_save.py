@@ -284,7 +284,7 @@ def _upload(h: SaveHandle, journal: Journal, row: CkptRow, options: MoverOptions
 
 def _encode_file(view: memoryview, compress: str | None) -> tuple[Any, dict[str, Any]]:
     if compress is None:
-        total, crcs = chunk_crcs(view)
+        total, crcs = chunk_crcs(view, CHECK_CHUNK)
         return view, {"size": len(view), "crc32c": total, "chunk": CHECK_CHUNK, "chunk_crc32c": crcs, "encoding": "raw"}
     import zstandard
 
@@ -296,7 +296,7 @@ def _encode_file(view: memoryview, compress: str | None) -> tuple[Any, dict[str,
         parts = list(pool.map(one, range(0, len(view), CHECK_CHUNK)))
     data = b"".join(p for p, _ in parts)
     frames = [[raw, len(p), crc] for p, (raw, _, crc) in parts]
-    total, crcs = chunk_crcs(memoryview(data))
+    total, crcs = chunk_crcs(memoryview(data), CHECK_CHUNK)
     return memoryview(data), {"size": len(data), "crc32c": total, "chunk": CHECK_CHUNK, "chunk_crc32c": crcs,
                               "encoding": "zstd", "raw_size": len(view), "frames": frames}
 

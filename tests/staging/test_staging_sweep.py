@@ -14,11 +14,8 @@ in every run (with two files in flight the interleaving, and so the piece, would
 
 from __future__ import annotations
 
-import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -26,12 +23,16 @@ import pytest
 import torch
 
 import staging
+import staging._save
 
-HERE = os.path.dirname(__file__)
-ROOT = os.path.dirname(os.path.dirname(HERE))
-PIECE = 4 << 20                 # the smallest upload piece (one checksum chunk)
+from ._mover_proc import run_mover
+
+# The checksum chunk is recorded per file in the manifest and the journal, and the mover's
+# piece is a whole number of them: a 256 KiB chunk keeps each of the many runs small.
+CHUNK = 256 << 10
+PIECE = CHUNK                   # the smallest upload piece (one checksum chunk)
 LAYER = 2 * PIECE + 4096        # one data file per layer: two full pieces and a tail
-SHARD = 1 << 20                 # below LAYER, so every layer gets its own data file
+SHARD = 64 << 10                # below LAYER, so every layer gets its own data file
 
 
 def state_for(step: int) -> dict[str, Any]:
@@ -63,17 +64,12 @@ def assert_same(got: Any, want: Any, where: str = "state") -> None:
         assert got == want, f"{where}: {got!r} != {want!r}"
 
 
-def mover(cluster: Any, sdir: str, *, kill_at: str | None = None, trace: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    env.pop("STRIPEFS_STAGING_KILL_AT", None)
-    env.pop("STRIPEFS_STAGING_TRACE", None)
-    if kill_at:
-        env["STRIPEFS_STAGING_KILL_AT"] = kill_at
-    if trace:
-        env["STRIPEFS_STAGING_TRACE"] = trace
-    args = [sys.executable, "-m", "stripefs", "mover", "--staging", sdir, "--once", "-q", "--piece", str(PIECE),
-            "--concurrency", "1", "--cluster", cluster.file]
-    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+def mover(cluster: Any, sdir: str, out: str, *, kill_at: str | None = None, trace: str | None = None) -> tuple[int, str]:
+    """One ``stripefs mover --once`` pass (its own process); ``(exit status, output)``."""
+    env = {"STRIPEFS_STAGING_KILL_AT": kill_at or "", "STRIPEFS_STAGING_TRACE": trace or ""}
+    argv = ["mover", "--staging", sdir, "--once", "-q", "--piece", str(PIECE), "--concurrency", "1",
+            "--cluster", cluster.file]
+    return run_mover(argv, env, out)
 
 
 def stage(cluster: Any, sdir: str, url: str, step: int) -> None:
@@ -98,14 +94,16 @@ def check_latest(cluster: Any, prefix: str, want_step: int, when: str) -> None:
         pytest.fail(f"{when}: latest() should name step {want_step}, loadable: {type(exc).__name__}: {exc}")
 
 
-def test_mover_killed_at_every_fault_point(cluster, client, testdir, tmp_path):
+def test_mover_killed_at_every_fault_point(cluster, client, testdir, tmp_path, monkeypatch):
+    monkeypatch.setattr(staging._save, "CHECK_CHUNK", CHUNK)
     sdir = str(tmp_path / "staging")
     trace = str(tmp_path / "trace")
+    out = str(tmp_path / "mover.out")
     t0 = time.monotonic()
 
     stage(cluster, sdir, f"stripefs:/{testdir}/step-000001", 1)
-    run = mover(cluster, sdir, trace=trace)
-    assert run.returncode == 0, run.stdout + run.stderr
+    rc, text = mover(cluster, sdir, out, trace=trace)
+    assert rc == 0, text
     check_latest(cluster, testdir, 1, "after an uninterrupted run")
     with open(trace) as f:
         passed = f.read().split()
@@ -119,15 +117,15 @@ def test_mover_killed_at_every_fault_point(cluster, client, testdir, tmp_path):
     for i, (name, hit) in enumerate(points):
         step = i + 2
         stage(cluster, sdir, f"stripefs:/{testdir}/step-{step:06d}", step)
-        killed = mover(cluster, sdir, kill_at=f"{name}:{hit}")
-        assert killed.returncode == -signal.SIGKILL, f"{name}:{hit} was not reached: {killed.stdout}{killed.stderr}"
+        rc, text = mover(cluster, sdir, out, kill_at=f"{name}:{hit}")
+        assert rc == -signal.SIGKILL, f"{name}:{hit} was not reached: {text}"
         visible = [n for n in client.listdir(testdir) if not n.startswith(".")]
         newest = max(int(n.split("-")[1]) for n in visible)
         assert newest in (committed, step), f"after a kill at {name}:{hit}: {visible}"
         check_latest(cluster, testdir, newest, f"killed at {name}:{hit}")  # nothing partial is visible, the latest step loads
 
-        done = mover(cluster, sdir)
-        assert done.returncode == 0, f"resume after {name}:{hit}: {done.stdout}{done.stderr}"
+        rc, text = mover(cluster, sdir, out)
+        assert rc == 0, f"resume after {name}:{hit}: {text}"
         check_latest(cluster, testdir, step, f"resumed after a kill at {name}:{hit}")
         assert not [n for n in client.listdir(testdir) if n.startswith(".")], f"partial left after {name}:{hit}"
         committed = step
