@@ -11,8 +11,9 @@ Upload of one checkpoint (idempotent, resumable):
    a piece is journaled as done only once it is acknowledged (on the servers'
    disks) *and* the file's committed length covers it, so a resume never
    skips bytes that a reader could not see;
-3. every file in the store is checked (committed size, every CRC32C read
-   back); a file that fails is uploaded again from its start, once;
+3. every file in the store is checked (committed size and, unless
+   ``MoverOptions.verify`` is off, every CRC32C read back); a file that fails
+   is uploaded again from its start, once;
 4. the manifest is written last, then the directory is renamed to its final
    name with ``noreplace`` — one atomic metadata transaction, so readers see
    either nothing or the whole step.
@@ -62,6 +63,8 @@ class MoverOptions:
     backoff: float = 0.5            # first retry delay (doubles, capped at 8 s)
     cluster: str | None = None      # overrides the cluster recorded in the journal
     piece: int = PIECE              # upload unit; the journal records progress per piece
+    verify: bool = True             # before the commit, read every uploaded byte back and check its
+                                    # CRC32Cs (False: committed sizes only; saves a read of the step)
 
 
 _clients: dict[str, Client] = {}
@@ -198,13 +201,13 @@ class Uploader:
         # What the rename publishes must be whole: a file the journal calls done but whose
         # committed size or bytes differ (a journal written by an older mover, a lost chunk)
         # is sent again from its start; a second failure fails the checkpoint.
-        bad = file_problems(client, partial, files, checksums=True)
+        bad = file_problems(client, partial, files, checksums=self.options.verify)
         if bad:
             log.warning("checkpoint %s: re-uploading %s (%s)", self.row.url, ", ".join(bad), "; ".join(bad.values()))
             for name in bad:
                 self.journal.progress(self.row.id, name, 0)
             self._upload_files(client, partial, [f for f in self.journal.files(self.row.id) if f.name in bad], throttle)
-            bad = file_problems(client, partial, files, checksums=True)
+            bad = file_problems(client, partial, files, checksums=self.options.verify)
             if bad:
                 raise ChecksumError(f"uploaded files fail their checks: {bad}", partial)
         self._commit(client, final, partial)
