@@ -198,3 +198,13 @@ def test_dcp_reader_never_writes_outside_its_cache(cluster, client, testdir, tmp
     refused = _open_reader(cluster, step_dir, tmp_path)
     assert not os.path.exists(evil), "the DCP reader wrote to an absolute path named by the manifest"
     assert refused
+
+
+@pytest.mark.parametrize("index", [-1, 1, "0", True, 0.0])
+def test_tree_tensor_reference_must_name_a_listed_tensor(index):
+    from staging._format import decode_tree
+
+    only = torch.zeros(1)
+    assert decode_tree({"t": 0}, [only]) is only
+    with pytest.raises(ValueError, match="tensor"):
+        decode_tree({"l": [{"t": index}]}, [only])  # -1 would silently alias the last tensor
