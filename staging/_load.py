@@ -222,6 +222,11 @@ def load(url: str, *, map_location: Any = None, verify: bool = True, staging_dir
                     log.warning("local copy %s unusable (%s); reading %s", local, exc, url)
                 finally:
                     src.close()
+        # One stat per file before anything is allocated: a step cut short (or a manifest that
+        # claims more than the store holds) fails here, naming every bad file.
+        problems = file_problems(client, final, rows_of(man["files"]), checksums=False)
+        if problems:
+            raise ChecksumError("; ".join(f"{n}: {r}" for n, r in sorted(problems.items())), final)
         return _materialize(remote, man, verify, map_location)
     finally:
         remote.close()

@@ -208,3 +208,11 @@ def test_tree_tensor_reference_must_name_a_listed_tensor(index):
     assert decode_tree({"t": 0}, [only]) is only
     with pytest.raises(ValueError, match="tensor"):
         decode_tree({"l": [{"t": index}]}, [only])  # -1 would silently alias the last tensor
+
+
+def test_load_names_a_short_file_before_allocating(cluster, client, testdir, sdir):
+    url = _save(cluster, testdir, sdir, 1)
+    with client.open(f"{testdir}/step-000001/data-00000.bin", "wb") as f:
+        f.write(b"\0" * 4096)
+    with pytest.raises(ChecksumError, match=r"data-00000.bin: committed size is 4096 bytes"):
+        staging.load(url, cluster=cluster.file, prefer_local=False)
