@@ -11,9 +11,10 @@ Upload of one checkpoint (idempotent, resumable):
    a piece is journaled as done only once it is acknowledged (on the servers'
    disks) *and* the file's committed length covers it, so a resume never
    skips bytes that a reader could not see;
-3. every file in the store is checked (committed size and, unless
-   ``MoverOptions.verify`` is off, every CRC32C read back); a file that fails
-   is uploaded again from its start, once;
+3. each file, once uploaded, is checked in the store (committed size and,
+   unless ``MoverOptions.verify`` is off, every CRC32C read back, overlapping
+   the other files' uploads); a file that fails is sent again from its start,
+   once;
 4. the manifest is written last, then the directory is renamed to its final
    name with ``noreplace`` — one atomic metadata transaction, so readers see
    either nothing or the whole step.
@@ -25,6 +26,7 @@ checkpoint already committed under the URL fail the checkpoint for good.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import mmap
 import os
@@ -195,27 +197,35 @@ class Uploader:
                 files = self.journal.files(self.row.id)
             client.makedirs(partial)
         throttle = _Throttle(self.options.bandwidth)
-        self._upload_files(client, partial, [f for f in files if f.done < f.size or f.size == 0], throttle)
+        with ThreadPoolExecutor(max(1, self.options.concurrency), thread_name_prefix="stripefs-mover") as pool:
+            for fut in [pool.submit(self._upload_checked, client, partial, f, throttle) for f in files]:
+                fut.result()
         if wait_local is not None:
             wait_local()
-        # What the rename publishes must be whole: a file the journal calls done but whose
-        # committed size or bytes differ (a journal written by an older mover, a lost chunk)
-        # is sent again from its start; a second failure fails the checkpoint.
-        bad = file_problems(client, partial, files, checksums=self.options.verify)
-        if bad:
-            log.warning("checkpoint %s: re-uploading %s (%s)", self.row.url, ", ".join(bad), "; ".join(bad.values()))
-            for name in bad:
-                self.journal.progress(self.row.id, name, 0)
-            self._upload_files(client, partial, [f for f in self.journal.files(self.row.id) if f.name in bad], throttle)
-            bad = file_problems(client, partial, files, checksums=self.options.verify)
-            if bad:
-                raise ChecksumError(f"uploaded files fail their checks: {bad}", partial)
         self._commit(client, final, partial)
 
-    def _upload_files(self, client: Client, partial: str, files: list[FileRow], throttle: _Throttle) -> None:
-        with ThreadPoolExecutor(max(1, self.options.concurrency), thread_name_prefix="stripefs-mover") as pool:
-            for fut in [pool.submit(self._upload_file, client, partial, f, throttle) for f in files]:
-                fut.result()
+    def _upload_checked(self, client: Client, partial: str, f: FileRow, throttle: _Throttle) -> None:
+        """Upload what is left of ``f``, then check it in the store (its read-back overlaps the
+        other files' uploads).
+
+        What the rename publishes must be whole: a file the journal calls done but whose
+        committed size or bytes differ (a journal written by an older mover, a lost chunk) is
+        sent again from its start; a second failure fails the checkpoint.
+
+        Raises:
+            ChecksumError: the file still fails its checks after being sent again.
+        """
+        if f.done < f.size or f.size == 0:
+            self._upload_file(client, partial, f, throttle)
+        bad = file_problems(client, partial, [f], checksums=self.options.verify)
+        if not bad:
+            return
+        log.warning("checkpoint %s: re-uploading %s (%s)", self.row.url, f.name, bad[f.name])
+        self.journal.progress(self.row.id, f.name, 0)
+        self._upload_file(client, partial, dataclasses.replace(f, done=0), throttle)
+        bad = file_problems(client, partial, [f], checksums=self.options.verify)
+        if bad:
+            raise ChecksumError(f"uploaded file {f.name} fails its checks: {bad[f.name]}", partial)
 
     def _upload_file(self, client: Client, partial: str, f: FileRow, throttle: _Throttle) -> None:
         path = posixpath.join(partial, f.name)
