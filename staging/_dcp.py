@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from fsclient import normpath
 
+from ._durable import publish_dir
 from ._format import FORMAT, MANIFEST, VERSION, ChecksumError, chunk_crcs, manifest_bytes, parse_manifest
 from ._journal import CkptRow, FileRow, Journal
 from ._mover import MoverOptions, Uploader, client_for
@@ -153,7 +154,7 @@ class StagedStorageWriter(FileSystemWriter):
             f.write(manifest_bytes(manifest))
             os.fsync(f.fileno())
         self.journal.add_files(self.ckpt_id, rows)
-        os.rename(self._tmp, self._final_local)
+        publish_dir(self._tmp, self._final_local)  # durable before the journal says "staged"
         self.journal.set_state(self.ckpt_id, "staged")
         self.timings["local_write"] = time.monotonic() - self.t0
         if self.upload:
@@ -199,16 +200,22 @@ class StagedStorageReader(FileSystemReader):
             tmp = cache + f".tmp-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-            for rec in man["files"]:
+            for rec in man["files"]:  # names validated by parse_manifest: plain, relative, unique
                 data = client.read_bytes(posixpath.join(final, rec["name"]))
                 _verify_dir(tmp, {"files": [rec]}, lambda _n, d=data: d)
-                with open(os.path.join(tmp, rec["name"]), "wb") as f:
-                    f.write(data)
-            with open(os.path.join(tmp, MANIFEST), "wb") as f:
-                f.write(manifest_bytes(man))
+                _write_synced(os.path.join(tmp, rec["name"]), data)
+            # The cache is trusted without another check once its manifest exists: durable first.
+            _write_synced(os.path.join(tmp, MANIFEST), manifest_bytes(man))
             shutil.rmtree(cache, ignore_errors=True)
-            os.rename(tmp, cache)
+            publish_dir(tmp, cache)
         return cache
+
+
+def _write_synced(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _verify_dir(where: str, man: dict[str, Any], read: Any) -> None:

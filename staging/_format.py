@@ -21,6 +21,7 @@ import errno
 import io
 import json
 import math
+import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,11 +32,13 @@ import torch
 __all__ = [
     "FORMAT", "VERSION", "CHECK_CHUNK", "MANIFEST", "ChecksumError", "CheckpointConflict",
     "TensorEntry", "Plan", "plan_state_dict", "decode_tree", "chunk_crcs", "dtype_from_name",
+    "manifest_bytes", "parse_manifest", "plain_name",
 ]
 
 FORMAT = "stripefs-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: the manifest carries its own CRC32C (version 1, without it, is still read)
 MANIFEST = "manifest.json"
+CHECKSUM_KEY = "manifest_crc32c"
 CHECK_CHUNK = 4 << 20  # granularity of per-chunk checksums (and of zstd frames)
 PAGE = 4096
 SMALL = 64 << 10  # tensors below this are 64-byte aligned, larger ones page aligned
@@ -195,6 +198,8 @@ def decode_tree(node: Any, tensors: list[Any]) -> Any:
         raise ValueError(f"malformed manifest tree node: {node!r:.80}")
     (tag, v), = node.items()
     if tag == "t":
+        if type(v) is not int or not 0 <= v < len(tensors):
+            raise ValueError(f"manifest tree names tensor {v!r:.40}, not one of its {len(tensors)}")
         return tensors[v]
     if tag in ("d", "od"):
         items = [(_hashable(decode_tree(k, tensors)), decode_tree(x, tensors)) for k, x in v]
@@ -223,14 +228,36 @@ def _hashable(k: Any) -> Any:
 
 
 def manifest_bytes(manifest: dict[str, Any]) -> bytes:
-    return json.dumps(manifest, separators=(",", ":"), allow_nan=False).encode()
+    """Serialize a manifest, its CRC32C appended as the last key.
+
+    The CRC32C covers the exact bytes of the manifest without that key (``{...}``), so a reader
+    checks the bytes it read, not a re-serialization: ``{...,"manifest_crc32c":N}``.
+    """
+    body = json.dumps({k: v for k, v in manifest.items() if k != CHECKSUM_KEY}, separators=(",", ":"),
+                      allow_nan=False).encode()
+    sep = b"," if body != b"{}" else b""
+    return body[:-1] + sep + b'"%s":%d}' % (CHECKSUM_KEY.encode(), crc32c.crc32c(body))
+
+
+_CHECKSUM_TAIL = re.compile(rb'(,?)"' + CHECKSUM_KEY.encode() + rb'":(\d+)\}\s*$')
+_CKPT_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def plain_name(name: Any) -> bool:
+    """True for a name that is safe to join below a directory: one path component, not special."""
+    return (isinstance(name, str) and name not in ("", ".", "..", MANIFEST) and "/" not in name
+            and "\\" not in name and "\0" not in name)
 
 
 def parse_manifest(raw: bytes, where: str) -> dict[str, Any]:
-    """Parse and sanity-check a manifest.
+    """Parse, check and validate a manifest; the returned dict has no checksum key.
+
+    Every field that later becomes a path (``id``, file names) or a size, offset or index is
+    checked here, so a damaged or hostile manifest never reaches a path join or an allocation.
 
     Raises:
-        ChecksumError: not JSON, or not a manifest of this format/version.
+        ChecksumError: not JSON, not a manifest of this format/version, its CRC32C does not match
+            (or is missing from a version 2 manifest), or a field is malformed.
     """
     try:
         man = json.loads(raw)
@@ -238,6 +265,78 @@ def parse_manifest(raw: bytes, where: str) -> dict[str, Any]:
         raise ChecksumError(f"manifest is not valid JSON: {exc}", where) from exc
     if not isinstance(man, dict) or man.get("format") != FORMAT:
         raise ChecksumError("not a stripefs checkpoint manifest", where)
-    if man.get("version", 0) > VERSION:
-        raise ChecksumError(f"manifest version {man.get('version')} is newer than this reader ({VERSION})", where)
+    version = man.get("version", 0)
+    if type(version) is not int or version > VERSION:
+        raise ChecksumError(f"manifest version {version!r} is newer than this reader ({VERSION})", where)
+    tail = _CHECKSUM_TAIL.search(raw)
+    if CHECKSUM_KEY in man:
+        if tail is None:
+            raise ChecksumError("manifest checksum is not its last key", where)
+        body = raw[: tail.start()] + b"}"
+        if crc32c.crc32c(body) != int(tail.group(2)):
+            raise ChecksumError("manifest checksum mismatch (the manifest was changed or damaged)", where)
+        del man[CHECKSUM_KEY]
+    elif version >= 2:
+        raise ChecksumError("manifest has no checksum", where)
+    _validate(man, where)
     return man
+
+
+def _validate(man: dict[str, Any], where: str) -> None:
+    """Raise ChecksumError unless every field a reader relies on has a sane type and range."""
+    def bad(what: str) -> ChecksumError:
+        return ChecksumError(f"malformed manifest: {what}", where)
+
+    def count(x: Any) -> bool:
+        return type(x) is int and x >= 0
+
+    if not isinstance(man.get("id"), str) or not _CKPT_ID.fullmatch(man["id"]):
+        raise bad(f"id {man.get('id')!r:.60} is not a checkpoint id (32 hex digits)")
+    kind = man.get("kind", "state_dict")
+    if kind not in ("state_dict", "dcp"):
+        raise bad(f"unknown kind {kind!r:.40}")
+    files = man.get("files")
+    if not isinstance(files, list):
+        raise bad("files is not a list")
+    names: set[str] = set()
+    limits: list[int] = []
+    for rec in files:
+        if not isinstance(rec, dict) or not plain_name(rec.get("name")):
+            raise bad(f"file name {rec.get('name') if isinstance(rec, dict) else rec!r:.60} is not a plain relative name")
+        name = rec["name"]
+        if name in names:
+            raise bad(f"file {name!r} is listed twice")
+        names.add(name)
+        size, chunk, crcs = rec.get("size"), rec.get("chunk"), rec.get("chunk_crc32c")
+        if not count(size) or type(rec.get("crc32c")) is not int or not count(chunk) or chunk == 0:
+            raise bad(f"file {name!r}: size, crc32c or chunk missing or invalid")
+        if not isinstance(crcs, list) or len(crcs) != -(-size // chunk) or not all(type(c) is int for c in crcs):
+            raise bad(f"file {name!r}: chunk_crc32c does not match its size")
+        encoding = rec.get("encoding", "raw")
+        if encoding == "zstd":
+            frames = rec.get("frames")
+            if not count(rec.get("raw_size")) or not isinstance(frames, list) or not all(
+                    isinstance(f, list) and len(f) == 3 and all(count(x) for x in f) for f in frames):
+                raise bad(f"file {name!r}: zstd raw_size or frames invalid")
+            limits.append(rec["raw_size"])
+        elif encoding == "raw":
+            limits.append(size)
+        else:
+            raise bad(f"file {name!r}: unknown encoding {encoding!r:.20}")
+    if kind == "dcp":
+        return
+    tensors = man.get("tensors")
+    if not isinstance(tensors, list) or "tree" not in man:
+        raise bad("tensors or tree missing")
+    for i, e in enumerate(tensors):
+        if not isinstance(e, dict) or type(e.get("file")) is not int or not 0 <= e["file"] < len(files):
+            raise bad(f"tensor {i} names no listed file")
+        off, nbytes, shape = e.get("offset"), e.get("nbytes"), e.get("shape")
+        if not count(off) or not count(nbytes) or off + nbytes > limits[e["file"]] or type(e.get("crc32c")) is not int:
+            raise bad(f"tensor {i}: offset, nbytes or crc32c invalid (past the end of its file?)")
+        try:
+            itemsize = dtype_from_name(e.get("dtype")).itemsize
+        except (ValueError, TypeError):
+            raise bad(f"tensor {i}: unsupported dtype {e.get('dtype')!r:.20}") from None
+        if not isinstance(shape, list) or not all(count(d) for d in shape) or math.prod(shape) * itemsize != nbytes:
+            raise bad(f"tensor {i}: shape {shape!r:.60} does not match nbytes")

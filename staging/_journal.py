@@ -48,8 +48,14 @@ CREATE TABLE IF NOT EXISTS file (
 def fault_point(name: str) -> None:
     """Test hook: ``STRIPEFS_STAGING_KILL_AT=name[:n]`` SIGKILLs this process at the n-th hit.
 
-    Kill tests use it to stop a trainer or mover at an exact step; unset, it costs a dict lookup.
+    ``STRIPEFS_STAGING_TRACE=FILE`` appends every point passed to FILE, one name a line, so a
+    kill sweep can enumerate the points (and hit counts) of a run instead of guessing them.
+    Kill tests use these to stop a trainer or mover at an exact step; unset, each costs a dict lookup.
     """
+    trace = os.environ.get("STRIPEFS_STAGING_TRACE")
+    if trace:
+        with open(trace, "a") as f:  # O_APPEND: threads and processes never interleave a line
+            f.write(name + "\n")
     spec = os.environ.get("STRIPEFS_STAGING_KILL_AT")
     if not spec:
         return

@@ -27,8 +27,9 @@ from ._format import MANIFEST, ChecksumError, decode_tree, dtype_from_name, pars
 from ._journal import Journal
 from ._mover import client_for
 from ._save import default_staging_dir
+from ._verify import file_problems, rows_of
 
-__all__ = ["load", "latest", "read_manifest"]
+__all__ = ["load", "latest", "read_manifest", "verify"]
 
 log = logging.getLogger("stripefs.staging")
 
@@ -221,6 +222,11 @@ def load(url: str, *, map_location: Any = None, verify: bool = True, staging_dir
                     log.warning("local copy %s unusable (%s); reading %s", local, exc, url)
                 finally:
                     src.close()
+        # One stat per file before anything is allocated: a step cut short (or a manifest that
+        # claims more than the store holds) fails here, naming every bad file.
+        problems = file_problems(client, final, rows_of(man["files"]), checksums=False)
+        if problems:
+            raise ChecksumError("; ".join(f"{n}: {r}" for n, r in sorted(problems.items())), final)
         return _materialize(remote, man, verify, map_location)
     finally:
         remote.close()
@@ -235,22 +241,64 @@ def _local_copy(final: str, ckpt_id: str, staging_dir: str | None) -> str | None
 
 
 def latest(prefix: str, *, cluster: str | None = None) -> str | None:
-    """URL of the newest committed step directly under ``prefix`` (by trailing step number), or None."""
+    """URL of the newest committed step directly under ``prefix`` that can be loaded, or None.
+
+    Steps are tried newest first (by trailing step number); a step counts only when its
+    manifest passes its checksum and validation and every file it lists has the committed
+    size the manifest records (one ``stat`` per file: cheap). A step that fails is skipped
+    with a warning; :func:`verify` also reads every byte back.
+
+    Raises:
+        OSError: the store could not be asked (a broken step is skipped, not an error).
+    """
     client = client_for(cluster)
     base = normpath(prefix)
-    best: tuple[int, str] | None = None
     try:
         entries = list(client.scandir(base))
     except (FileNotFoundError, NotADirectoryError):
         return None
+    candidates = []
     for e in entries:
         if e.name.startswith(".") or (e.attr is not None and not e.attr.is_dir):
-            continue
-        path = posixpath.join(base, e.name)
-        if not client.exists(posixpath.join(path, MANIFEST)):
-            continue  # never committed: not a step
+            continue  # hidden: a partial upload, never a step
         found = re.search(r"(\d+)$", e.name)
-        key = int(found.group(1)) if found else -1
-        if best is None or (key, e.name) > (best[0], posixpath.basename(best[1])):
-            best = (key, path)
-    return None if best is None else "stripefs://" + best[1].lstrip("/")
+        candidates.append((int(found.group(1)) if found else -1, e.name))
+    for _, name in sorted(candidates, reverse=True):
+        path = posixpath.join(base, name)
+        try:
+            man = parse_manifest(client.read_bytes(posixpath.join(path, MANIFEST)), path)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # never committed: not a step
+        except ChecksumError as exc:
+            log.warning("latest: skipping %s: %s", path, exc.strerror)
+            continue
+        problems = file_problems(client, path, rows_of(man["files"]), checksums=False)
+        if problems:
+            log.warning("latest: skipping %s: %s", path, "; ".join(f"{n}: {r}" for n, r in problems.items()))
+            continue
+        return "stripefs://" + path.lstrip("/")
+    return None
+
+
+def verify(url: str, *, cluster: str | None = None) -> dict[str, Any]:
+    """Check a committed step completely: its manifest, and every file's size and CRC32Cs (read back).
+
+    Args:
+        url: ``stripefs://…/step-N`` (the prefix is optional).
+        cluster: cluster.json or host:port; default discovery.
+
+    Returns:
+        the step's manifest (without its checksum key).
+
+    Raises:
+        FileNotFoundError: no checkpoint is committed at ``url``.
+        ChecksumError: the manifest or a file fails a check; the message names every bad file.
+        OSError: the store could not be read.
+    """
+    client = client_for(cluster)
+    final = normpath(url)
+    man = parse_manifest(client.read_bytes(posixpath.join(final, MANIFEST)), final)
+    problems = file_problems(client, final, rows_of(man["files"]), checksums=True)
+    if problems:
+        raise ChecksumError("; ".join(f"{n}: {r}" for n, r in sorted(problems.items())), final)
+    return man

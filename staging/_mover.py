@@ -8,7 +8,14 @@ Upload of one checkpoint (idempotent, resumable):
    journal offset (``file.done``), in 32 MiB pieces with two in flight; every
    piece read from local disk is checked against the CRC32Cs recorded at
    snapshot time, and the storage servers check each chunk's CRC32C again;
-3. the manifest is written last, then the directory is renamed to its final
+   a piece is journaled as done only once it is acknowledged (on the servers'
+   disks) *and* the file's committed length covers it, so a resume never
+   skips bytes that a reader could not see;
+3. each file, once uploaded, is checked in the store (committed size and,
+   unless ``MoverOptions.verify`` is off, every CRC32C read back, overlapping
+   the other files' uploads); a file that fails is sent again from its start,
+   once;
+4. the manifest is written last, then the directory is renamed to its final
    name with ``noreplace`` — one atomic metadata transaction, so readers see
    either nothing or the whole step.
 
@@ -19,6 +26,7 @@ checkpoint already committed under the URL fail the checkpoint for good.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import mmap
 import os
@@ -35,8 +43,9 @@ import crc32c
 from fsclient import Client, normpath
 from wire import ErrorCode, StripefsError
 
-from ._format import CHECK_CHUNK, MANIFEST, CheckpointConflict, ChecksumError, parse_manifest
+from ._format import MANIFEST, CheckpointConflict, ChecksumError, parse_manifest
 from ._journal import CkptRow, FileRow, Journal, fault_point
+from ._verify import file_problems
 
 __all__ = ["MoverOptions", "Uploader", "remote_paths", "remove_tree", "client_for"]
 
@@ -56,6 +65,8 @@ class MoverOptions:
     backoff: float = 0.5            # first retry delay (doubles, capped at 8 s)
     cluster: str | None = None      # overrides the cluster recorded in the journal
     piece: int = PIECE              # upload unit; the journal records progress per piece
+    verify: bool = True             # before the commit, read every uploaded byte back and check its
+                                    # CRC32Cs (False: committed sizes only; saves a read of the step)
 
 
 _clients: dict[str, Client] = {}
@@ -186,19 +197,41 @@ class Uploader:
                 files = self.journal.files(self.row.id)
             client.makedirs(partial)
         throttle = _Throttle(self.options.bandwidth)
-        pending = [f for f in files if f.done < f.size or f.size == 0]
         with ThreadPoolExecutor(max(1, self.options.concurrency), thread_name_prefix="stripefs-mover") as pool:
-            for fut in [pool.submit(self._upload_file, client, partial, f, throttle) for f in pending]:
+            for fut in [pool.submit(self._upload_checked, client, partial, f, throttle) for f in files]:
                 fut.result()
         if wait_local is not None:
             wait_local()
         self._commit(client, final, partial)
 
+    def _upload_checked(self, client: Client, partial: str, f: FileRow, throttle: _Throttle) -> None:
+        """Upload what is left of ``f``, then check it in the store (its read-back overlaps the
+        other files' uploads).
+
+        What the rename publishes must be whole: a file the journal calls done but whose
+        committed size or bytes differ (a journal written by an older mover, a lost chunk) is
+        sent again from its start; a second failure fails the checkpoint.
+
+        Raises:
+            ChecksumError: the file still fails its checks after being sent again.
+        """
+        if f.done < f.size or f.size == 0:
+            self._upload_file(client, partial, f, throttle)
+        bad = file_problems(client, partial, [f], checksums=self.options.verify)
+        if not bad:
+            return
+        log.warning("checkpoint %s: re-uploading %s (%s)", self.row.url, f.name, bad[f.name])
+        self.journal.progress(self.row.id, f.name, 0)
+        self._upload_file(client, partial, dataclasses.replace(f, done=0), throttle)
+        bad = file_problems(client, partial, [f], checksums=self.options.verify)
+        if bad:
+            raise ChecksumError(f"uploaded file {f.name} fails its checks: {bad[f.name]}", partial)
+
     def _upload_file(self, client: Client, partial: str, f: FileRow, throttle: _Throttle) -> None:
         path = posixpath.join(partial, f.name)
         index = int(f.name.split("-")[-1].split(".")[0]) if self.buffers is not None else -1
         piece = max(f.chunk, self.options.piece // f.chunk * f.chunk)  # whole checksum chunks per piece
-        start_at = f.done if f.done and client.exists(path) else 0
+        start_at = f.done if f.done and _committed_size(client, path) >= f.done else 0
         with client.open(path, "r+b" if start_at else "wb") as sf:
             local = None if self.buffers is not None else open(os.path.join(self.row.local_dir, f.name), "rb")
             if local is not None:
@@ -221,17 +254,20 @@ class Uploader:
                         inflight.append((off, n, buf, client.submit_write(sf.ino, sf.layout, off, view)))
                         off += n
                     start, n, buf, fut = inflight.popleft()
-                    fut.result()
+                    fut.result()  # acknowledged: the bytes are on the servers' disks
                     if buf is not None:
                         spare.append(buf)
+                    fault_point("piece_written")
+                    # Readers see only up to the committed length: commit it before the journal
+                    # calls the piece done, or a resume would skip bytes no reader can see.
+                    # Pieces complete in order, so every byte below start + n is acknowledged.
+                    client.commit_length(sf.ino, start + n, mtime_ns=time.time_ns())
                     self.journal.progress(self.row.id, f.name, start + n)
                     self.uploaded += n
                     if self.on_progress:
                         self.on_progress(n)
                     fault_point("upload_piece")
                     throttle.account(n)
-                # The length is committed once, at the end, as close() does for ordinary writes.
-                client.commit_length(sf.ino, f.size, mtime_ns=time.time_ns())
             finally:
                 while inflight:  # never free a buffer the sender may still read
                     try:
@@ -257,8 +293,16 @@ class Uploader:
         self.journal.set_state(self.row.id, "committed")
 
 
+def _committed_size(client: Client, path: str) -> int:
+    """The length readers of ``path`` see; -1 when the file does not exist."""
+    try:
+        return client.stat(path).size
+    except FileNotFoundError:
+        return -1
+
+
 def _verify(view: memoryview, off: int, f: FileRow, where: str) -> None:
-    for k in range(0, len(view), CHECK_CHUNK):
+    for k in range(0, len(view), f.chunk):  # the file's own checksum chunk, recorded with it
         idx = (off + k) // f.chunk
         if crc32c.crc32c(view[k : k + f.chunk]) != f.chunk_crcs[idx]:
             raise ChecksumError(f"staged file {f.name} is corrupt at offset {off + k} (CRC32C mismatch)", where)

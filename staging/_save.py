@@ -25,6 +25,7 @@ import crc32c
 from fsclient import normpath
 
 from ._format import CHECK_CHUNK, DEFAULT_SHARD, FORMAT, MANIFEST, VERSION, chunk_crcs, manifest_bytes, plan_state_dict
+from ._durable import publish_dir
 from ._journal import CkptRow, FileRow, Journal, fault_point
 from ._mover import MoverOptions, Uploader, client_for, remote_paths, remove_tree
 from ._service import Mover, apply_retention
@@ -284,7 +285,7 @@ def _upload(h: SaveHandle, journal: Journal, row: CkptRow, options: MoverOptions
 
 def _encode_file(view: memoryview, compress: str | None) -> tuple[Any, dict[str, Any]]:
     if compress is None:
-        total, crcs = chunk_crcs(view)
+        total, crcs = chunk_crcs(view, CHECK_CHUNK)
         return view, {"size": len(view), "crc32c": total, "chunk": CHECK_CHUNK, "chunk_crc32c": crcs, "encoding": "raw"}
     import zstandard
 
@@ -296,13 +297,13 @@ def _encode_file(view: memoryview, compress: str | None) -> tuple[Any, dict[str,
         parts = list(pool.map(one, range(0, len(view), CHECK_CHUNK)))
     data = b"".join(p for p, _ in parts)
     frames = [[raw, len(p), crc] for p, (raw, _, crc) in parts]
-    total, crcs = chunk_crcs(memoryview(data))
+    total, crcs = chunk_crcs(memoryview(data), CHECK_CHUNK)
     return memoryview(data), {"size": len(data), "crc32c": total, "chunk": CHECK_CHUNK, "chunk_crc32c": crcs,
                               "encoding": "zstd", "raw_size": len(view), "frames": frames}
 
 
 def write_local_dir(final: str, files: list[tuple[str, Any]], manifest: bytes) -> None:
-    """Write files + manifest into ``.tmp-<name>``, fsync everything, rename to ``final``.
+    """Write files + manifest into ``.tmp-<name>``, fsync everything, rename to ``final`` durably.
 
     Raises:
         OSError: e.g. ENOSPC; the temporary directory is removed.
@@ -321,12 +322,7 @@ def write_local_dir(final: str, files: list[tuple[str, Any]], manifest: bytes) -
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        os.rename(tmp, final)
-        dfd = os.open(parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        publish_dir(tmp, final)
     except BaseException:
         import shutil
 

@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bandwidth", type=float, default=None, help="cap in MB/s")
     p.add_argument("--retries", type=int, default=5)
     p.add_argument("--piece", type=int, default=32 << 20, help="upload unit in bytes (progress is durable per piece)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="before a commit check only the uploaded files' sizes, not every CRC32C (no read-back)")
     p.add_argument("-q", "--quiet", action="store_true")
     return p
 
@@ -40,6 +42,7 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv[1:])
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(message)s")
     opts = MoverOptions(concurrency=args.concurrency, retries=args.retries, cluster=args.cluster, piece=args.piece,
+                        verify=not args.no_verify,
                         bandwidth=args.bandwidth * 1e6 if args.bandwidth else None)
     sent: dict[str, int] = {}
     t0 = time.monotonic()

@@ -196,6 +196,7 @@ def _save_identity(root: str, ident: dict[str, Any]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(root, "target.json"))
+    ChunkStore._fsync_dir(root)  # the rename itself is durable only once its directory is
 
 
 async def _register_and_heartbeat(service: StorageService, meta: TrioConnection, host: str, port: int, root: str,

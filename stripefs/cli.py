@@ -2,6 +2,7 @@
 
 Cluster: ``up``, ``down``, ``status``. Files: ``ls stat cat put get cp mv rm mkdir``
 (paths inside the file system; the ``stripefs://`` prefix is optional).
+Checkpoints: ``ckpt verify URL``.
 Other commands (``mount``, ``umount``, ``mover``, ``bench``) are provided by
 their packages and registered in :data:`EXTRA_COMMANDS`.
 """
@@ -123,6 +124,24 @@ def cmd_scrub(a: argparse.Namespace) -> int:
             else:
                 print(f"server {r['server_id']}: {r['checked']} chunks verified, {len(r['bad'])} bad, {r['repaired']} repaired")
     return 1 if bad_left else 0
+
+
+# -- checkpoint commands ------------------------------------------------------------------------
+def cmd_ckpt_verify(a: argparse.Namespace) -> int:
+    """Check a committed checkpoint step: manifest checksum, every file's size and CRC32Cs."""
+    import staging  # here, not at the top: torch is imported only by checkpoint commands
+
+    try:
+        man = staging.verify(a.url, cluster=a.cluster)
+    except FileNotFoundError:
+        print(f"stripefs ckpt verify: {a.url}: no checkpoint is committed there", file=sys.stderr)
+        return 1
+    except staging.ChecksumError as exc:
+        print(f"stripefs ckpt verify: {a.url}: BAD: {exc.strerror}", file=sys.stderr)
+        return 1
+    total = sum(f["size"] for f in man["files"])
+    print(f"{a.url}: OK (step {man.get('step')}, {len(man['files'])} files, {_human(total)}, every CRC32C checked)")
+    return 0
 
 
 # -- file commands ----------------------------------------------------------------------------
@@ -299,6 +318,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("mkdir", cmd_mkdir, "Create directories")
     sp.add_argument("-p", "--parents", action="store_true")
     sp.add_argument("paths", nargs="+")
+    sp = sub.add_parser("ckpt", help="Checkpoints written by staging (verify)", description="Checkpoints written by staging")
+    ckpt = sp.add_subparsers(dest="ckpt_cmd", required=True, metavar="SUBCOMMAND")
+    sp = ckpt.add_parser("verify", help="Check a committed step's manifest and every file's checksums",
+                         description="Check a committed step's manifest and every file's size and CRC32Cs "
+                                     "(exit status 0: good, 1: missing or damaged)")
+    sp.set_defaults(fn=cmd_ckpt_verify)
+    sp.add_argument("--cluster", "-c", help="cluster.json path or host:port (default: $STRIPEFS_CLUSTER, then the last `up`)")
+    sp.add_argument("url", help="the step, e.g. stripefs://ckpt/run1/step-000100")
     for name, (_mod, help) in EXTRA_COMMANDS.items():
         sub.add_parser(name, help=help, add_help=False)
     return p

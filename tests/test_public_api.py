@@ -22,7 +22,7 @@ PUBLIC: dict[str, set[str]] = {
     'fsclient.batchread': {'Completion', 'MOUNT_STATE_DIR', 'mount_state_path', 'MountedFile', 'read_batch', 'ReadRing', 'RegisteredFile', 'resolve_mounted', 'SharedBuffer'},
     'fsclient.batchread.dataset': {'Batch', 'collate_batch', 'IndexDataset', 'loader', 'RecordDataset'},
     'fsclient.testing': {'LocalPostgres', 'postgres_bin', 'add_server', 'down', 'LocalCluster', 'read_cluster', 'up'},
-    'staging': {'CheckpointConflict', 'ChecksumError', 'default_staging_dir', 'latest', 'load', 'Mover', 'MoverOptions', 'read_manifest', 'save', 'SaveHandle', 'StagedStorageReader', 'StagedStorageWriter'},
+    'staging': {'CheckpointConflict', 'ChecksumError', 'default_staging_dir', 'latest', 'load', 'Mover', 'MoverOptions', 'read_manifest', 'save', 'SaveHandle', 'StagedStorageReader', 'StagedStorageWriter', 'verify'},
     'bench': {'aggregate', 'BenchConfig', 'run_bench'},
 }
 

@@ -109,3 +109,16 @@ def test_truncate_and_remove(tmp_path) -> None:
     assert read(s, 5, 1, 0, 10) == b""
     assert s.remove(5) == 1
     assert not os.path.exists(os.path.dirname(s.path(5, 0)))
+
+
+def test_target_identity_replace_is_fsynced_in_its_directory(tmp_path, monkeypatch):
+    """``target.json`` is replaced atomically, then its directory is fsynced (the rename is durable)."""
+    from storage import _server
+
+    seen: list[tuple[str, str]] = []
+    real_replace, real_fsync = os.replace, os.fsync
+    monkeypatch.setattr(os, "replace", lambda a, b: (seen.append(("replace", str(b))), real_replace(a, b))[1])
+    monkeypatch.setattr(os, "fsync", lambda fd: (seen.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))), real_fsync(fd))[1])
+    _server._save_identity(str(tmp_path), {"server_id": 3})
+    i = seen.index(("replace", str(tmp_path / "target.json")))
+    assert ("fsync", str(tmp_path)) in seen[i + 1 :], seen

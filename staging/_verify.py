@@ -1,0 +1,87 @@
+"""Checks of a checkpoint's files in the store against what its manifest (or journal) records.
+
+Two depths: sizes only (one ``stat`` per file: what ``latest()`` can afford for every
+candidate step) and full (every byte read back and checked against the per-chunk and
+whole-file CRC32Cs: what the mover does before it commits, and ``staging.verify``).
+"""
+
+from __future__ import annotations
+
+import posixpath
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable
+
+import crc32c
+
+from ._journal import FileRow
+
+__all__ = ["file_problems", "rows_of"]
+
+READ_BLOCK = 16 << 20  # bytes read back per request when checksumming (rounded to whole checksum chunks)
+READERS = 4            # files checked at once
+
+
+def rows_of(records: Iterable[dict[str, Any]]) -> list[FileRow]:
+    """The manifest's ``files[]`` records as journal rows (the one shape the checks take)."""
+    return [FileRow(r["name"], r["size"], r["crc32c"], r["chunk"], list(r["chunk_crc32c"]), r["size"]) for r in records]
+
+
+def file_problems(client: Any, root: str, files: list[FileRow], *, checksums: bool) -> dict[str, str]:
+    """What is wrong with each file of ``files`` under ``root`` in the store.
+
+    Args:
+        client: an ``fsclient.Client``.
+        root: the directory holding the files (a committed step or a partial upload).
+        files: name, size, whole-file CRC32C, checksum chunk and per-chunk CRC32Cs of each file.
+        checksums: also read every byte back and check the CRC32Cs (otherwise sizes only).
+
+    Returns:
+        ``{file name: reason}`` for every file that is missing, has another committed size,
+        or (with ``checksums``) fails a CRC32C; empty when all are good.
+
+    Raises:
+        OSError: the store could not be asked (unreachable, ...); a missing file is a problem, not an error.
+    """
+    problems: dict[str, str] = {}
+    for f in files:
+        try:
+            size = client.stat(posixpath.join(root, f.name)).size
+        except FileNotFoundError:
+            problems[f.name] = "missing"
+            continue
+        if size != f.size:
+            problems[f.name] = f"committed size is {size} bytes, {f.size} recorded"
+    if not checksums:
+        return problems
+    todo = [f for f in files if f.name not in problems]
+    with ThreadPoolExecutor(max(1, min(READERS, len(todo)))) as pool:
+        for f, reason in zip(todo, pool.map(lambda f: _checksum_problem(client, root, f), todo)):
+            if reason:
+                problems[f.name] = reason
+    return problems
+
+
+def _checksum_problem(client: Any, root: str, f: FileRow) -> str | None:
+    """Read ``f`` back and compare its CRC32Cs; the reason it fails, or None."""
+    block = max(f.chunk, READ_BLOCK // f.chunk * f.chunk)  # whole checksum chunks per read
+    buf = memoryview(bytearray(min(block, max(f.size, 1))))
+    total, off = 0, 0
+    with client.open(posixpath.join(root, f.name), "rb") as sf:
+        while off < f.size:
+            want = min(len(buf), f.size - off)
+            got = 0
+            while got < want:
+                n = sf.readinto(buf[got:want])
+                if not n:
+                    return f"ends at {off + got} bytes, {f.size} recorded"
+                got += n
+            for k in range(0, want, f.chunk):
+                piece = buf[k : min(k + f.chunk, want)]
+                idx = (off + k) // f.chunk
+                if idx >= len(f.chunk_crcs) or crc32c.crc32c(piece) != f.chunk_crcs[idx]:
+                    return f"CRC32C mismatch in the chunk at offset {off + k}"
+                total = crc32c.crc32c(piece, total)
+            off += want
+    if total != f.crc:
+        return "whole-file CRC32C mismatch"
+    return None
