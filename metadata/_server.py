@@ -106,6 +106,13 @@ class Membership:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
+        # The rename is durable only once the directory entry is: a power loss must not
+        # bring back an older chain table than the one servers and clients were told.
+        dfd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
     def _rebuild(self) -> None:
         if self.frozen:
