@@ -43,6 +43,12 @@ class Route(Protocol):
     def fsync(self, handle: Any) -> None:
         """Make the handle's writes durable and visible to new opens."""
 
+    def write(self, handle: Any, data: bytes) -> None:
+        """Write all of ``data`` at the handle's position."""
+
+    def read(self, handle: Any, n: int) -> bytes:
+        """Read up to ``n`` bytes at the handle's position (short only at the end)."""
+
     def contents(self, path: str) -> list[tuple[str, bytes]]:
         """The file's bytes as seen through fresh opens: ``[(how, data), ...]``."""
 
@@ -60,23 +66,43 @@ class LocalRoute:
         self.name = name
 
     def open(self, path: str, mode: str, who: int) -> Any:
-        return open(os.path.join(self.root, path), mode)  # noqa: SIM115 - the exerciser closes it
+        # Unbuffered: every operation is one system call, and tell() is exact. (A buffered
+        # append-mode object reports the position from before a truncate plus what it
+        # buffers, and its buffer size follows st_blksize, which differs between the
+        # local disk and the mount.)
+        return open(os.path.join(self.root, path), mode, buffering=0)  # noqa: SIM115 - the exerciser closes it
 
     def pwrite(self, handle: Any, data: bytes, offset: int) -> None:
-        # Through the buffered object (not os.pwrite on its fd), so bytes it still
-        # buffers are ordered with this write as they would be in a program.
-        pos = handle.tell()
-        handle.seek(offset)
-        handle.write(data)
-        handle.seek(pos)
+        _write_all(lambda view, at: os.pwrite(handle.fileno(), view, at), data, offset)
 
     def fsync(self, handle: Any) -> None:
-        handle.flush()
         os.fsync(handle.fileno())
+
+    def write(self, handle: Any, data: bytes) -> None:
+        """Write at the handle's position (a raw file may write less than asked: loop)."""
+        _write_all(lambda view, _at: handle.write(view), data, 0)
+
+    def read(self, handle: Any, n: int) -> bytes:
+        """Read up to ``n`` bytes, short only at the end of the file."""
+        parts: list[bytes] = []
+        while n > 0:
+            got = handle.read(n)
+            if not got:
+                break
+            parts.append(got)
+            n -= len(got)
+        return b"".join(parts)
 
     def contents(self, path: str) -> list[tuple[str, bytes]]:
         with open(os.path.join(self.root, path), "rb") as f:
             return [(self.name, f.read())]
+
+
+def _write_all(write: Callable[[memoryview, int], int], data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    done = 0
+    while done < len(view):
+        done += write(view[done:], offset + done)
 
 
 @dataclass
@@ -234,8 +260,8 @@ class Exerciser:
         kind = op[0]
         if kind == "write":
             data = payload(op[1], op[2])
-            ours.write(data)
-            theirs.write(data)
+            self.oracle.write(ours, data)
+            self.route.write(theirs, data)
         elif kind == "pwrite":
             data = payload(op[2], op[3])
             self.oracle.pwrite(ours, data, op[1])
@@ -244,8 +270,8 @@ class Exerciser:
             ours.seek(op[1])
             theirs.seek(op[1])
         elif kind == "read":
-            want = ours.read(op[1])
-            got = theirs.read(op[1])
+            want = self.oracle.read(ours, op[1])
+            got = self.route.read(theirs, op[1])
             self._compare("read", got, want, base=ours.tell() - len(want))
         elif kind == "truncate":
             ours.truncate(op[1])

@@ -43,6 +43,12 @@ class NativeRoute:
     def fsync(self, handle: Any) -> None:
         handle.fsync()
 
+    def write(self, handle: Any, data: bytes) -> None:
+        assert handle.write(data) == len(data)
+
+    def read(self, handle: Any, n: int) -> bytes:
+        return handle.read(n)
+
     def contents(self, path: str) -> list[tuple[str, bytes]]:
         return [(f"client {i}", c.read_bytes(f"{self.root}/{path}")) for i, c in enumerate(self.clients)]
 
