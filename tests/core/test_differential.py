@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import pytest
 
 from fsclient import Client
+from fsclient.core._ordering import WriteOrder
 from tests.conftest import TEST_CHUNK
 from tests.differential import LocalRoute, parse_seeds, run_seed
 
@@ -128,3 +129,71 @@ def test_later_overlapping_write_waits_for_the_earlier_one(client: Client, testd
     got = client.read_bytes(path)
     assert got[:100] == small, "the later write was overwritten by the earlier one"
     assert got == small + big[100:] + b"tail"
+
+
+def test_disjoint_writes_are_not_held_back(client: Client, testdir: str, monkeypatch) -> None:
+    """Ordering is per overlapping range, not a queue: while an earlier write's first chunk
+    is stuck in the sender, a write to other chunks completes, and a write over the stuck
+    chunk waits for it (then lands last)."""
+    core = client.core
+    real = core.data_conn
+    stuck, release = threading.Event(), threading.Event()
+
+    class StuckFirstChunk:
+        def __init__(self, conn: Any):
+            self.conn = conn
+
+        def submit(self, msg: Any, **kw: Any) -> Any:
+            payload = kw.get("payload")
+            if getattr(msg, "index", None) == 0 and payload is not None and len(payload) == TEST_CHUNK:
+                stuck.set()
+                assert release.wait(30)
+            return self.conn.submit(msg, **kw)
+
+    path = f"{testdir}/disjoint"
+    with client.open(path, "wb") as f:
+        ino, layout = f.ino, f.layout
+    monkeypatch.setattr(core, "data_conn", lambda sid: StuckFirstChunk(real(sid)))
+    first = os.urandom(2 * TEST_CHUNK)
+    big = core.submit_write(ino, layout, 0, memoryview(first))[0]  # chunks 0-1, in the background
+    assert stuck.wait(10)
+    far = os.urandom(5000)
+    t0 = time.monotonic()
+    core.write_from(ino, layout, 5 * TEST_CHUNK, memoryview(far))  # chunk 5: free to go
+    assert time.monotonic() - t0 < 5 and not big.done()
+    over = os.urandom(300)
+    landed = threading.Event()
+    later = threading.Thread(target=lambda: (core.write_from(ino, layout, 10, memoryview(over)), landed.set()))
+    later.start()
+    assert not landed.wait(0.5), "a write over a chunk still in flight went out before it"
+    release.set()
+    big.result(30)
+    later.join(30)
+    assert landed.is_set()
+    dest = bytearray(5 * TEST_CHUNK + 5000)  # the length is not committed: read the chunks as they are
+    core.read_into(ino, layout, len(dest), 0, memoryview(dest))
+    got = bytes(dest)
+    assert got[:10] == first[:10] and got[10:310] == over and got[310 : 2 * TEST_CHUNK] == first[310:]
+    assert got[5 * TEST_CHUNK :] == far
+    assert core._order.pending(ino) == 0  # finished pieces leave the registry
+
+
+def test_write_order_registry() -> None:
+    """Which earlier pieces a new write waits for: only those that overlap and are unfinished."""
+    order = WriteOrder()
+    a = order.register(7, [(0, 100), (100, 200)])
+    b = order.register(7, [(200, 300)])
+    other = order.register(8, [(0, 1000)])
+    assert b.waits == [] and b.ready() and other.waits == []
+    c = order.register(7, [(150, 250)])
+    assert c.waits == [a.pieces[1], b.pieces[0]] and not c.ready()
+    a.finish()
+    b.finish(OSError("lost"))  # a failed earlier write releases its waiters too
+    assert c.ready()
+    c.wait()
+    d = order.register(7, [(0, 300)])
+    assert d.waits == [c.pieces[0]]
+    c.finish()
+    d.finish()
+    other.finish()
+    assert order.pending(7) == order.pending(8) == 0 and not order._inflight
