@@ -97,3 +97,32 @@ def test_failed_synchronous_write_is_sticky(client: Client, testdir: str, monkey
     with pytest.raises(OSError):
         f.close()
     assert client.stat(path).size == 0
+
+
+def test_truncate_racing_an_uncommitted_write(cluster, client: Client, testdir: str) -> None:
+    """Writer A's bytes are on the servers but not committed; B truncates to 0 (the servers
+    drop every chunk); A closes. A's commit must not bring back a length over the removed
+    chunks: the truncate came after every byte A wrote, so the file is empty (as on a local
+    disk), not 768 KiB of zeros."""
+    path = f"{testdir}/raced"
+    client.write_bytes(path, b"a" * (2 * TEST_CHUNK))
+    other = cluster.client()
+    try:
+        f = client.open(path, "r+b")
+        f.write(b"b" * (3 * TEST_CHUNK))
+        f.flush()  # acknowledged by the storage servers, length not committed yet
+        other.truncate(path, 0)
+        f.close()
+        assert other.stat(path).size == 0, "the writer's close resurrected a length over truncated chunks"
+        # The file works normally afterwards, for both clients.
+        with client.open(path, "r+b") as g:
+            g.write(b"c" * 100)
+        assert other.read_bytes(path) == b"c" * 100
+        # A truncate this writer made itself does not stop its own commits.
+        with client.open(path, "r+b") as g:
+            g.truncate(10)
+            g.seek(50)
+            g.write(b"d" * 20)
+        assert other.read_bytes(path) == b"c" * 10 + bytes(40) + b"d" * 20
+    finally:
+        other.close()
