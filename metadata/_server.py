@@ -367,7 +367,8 @@ class MetadataService(Service):
                 await self.truncate_chunks(attr, msg.size)
             return {"attr": attr.to_wire()}
         if isinstance(msg, m.CommitLength):
-            return {"attr": (await self._ns(ns.commit_length, msg.ino, msg.length, msg.mtime_ns)).to_wire()}
+            return {"attr": (await self._ns(ns.commit_length, msg.ino, msg.length, msg.mtime_ns,
+                                                msg.truncations)).to_wire()}
         if isinstance(msg, m.SetLayout):
             await self._ns(ns.set_layout, msg.ino, msg.chunk_size, msg.stripe)
             return {}

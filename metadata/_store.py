@@ -275,7 +275,8 @@ class SqlTxn(Txn):
     SQLite >= 3.24 and PostgreSQL both accept. ``paramstyle`` adapts the ``?`` markers
     for drivers that use ``%s`` (psycopg)."""
 
-    _INODE_COLS = "ino, ftype, mode, nlink, uid, gid, size, atime_ns, mtime_ns, ctime_ns, chunk_size, chains, target"
+    _INODE_COLS = ("ino, ftype, mode, nlink, uid, gid, size, atime_ns, mtime_ns, ctime_ns, chunk_size, chains, target, "
+                   "truncations")
 
     def __init__(self, cursor: Any, paramstyle: str = "qmark") -> None:
         self._cur = cursor
@@ -289,17 +290,17 @@ class SqlTxn(Txn):
         row = self._q(f"SELECT {self._INODE_COLS} FROM inodes WHERE ino = ?", (ino,)).fetchone()
         if row is None:
             return None
-        ino, _, mode, nlink, uid, gid, size, at, mt, ct, chunk, chains, target = row
+        ino, _, mode, nlink, uid, gid, size, at, mt, ct, chunk, chains, target, truncations = row
         layout = Layout(chunk, _chains_tuple(chains)) if chunk is not None else None
-        return Attr(ino, mode, nlink, uid, gid, size, at, mt, ct, layout, target)
+        return Attr(ino, mode, nlink, uid, gid, size, at, mt, ct, layout, target, truncations)
 
     def put_inode(self, a: Attr) -> None:
         chunk = a.layout.chunk_size if a.layout else None
         chains = _chains_text(a.layout.chains) if a.layout else None
         values = (a.ino, stat.S_IFMT(a.mode), a.mode, a.nlink, a.uid, a.gid, a.size,
-                  a.atime_ns, a.mtime_ns, a.ctime_ns, chunk, chains, a.target)
+                  a.atime_ns, a.mtime_ns, a.ctime_ns, chunk, chains, a.target, a.truncations)
         updates = ", ".join(f"{c} = excluded.{c}" for c in self._INODE_COLS.split(", ")[1:])
-        self._q(f"INSERT INTO inodes ({self._INODE_COLS}) VALUES ({', '.join('?' * 13)}) "
+        self._q(f"INSERT INTO inodes ({self._INODE_COLS}) VALUES ({', '.join('?' * len(values))}) "
                 f"ON CONFLICT (ino) DO UPDATE SET {updates}", values)
 
     def delete_inode(self, ino: int) -> None:
@@ -366,7 +367,7 @@ CREATE TABLE IF NOT EXISTS inodes (
     ino INTEGER PRIMARY KEY, ftype INTEGER NOT NULL, mode INTEGER NOT NULL,
     nlink INTEGER NOT NULL, uid INTEGER NOT NULL, gid INTEGER NOT NULL, size INTEGER NOT NULL,
     atime_ns INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, ctime_ns INTEGER NOT NULL,
-    chunk_size INTEGER, chains TEXT, target TEXT);
+    chunk_size INTEGER, chains TEXT, target TEXT, truncations INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS dirs (
     ino INTEGER PRIMARY KEY, parent INTEGER NOT NULL, chunk_size INTEGER, stripe INTEGER);
 CREATE TABLE IF NOT EXISTS dentries (
@@ -400,6 +401,9 @@ class SqliteStore(Store):
         self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
         self._conn.executescript(_SCHEMA)
+        columns = {row[1] for row in self._conn.execute("PRAGMA table_info(inodes)")}
+        if "truncations" not in columns:  # a database made before the column existed
+            self._conn.execute("ALTER TABLE inodes ADD COLUMN truncations INTEGER NOT NULL DEFAULT 0")
         self._open = False
         self._batching = False
 

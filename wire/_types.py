@@ -105,6 +105,10 @@ class Attr:
     ctime_ns: int
     layout: Layout | None = None
     target: str | None = None  # symlink target
+    # How many times the size was set (truncate, O_TRUNC): the storage servers then
+    # dropped the bytes past it, including bytes written but not committed yet.
+    # A writer's length commit names the count it last saw (CommitLength.truncations).
+    truncations: int = 0
 
     @property
     def is_dir(self) -> bool:
@@ -141,6 +145,7 @@ class Attr:
                 ctime_ns=int(d["ctime_ns"]),
                 layout=Layout.from_wire(layout) if layout is not None else None,
                 target=d.get("target"),
+                truncations=int(d.get("truncations", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise _bad(f"bad attr: {exc}") from exc

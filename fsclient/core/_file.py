@@ -50,6 +50,7 @@ class StripeFile(io.RawIOBase):
         self.ino = attr.ino
         self.layout = attr.layout
         self.size = attr.size
+        self._truncations = attr.truncations  # the file's truncate count as this object last saw it
         self._readable, self._writable, self._append = readable, writable, append
         self._pos = self.size if append else 0
         window = min(self.layout.chunk_size * min(self.layout.stripe, 8), MAX_WINDOW)
@@ -358,7 +359,13 @@ class StripeFile(io.RawIOBase):
     def _commit(self) -> None:
         self._check_error()  # never commit a length over bytes that were lost
         if self._dirty:
-            reply = self.core.attr(m.CommitLength(ino=self.ino, length=self._length(), mtime_ns=time.time_ns()))
+            reply = self.core.attr(m.CommitLength(ino=self.ino, length=self._length(), mtime_ns=time.time_ns(),
+                                                  truncations=self._truncations))
+            if reply.truncations != self._truncations:
+                # Truncated by someone else since we last looked: the servers dropped our
+                # bytes past the new size, and the commit did not extend over them.
+                self._written_end = min(self._written_end, reply.size)
+                self._truncations = reply.truncations
             self.size = reply.size
             self._dirty = False
 
@@ -370,6 +377,7 @@ class StripeFile(io.RawIOBase):
         self._drain()
         attr = self.core.attr(m.SetAttr(ino=self.ino, size=size))
         self.size = attr.size
+        self._truncations = attr.truncations
         self._written_end = min(self._written_end, size)
         self._ra.clear()
         return size
