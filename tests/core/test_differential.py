@@ -22,8 +22,8 @@ from fsclient.core._ordering import WriteOrder
 from tests.conftest import TEST_CHUNK
 from tests.differential import LocalRoute, parse_seeds, run_seed
 
-SEEDS = parse_seeds(range(12))
-OPS = 80
+SEEDS = parse_seeds(range(24))
+OPS = 100
 MAX_SIZE = 4 << 20
 
 

@@ -19,8 +19,8 @@ from tests.differential import LocalRoute, parse_seeds, run_seed
 
 pytestmark = pytest.mark.fuse
 
-SEEDS = parse_seeds(range(6))
-OPS = 80
+SEEDS = parse_seeds(range(10))
+OPS = 100
 MAX_SIZE = 4 << 20
 
 
