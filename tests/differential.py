@@ -147,11 +147,15 @@ class Generator:
         chunk: the file's chunk size (sizes and positions cluster around its multiples).
         window: the client's write-behind window (some writes are larger).
         max_size: positions and writes stay below this many bytes.
+        reopen_modes: the modes a file is reopened with (what the route can open).
+        kinds: the operations the route can express (default: all).
     """
 
-    def __init__(self, seed: int, chunk: int, window: int, max_size: int):
+    def __init__(self, seed: int, chunk: int, window: int, max_size: int,
+                 reopen_modes: tuple[str, ...] = REOPEN_MODES, kinds: frozenset[str] | None = None):
         self.rng = random.Random(seed)
         self.chunk, self.window, self.max_size = chunk, window, max_size
+        self.reopen_modes, self.kinds = reopen_modes, kinds
         self.last: tuple[int, int] = (0, 0)  # the most recent write's range: seeks like to go back into it
 
     def size(self) -> int:
@@ -198,6 +202,8 @@ class Generator:
                 choices.append(("pwrite", 12))
         if readable:
             choices.append(("read", 6))
+        if self.kinds is not None:
+            choices = [c for c in choices if c[0] in self.kinds]
         kind = r.choices([c[0] for c in choices], [c[1] for c in choices])[0]
         if kind == "write":
             at = length if append else pos
@@ -218,7 +224,7 @@ class Generator:
         if kind == "truncate":
             return ("truncate", r.choice((0, r.randint(0, length), length + r.randint(1, self.chunk))))
         if kind == "close":
-            return ("close", r.choice(REOPEN_MODES), r.randint(0, 1))
+            return ("close", r.choice(self.reopen_modes), r.randint(0, 1))
         return (kind,)
 
 
@@ -230,12 +236,14 @@ class Exerciser:
         oracle: the local reference.
         path: the file's path, relative to both routes' roots.
         seed: the seed (named in reports only).
+        first_mode: the mode the file is opened with first.
     """
 
-    def __init__(self, route: Route, oracle: LocalRoute, path: str, seed: int | None):
+    def __init__(self, route: Route, oracle: LocalRoute, path: str, seed: int | None, first_mode: str = "w+b"):
         self.route, self.oracle, self.path, self.seed = route, oracle, path, seed
         self.ops: list[Op] = []
-        self.mode = "w+b"
+        self.first_mode = first_mode
+        self.mode = first_mode
         self.handles: tuple[Any, Any] | None = None
         self.bytes_compared = 0
 
@@ -326,11 +334,12 @@ class Exerciser:
         raise Divergence(
             f"route {self.route.name}, seed {self.seed}, operation {n - 1} {self.ops[-1]!r}: {why}\n"
             f"replay: STRIPEFS_DIFF_SEEDS={self.seed} (or differential.replay with these operations)\n"
-            f"operations (the file was opened 'w+b' first):\n[\n{listing}\n]")
+            f"operations (the file was opened {self.first_mode!r} first):\n[\n{listing}\n]")
 
 
 def run_seed(route: Route, oracle: LocalRoute, path: str, seed: int, *, ops: int, chunk: int, window: int,
-             max_size: int) -> Exerciser:
+             max_size: int, first_mode: str = "w+b", reopen_modes: tuple[str, ...] = REOPEN_MODES,
+             kinds: frozenset[str] | None = None) -> Exerciser:
     """Run one seeded sequence of ``ops`` operations on ``path``; raise :class:`Divergence` on a difference.
 
     Args:
@@ -342,13 +351,19 @@ def run_seed(route: Route, oracle: LocalRoute, path: str, seed: int, *, ops: int
         chunk: the file's chunk size.
         window: the client's write-behind window.
         max_size: the file stays below this size.
+        first_mode: the mode the file is created with.
+        reopen_modes: the modes it is reopened with.
+        kinds: the operations the route can express (default: all).
 
     Returns:
         The exerciser (its ``ops`` and ``bytes_compared``).
+
+    Raises:
+        Divergence: the route and the oracle differ (the message lists the operations).
     """
-    gen = Generator(seed, chunk, window, max_size)
-    ex = Exerciser(route, oracle, path, seed)
-    ex.open("w+b")
+    gen = Generator(seed, chunk, window, max_size, reopen_modes, kinds)
+    ex = Exerciser(route, oracle, path, seed, first_mode)
+    ex.open(first_mode)
     try:
         for _ in range(ops):
             pos, length = ex.oracle_state()
@@ -359,10 +374,10 @@ def run_seed(route: Route, oracle: LocalRoute, path: str, seed: int, *, ops: int
     return ex
 
 
-def replay(route: Route, oracle: LocalRoute, path: str, ops: list[Op]) -> Exerciser:
-    """Run a printed operation list again (the file is opened ``w+b`` first)."""
-    ex = Exerciser(route, oracle, path, None)
-    ex.open("w+b")
+def replay(route: Route, oracle: LocalRoute, path: str, ops: list[Op], first_mode: str = "w+b") -> Exerciser:
+    """Run a printed operation list again (the file is opened with ``first_mode`` first)."""
+    ex = Exerciser(route, oracle, path, None, first_mode)
+    ex.open(first_mode)
     try:
         for op in ops:
             if op[0] == "close" and op[1] is None:
