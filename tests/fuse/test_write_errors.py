@@ -39,3 +39,19 @@ def test_release_commits_nothing_after_close_failed(cluster, mdir: str, client: 
     with open(f"{mdir}/lost", "wb") as f:
         f.write(b"ok" * 1000)
     assert client.read_bytes(path) == b"ok" * 1000
+
+
+def test_truncate_by_another_client_while_written_through_the_mount(mdir: str, client: Client, testdir: str) -> None:
+    """Bytes written through the mount, not committed yet; another client truncates the file
+    to 0; the mount's close must not commit a length over the truncated range."""
+    path = f"{testdir}/raced"
+    client.write_bytes(path, b"a" * 1000)
+    fd = os.open(f"{mdir}/raced", os.O_RDWR)
+    try:
+        assert os.pwrite(fd, b"b" * 700_000, 0) == 700_000
+        assert os.pread(fd, 10, 0) == b"b" * 10  # a read flushes the daemon's buffers to the servers
+        client.truncate(path, 0)
+    finally:
+        os.close(fd)
+    assert client.stat(path).size == 0
+    assert client.read_bytes(path) == b""
