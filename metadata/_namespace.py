@@ -308,7 +308,7 @@ class Namespace:
         if truncate:
             # Queued even at size 0: servers may hold bytes of a length not yet committed.
             now = time.time_ns()
-            attr = dataclasses.replace(attr, size=0, mtime_ns=now, ctime_ns=now)
+            attr = dataclasses.replace(attr, size=0, mtime_ns=now, ctime_ns=now, truncations=attr.truncations + 1)
             txn.put_inode(attr)
             self._queue(txn, "truncate", attr, 0)
         return attr
@@ -515,6 +515,10 @@ class Namespace:
                 new = dataclasses.replace(new, atime_ns=atime_ns)
             if size is not None:
                 self._check_size(old, size)
+                # The servers drop every byte past ``size`` (uncommitted ones too), even
+                # when the size does not change: count it, so a writer's stale commit
+                # cannot bring those bytes' range back (commit_length).
+                new = dataclasses.replace(new, truncations=old.truncations + 1)
             if size is not None and size != old.size:
                 new = dataclasses.replace(new, size=size, mtime_ns=now)
                 if size < old.size:
@@ -533,14 +537,31 @@ class Namespace:
         if size > MAX_FILE_SIZE:
             raise _err(ErrorCode.FILE_TOO_BIG, f"size {size} over {MAX_FILE_SIZE}")
 
-    def commit_length(self, ino: int, length: int, mtime_ns: int | None = None) -> Attr:
+    def commit_length(self, ino: int, length: int, mtime_ns: int | None = None,
+                      truncations: int | None = None) -> Attr:
         """Record a client's file length at close/fsync: ``size = max(size, length)``.
 
         The max makes concurrent and retried commits safe; shrinking is ``setattr``'s job.
+
+        Args:
+            ino: the file.
+            length: the writer's length.
+            mtime_ns: the modification time to record (default: now, when the size grows).
+            truncations: ``Attr.truncations`` as the writer last saw it. If the file was
+                truncated since, the servers dropped the writer's bytes past the new
+                size: the size is not extended (it would show zeros as file data).
+
+        Returns:
+            The new attributes (the writer compares ``truncations`` to learn of a truncate).
+
+        Raises:
+            StripefsError: ENOENT, EINVAL (not a regular file), EFBIG.
         """
         with self._store.transaction() as txn:
             old = self._inode(txn, ino)
             self._check_size(old, length)
+            if truncations is not None and truncations != old.truncations:
+                length = min(length, old.size)
             if length <= old.size and mtime_ns is None:
                 return old
             now = time.time_ns()

@@ -410,7 +410,7 @@ class MetadataService(Service):
                 await self.truncate_chunks(attr, msg.size)
             return m.AttrReply(attr)
         if isinstance(msg, m.CommitLength):
-            return m.AttrReply(await self._ns(ns.commit_length, msg.ino, msg.length, msg.mtime_ns))
+            return m.AttrReply(await self._ns(ns.commit_length, msg.ino, msg.length, msg.mtime_ns, msg.truncations))
         if isinstance(msg, m.SetLayout):
             await self._ns(ns.set_layout, msg.ino, msg.chunk_size, msg.stripe)
             return m.EmptyReply()

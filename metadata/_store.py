@@ -345,7 +345,8 @@ class SqlTxn(Txn):
     SQLite >= 3.24 and PostgreSQL both accept. ``paramstyle`` adapts the ``?`` markers
     for drivers that use ``%s`` (psycopg)."""
 
-    _INODE_COLS = "ino, ftype, mode, nlink, uid, gid, size, atime_ns, mtime_ns, ctime_ns, chunk_size, chains, target, rdev"
+    _INODE_COLS = ("ino, ftype, mode, nlink, uid, gid, size, atime_ns, mtime_ns, ctime_ns, chunk_size, chains, target, "
+                   "rdev, truncations")
 
     def __init__(self, cursor: Any, paramstyle: str = "qmark") -> None:
         self._cur = cursor
@@ -359,17 +360,17 @@ class SqlTxn(Txn):
         row = self._q(f"SELECT {self._INODE_COLS} FROM inodes WHERE ino = ?", (ino,)).fetchone()
         if row is None:
             return None
-        ino, _, mode, nlink, uid, gid, size, at, mt, ct, chunk, chains, target, rdev = row
+        ino, _, mode, nlink, uid, gid, size, at, mt, ct, chunk, chains, target, rdev, truncations = row
         layout = Layout(chunk, _chains_tuple(chains)) if chunk is not None else None
-        return Attr(ino, mode, nlink, uid, gid, size, at, mt, ct, layout, target, rdev)
+        return Attr(ino, mode, nlink, uid, gid, size, at, mt, ct, layout, target, rdev, truncations)
 
     def put_inode(self, a: Attr) -> None:
         chunk = a.layout.chunk_size if a.layout else None
         chains = _chains_text(a.layout.chains) if a.layout else None
         values = (a.ino, stat.S_IFMT(a.mode), a.mode, a.nlink, a.uid, a.gid, a.size,
-                  a.atime_ns, a.mtime_ns, a.ctime_ns, chunk, chains, a.target, a.rdev)
+                  a.atime_ns, a.mtime_ns, a.ctime_ns, chunk, chains, a.target, a.rdev, a.truncations)
         updates = ", ".join(f"{c} = excluded.{c}" for c in self._INODE_COLS.split(", ")[1:])
-        self._q(f"INSERT INTO inodes ({self._INODE_COLS}) VALUES ({', '.join('?' * 14)}) "
+        self._q(f"INSERT INTO inodes ({self._INODE_COLS}) VALUES ({', '.join('?' * len(values))}) "
                 f"ON CONFLICT (ino) DO UPDATE SET {updates}", values)
 
     def delete_inode(self, ino: int) -> None:
@@ -464,7 +465,8 @@ CREATE TABLE IF NOT EXISTS inodes (
     ino INTEGER PRIMARY KEY, ftype INTEGER NOT NULL, mode INTEGER NOT NULL,
     nlink INTEGER NOT NULL, uid INTEGER NOT NULL, gid INTEGER NOT NULL, size INTEGER NOT NULL,
     atime_ns INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, ctime_ns INTEGER NOT NULL,
-    chunk_size INTEGER, chains TEXT, target TEXT, rdev INTEGER NOT NULL DEFAULT 0);
+    chunk_size INTEGER, chains TEXT, target TEXT, rdev INTEGER NOT NULL DEFAULT 0,
+    truncations INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS dirs (
     ino INTEGER PRIMARY KEY, parent INTEGER NOT NULL, chunk_size INTEGER, stripe INTEGER);
 CREATE TABLE IF NOT EXISTS dentries (
@@ -511,6 +513,8 @@ class SqliteStore(Store):
         cols = {row[1] for row in self._conn.execute("PRAGMA table_info(inodes)")}
         if "rdev" not in cols:  # device nodes: added after the first release
             self._conn.execute("ALTER TABLE inodes ADD COLUMN rdev INTEGER NOT NULL DEFAULT 0")
+        if "truncations" not in cols:  # the truncate count writers' commits are checked against
+            self._conn.execute("ALTER TABLE inodes ADD COLUMN truncations INTEGER NOT NULL DEFAULT 0")
 
     @contextmanager
     def batch(self) -> Iterator[None]:

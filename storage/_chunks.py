@@ -12,12 +12,18 @@ served with ``sendfile`` straight from the page cache)::
     32  8  chain        the replication chain the chunk belongs to (resync works per chain)
     64  4n CRC32C of each block [i*B, min((i+1)*B, length))
 
-Durability: a write is acknowledged only after ``fdatasync`` of the chunk file
-(data and header together), and after an ``fsync`` of the directory when the
-file is new. Appends and writes into holes go in place: bytes already
-acknowledged are never touched. A write that overlaps acknowledged bytes is
-copy-on-write (copy the chunk with ``copy_file_range``, patch, sync, rename),
-so a crash mid-write leaves the old chunk or the new one, never a mix.
+Durability: a write is acknowledged only after ``fdatasync`` of the chunk file,
+and after an ``fsync`` of the directories when the file is new (the inode's
+directory, and ``chunks/`` when that directory is new too). Appends and writes
+into holes go in place: bytes already acknowledged are never touched. When such
+a write extends a partly filled block, that block's CRC covers acknowledged
+bytes and new ones: the data is synced before the header that describes it,
+so a crash leaves the old header (valid for the old bytes) or the new one over
+bytes that are on disk. A truncate inside a block writes and syncs the
+shortened header before it cuts the file, for the same reason. A write that
+overlaps acknowledged bytes is copy-on-write (copy the chunk with
+``copy_file_range``, patch, sync, rename), so a crash mid-write leaves the old
+chunk or the new one, never a mix.
 
 Checksums: every block has a CRC32C. Clients send the CRC of their payload and
 the server checks it before writing. A read verifies the blocks it covers once;
@@ -190,8 +196,9 @@ class ChunkStore:
     def _write_locked(self, ino: int, index: int, offset: int, data: memoryview, chain: int) -> ChunkMeta:
         path = self.path(ino, index)
         fresh = not os.path.exists(path)
+        new_dir = False
         if fresh:
-            os.makedirs(self._dir(ino), exist_ok=True)
+            new_dir = self._make_dir(ino)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
             meta = ChunkMeta()
         else:
@@ -204,6 +211,10 @@ class ChunkStore:
                 fd = -1
                 return self._write_cow(ino, index, offset, data, meta)
             os.pwrite(fd, data, HEADER_SIZE + offset)
+            if meta.length % BLOCK:
+                # The last block holds acknowledged bytes and gets a CRC over old and
+                # new ones: the new bytes must be on disk before a header that says so.
+                os.fdatasync(fd)
             new = self._commit_meta(fd, meta, offset, len(data), data)
             os.fdatasync(fd)
             new.mtime_ns = os.fstat(fd).st_mtime_ns
@@ -212,6 +223,8 @@ class ChunkStore:
                 os.close(fd)
         if fresh:
             self._fsync_dir(self._dir(ino))
+            if new_dir:
+                self._fsync_dir(self.chunk_root)  # the inode directory's own entry
             self.chunks += 1
         self.used += new.length - meta.length
         self._meta[(ino, index)] = new
@@ -262,6 +275,14 @@ class ChunkStore:
         new = ChunkMeta(meta.version + 1, length, crcs, verified, chain=meta.chain)
         os.pwrite(fd, new.pack(), 0)
         return new
+
+    def _make_dir(self, ino: int) -> bool:
+        """Create the inode's directory if missing; True when this call created it."""
+        try:
+            os.mkdir(self._dir(ino))
+        except FileExistsError:
+            return False
+        return True
 
     @staticmethod
     def _fsync_dir(path: str) -> None:
@@ -370,14 +391,18 @@ class ChunkStore:
                     return
                 if meta is None or length >= meta.length:
                     return
-                os.ftruncate(fd, HEADER_SIZE + length)
                 nblocks = -(-length // BLOCK)
                 crcs = meta.crcs[:nblocks]
-                if length % BLOCK:
+                if length % BLOCK:  # the bytes before the cut do not change: their CRC now
                     b = nblocks - 1
                     crcs[b] = _crc(os.pread(fd, length - b * BLOCK, HEADER_SIZE + b * BLOCK))
                 new = ChunkMeta(meta.version + 1, length, crcs, meta.verified & ((1 << nblocks) - 1), chain=meta.chain)
+                # Header first, synced, then the cut: a crash in between leaves a header
+                # that is right for the bytes it covers (the old one, or the new one
+                # over a file not cut yet), never an old CRC over a cut block.
                 os.pwrite(fd, new.pack(), 0)
+                os.fdatasync(fd)
+                os.ftruncate(fd, HEADER_SIZE + length)
                 os.fdatasync(fd)
                 new.mtime_ns = os.fstat(fd).st_mtime_ns
                 self.used -= meta.length - length
@@ -398,7 +423,7 @@ class ChunkStore:
                 cur = None
             if cur is not None and cur.version >= version and not force:
                 return cur
-            os.makedirs(self._dir(ino), exist_ok=True)
+            new_dir = self._make_dir(ino)
             path = self.path(ino, index)
             tmp = path + ".tmp"
             view = memoryview(data)
@@ -414,6 +439,8 @@ class ChunkStore:
                 os.close(fd)
             os.rename(tmp, path)
             self._fsync_dir(self._dir(ino))
+            if new_dir:
+                self._fsync_dir(self.chunk_root)
             self.used += new.length - (cur.length if cur else 0)
             self.chunks += cur is None
             self._meta[(ino, index)] = new

@@ -570,6 +570,9 @@ class CommitLength(Message[AttrReply]):
     ino: int
     length: int
     mtime_ns: int | None = None
+    # Attr.truncations as the writer last saw it; when the file was truncated since,
+    # the commit does not extend the size (the writer's bytes past it were dropped).
+    truncations: int | None = None
 
 
 @message(25, mutates=True)

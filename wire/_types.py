@@ -114,6 +114,10 @@ class Attr:
     layout: Layout | None = None
     target: str | None = None  # symlink target
     rdev: int = 0  # device number of a character or block device node
+    # How many times the size was set (truncate, O_TRUNC): the storage servers then
+    # dropped the bytes past it, including bytes written but not committed yet.
+    # A writer's length commit names the count it last saw (CommitLength.truncations).
+    truncations: int = 0
 
     @property
     def is_dir(self) -> bool:
@@ -151,6 +155,7 @@ class Attr:
                 layout=Layout.from_wire(layout) if layout is not None else None,
                 target=d.get("target"),
                 rdev=int(d.get("rdev", 0)),
+                truncations=int(d.get("truncations", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise _bad(f"bad attr: {exc}") from exc

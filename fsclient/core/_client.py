@@ -441,7 +441,8 @@ class Client:
         (done,) = self._core.submit_write(ino, layout, offset, data)
         return done
 
-    def commit_length(self, ino: int, length: int, *, mtime_ns: int | None = None) -> Attr:
+    def commit_length(self, ino: int, length: int, *, mtime_ns: int | None = None,
+                      truncations: int | None = None) -> Attr:
         """Publish a file's length after its writes were acknowledged (``close``/``fsync`` do this).
 
         The size becomes ``max(size, length)``: commits of concurrent or retried
@@ -452,11 +453,14 @@ class Client:
             length: the end of the bytes written.
             mtime_ns: the modification time to record; None records the
                 service's clock only when the size grows.
+            truncations: ``Attr.truncations`` as the writer last saw it; if the
+                file was truncated since, the size is not extended (the servers
+                dropped the writer's bytes past the truncation).
 
         Returns:
             The inode's attributes after the commit.
         """
-        return self._core.attr(m.CommitLength(ino=ino, length=length, mtime_ns=mtime_ns))
+        return self._core.attr(m.CommitLength(ino=ino, length=length, mtime_ns=mtime_ns, truncations=truncations))
 
     def routing(self, refresh: bool = False) -> Routing:
         """The chain table: which storage servers serve each chain, head first.

@@ -38,6 +38,7 @@ from rpc import BufferPool, Connection, ConnectionPool, Reply, abandon
 from wire import Attr, ErrorCode, Layout, Message, ReplyMessage, Routing, StripefsError, messages as m
 
 from ._config import ClusterConfig
+from ._ordering import WriteOrder
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ class ClientCore:
         self._data = ConnectionPool(secret, self.client_id, per_server=self.conns_per_server,
                                     expect_role="storage", send_thread=True)
         self._routing: Routing | None = None
+        self._order = WriteOrder()  # overlapping writes in flight go out in program order
 
     def _reset_after_fork(self) -> None:
         # The parent's sockets are shared with us: drop them without shutdown(), which
@@ -263,21 +265,48 @@ class ClientCore:
         return n
 
     def write_from(self, ino: int, layout: Layout, offset: int, data: memoryview) -> None:
-        """Write ``data`` at ``offset``, all chunks in parallel; returns once every piece is acked."""
+        """Write ``data`` at ``offset``, all chunks in parallel; returns once every piece is acked.
+
+        Ordered after earlier writes of this client to overlapping bytes (see :meth:`submit_write`).
+
+        Raises:
+            StripefsError: a piece could not be written (the other pieces have finished).
+        """
         for fut in self.submit_write(ino, layout, offset, data):
             fut.result()
 
     def submit_write(self, ino: int, layout: Layout, offset: int, data: memoryview) -> list[Future]:
         """Start a write in the background; one future per call, resolving when acked.
 
+        Writes are ordered where they overlap: the pieces are registered here, in
+        the caller's thread, and a piece is not sent before every earlier write of
+        this client to overlapping bytes of the same inode has finished, so the
+        later bytes always land last (requests on the wire complete in any order).
+        Writes to disjoint ranges still go out in parallel. A write of at most
+        one chunk whose range is free is sent from the caller's thread; any
+        other runs on a thread of its own.
+
         The caller must keep ``data`` unchanged until the future resolves.
+
+        Args:
+            ino: the file's inode.
+            layout: the file's layout (chunk size, chains).
+            offset: the file offset of ``data[0]``.
+            data: the bytes to write.
+
+        Returns:
+            One future, resolving to None when every piece is acknowledged, or
+            to the error that stopped the write.
         """
         data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         done: Future = Future()
+        pieces = [(*p, layout.chain_of(p[0])) for p in split(layout, offset, len(data))]
+        ticket = self._order.register(ino, [(offset + p[3], offset + p[3] + p[2]) for p in pieces])
+        acked = {p[3]: fut for p, fut in zip(pieces, ticket.pieces)}
 
         def run() -> None:
             try:
-                pieces = [(*p, layout.chain_of(p[0])) for p in split(layout, offset, len(data))]
+                ticket.wait()
                 crcs = {p[3]: crc32c.crc32c(data[p[3] : p[3] + p[2]]) for p in pieces}
 
                 def submit(p: tuple[int, int, int, int, int], attempt: int) -> Future:
@@ -287,13 +316,20 @@ class ClientCore:
                                        chain=chain, routing_version=self.routing().version)
                     return conn.submit(msg, payload=data[pos : pos + k])
 
-                # Decoding checks each acknowledgement is a well-formed WriteChunkReply.
-                self._run_pieces(pieces, submit, lambda p, r: _write_reply(r.header))
+                def finish(p: tuple[int, int, int, int, int], reply: Reply) -> None:
+                    _write_reply(reply.header)  # a well-formed WriteChunkReply, or PROTOCOL
+                    acked[p[3]].set_result(None)  # later writes over this piece may go now
+
+                self._run_pieces(pieces, submit, finish)
+                ticket.finish()
                 done.set_result(None)
             except BaseException as exc:  # delivered to whoever waits on the future
+                # A piece abandoned after a timeout may still land later; its error is
+                # what the file reports, and later writes are not held back forever.
+                ticket.finish(exc)
                 done.set_exception(exc)
 
-        if len(data) <= layout.chunk_size:
+        if len(data) <= layout.chunk_size and ticket.ready():
             run()
         else:
             threading.Thread(target=run, name="stripefs-write", daemon=True).start()

@@ -12,7 +12,11 @@ so a loop of small writes (``torch.save``, ``pickle``) keeps every server busy.
 Consistency is close-to-open, as in 3FS and NFS: the file length is committed
 to the metadata service at ``close()``/``fsync()``; other clients see the new
 length after that. Errors of background writes surface at the next ``write``,
-``flush``, ``fsync`` or ``close``.
+``flush``, ``fsync`` or ``close``, and stay: once a write failed, bytes that
+were acknowledged to the caller are lost, so every later ``write``, ``flush``,
+``fsync``, ``truncate`` and ``close`` of that file object fails too, and no
+length is committed from it any more (a length over the lost range would show
+zeros to readers as if they were the data).
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class StripeFile(io.RawIOBase):
         self.ino = attr.ino
         self.layout = attr.layout
         self.size = attr.size
+        self._truncations = attr.truncations  # the file's truncate count as this object last saw it
         self._readable, self._writable, self._append = readable, writable, append
         self._pos = self.size if append else 0
         window = min(self.layout.chunk_size * min(self.layout.stripe, 8), MAX_WINDOW)
@@ -93,6 +98,8 @@ class StripeFile(io.RawIOBase):
         self._spare: list[Any] = []
         self._dirty = False
         self._written_end = 0
+        self._error: BaseException | None = None  # the first failed write: sticky until close
+        self._shut = False  # close() is releasing the buffers: IOBase's own flush must not run
         # readahead state: (start, length, buffer, future|None); only for sequential access
         self._ra: list[list[Any]] = []
         self._seq_end = self._pos
@@ -273,15 +280,24 @@ class StripeFile(io.RawIOBase):
         n = len(view)
         if offset + n > MAX_FILE_SIZE:
             raise StripefsError(ErrorCode.FILE_TOO_BIG, "write beyond the maximum file size", self.name)
+        self._check_error()
         if n == 0:
             return 0
         self._ra.clear()
         self._dirty = True
         if self._wlen and offset != self._wstart + self._wlen:
             self._submit_buffer()
+            self._check_error()
         if not self._wlen and n >= self.window:
             self._reap(block=False)
-            self._client.write_from(self.ino, self.layout, offset, view)
+            self._check_error()
+            try:
+                self._client.write_from(self.ino, self.layout, offset, view)
+            except Exception as exc:
+                # Some chunks of this write may have landed and others not: no length
+                # may be committed over them from now on.
+                self._error = self._error or exc
+                raise
             self._written_end = max(self._written_end, offset + n)
             return n
         done = 0
@@ -295,6 +311,7 @@ class StripeFile(io.RawIOBase):
             done += k
             if self._wlen == self.window:
                 self._submit_buffer()
+        self._check_error()  # a background write failed: report it at this write already
         return n
 
     def _submit_buffer(self) -> None:
@@ -308,7 +325,11 @@ class StripeFile(io.RawIOBase):
         self._reap(block=len(self._inflight) >= 2)
 
     def _reap(self, block: bool) -> None:
-        """Collect finished background writes; with ``block`` wait for the oldest."""
+        """Collect finished background writes; with ``block`` wait for the oldest.
+
+        Never raises: a failure is kept in ``_error`` (see :meth:`_check_error`), so a
+        caller can still wait for the other writes before it reports it.
+        """
         while self._inflight:
             buf, futs = self._inflight[0]
             if not block and not all(f.done() for f in futs):
@@ -317,30 +338,69 @@ class StripeFile(io.RawIOBase):
             try:
                 for f in futs:
                     f.result()
+            except Exception as exc:
+                self._error = self._error or exc
             finally:
                 self._spare.append(buf)
             block = False
 
+    def _check_error(self) -> None:
+        """Raise again, on every call, the failure of an earlier write of this file object.
+
+        Raises:
+            StripefsError: with the failed write's error code (EIO for anything else).
+        """
+        exc = self._error
+        if exc is not None:
+            code = exc.code if isinstance(exc, StripefsError) else ErrorCode.IO
+            raise StripefsError(code, f"an earlier write to this file failed, its bytes are lost ({exc})",
+                                self.name) from exc
+
     def _drain(self) -> None:
-        self._submit_buffer()
-        while self._inflight:
+        """Send the buffered bytes, wait for every write in flight, report a failure.
+
+        Raises:
+            StripefsError: a write of this file object failed (now or earlier).
+        """
+        if self._error is None:
+            self._submit_buffer()
+        else:
+            self._wlen = 0  # these bytes can never be committed: do not send them
+        while self._inflight:  # all of them, even after a failure: no thread may still use a buffer
             self._reap(block=True)
+        self._check_error()
 
     def flush(self) -> None:
-        """Send buffered bytes and wait until the storage servers acknowledged them."""
-        if self.closed:
+        """Send buffered bytes and wait until the storage servers acknowledged them.
+
+        Raises:
+            StripefsError: a write of this file object failed (now or earlier).
+        """
+        if self.closed or self._shut:
             return
         self._drain()
 
     def fsync(self) -> None:
-        """Flush, then commit the file length to the metadata service."""
+        """Flush, then commit the file length to the metadata service.
+
+        Raises:
+            StripefsError: a write of this file object failed (now or earlier);
+                nothing is committed then.
+        """
         self._check_open()
         self._drain()
         self._commit()
 
     def _commit(self) -> None:
+        self._check_error()  # never commit a length over bytes that were lost
         if self._dirty:
-            attr = self._client.commit_length(self.ino, self._length(), mtime_ns=time.time_ns())
+            attr = self._client.commit_length(self.ino, self._length(), mtime_ns=time.time_ns(),
+                                              truncations=self._truncations)
+            if attr.truncations != self._truncations:
+                # Truncated by someone else since we last looked: the servers dropped our
+                # bytes past the new size, and the commit did not extend over them.
+                self._written_end = min(self._written_end, attr.size)
+                self._truncations = attr.truncations
             self.size = attr.size
             self._dirty = False
 
@@ -352,11 +412,18 @@ class StripeFile(io.RawIOBase):
         self._drain()
         attr = self._client.call(m.SetAttr(ino=self.ino, size=size)).attr
         self.size = attr.size
+        self._truncations = attr.truncations
         self._written_end = min(self._written_end, size)
         self._ra.clear()
         return size
 
     def close(self) -> None:
+        """Flush, commit the length, release the buffers.
+
+        Raises:
+            StripefsError: a write of this file object failed; the file is closed
+                anyway, and no length was committed.
+        """
         if self.closed:
             return
         try:
@@ -364,6 +431,7 @@ class StripeFile(io.RawIOBase):
                 self._drain()
                 self._commit()
         finally:
+            self._shut = True
             for w in self._ra:
                 if w[3] is not None:
                     try:

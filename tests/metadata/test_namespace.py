@@ -619,6 +619,39 @@ def test_commit_length(ns: Namespace, tree: dict[str, int]) -> None:
         ns.commit_length(ino, 1 << 51)
 
 
+def test_commit_after_a_truncate_does_not_extend(ns: Namespace, tree: dict[str, int]) -> None:
+    """Setting the size (truncate, O_TRUNC) drops the servers' bytes past it, committed or
+    not; a writer that has not seen that truncate may not extend the size over them."""
+    ino = tree["f"]
+    seen = ns.commit_length(ino, 500).truncations
+    assert ns.setattr(ino, size=500).truncations == seen + 1  # counted even when the size stays
+    stale = ns.commit_length(ino, 9000, truncations=seen)
+    assert stale.size == 500 and stale.truncations == seen + 1  # the writer learns of the truncate
+    assert ns.commit_length(ino, 9000, truncations=seen + 1).size == 9000  # then commits again
+    assert ns.commit_length(ino, 9500).size == 9500  # a commit naming no count is not checked
+    assert ns.create(tree["a"], "f", 0o644, 0, 0, chains=[1], truncate=True)[0].truncations == seen + 2
+    assert ns.commit_length(ino, 100, truncations=seen + 1).size == 0
+    assert ns.setattr(ino, mode=0o600).truncations == seen + 2  # only size changes count
+
+
+def test_truncations_column_added_to_an_old_database(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as db:  # the inodes table as it was before the column
+        db.execute("CREATE TABLE inodes (ino INTEGER PRIMARY KEY, ftype INTEGER NOT NULL, mode INTEGER NOT NULL, "
+                   "nlink INTEGER NOT NULL, uid INTEGER NOT NULL, gid INTEGER NOT NULL, size INTEGER NOT NULL, "
+                   "atime_ns INTEGER NOT NULL, mtime_ns INTEGER NOT NULL, ctime_ns INTEGER NOT NULL, "
+                   "chunk_size INTEGER, chains TEXT, target TEXT)")
+        db.execute("INSERT INTO inodes VALUES (7, ?, ?, 1, 0, 0, 42, 1, 2, 3, 65536, '1,2', NULL)",
+                   (stat.S_IFREG, stat.S_IFREG | 0o644))
+    store = SqliteStore(path)
+    try:
+        with store.transaction() as txn:
+            attr = txn.get_inode(7)
+        assert attr is not None and (attr.size, attr.truncations) == (42, 0)
+    finally:
+        store.close()
+
+
 def test_counts(ns: Namespace, tree: dict[str, int]) -> None:
     ns.commit_length(tree["f"], 100)
     ns.commit_length(tree["g"], 23)
