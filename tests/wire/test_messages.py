@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import os
 import pickle
 import typing
 from typing import Any
@@ -275,3 +276,24 @@ def test_fuzz_decode_reply(msg_type: int, header: dict) -> None:
         wire.decode_reply(wire.MESSAGES[msg_type], header)
     except StripefsError as exc:
         assert exc.code == ErrorCode.PROTOCOL
+
+
+def test_integers_are_int64_at_the_boundary() -> None:
+    # Every store keeps 64-bit signed integers: a value past them is a bad request here,
+    # not an "internal error" from the database later.
+    for bad in (1 << 63, (1 << 64) - 1, -(1 << 63) - 1):
+        with pytest.raises(StripefsError) as info:
+            wire.decode_message(m.GetAttr.MSG_ID, {"ino": bad})
+        assert info.value.code == ErrorCode.INVALID
+    assert wire.decode_message(m.GetAttr.MSG_ID, {"ino": (1 << 63) - 1}) == m.GetAttr(ino=(1 << 63) - 1)
+
+
+def test_names_that_are_not_utf8_cross_the_wire_unchanged() -> None:
+    # Linux names are bytes; Python carries undecodable ones as surrogate escapes.
+    name = os.fsdecode(b"caf\xe9-\xff")
+    frame = wire.encode_frame(m.Lookup.MSG_ID, 1, m.Lookup(parent=1, name=name).to_header())
+    dec = wire.FrameDecoder()
+    dec.feed(frame)
+    ev = dec.next_event()
+    assert wire.decode_message(ev.head.msg_type, ev.head.header) == m.Lookup(parent=1, name=name)
+    assert os.fsencode(name) == b"caf\xe9-\xff"
