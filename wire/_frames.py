@@ -100,7 +100,8 @@ class Frame:
 
 
 def _pack_header(header: dict[str, Any]) -> bytes:
-    body = msgpack.packb(header, use_bin_type=True)
+    # surrogateescape: file names are bytes on Linux; undecodable ones travel as they are.
+    body = msgpack.packb(header, use_bin_type=True, unicode_errors="surrogateescape")
     if len(body) > MAX_HEADER:
         raise StripefsError(ErrorCode.TOO_BIG, f"header of {len(body)} bytes exceeds {MAX_HEADER}")
     return body
@@ -202,7 +203,8 @@ class FrameDecoder:
         start = self._pos + PREFIX.size
         try:
             header = msgpack.unpackb(
-                memoryview(self._buf)[start : start + hlen], raw=False, strict_map_key=True
+                memoryview(self._buf)[start : start + hlen], raw=False, strict_map_key=True,
+                unicode_errors="surrogateescape",
             )
         except Exception as exc:  # msgpack raises several unrelated types
             raise self._fail(protocol_error(f"header is not valid msgpack: {exc}")) from exc

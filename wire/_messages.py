@@ -45,8 +45,10 @@ _PRIMS: dict[Any, tuple[type, ...]] = {
     dict: (dict,),
     list: (list, tuple),
 }
-_INT_MIN = -(1 << 63)  # the integers msgpack can carry
-_INT_END = 1 << 64
+# int64: what every store keeps (SQLite INTEGER, PostgreSQL BIGINT). msgpack could carry
+# uint64 too, but such a value would only fail later, as an internal error in a store.
+_INT_MIN = -(1 << 63)
+_INT_END = 1 << 63
 
 
 class ReplyMessage:

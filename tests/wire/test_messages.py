@@ -228,7 +228,7 @@ def test_optional_reply_field_accepts_none_and_its_type() -> None:
 
 
 _TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=8)
-_INT = st.integers(-(2**63), 2**64 - 1)
+_INT = st.integers(-(2**63), 2**63 - 1)  # int64, what every store keeps
 _U32 = st.integers(0, 2**32 - 1)
 _LAYOUT = st.builds(wire.Layout, st.sampled_from([1 << 16, 1 << 20, 1 << 26]), st.lists(_U32, min_size=1, max_size=4).map(tuple))
 _ATTR = st.builds(wire.Attr, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _INT, _INT, st.none() | _LAYOUT, st.none() | _TEXT)
