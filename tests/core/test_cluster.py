@@ -195,3 +195,24 @@ def test_postgresql_metadata_store_end_to_end(make_cluster, tmp_path) -> None:
         h.down()
         LocalPostgres(h.root).destroy()
     assert not LocalPostgres(h.root).running()
+
+
+def test_a_retried_mutation_still_in_flight_runs_once(cluster, testdir: str) -> None:
+    # A client whose connection broke retries with the same (client id, request id) on a
+    # new one; the original may still be queued. Both must get the original's answer.
+    from fsclient.core import find_cluster
+
+    cfg = find_cluster(cluster.file)
+    client_id = os.urandom(16)
+    with Client(cluster.file) as c:
+        parent = c.stat(testdir).ino
+    conns = [Connection(cfg.metadata, cfg.secret, client_id, expect_role="metadata") for _ in range(2)]
+    try:
+        for i in range(20):
+            msg = m.Create(parent=parent, name=f"once-{i}", mode=0o644, exclusive=True)
+            futs = [conn.submit(msg, req_id=1000 + i) for conn in conns]  # same ids, twice at once
+            replies = [wire.decode_reply(msg, f.result(30).header) for f in futs]
+            assert replies[0] == replies[1] and replies[0].created, f"round {i}: {replies}"
+    finally:
+        for conn in conns:
+            conn.close()
