@@ -268,6 +268,7 @@ class MetadataService(Service):
         self._jobs: list[_Job] = []
         self._jobs_ready = trio.Event()
         self.replay = ReplayCache()
+        self._running: dict[tuple[bytes, int], trio.Event] = {}  # mutations being applied, by replay key
         self.storage = TrioPool(secret, keep=1)  # calls to storage servers run one at a time
         self.gc_wakeup = trio.Event()
         self.started = time.time()
@@ -324,23 +325,28 @@ class MetadataService(Service):
                 return
 
     async def handle(self, conn: ServerConn, head: FrameHead, msg: Message, payload: Any) -> None:
+        if not msg.MUTATES:
+            await conn.send(head, (await self._dispatch(msg)).to_header())
+            return
         key = (conn.client_id, head.req_id)
-        if msg.MUTATES:
-            prior = self.replay.get(key)
-            if prior is not None:
-                if isinstance(prior, StripefsError):
-                    raise prior
-                await conn.send(head, prior)
-                return
-        try:
-            reply = (await self._dispatch(msg)).to_header()
-        except StripefsError as exc:
-            if msg.MUTATES:
-                self.replay.put(key, exc)
-            raise
-        if msg.MUTATES:
-            self.replay.put(key, reply)  # the encoded header: a replay resends it as is
-        await conn.send(head, reply)
+        running = self._running.get(key)
+        if running is not None:  # a retry of a mutation still being applied: wait for its answer
+            await running.wait()
+        prior = self.replay.get(key)
+        if prior is None:
+            done = self._running[key] = trio.Event()
+            try:
+                prior = (await self._dispatch(msg)).to_header()  # the encoded header: resent as is
+            except StripefsError as exc:
+                prior = exc
+            finally:
+                if isinstance(prior, (dict, StripefsError)):
+                    self.replay.put(key, prior)
+                del self._running[key]
+                done.set()
+        if isinstance(prior, StripefsError):
+            raise prior
+        await conn.send(head, prior)
 
     async def _dispatch(self, msg: Message[Any]) -> ReplyMessage:
         ns = self.ns
