@@ -9,7 +9,7 @@ import crc32c
 import pytest
 
 from storage import BLOCK, HEADER_SIZE, ChunkStore
-from wire import ErrorCode, StripefsError
+from wire import MAX_CHUNK, ErrorCode, StripefsError
 
 CS = 4 << 20
 
@@ -122,3 +122,14 @@ def test_target_identity_replace_is_fsynced_in_its_directory(tmp_path, monkeypat
     _server._save_identity(str(tmp_path), {"server_id": 3})
     i = seen.index(("replace", str(tmp_path / "target.json")))
     assert ("fsync", str(tmp_path)) in seen[i + 1 :], seen
+
+
+def test_truncate_refuses_bad_lengths_and_keeps_the_chunk(tmp_path) -> None:
+    store = ChunkStore(str(tmp_path))
+    data = os.urandom(BLOCK + 100)
+    write(store, 9, 0, 0, data)
+    for bad in (-1, -HEADER_SIZE, MAX_CHUNK + 1):
+        with pytest.raises(StripefsError) as info:
+            store.truncate(9, 0, bad)
+        assert info.value.code == ErrorCode.INVALID
+    assert read(store, 9, 0, 0, len(data)) == data  # untouched, header included
