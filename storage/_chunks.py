@@ -375,7 +375,14 @@ class ChunkStore:
         return removed
 
     def truncate(self, ino: int, index: int, length: int) -> None:
-        """Cut one chunk to ``length`` bytes (the chunk holding a file's new end)."""
+        """Cut one chunk to ``length`` bytes (the chunk holding a file's new end).
+
+        Raises:
+            StripefsError: INVALID for a length outside ``0..MAX_CHUNK`` (checked before
+                the file is touched: a negative length would cut into the header).
+        """
+        if not 0 <= length <= MAX_CHUNK:
+            raise StripefsError(ErrorCode.INVALID, f"chunk length {length} outside 0..{MAX_CHUNK}")
         with self._lock(ino, index):
             try:
                 fd = os.open(self.path(ino, index), os.O_RDWR)
