@@ -42,13 +42,14 @@ import shutil
 import struct
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import crc32c
 
-from wire import ErrorCode, MAX_CHUNK, StripefsError
+from wire import CRC_BLOCK, ErrorCode, MAX_CHUNK, StripefsError, segments
 
 HEADER_SIZE = 8192
-BLOCK = 64 * 1024
+BLOCK = CRC_BLOCK  # 64 KiB: the unit of a stored CRC32C (shared with the read-reply checks)
 MAGIC = b"SFCHUNK1"
 _HDR = struct.Struct("!8sQQIIQ")
 _CRC_OFF = 64
@@ -294,7 +295,15 @@ class ChunkStore:
 
     # -- read -----------------------------------------------------------------------------
     def open_read(self, ino: int, index: int, offset: int, length: int) -> tuple[int, int, int, bytes | None, int]:
-        """Prepare a read: ``(fd, file_offset, n, data, chunk_length)``.
+        """:meth:`open_read_checked` without the segment checksums."""
+        return self.open_read_checked(ino, index, offset, length)[:5]  # type: ignore[return-value]
+
+    def open_read_checked(self, ino: int, index: int, offset: int,
+                          length: int) -> tuple[int, int, int, bytes | None, int, list[int]]:
+        """Prepare a read: ``(fd, file_offset, n, data, chunk_length, crcs)``.
+
+        ``crcs`` are the CRC32C of the payload's segments (``wire.segments``): the
+        stored CRC for a whole block, computed for the partial blocks at the ends.
 
         When the covered blocks are already verified, ``data`` is None and the
         caller sends ``n`` bytes from ``fd`` at ``file_offset`` with sendfile and
@@ -310,7 +319,7 @@ class ChunkStore:
         try:
             fd = os.open(self.path(ino, index), os.O_RDONLY)
         except FileNotFoundError:
-            return -1, 0, 0, None, 0
+            return -1, 0, 0, None, 0, []
         try:
             with self._lock(ino, index):
                 meta = self._load(ino, index, fd)
@@ -323,11 +332,12 @@ class ChunkStore:
                 n = max(0, min(length, meta.length - offset))
                 if n == 0:
                     os.close(fd)
-                    return -1, 0, 0, None, meta.length
+                    return -1, 0, 0, None, meta.length, []
                 first, last = offset // BLOCK, (offset + n - 1) // BLOCK
                 mask = ((1 << (last + 1)) - 1) ^ ((1 << first) - 1)
                 if meta.verified & mask == mask:
-                    return fd, HEADER_SIZE + offset, n, None, meta.length
+                    crcs = self._segment_crcs(meta, offset, n, lambda s, e: os.pread(fd, e - s, HEADER_SIZE + s))
+                    return fd, HEADER_SIZE + offset, n, None, meta.length, crcs
                 bstart = first * BLOCK
                 raw = os.pread(fd, min((last + 1) * BLOCK, meta.length) - bstart, HEADER_SIZE + bstart)
                 view = memoryview(raw)
@@ -336,11 +346,24 @@ class ChunkStore:
                     if _crc(view[s:e]) != meta.crcs[b]:
                         raise StripefsError(ErrorCode.CHECKSUM, f"chunk {ino}:{index} block {b} fails its checksum")
                 meta.verified |= mask
+                crcs = self._segment_crcs(meta, offset, n, lambda s, e: view[s - bstart : e - bstart])
             os.close(fd)
-            return -1, 0, n, raw[offset - bstart : offset - bstart + n], meta.length
+            return -1, 0, n, raw[offset - bstart : offset - bstart + n], meta.length, crcs
         except BaseException:
             os.close(fd)
             raise
+
+    @staticmethod
+    def _segment_crcs(meta: "ChunkMeta", offset: int, n: int, read: Any) -> list[int]:
+        """CRC32C per payload segment: the stored CRC of a whole block, else ``read(s, e)``'s."""
+        out = []
+        for s, e in segments(offset, n):
+            b = s // BLOCK
+            if s == b * BLOCK and e == min((b + 1) * BLOCK, meta.length):
+                out.append(meta.crcs[b])  # verified block: its stored CRC, no pass over the data
+            else:
+                out.append(_crc(read(s, e)))
+        return out
 
     # -- remove / truncate / stat -------------------------------------------------------
     def remove(self, ino: int, from_index: int = 0) -> int:

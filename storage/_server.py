@@ -93,8 +93,9 @@ class StorageService(Service):
                 # worker-thread hop, holding the connection's send lock.
                 await conn.reply_from_thread(head, self._small_read, msg)
                 return
-            fd, off, n, data, clen = await trio.to_thread.run_sync(store.open_read, msg.ino, msg.index, msg.offset, msg.length)
-            header = m.ReadChunkReply(length=n, chunk_length=clen).to_header()
+            fd, off, n, data, clen, crcs = await trio.to_thread.run_sync(
+                store.open_read_checked, msg.ino, msg.index, msg.offset, msg.length)
+            header = m.ReadChunkReply(length=n, chunk_length=clen, crcs=crcs).to_header()
             if data is not None:
                 await conn.send(head, header, payload=data)
             elif fd >= 0:
@@ -145,9 +146,9 @@ class StorageService(Service):
 
         A failure to read propagates before anything is sent; the caller answers it.
         """
-        fd, off, n, data, clen = self.store.open_read(msg.ino, msg.index, msg.offset, msg.length)
+        fd, off, n, data, clen, crcs = self.store.open_read_checked(msg.ino, msg.index, msg.offset, msg.length)
         try:
-            header = m.ReadChunkReply(length=n, chunk_length=clen).to_header()
+            header = m.ReadChunkReply(length=n, chunk_length=clen, crcs=crcs).to_header()
             if data is not None:
                 reply.send(header, payload=data)
             elif fd >= 0:

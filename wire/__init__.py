@@ -6,6 +6,7 @@ Nothing in this package touches a socket (sans-IO, in the style of h11). Transpo
 
 from . import _messages as messages
 from ._auth import check_proof, client_proof, new_nonce, new_secret, server_proof
+from ._checksums import CRC_BLOCK, check_segments, segments
 from ._connection import ClientConnection, ConnState, ServerConnection
 from ._errors import ErrorCode, StripefsError, error_from_oserror
 from ._events import (
@@ -50,6 +51,7 @@ from ._types import (
 )
 
 __all__ = [
+    "CRC_BLOCK", "check_segments", "segments",
     "messages", "check_proof", "client_proof", "new_nonce", "new_secret", "server_proof",
     "ClientConnection", "ConnState", "ServerConnection",
     "BadRequest", "ConnectionClosed", "ErrorReceived", "Event", "HandshakeComplete", "RequestReceived",

@@ -369,6 +369,9 @@ class ReadChunkReply(ReplyMessage):
 
     length: int  # bytes in the payload (fewer than asked at a chunk's end, 0 for a hole)
     chunk_length: int  # the chunk's stored length
+    # CRC32C of each payload segment cut at 64 KiB chunk offsets (wire._checksums); None
+    # from servers that predate end-to-end checks.
+    crcs: list[int] | None = None
 
 
 @reply

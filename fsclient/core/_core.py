@@ -35,7 +35,7 @@ from typing import Any, Iterator, TypeVar
 import crc32c
 
 from rpc import BufferPool, Connection, ConnectionPool, Reply, abandon
-from wire import Attr, ErrorCode, Layout, Message, ReplyMessage, Routing, StripefsError, messages as m
+from wire import Attr, ErrorCode, Layout, Message, ReplyMessage, Routing, StripefsError, check_segments, messages as m
 
 from ._config import ClusterConfig
 from ._ordering import WriteOrder
@@ -254,10 +254,13 @@ class ClientCore:
                                            routing_version=self.routing().version), dest=dest[pos : pos + k])
 
         def finish(p: tuple[int, int, int, int, int], reply: Reply) -> None:
-            _index, _coff, k, pos, _chain = p
-            got = _read_reply(reply.header).length
+            _index, coff, k, pos, _chain = p
+            rr = _read_reply(reply.header)
+            got = rr.length
             if got != reply.nbytes:
                 raise StripefsError(ErrorCode.PROTOCOL, f"ReadChunk reply announces {got} bytes, its payload has {reply.nbytes}")
+            if rr.crcs is not None:  # end to end: a torn or corrupted payload is retried, never returned
+                check_segments(dest[pos : pos + got], coff, rr.crcs)
             if got < k:  # a hole or a chunk shorter than the file length: zeros
                 dest[pos + got : pos + k] = bytes(k - got)
 

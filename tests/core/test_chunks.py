@@ -9,6 +9,7 @@ import crc32c
 import pytest
 
 from storage import BLOCK, HEADER_SIZE, ChunkStore
+import wire
 from wire import MAX_CHUNK, ErrorCode, StripefsError
 
 CS = 4 << 20
@@ -133,3 +134,17 @@ def test_truncate_refuses_bad_lengths_and_keeps_the_chunk(tmp_path) -> None:
             store.truncate(9, 0, bad)
         assert info.value.code == ErrorCode.INVALID
     assert read(store, 9, 0, 0, len(data)) == data  # untouched, header included
+
+
+@pytest.mark.parametrize("offset,length", [(0, 3 * BLOCK), (100, 10), (BLOCK - 7, BLOCK + 14), (0, 2 * BLOCK + 5)])
+def test_read_carries_segment_checksums_of_exactly_its_payload(tmp_path, offset: int, length: int) -> None:
+    store = ChunkStore(str(tmp_path))
+    data = os.urandom(2 * BLOCK + 5)  # the last block is partial
+    write(store, 3, 0, 0, data)
+    for _ in range(2):  # first read verifies the blocks (data path), the second sendfiles them
+        fd, off, n, payload, _clen, crcs = store.open_read_checked(3, 0, offset, length)
+        if fd >= 0:
+            payload = os.pread(fd, n, off)
+            os.close(fd)
+        assert payload == data[offset : offset + n]
+        wire.check_segments(memoryview(payload), offset, crcs)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 
+import crc32c
 import pytest
 
 from fsclient import Client
@@ -309,9 +310,38 @@ def test_front_end_interface_by_inode(client: Client, testdir: str) -> None:
     stat = client.call_storage(sid, m.StatChunk(ino=attr.ino, index=0))
     assert isinstance(stat, m.StatChunkReply) and stat.length == TEST_CHUNK and stat.version >= 1
     reply = client.data_connection(sid).call(m.ReadChunk(ino=attr.ino, index=0, offset=0, length=10, chain=chain))
-    assert m.decode_reply(m.ReadChunk, reply.header) == m.ReadChunkReply(length=10, chunk_length=TEST_CHUNK)
+    assert m.decode_reply(m.ReadChunk, reply.header) == m.ReadChunkReply(
+        length=10, chunk_length=TEST_CHUNK, crcs=[crc32c.crc32c(data[:10])])
     assert reply.payload == data[:10]
     assert client.pid == os.getpid()
     listing = client.call(m.Readdir(ino=client.stat(testdir).ino))
     assert [e.name for e in listing.entries] == ["iface"] and listing.more is False
     assert isinstance(client.statfs(), m.StatfsReply) and client.statfs().files >= 1
+
+
+def test_a_corrupted_read_payload_is_an_error_never_data(client: Client, testdir: str, monkeypatch) -> None:
+    # Flip one received byte at the transport (after recv_into, before the client looks):
+    # the segment checksums in the reply must catch it.
+    path = f"{testdir}/torn"
+    data = os.urandom(3 * TEST_CHUNK)
+    client.write_bytes(path, data)
+    core = client._core  # fault injection at the transport: wrap the data connections
+    real = core.data_conn
+
+    class Flipping:
+        def __init__(self, conn):
+            self.conn = conn
+
+        def submit(self, msg, **kw):
+            fut = self.conn.submit(msg, **kw)
+            dest = kw.get("dest")
+            if dest is not None and getattr(msg, "index", None) == 1:
+                fut.add_done_callback(lambda f: f.exception() or dest.__setitem__(7, dest[7] ^ 0xFF))
+            return fut
+
+    monkeypatch.setattr(core, "data_conn", lambda sid: Flipping(real(sid)))
+    with pytest.raises(OSError) as info:
+        client.read_bytes(path)
+    assert info.value.errno == errno.EIO
+    monkeypatch.undo()
+    assert client.read_bytes(path) == data

@@ -9,6 +9,7 @@ import pickle
 import typing
 from typing import Any
 
+import crc32c
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -140,7 +141,7 @@ SAMPLES: list[tuple[m.ReplyMessage, dict]] = [
     (m.HeartbeatReply(state="syncing", routing_version=4), {"state": "syncing", "routing_version": 4}),
     (m.SyncDoneReply(routing_version=5), {"routing_version": 5}),
     (m.WriteChunkReply(length=4096, version=2), {"length": 4096, "version": 2}),
-    (m.ReadChunkReply(length=100, chunk_length=4096), {"length": 100, "chunk_length": 4096}),
+    (m.ReadChunkReply(length=100, chunk_length=4096, crcs=[7]), {"length": 100, "chunk_length": 4096, "crcs": [7]}),
     (m.RemovedReply(removed=3), {"removed": 3}),
     (m.StatChunkReply(length=10, version=1, crcs=[1, 2]), {"length": 10, "version": 1, "crcs": [1, 2]}),
     (m.TargetInfoReply(server_id=None, capacity=10, free=5, used=5, chunks=1, root="/r", syncing=False, sync_progress={}),
@@ -245,7 +246,7 @@ _FIELD: dict[object, st.SearchStrategy] = {
     int: _INT, str: _TEXT, bool: st.booleans(), bytes: st.binary(max_size=8), int | None: st.none() | _INT,
     wire.Attr: _ATTR, wire.Routing: _ROUTING, list[wire.ServerInfo]: st.lists(_SERVER, max_size=3),
     list[wire.DirEntry]: st.lists(st.builds(wire.DirEntry, _TEXT, _INT, _INT, st.none() | _ATTR), max_size=3),
-    list[int]: st.lists(_INT, max_size=4), list[bytes]: st.lists(st.binary(max_size=8), max_size=3), list[list[int]]: st.lists(st.lists(_INT, max_size=4), max_size=3),
+    list[int]: st.lists(_INT, max_size=4), list[int] | None: st.none() | st.lists(_INT, max_size=4), list[bytes]: st.lists(st.binary(max_size=8), max_size=3), list[list[int]]: st.lists(st.lists(_INT, max_size=4), max_size=3),
     dict[str, int]: st.dictionaries(_TEXT, _INT, max_size=3), dict[str, Any]: st.dictionaries(_TEXT, _SCALAR, max_size=3),
     list[dict[str, Any]]: st.lists(st.dictionaries(_TEXT, _SCALAR, max_size=3), max_size=3),
 }
@@ -297,3 +298,19 @@ def test_names_that_are_not_utf8_cross_the_wire_unchanged() -> None:
     ev = dec.next_event()
     assert wire.decode_message(ev.head.msg_type, ev.head.header) == m.Lookup(parent=1, name=name)
     assert os.fsencode(name) == b"caf\xe9-\xff"
+
+
+def test_segments_cut_at_block_boundaries_and_check() -> None:
+    B = wire.CRC_BLOCK
+    assert list(wire.segments(0, 3 * B)) == [(0, B), (B, 2 * B), (2 * B, 3 * B)]
+    assert list(wire.segments(B - 10, 30)) == [(B - 10, B), (B, B + 20)]
+    assert list(wire.segments(5, 10)) == [(5, 15)]
+    data = memoryview(os.urandom(B + 50))
+    crcs = [crc32c.crc32c(data[:B - 10]), crc32c.crc32c(data[B - 10:])]
+    wire.check_segments(data, 10, crcs)
+    bad = bytearray(data)
+    bad[B + 3] ^= 1
+    for payload, sums in ((memoryview(bad), crcs), (data, crcs[:1])):
+        with pytest.raises(StripefsError) as info:
+            wire.check_segments(payload, 10, sums)
+        assert info.value.code == ErrorCode.CHECKSUM
