@@ -3,7 +3,9 @@
 * :mod:`._cluster` -- the metadata service and storage servers as real processes
   (:func:`up`, :func:`down`, :func:`add_server`, :class:`LocalCluster`);
 * :mod:`._postgres` -- a private PostgreSQL server for ``--metadata-store postgresql``
-  (:class:`LocalPostgres`).
+  (:class:`LocalPostgres`);
+* :mod:`.differential` -- the write-path exerciser: seeded operation sequences applied
+  to a local file and to a stripefs route at once, compared byte for byte.
 """
 
 from ._cluster import LocalCluster, add_server, down, read_cluster, up

@@ -1,4 +1,4 @@
-"""The native client's write path against a local file (tests/differential.py).
+"""The native client's write path against a local file (fsclient/testing/differential.py).
 
 Seeded random operation sequences (writes from 1 byte to past the write-behind
 window, seeks and pwrites back over ranges still in flight, truncates, fsyncs,
@@ -20,38 +20,11 @@ import pytest
 from fsclient import Client
 from fsclient.core._ordering import WriteOrder
 from tests.conftest import TEST_CHUNK
-from tests.differential import LocalRoute, parse_seeds, run_seed
+from fsclient.testing.differential import LocalRoute, NativeRoute, parse_seeds, run_seed
 
 SEEDS = parse_seeds(range(24))
 OPS = 100
 MAX_SIZE = 4 << 20
-
-
-class NativeRoute:
-    """Files under ``root`` of the cluster, through two native clients (close-to-open hand-offs)."""
-
-    name = "native"
-
-    def __init__(self, clients: tuple[Client, Client], root: str):
-        self.clients, self.root = clients, root
-
-    def open(self, path: str, mode: str, who: int) -> Any:
-        return self.clients[who].open(f"{self.root}/{path}", mode)
-
-    def pwrite(self, handle: Any, data: bytes, offset: int) -> None:
-        handle.pwrite(data, offset)
-
-    def fsync(self, handle: Any) -> None:
-        handle.fsync()
-
-    def write(self, handle: Any, data: bytes) -> None:
-        assert handle.write(data) == len(data)
-
-    def read(self, handle: Any, n: int) -> bytes:
-        return handle.read(n)
-
-    def contents(self, path: str) -> list[tuple[str, bytes]]:
-        return [(f"client {i}", c.read_bytes(f"{self.root}/{path}")) for i, c in enumerate(self.clients)]
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""``stripefs://`` files against a local file (tests/differential.py), for what fsspec expresses.
+"""``stripefs://`` files against a local file (fsclient/testing/differential.py), for what fsspec expresses.
 
 fsspec files open as ``wb``, ``ab``, ``xb`` or ``rb`` and have no ``fsync`` or
 ``pwrite``: the sequences use writes, seeks back over bytes in flight, reads,
@@ -16,7 +16,7 @@ import pytest
 from fsclient import Client
 from fsclient.fsspec import StripeFileSystem
 from tests.conftest import TEST_CHUNK
-from tests.differential import LocalRoute, parse_seeds, run_seed
+from fsclient.testing.differential import LocalRoute, parse_seeds, run_seed
 
 SEEDS = parse_seeds(range(8))
 OPS = 80

@@ -1,4 +1,4 @@
-"""The FUSE mount's write path against a local file (tests/differential.py).
+"""The FUSE mount's write path against a local file (fsclient/testing/differential.py).
 
 The same seeded sequences as tests/core/test_differential.py, through Python's
 ``open`` on the mount (buffered, as programs write). After every fsync and close
@@ -15,24 +15,13 @@ import pytest
 
 from fsclient import Client
 from tests.conftest import TEST_CHUNK
-from tests.differential import LocalRoute, parse_seeds, run_seed
+from fsclient.testing.differential import LocalRoute, MountRoute, parse_seeds, run_seed
 
 pytestmark = pytest.mark.fuse
 
 SEEDS = parse_seeds(range(10))
 OPS = 100
 MAX_SIZE = 4 << 20
-
-
-class MountRoute(LocalRoute):
-    """Files in a directory of the mount; read back through the mount and a native client."""
-
-    def __init__(self, mdir: str, client: Client, testdir: str):
-        super().__init__(mdir, "fuse")
-        self.client, self.testdir = client, testdir
-
-    def contents(self, path: str) -> list[tuple[str, bytes]]:
-        return [*super().contents(path), ("native client", self.client.read_bytes(f"{self.testdir}/{path}"))]
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -13,7 +13,8 @@ The operations are chosen from the seed and the oracle's state only, so a seed
 replays exactly. A divergence fails with the seed, the operation number and the
 operation list (``replay`` runs such a list again). ``STRIPEFS_DIFF_SEEDS``
 (``"17"``, ``"0-499"``, ``"3,8,20-30"``) overrides the seeds a test runs: a
-single seed to replay, or many for a soak.
+single seed to replay, or many for a soak. ``python -m bench.soak`` runs it for
+minutes over every route.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+if TYPE_CHECKING:
+    from ..core import Client
+
+__all__ = ["Route", "LocalRoute", "NativeRoute", "MountRoute", "Divergence", "parse_seeds", "run_seed", "replay"]
 
 Op = tuple[Any, ...]
 
@@ -96,6 +102,44 @@ class LocalRoute:
     def contents(self, path: str) -> list[tuple[str, bytes]]:
         with open(os.path.join(self.root, path), "rb") as f:
             return [(self.name, f.read())]
+
+
+class NativeRoute:
+    """Files under ``root`` of a cluster through two native clients (close-to-open hand-offs)."""
+
+    name = "native"
+
+    def __init__(self, clients: "tuple[Client, Client]", root: str):
+        self.clients, self.root = clients, root
+
+    def open(self, path: str, mode: str, who: int) -> Any:
+        return self.clients[who].open(f"{self.root}/{path}", mode)
+
+    def pwrite(self, handle: Any, data: bytes, offset: int) -> None:
+        handle.pwrite(data, offset)
+
+    def fsync(self, handle: Any) -> None:
+        handle.fsync()
+
+    def write(self, handle: Any, data: bytes) -> None:
+        assert handle.write(data) == len(data)
+
+    def read(self, handle: Any, n: int) -> bytes:
+        return handle.read(n)
+
+    def contents(self, path: str) -> list[tuple[str, bytes]]:
+        return [(f"client {i}", c.read_bytes(f"{self.root}/{path}")) for i, c in enumerate(self.clients)]
+
+
+class MountRoute(LocalRoute):
+    """Files in a directory of a FUSE mount; read back through the mount and a native client."""
+
+    def __init__(self, mdir: str, client: "Client", cluster_dir: str):
+        super().__init__(mdir, "fuse")
+        self.client, self.cluster_dir = client, cluster_dir
+
+    def contents(self, path: str) -> list[tuple[str, bytes]]:
+        return [*super().contents(path), ("native client", self.client.read_bytes(f"{self.cluster_dir}/{path}"))]
 
 
 def _write_all(write: Callable[[memoryview, int], int], data: bytes, offset: int) -> None:
