@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import itertools
 import os
 import stat
 import subprocess
 import sys
 import threading
+import time
 
 import crc32c
 import pytest
@@ -345,3 +347,31 @@ def test_a_corrupted_read_payload_is_an_error_never_data(client: Client, testdir
     assert info.value.errno == errno.EIO
     monkeypatch.undo()
     assert client.read_bytes(path) == data
+
+
+def test_a_removed_file_reads_stale_never_zeros(client: Client, testdir: str) -> None:
+    # Open handles outlive an unlink for the GC grace period; after it, the bytes are gone
+    # and a read must say so (ESTALE), not return zeros, and a write must not recreate
+    # chunks that nothing would ever collect.
+    path = f"{testdir}/gone"
+    data = os.urandom(2 * TEST_CHUNK)
+    client.write_bytes(path, data)
+    reader = client.open(path, "rb")
+    writer = client.open(path, "r+b")
+    client.remove(path)
+    deadline = time.monotonic() + 30
+    for i in itertools.count(1):  # never offset 0: a read there would start a readahead window
+        off = (i * 4099) % (len(data) - 100)  # a new small range each time: no client cache
+        try:
+            got = reader.pread(100, off)
+        except OSError as exc:
+            assert exc.errno == errno.ESTALE, exc
+            break
+        assert got == data[off : off + 100], "a removed file read as something else"
+        assert time.monotonic() < deadline, "chunks of a removed file were never collected"
+        time.sleep(0.3)
+    writer.pwrite(b"late", 0)
+    with pytest.raises(OSError) as info:
+        writer.flush()
+    assert info.value.errno == errno.ESTALE
+    reader.close()
