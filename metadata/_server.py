@@ -520,7 +520,7 @@ class MetadataService(Service):
         table = self.members.table
         targets = {t for c in set(layout.chains) for t in table.get(c, [])}
         for sid in sorted(targets):  # a server that no longer exists has nothing to delete
-            await self._call_storage(sid, m.RemoveChunks(ino=item.ino, from_index=first))
+            await self._call_storage(sid, m.RemoveChunks(ino=item.ino, from_index=first, forget=item.kind == "remove"))
         if cut is not None:
             for sid in table.get(layout.chain_of(cut[0]), []):
                 await self._call_storage(sid, m.TruncateChunk(ino=item.ino, index=cut[0], length=cut[1]))

@@ -100,6 +100,10 @@ class ChunkStore:
         self.root = os.path.abspath(root)
         self.chunk_root = os.path.join(self.root, "chunks")
         os.makedirs(self.chunk_root, exist_ok=True)
+        # One empty file per removed inode (inode numbers are never reused): late reads
+        # and writes of a removed file fail with STALE_FILE instead of meeting a hole.
+        self.tomb_root = os.path.join(self.root, "removed")
+        os.makedirs(self.tomb_root, exist_ok=True)
         self._meta: dict[tuple[int, int], ChunkMeta] = {}
         self._locks = [threading.Lock() for _ in range(256)]
         self._mlock = threading.Lock()
@@ -199,6 +203,8 @@ class ChunkStore:
         fresh = not os.path.exists(path)
         new_dir = False
         if fresh:
+            if self.is_removed(ino):  # a late write must not bring back chunks nobody collects
+                raise self._stale(ino)
             new_dir = self._make_dir(ino)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
             meta = ChunkMeta()
@@ -319,7 +325,9 @@ class ChunkStore:
         try:
             fd = os.open(self.path(ino, index), os.O_RDONLY)
         except FileNotFoundError:
-            return -1, 0, 0, None, 0, []
+            if self.is_removed(ino):
+                raise self._stale(ino) from None
+            return -1, 0, 0, None, 0, []  # a hole
         try:
             with self._lock(ino, index):
                 meta = self._load(ino, index, fd)
@@ -366,8 +374,26 @@ class ChunkStore:
         return out
 
     # -- remove / truncate / stat -------------------------------------------------------
-    def remove(self, ino: int, from_index: int = 0) -> int:
-        """Remove chunks ``>= from_index`` of an inode. Returns how many went."""
+    def _tombstone(self, ino: int) -> str:
+        return os.path.join(self.tomb_root, f"{ino:016x}")
+
+    def is_removed(self, ino: int) -> bool:
+        """Was the inode removed for good (``remove(..., forget=True)``)?"""
+        return os.path.exists(self._tombstone(ino))
+
+    def _stale(self, ino: int) -> StripefsError:
+        return StripefsError(ErrorCode.STALE_FILE, f"inode {ino} was removed")
+
+    def remove(self, ino: int, from_index: int = 0, forget: bool = False) -> int:
+        """Remove chunks ``>= from_index`` of an inode. Returns how many went.
+
+        ``forget`` (the file is gone): the tombstone is made durable first, so no
+        crash can leave a removed inode without chunks and without a tombstone.
+        """
+        if forget:
+            fd = os.open(self._tombstone(ino), os.O_WRONLY | os.O_CREAT, 0o600)
+            os.close(fd)
+            self._fsync_dir(self.tomb_root)
         d = self._dir(ino)
         try:
             names = os.listdir(d)
@@ -453,6 +479,8 @@ class ChunkStore:
                 cur = None
             if cur is not None and cur.version >= version and not force:
                 return cur
+            if self.is_removed(ino):  # a copy from a peer that has not collected it yet
+                raise self._stale(ino)
             new_dir = self._make_dir(ino)
             path = self.path(ino, index)
             tmp = path + ".tmp"

@@ -208,9 +208,9 @@ class Replicator:
                         async with self.chunk_lock((ino, index)):
                             await self.copy_chunk(sources[0], ino, index)
                     except StripefsError as exc:
-                        if exc.code != ErrorCode.NOT_FOUND:
+                        if exc.code not in (ErrorCode.NOT_FOUND, ErrorCode.STALE_FILE):
                             raise
-                        continue  # removed at the source meanwhile
+                        continue  # removed at the source meanwhile, or already collected here
                     copied += 1
                 self.sync_progress["done"] += 1
             for key in set(local) - set(remote):

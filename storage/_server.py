@@ -106,7 +106,7 @@ class StorageService(Service):
             else:
                 await conn.send(head, header)
         elif isinstance(msg, m.RemoveChunks):
-            n = await trio.to_thread.run_sync(store.remove, msg.ino, msg.from_index)
+            n = await trio.to_thread.run_sync(store.remove, msg.ino, msg.from_index, msg.forget)
             await conn.send(head, m.RemovedReply(removed=n).to_header())
         elif isinstance(msg, m.TruncateChunk):
             await trio.to_thread.run_sync(store.truncate, msg.ino, msg.index, msg.length)

@@ -56,6 +56,7 @@ class ErrorCode(enum.IntEnum):
     RANGE = 26
     ARG_TOO_BIG = 27
     WOULD_BLOCK = 28
+    STALE_FILE = 29  # the file is gone for good (removed after its grace period): ESTALE
 
     @property
     def errno(self) -> int:
@@ -92,6 +93,7 @@ _ERRNO: dict[ErrorCode, int] = {
     ErrorCode.RANGE: _errno.ERANGE,
     ErrorCode.ARG_TOO_BIG: _errno.E2BIG,
     ErrorCode.WOULD_BLOCK: _errno.EAGAIN,
+    ErrorCode.STALE_FILE: _errno.ESTALE,
 }
 
 _FROM_ERRNO: dict[int, ErrorCode] = {}

@@ -718,10 +718,16 @@ class ReadChunk(Message[ReadChunkReply]):
 
 @message(42, mutates=True)
 class RemoveChunks(Message[RemovedReply]):
-    """Remove every chunk of ``ino`` with index >= ``from_index`` (GC, truncate)."""
+    """Remove every chunk of ``ino`` with index >= ``from_index`` (GC, truncate).
+
+    ``forget``: the file itself is gone (its last name was removed and the grace
+    period passed): the server keeps a tombstone, so a late read or write of the
+    inode fails with STALE_FILE instead of reading a hole or recreating chunks.
+    """
 
     ino: int
     from_index: int = 0
+    forget: bool = False
 
 
 @message(43, mutates=True)
