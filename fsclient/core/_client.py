@@ -504,6 +504,20 @@ class Client:
         """
         return self._core.routing(refresh)
 
+    def read_target(self, ino: int, layout: Layout, index: int, attempt: int = 0) -> int:
+        """The storage server to read chunk ``index`` of inode ``ino`` from: the native read policy.
+
+        For front ends that schedule chunk reads themselves (the batch read
+        ring), so that they spread and fail over as :meth:`read_into` does:
+        reads go to any serving replica of the chunk's chain, spread by chunk,
+        and retry ``attempt`` goes to the next replica (after a checksum
+        mismatch or an unavailable server).
+
+        Raises:
+            StripefsError: UNAVAILABLE when the chain has no serving target.
+        """
+        return self._core._replica(layout.chain_of(index), ino + index, attempt)
+
     def data_connection(self, server_id: int) -> Connection:
         """A pipelined connection to storage server ``server_id``, shared with the data path.
 
