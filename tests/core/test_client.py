@@ -354,3 +354,16 @@ def test_creation_modes_apply_the_process_umask(client: Client, testdir: str, um
     assert stat.S_IMODE(client.stat(f"{testdir}/f").mode) == 0o666
     client.symlink("f", f"{testdir}/s")  # links are always 0777
     assert stat.S_IMODE(client.lstat(f"{testdir}/s").mode) == 0o777
+
+
+def test_statfs_reports_usable_space_not_raw_capacity(client: Client, make_cluster) -> None:
+    # Every byte is stored once per replica: usable capacity and usage are the raw sums over R.
+    for c, r in ((client, 1), (make_cluster(servers=3, replicas=2).client(), 2)):
+        servers = [s for s in c.status().servers if s.state == "serving"]
+        raw_capacity, raw_used = sum(s.capacity for s in servers), sum(s.used for s in servers)
+        st = c.statfs()
+        assert st.capacity == raw_capacity // r
+        assert abs(st.used - raw_used // r) <= 256 << 20  # usage moves with heartbeats (shared disk)
+        assert st.free == max(0, st.capacity - st.used)
+        if r > 1:
+            c.close()
