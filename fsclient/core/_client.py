@@ -555,7 +555,11 @@ class Client:
 
     # -- cluster --------------------------------------------------------------------------
     def statfs(self) -> m.StatfsReply:
-        """Capacity, usage and file count of the cluster (serving storage servers)."""
+        """Usable capacity, usage and file count of the cluster (serving storage servers).
+
+        Bytes are usable bytes: raw sums divided by the replica count (the
+        metadata service computes them; do not divide again).
+        """
         return self._core.call(m.Statfs())
 
     def status(self) -> m.ClusterStatusReply:
