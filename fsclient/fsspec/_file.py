@@ -175,7 +175,10 @@ class StripeFsFile(io.RawIOBase):
             return
         new = client.lstat(tmp)
         if (new.uid, new.gid) != (old.uid, old.gid):
-            client.chown(tmp, old.uid, old.gid)
+            try:
+                client.chown(tmp, old.uid, old.gid)
+            except PermissionError:
+                pass  # as `cp -p`: the owner is kept where the caller may set it
         if new.mode & 0o7777 != old.mode & 0o7777:
             client.chmod(tmp, old.mode & 0o7777)  # after chown, which may clear set-id bits
 
