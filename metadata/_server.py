@@ -442,10 +442,18 @@ class MetadataService(Service):
         raise StripefsError(ErrorCode.NOT_SUPPORTED, f"{type(msg).__name__} is not a metadata request")
 
     async def _statfs(self) -> m.StatfsReply:
+        """Usable space: the serving servers' capacity and usage over the replica count.
+
+        Every chunk is stored once per replica of its chain, so raw bytes would
+        overstate what files can hold by that factor. Front ends (the FUSE
+        ``statfs``, ``Client.statfs``) report these numbers as they are.
+        """
         servers = [s for s in self.members.servers.values() if s.state == "serving"]
         counts = await self._ns(self.ns.counts)
-        capacity = sum(s.capacity for s in servers)
-        used = sum(s.used for s in servers)
+        # Chains hold min(replicas, servers) targets (Membership._rebuild).
+        r = max(1, min(self.members.replicas, len(self.members.servers)))
+        capacity = sum(s.capacity for s in servers) // r
+        used = sum(s.used for s in servers) // r
         return m.StatfsReply(capacity=capacity, used=used, free=max(0, capacity - used), files=counts.get("inodes", 0))
 
     async def _status(self) -> m.ClusterStatusReply:

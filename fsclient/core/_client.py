@@ -18,6 +18,7 @@ import io
 import os
 import posixpath
 import stat as _stat  # Client.stat is a method
+import threading
 import time
 import weakref
 from concurrent.futures import Future
@@ -64,6 +65,30 @@ def normpath(path: str) -> str:
         else:
             parts.append(part)
     return "/" + "/".join(parts)
+
+
+_UMASK_LOCK = threading.Lock()
+
+
+def _umask() -> int:
+    """The process umask, read without changing it.
+
+    ``os.umask`` can only read the mask by setting another one, and a file that
+    another thread creates in between would get the wrong mode; Linux (4.7+)
+    shows the mask in ``/proc/self/status``. The set-and-restore fallback is
+    serialised at least against this module's own readers.
+    """
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8) & 0o777
+    except (OSError, ValueError, IndexError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
 
 
 class Client:
@@ -180,9 +205,11 @@ class Client:
         return [e.name for e in self.scandir(path, attrs=False)]
 
     def mkdir(self, path: str, mode: int = 0o777, *, exist_ok: bool = False) -> Attr:
+        """Make a directory with ``mode`` minus the process umask, as ``os.mkdir``."""
         parent, name, p = self._parent(path)
+        mode = mode & 0o7777 & ~_umask()
         try:
-            return self._wrap(lambda: self._core.attr(m.Mkdir(parent=parent.ino, name=name, mode=mode & 0o7777,
+            return self._wrap(lambda: self._core.attr(m.Mkdir(parent=parent.ino, name=name, mode=mode,
                                                               uid=os.getuid(), gid=os.getgid())), p)
         except FileExistsError:
             if exist_ok and self.isdir(p):
@@ -190,6 +217,7 @@ class Client:
             raise
 
     def makedirs(self, path: str, mode: int = 0o777, *, exist_ok: bool = True) -> None:
+        """Make a directory and its missing parents (each ``mode`` minus the umask)."""
         p = normpath(path)
         if p == "/":
             return
@@ -206,12 +234,17 @@ class Client:
 
     # -- files ----------------------------------------------------------------------------
     def open(self, path: str, mode: str = "rb", *, encoding: str | None = None, newline: str | None = None) -> Any:
-        """Open a file; modes as the builtin (``rb wb ab xb r+b`` and text modes)."""
+        """Open a file; modes as the builtin (``rb wb ab xb r+b`` and text modes).
+
+        A new file gets mode 0666 minus the process umask, as the builtin's;
+        an existing one keeps its mode.
+        """
         flags = mode_flags(mode)
         if flags["create"]:
             parent, name, p = self._parent(path)
+            perm = 0o666 & ~_umask()
             reply = self._wrap(lambda: self._core.call(m.Create(
-                parent=parent.ino, name=name, mode=0o666, uid=os.getuid(), gid=os.getgid(),
+                parent=parent.ino, name=name, mode=perm, uid=os.getuid(), gid=os.getgid(),
                 exclusive=flags["exclusive"], truncate=flags["truncate"],
             )), p)
             attr = reply.attr
@@ -248,7 +281,7 @@ class Client:
 
         Args:
             mode: type bits (``stat.S_IFIFO``, ``S_IFSOCK``, ``S_IFCHR``, ``S_IFBLK``,
-                ``S_IFREG``) and permission bits.
+                ``S_IFREG``) and permission bits (the process umask is taken off them).
             rdev: device number (``os.makedev``) for character and block devices.
 
         Raises:
@@ -256,11 +289,12 @@ class Client:
             for a directory or symlink type.
         """
         parent, name, p = self._parent(path)
+        mode &= ~_umask()
         return self._wrap(lambda: self._core.attr(m.Mknod(parent=parent.ino, name=name, mode=mode, rdev=rdev,
                                                            uid=os.getuid(), gid=os.getgid())), p)
 
     def mkfifo(self, path: str, mode: int = 0o666) -> Attr:
-        """Make a FIFO (named pipe), as ``os.mkfifo``."""
+        """Make a FIFO (named pipe), as ``os.mkfifo`` (``mode`` minus the umask)."""
         return self.mknod(path, _stat.S_IFIFO | (mode & 0o7777))
 
     # -- extended attributes (as os.getxattr & co.; follow_symlinks like os) -----------------
@@ -470,6 +504,20 @@ class Client:
         """
         return self._core.routing(refresh)
 
+    def read_target(self, ino: int, layout: Layout, index: int, attempt: int = 0) -> int:
+        """The storage server to read chunk ``index`` of inode ``ino`` from: the native read policy.
+
+        For front ends that schedule chunk reads themselves (the batch read
+        ring), so that they spread and fail over as :meth:`read_into` does:
+        reads go to any serving replica of the chunk's chain, spread by chunk,
+        and retry ``attempt`` goes to the next replica (after a checksum
+        mismatch or an unavailable server).
+
+        Raises:
+            StripefsError: UNAVAILABLE when the chain has no serving target.
+        """
+        return self._core._replica(layout.chain_of(index), ino + index, attempt)
+
     def data_connection(self, server_id: int) -> Connection:
         """A pipelined connection to storage server ``server_id``, shared with the data path.
 
@@ -507,7 +555,11 @@ class Client:
 
     # -- cluster --------------------------------------------------------------------------
     def statfs(self) -> m.StatfsReply:
-        """Capacity, usage and file count of the cluster (serving storage servers)."""
+        """Usable capacity, usage and file count of the cluster (serving storage servers).
+
+        Bytes are usable bytes: raw sums divided by the replica count (the
+        metadata service computes them; do not divide again).
+        """
         return self._core.call(m.Statfs())
 
     def status(self) -> m.ClusterStatusReply:

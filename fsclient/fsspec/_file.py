@@ -140,29 +140,68 @@ class StripeFsFile(io.RawIOBase):
                 self.fs.invalidate_cache(self.path)
 
     def commit(self) -> None:
-        """Publish a transaction's file: close it, then rename it onto its final name."""
-        self.close()
+        """Publish a transaction's file: close it, then rename it onto its final name.
+
+        The new version takes the mode and owner of the file it replaces (an
+        in-place rewrite keeps them; a rename would otherwise publish the
+        temporary's). If closing or publishing fails, the temporary is removed
+        and the error raised.
+        """
         if self._tmp is None:
+            self.close()
             return
         tmp, self._tmp = self._tmp, None
         try:
+            self.close()
+            self._take_identity_of_target(tmp)
             self.fs.client.rename(tmp, self.path, noreplace=self.mode == "xb")
         except BaseException:
-            self.fs.client.remove(tmp)
-            raise
-        finally:
-            self.fs.invalidate_cache(self.path)
-
-    def discard(self) -> None:
-        """Drop a transaction's file: nothing appears under its name."""
-        self.close()
-        if self._tmp is not None:
-            tmp, self._tmp = self._tmp, None
             try:
                 self.fs.client.remove(tmp)
             except FileNotFoundError:
                 pass
-            self.fs.invalidate_cache(tmp)
+            raise
+        finally:
+            self.fs.invalidate_cache(self.path)
+
+    def _take_identity_of_target(self, tmp: str) -> None:
+        """Give ``tmp`` the permission bits and owner of the regular file at ``self.path``, if any."""
+        client = self.fs.client
+        try:
+            old = client.lstat(self.path)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        if not old.is_file:  # a link or special file is replaced, not rewritten: nothing to keep
+            return
+        new = client.lstat(tmp)
+        if (new.uid, new.gid) != (old.uid, old.gid):
+            try:
+                client.chown(tmp, old.uid, old.gid)
+            except PermissionError:
+                pass  # as `cp -p`: the owner is kept where the caller may set it
+        if new.mode & 0o7777 != old.mode & 0o7777:
+            client.chmod(tmp, old.mode & 0o7777)  # after chown, which may clear set-id bits
+
+    def discard(self) -> None:
+        """Drop a transaction's file: nothing appears under its name.
+
+        A failure to close the file is not raised for a transaction's file: its
+        bytes are being thrown away, and raising would replace the exception
+        that aborted the transaction. Its temporary is removed in any case.
+        """
+        tmp, self._tmp = self._tmp, None
+        try:
+            self.close()
+        except Exception:
+            if tmp is None:
+                raise
+        finally:
+            if tmp is not None:
+                try:
+                    self.fs.client.remove(tmp)
+                except FileNotFoundError:
+                    pass
+                self.fs.invalidate_cache(tmp)
 
     def __repr__(self) -> str:
         return f"<StripeFsFile stripefs://{self.path.lstrip('/')} mode={self.mode!r}>"

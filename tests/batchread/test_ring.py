@@ -143,3 +143,70 @@ def test_ring_refuses_use_after_fork(client: Client, files: dict[str, bytes]) ->
             os._exit(2)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_growing_the_zero_buffer_is_safe_from_racing_reader_threads(client: Client) -> None:
+    # Reader threads zero-fill holes concurrently. Drive the worst interleaving
+    # deterministically: B (small hole) checks the shared zero buffer while it is empty,
+    # A (large hole) grows it, B stores its smaller one, and only then does A copy.
+    import threading
+
+    checked, a_stored, b_stored = threading.Event(), threading.Event(), threading.Event()
+    reads: dict[str, int] = {}
+
+    class Ring(ReadRing):
+        @property
+        def _zeros(self) -> memoryview:
+            who = threading.current_thread().name
+            reads[who] = reads.get(who, 0) + 1
+            if who == "A" and reads[who] == 1:
+                checked.wait(2)
+            elif who == "A":
+                b_stored.wait(2)
+            elif who == "B":
+                checked.set()
+            return self.__dict__["zeros"]
+
+        @_zeros.setter
+        def _zeros(self, value: memoryview) -> None:
+            who = threading.current_thread().name
+            if who == "B":
+                a_stored.wait(2)
+            self.__dict__["zeros"] = value
+            if who in ("A", "B"):
+                (a_stored if who == "A" else b_stored).set()
+
+    ring = Ring(client)
+    big, small = bytearray(b"\x01" * (1 << 20)), bytearray(b"\x01" * (1 << 16))
+    errors: list[BaseException] = []
+
+    def fill(view: bytearray) -> None:
+        try:
+            ring._zero(memoryview(view))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=fill, args=(v,), name=n) for n, v in (("A", big), ("B", small))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not errors and big == bytes(len(big)) and small == bytes(len(small))
+
+
+def test_a_failure_accounting_a_piece_fails_its_read_and_never_hangs_wait(client: Client,
+                                                                          files: dict[str, bytes]) -> None:
+    path = next(p for p in files if p.endswith("holes.bin"))
+    ring = ReadRing(client)
+    f = ring.open(path)
+
+    def broken(view: memoryview) -> None:
+        raise ValueError("zero fill failed")
+
+    ring._zero = broken  # type: ignore[method-assign]
+    ring.prepare(bytearray(CHUNK), f, 0, CHUNK, userdata="hole")
+    ring.submit()
+    got = ring.wait(1, timeout=10)
+    assert [c.userdata for c in got] == ["hole"], "wait() hangs when accounting a piece raises"
+    assert got[0].error is not None and got[0].result == -errno.EIO and "zero fill failed" in str(got[0].error)
+    assert ring.in_flight == 0

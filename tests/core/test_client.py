@@ -11,12 +11,22 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Callable, Iterator
 
 import crc32c
 import pytest
 
 from fsclient import Client
 from tests.conftest import TEST_CHUNK
+
+
+@pytest.fixture
+def umask() -> Iterator[Callable[[int], None]]:
+    """Set the process umask for one test (restored afterwards); the servers are other processes."""
+    old = os.umask(0o022)
+    os.umask(old)
+    yield os.umask
+    os.umask(old)
 
 
 def test_striping_lands_on_every_server(client: Client, cluster, testdir: str) -> None:
@@ -114,7 +124,9 @@ def test_links_and_symlinks(client: Client, testdir: str) -> None:
     assert client.lstat(f"{testdir}/s").is_symlink
 
 
-def test_special_files_through_the_native_api_and_ls(client: Client, cluster, testdir: str) -> None:
+def test_special_files_through_the_native_api_and_ls(client: Client, cluster, testdir: str,
+                                                     umask: Callable[[int], None]) -> None:
+    umask(0)  # the modes below as given (nodes are created under the umask, as os.mknod)
     client.mkfifo(f"{testdir}/fifo", 0o600)
     client.mknod(f"{testdir}/tty", stat.S_IFCHR | 0o620, os.makedev(4, 1))
     assert stat.S_ISFIFO(client.lstat(f"{testdir}/fifo").mode)
@@ -375,3 +387,43 @@ def test_a_removed_file_reads_stale_never_zeros(client: Client, testdir: str) ->
         writer.flush()
     assert info.value.errno == errno.ESTALE
     reader.close()
+
+
+def test_creation_modes_apply_the_process_umask(client: Client, testdir: str, umask: Callable[[int], None]) -> None:
+    umask(0o027)
+    # As os.open/os.mkdir/os.mknod do: the requested mode minus the umask bits.
+    with client.open(f"{testdir}/f", "wb") as f:
+        f.write(b"x")
+    client.write_bytes(f"{testdir}/x", b"x", exclusive=True)
+    with client.open(f"{testdir}/t", "w") as t:
+        t.write("text")
+    client.mkdir(f"{testdir}/d")
+    client.mkdir(f"{testdir}/d700", 0o700)
+    client.makedirs(f"{testdir}/a/b/c")
+    client.mkfifo(f"{testdir}/fifo")
+    client.mknod(f"{testdir}/node", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    client.mknod(f"{testdir}/empty")
+    perms = {name: stat.S_IMODE(client.lstat(f"{testdir}/{name}").mode)
+             for name in ("f", "x", "t", "d", "d700", "a", "a/b", "a/b/c", "fifo", "node", "empty")}
+    assert perms == {"f": 0o640, "x": 0o640, "t": 0o640, "d": 0o750, "d700": 0o700, "a": 0o750, "a/b": 0o750,
+                     "a/b/c": 0o750, "fifo": 0o640, "node": 0o640, "empty": 0o640}
+    # An existing file keeps its mode when opened for writing again; chmod is not masked.
+    client.chmod(f"{testdir}/f", 0o666)
+    with client.open(f"{testdir}/f", "wb") as f:
+        f.write(b"y")
+    assert stat.S_IMODE(client.stat(f"{testdir}/f").mode) == 0o666
+    client.symlink("f", f"{testdir}/s")  # links are always 0777
+    assert stat.S_IMODE(client.lstat(f"{testdir}/s").mode) == 0o777
+
+
+def test_statfs_reports_usable_space_not_raw_capacity(client: Client, make_cluster) -> None:
+    # Every byte is stored once per replica: usable capacity and usage are the raw sums over R.
+    for c, r in ((client, 1), (make_cluster(servers=3, replicas=2).client(), 2)):
+        servers = [s for s in c.status().servers if s.state == "serving"]
+        raw_capacity, raw_used = sum(s.capacity for s in servers), sum(s.used for s in servers)
+        st = c.statfs()
+        assert st.capacity == raw_capacity // r
+        assert abs(st.used - raw_used // r) <= 256 << 20  # usage moves with heartbeats (shared disk)
+        assert st.free == max(0, st.capacity - st.used)
+        if r > 1:
+            c.close()

@@ -228,3 +228,65 @@ def test_recursive_operations_never_descend_through_symlinks(sfs: StripeFileSyst
     assert not sfs.exists(f"{root}/run1")
     assert sfs.cat({f"{root}/run0/a.bin", f"{root}/run0/sub/b.bin"}) == {
         f"{root}/run0/a.bin": b"a" * 10, f"{root}/run0/sub/b.bin": b"b" * 20}
+
+
+def test_creation_applies_the_umask_and_a_transaction_keeps_mode_and_owner(sfs: StripeFileSystem, root: str) -> None:
+    import stat
+
+    old = os.umask(0o027)
+    try:
+        sfs.pipe(f"{root}/new", b"x")
+        with sfs.open(f"{root}/deep/er/file", "wb") as f:  # auto_mkdir creates the parents
+            f.write(b"y")
+        sfs.mkdir(f"{root}/made")
+        sfs.makedirs(f"{root}/p/q")
+        sfs.touch(f"{root}/touched")
+        with sfs.transaction:
+            sfs.pipe(f"{root}/tx-new", b"z")
+        perms = {n: stat.S_IMODE(sfs.info(f"{root}/{n}")["mode"])
+                 for n in ("new", "deep", "deep/er", "deep/er/file", "made", "p", "p/q", "touched", "tx-new")}
+        assert perms == {"new": 0o640, "deep": 0o750, "deep/er": 0o750, "deep/er/file": 0o640, "made": 0o750,
+                         "p": 0o750, "p/q": 0o750, "touched": 0o640, "tx-new": 0o640}
+        # A transaction replaces a file by renaming its new version over it: the new
+        # version takes the original's mode and owner, as an in-place rewrite would keep them.
+        for name, mode in (("keep-w", "wb"), ("keep-a", "ab")):
+            sfs.pipe(f"{root}/{name}", b"old")
+            sfs.client.chmod(f"{root}/{name}", 0o604)
+            sfs.client.chown(f"{root}/{name}", 1234, 4321)
+            with sfs.transaction:
+                with sfs.open(f"{root}/{name}", mode) as f:
+                    f.write(b"new")
+            info = sfs.info(f"{root}/{name}")
+            assert (stat.S_IMODE(info["mode"]), info["uid"], info["gid"]) == (0o604, 1234, 4321), name
+        assert sfs.cat_file(f"{root}/keep-w") == b"new" and sfs.cat_file(f"{root}/keep-a") == b"oldnew"
+    finally:
+        os.umask(old)
+
+
+def test_discarded_transaction_leaves_no_temporary_when_close_fails(sfs: StripeFileSystem, root: str) -> None:
+    def failing_close(f: StripeFsFile) -> None:
+        real = f.raw.close
+
+        def close() -> None:
+            real()
+            raise OSError(errno.EIO, "injected close failure")
+
+        f.raw.close = close  # type: ignore[method-assign]
+
+    with pytest.raises(RuntimeError, match="abort"):
+        with sfs.transaction:
+            f1 = sfs.open(f"{root}/one", "wb")
+            f1.write(b"1")
+            failing_close(f1)
+            f2 = sfs.open(f"{root}/two", "wb")
+            f2.write(b"2")
+            raise RuntimeError("abort")
+    assert sfs.ls(root, refresh=True, detail=False) == []  # neither file nor any .stripefs-tx temporary
+    # A commit whose close fails reports the failure and leaves nothing behind either.
+    with pytest.raises(OSError, match="injected"):
+        with sfs.transaction:
+            f3 = sfs.open(f"{root}/three", "wb")
+            f3.write(b"3")
+            failing_close(f3)
+    assert sfs.ls(root, refresh=True, detail=False) == []
+    assert not sfs._intrans
