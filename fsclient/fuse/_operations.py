@@ -48,7 +48,8 @@ import trio
 
 from wire import Attr, DirEntry, messages as m
 
-from ..core import AsyncClient, Client, StripeFile
+from ..core import AsyncClient, Client, StripeFile, pid_alive
+from ._mounts import process_start
 
 __all__ = ["StripeOperations", "FuseConfig", "ORPHAN_DIR"]
 
@@ -207,7 +208,9 @@ class StripeOperations(pyfuse3.Operations):
         self.client = client
         self.aio = AsyncClient(client, limiter=trio.CapacityLimiter(64))
         self.config = config or FuseConfig()
-        self.mount_id = f"{socket.gethostname()}@{os.getpid()}@{os.urandom(3).hex()}"
+        # host@pid.start@random: the pid's start time tells a later mount whether this very
+        # daemon still runs (a pid alone may have been reused; see clean_orphans).
+        self.mount_id = f"{socket.gethostname()}@{os.getpid()}.{process_start(os.getpid())}@{os.urandom(3).hex()}"
         self.files: dict[int, OpenFile] = {}  # ino -> open state
         self.handles: dict[int, int] = {}  # fh -> ino
         self.dirs: dict[int, _Dir] = {}
@@ -428,7 +431,7 @@ class StripeOperations(pyfuse3.Operations):
             names = [e.name for e in reply.entries]
             for name in names:
                 parts = name.split("@")
-                if len(parts) >= 4 and parts[-3] == host and parts[-2].isdigit() and not _daemon_alive(int(parts[-2])):
+                if len(parts) >= 4 and parts[-3] == host and not _orphan_owner_alive(parts[-2]):
                     await self.aio.call(m.Unlink(parent=d.ino, name=name))
                     removed += 1
             if not reply.more or not names:
@@ -558,6 +561,29 @@ class StripeOperations(pyfuse3.Operations):
             del self.closing[ino]
             done.set()
 
+    async def drain(self) -> int:
+        """Commit every file still open in this mount; the daemon calls it before it exits.
+
+        Each open state is closed (write-behind buffers sent, length committed), and the
+        hidden names of open-but-unlinked files are removed: once the daemon is gone no
+        handle can reach them. Errors are logged, not raised: every file gets its turn.
+        Returns how many open files there were.
+        """
+        states = list(self.files.items())
+        self.files.clear()
+        self.handles.clear()
+        for ino, state in states:
+            try:
+                await self._locked(state, state.close)
+            except Exception:
+                log.exception("drain: committing inode %d failed; its unwritten bytes are lost", ino)
+            if state.orphan is not None:
+                try:
+                    await self.aio.call(m.Unlink(parent=await self._orphans(), name=state.orphan))
+                except Exception:
+                    log.exception("drain: removing orphan %s failed", state.orphan)
+        return len(states)
+
     # -- file system ----------------------------------------------------------------------
     @_errors
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
@@ -612,10 +638,20 @@ def _invalidate(ino: int) -> None:
         pass
 
 
-def _daemon_alive(pid: int) -> bool:
-    """Is ``pid`` a running stripefs mount daemon (not a recycled pid)?"""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"fsclient.fuse" in f.read()
-    except OSError:
-        return False
+def _orphan_owner_alive(owner: str) -> bool:
+    """Is the daemon named ``owner`` in an orphan name (``PID.START``) still running?
+
+    The start time identifies the process, whatever its command line (``stripefs mount
+    --foreground`` serves in the ``stripefs`` process itself) and even if the pid was
+    reused since. Names of older daemons carry the pid alone: those are kept while any
+    process has that pid (keeping a stale orphan is harmless, removing a live one is not).
+    Anything unparsable is kept.
+    """
+    pid, dot, start = owner.partition(".")
+    if not pid.isdigit():
+        return True
+    if not dot:
+        return pid_alive(int(pid))
+    if not start.isdigit():
+        return True
+    return process_start(int(pid)) == int(start)
