@@ -111,6 +111,7 @@ class OpenFile:
     def __init__(self, client: Client, file: StripeFile):
         self.client = client  # parallel reads (read_at) bypass the file's readahead state
         self.file = file
+        self.stamp = _stamp(file.attr)  # the cluster's (size, mtime, truncations) this state started from
         self.handles = 0
         self.lock = trio.Lock()
         self.orphan: str | None = None  # name in ORPHAN_DIR once silly-renamed
@@ -169,6 +170,37 @@ class OpenFile:
         self.file.fsync()
         self.dirty = False
 
+    def append(self, data: bytes) -> int:
+        """Write ``data`` at the end of the file as the cluster knows it now (``O_APPEND``).
+
+        The kernel picks an append's offset from its cached size, which may predate
+        another client's committed appends; this asks the metadata service instead, at
+        every write, and writes after both the committed length and this mount's own
+        bytes not committed yet.
+        """
+        attr = self.client.stat_inode(self.file.ino)
+        if attr.truncations != self.stamp[2]:
+            # Truncated since this state started (here or elsewhere): its idea of the
+            # length is stale. Commit what is ours and start over from the fresh attributes.
+            self.sync()
+            self.refresh(self.client.stat_inode(self.file.ino))
+            attr = self.file.attr
+        return self.write(max(attr.size, self.length()), data)
+
+    def refresh(self, attr: Attr) -> None:
+        """Start over from ``attr``, fresh from the metadata service: another client may
+        have rewritten or grown the file. A new :class:`StripeFile` takes the fresh size,
+        truncate count and layout; the old one's readahead windows are dropped with it.
+
+        Only after :meth:`sync` succeeded: nothing is buffered or uncommitted, so closing
+        the old file object commits nothing and only releases its buffers.
+        """
+        old, self.file = self.file, self.client.open_inode(attr, readable=True, writable=True)
+        self.stamp = _stamp(attr)
+        self.seq_end = 0
+        self.dirty = False
+        old.close()
+
     def truncate(self, size: int) -> None:
         self.file.truncate(size)
         self.seq_end = 0
@@ -213,6 +245,7 @@ class StripeOperations(pyfuse3.Operations):
         self.mount_id = f"{socket.gethostname()}@{os.getpid()}.{process_start(os.getpid())}@{os.urandom(3).hex()}"
         self.files: dict[int, OpenFile] = {}  # ino -> open state
         self.handles: dict[int, int] = {}  # fh -> ino
+        self.appenders: set[int] = set()  # fhs opened with O_APPEND (see OpenFile.append)
         self.dirs: dict[int, _Dir] = {}
         self.lookups: dict[int, int] = {}
         self.told: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime) last given to the kernel
@@ -444,23 +477,51 @@ class StripeOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR if attr.is_dir else errno.EINVAL)
         ino = attr.ino
         state = self.files.get(ino)
-        stamp = (attr.size, attr.mtime_ns)
-        busy = state is not None and state.handles > 0
         if state is None:
             state = self.files[ino] = OpenFile(self.client, self.client.open_inode(attr, readable=True, writable=True))
+        else:
+            # Close-to-open holds between handles of this mount too (`less f` keeps f open
+            # while another node rewrites it; `cat f` must show the new bytes): this mount's
+            # own writes are committed first, then fresh attributes say whether the file
+            # changed since the state started; if so the state starts over from them.
+            attr = await self._locked(state, self._refresh, state, ino) or attr
         state.handles += 1
         fh = next(self._fh)
         self.handles[fh] = ino
+        stamp: tuple[int, int] | None = (attr.size, attr.mtime_ns)
         if flags & os.O_TRUNC and (attr.size or state.length()):
             await self._locked(state, state.truncate, 0)
-            stamp = None  # type: ignore[assignment]
-        keep = busy or self.cached.get(ino) == stamp
+            stamp = None
+        # The kernel's pages are kept only when they are of this very (size, mtime).
+        keep = stamp is not None and self.cached.get(ino) == stamp
         if not keep and self.told.get(ino) not in (None, stamp):
             # The kernel holds attributes (size) older than the file: drop them now.
             await trio.to_thread.run_sync(_invalidate, ino)
-        if not busy:
-            self.cached[ino] = stamp  # type: ignore[assignment]
-        return pyfuse3.FileInfo(fh=fh, direct_io=self.config.direct_io, keep_cache=keep)
+        self.cached[ino] = stamp  # type: ignore[assignment]
+        direct = self.config.direct_io
+        if flags & os.O_APPEND:
+            # The kernel would place each append at its cached size (stale within
+            # attr_timeout) and copy it into its page cache there; in direct_io mode the
+            # daemon places it at the committed length instead (OpenFile.append).
+            self.appenders.add(fh)
+            direct = True
+        return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=keep)
+
+    def _refresh(self, state: OpenFile, ino: int) -> Attr | None:
+        """Commit ``state``'s writes, fetch fresh attributes, start over if the file changed.
+
+        Runs on a worker thread under ``state.lock``. Returns the fresh attributes, or
+        None when a write of the state failed earlier: the state is kept then, so its
+        handles keep reporting the error (no length is committed over lost bytes).
+        """
+        try:
+            state.sync()
+        except OSError:
+            return None
+        attr = self.client.stat_inode(ino)
+        if _stamp(attr) != state.stamp:
+            state.refresh(attr)
+        return attr
 
     async def _wait_closing(self, ino: int) -> None:
         ev = self.closing.get(ino)
@@ -524,6 +585,8 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         state = self._state(fh)
+        if fh in self.appenders:  # O_APPEND: the kernel's offset is its (maybe stale) cached size
+            return await self._locked(state, state.append, buf)
         return await self._locked(state, state.write, off, buf)
 
     @_errors
@@ -538,6 +601,7 @@ class StripeOperations(pyfuse3.Operations):
 
     async def release(self, fh: int) -> None:
         ino = self.handles.pop(fh, None)
+        self.appenders.discard(fh)
         state = self.files.get(ino) if ino is not None else None
         if ino is None or state is None:
             return
@@ -572,6 +636,7 @@ class StripeOperations(pyfuse3.Operations):
         states = list(self.files.items())
         self.files.clear()
         self.handles.clear()
+        self.appenders.clear()
         for ino, state in states:
             try:
                 await self._locked(state, state.close)
@@ -629,6 +694,11 @@ class StripeOperations(pyfuse3.Operations):
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._no_xattr.pop((inode, name), None)
         await self.aio.call(m.RemoveXattr(ino=inode, name=name))
+
+
+def _stamp(attr: Attr) -> tuple[int, int, int]:
+    """What tells one version of a file's contents from another, as far as a mount can see."""
+    return (attr.size, attr.mtime_ns, attr.truncations)
 
 
 def _invalidate(ino: int) -> None:
