@@ -112,6 +112,7 @@ class OpenFile:
         self.client = client  # parallel reads (read_at) bypass the file's readahead state
         self.file = file
         self.stamp = _stamp(file.attr)  # the cluster's (size, mtime, truncations) this state started from
+        self.mode = file.attr.mode  # as this mount last saw it: writes clear setuid/setgid from it
         self.handles = 0
         self.lock = trio.Lock()
         self.orphan: str | None = None  # name in ORPHAN_DIR once silly-renamed
@@ -197,6 +198,7 @@ class OpenFile:
         """
         old, self.file = self.file, self.client.open_inode(attr, readable=True, writable=True)
         self.stamp = _stamp(attr)
+        self.mode = attr.mode
         self.seq_end = 0
         self.dirty = False
         old.close()
@@ -213,16 +215,48 @@ class OpenFile:
 
 
 class _Dir:
-    """A directory handle: the current page of a name-ordered listing."""
+    """A directory handle: name cursors behind the offsets given to the kernel, and one page.
+
+    The metadata service lists a directory in name order, a page at a time, resuming
+    ``after`` a name. Each offset handed to the kernel stands for "after this name"
+    (offset 0: from the start), so a listing resumed at any offset -- the next
+    ``getdents``, or a ``seekdir`` back to a ``telldir`` -- continues right after the
+    entry it stopped at, however the directory changed meanwhile: no entry twice,
+    none skipped, and one page fetched rather than the listing read again from the
+    start. Offsets are stable: the same name always gets the same offset in a handle.
+    """
 
     def __init__(self, ino: int):
         self.ino = ino
-        self.base = 0
+        self.after_name: dict[int, str] = {0: ""}  # offset -> the name a listing resumes after
+        self.offset_of: dict[str, int] = {}  # name -> its offset (the inverse)
+        self.page_after: str | None = None  # the cursor ``page`` was fetched for
         self.page: list[DirEntry] = []
-        self.more = True
+        self.index: dict[str, int] = {}  # name -> position in ``page``
+        self.more = False  # another page follows ``page``
 
-    def reset(self) -> None:
-        self.base, self.page, self.more = 0, [], True
+    def offset(self, name: str) -> int:
+        """The offset that resumes the listing after ``name``."""
+        off = self.offset_of.get(name)
+        if off is None:
+            off = self.offset_of[name] = len(self.after_name)
+            self.after_name[off] = name
+        return off
+
+    def find(self, after: str) -> int | None:
+        """Where the entries after ``after`` start in the cached page, or None if not cached."""
+        if self.page_after is None:
+            return None
+        if after == self.page_after:
+            return 0
+        i = self.index.get(after)
+        if i is None or (i == len(self.page) - 1 and self.more):
+            return None  # not in this page, or its last entry: the next page is needed
+        return i + 1
+
+    def set_page(self, after: str, entries: list[DirEntry], more: bool) -> None:
+        self.page_after, self.page, self.more = after, entries, more and bool(entries)
+        self.index = {e.name: i for i, e in enumerate(entries)}
 
 
 class StripeOperations(pyfuse3.Operations):
@@ -246,6 +280,7 @@ class StripeOperations(pyfuse3.Operations):
         self.files: dict[int, OpenFile] = {}  # ino -> open state
         self.handles: dict[int, int] = {}  # fh -> ino
         self.appenders: set[int] = set()  # fhs opened with O_APPEND (see OpenFile.append)
+        self.unprivileged: set[int] = set()  # fhs opened by a non-root user: their writes clear setuid/setgid
         self.dirs: dict[int, _Dir] = {}
         self.lookups: dict[int, int] = {}
         self.told: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime) last given to the kernel
@@ -335,6 +370,12 @@ class StripeOperations(pyfuse3.Operations):
         if fields.update_mtime:
             kw["mtime_ns"] = attr.st_mtime_ns
         new = await self.aio.attr(m.SetAttr(ino=inode, **kw)) if kw else await self._attr(inode)
+        if fields.update_size and not fields.update_mode and ctx.uid != 0 and _killed(new.mode) != new.mode:
+            # A truncate by an unprivileged user drops setuid/setgid, as a write does. The
+            # kernel leaves that to us: libfuse asks for it (FUSE_CAP_HANDLE_KILLPRIV).
+            new = await self.aio.attr(m.SetAttr(ino=inode, mode=stat.S_IMODE(_killed(new.mode))))
+        if state is not None:
+            state.mode = new.mode
         return self._entry(new)
 
     @_errors
@@ -351,25 +392,24 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         d = self.dirs[fh]
-        if start_id < d.base:  # rewinddir or seek backwards: list again
-            d.reset()
-        i = start_id
+        after = d.after_name.get(start_id)
+        if after is None:  # not an offset this handle gave out (a bogus seekdir): end of listing
+            return
         while True:
-            while i >= d.base + len(d.page) and d.more:
-                after = d.page[-1].name if d.page else ""
-                d.base += len(d.page)
+            i = d.find(after)
+            if i is None:
                 reply = await self.aio.call(m.Readdir(ino=d.ino, after=after, limit=READDIR_PAGE, plus=True))
-                d.page = reply.entries
-                d.more = reply.more and bool(d.page)
-            if i >= d.base + len(d.page):
+                d.set_page(after, reply.entries, reply.more)
+                i = 0
+            for e in d.page[i:]:
+                hidden = d.ino == pyfuse3.ROOT_INODE and e.name == ORPHAN_DIR or e.attr is None
+                if not hidden:
+                    if not pyfuse3.readdir_reply(token, os.fsencode(e.name), self._entry(e.attr), d.offset(e.name)):
+                        return  # the kernel's buffer is full: it asks again from the last offset it took
+                    self.lookups[e.ino] = self.lookups.get(e.ino, 0) + 1
+                after = e.name
+            if not d.more:
                 return
-            e = d.page[i - d.base]
-            i += 1
-            if d.ino == pyfuse3.ROOT_INODE and e.name == ORPHAN_DIR or e.attr is None:
-                continue
-            if not pyfuse3.readdir_reply(token, os.fsencode(e.name), self._entry(e.attr), i):
-                return
-            self.lookups[e.ino] = self.lookups.get(e.ino, 0) + 1
 
     async def releasedir(self, fh: int) -> None:
         self.dirs.pop(fh, None)
@@ -472,7 +512,8 @@ class StripeOperations(pyfuse3.Operations):
             after = names[-1]
 
     # -- files ------------------------------------------------------------------------------
-    async def _open_state(self, attr: Attr, flags: int) -> pyfuse3.FileInfo:
+    async def _open_state(self, attr: Attr, flags: int, uid: int) -> pyfuse3.FileInfo:
+        """A new handle of ``attr``'s inode, opened with ``flags`` by user ``uid``."""
         if not attr.is_file:
             raise pyfuse3.FUSEError(errno.EISDIR if attr.is_dir else errno.EINVAL)
         ino = attr.ino
@@ -489,9 +530,13 @@ class StripeOperations(pyfuse3.Operations):
         fh = next(self._fh)
         self.handles[fh] = ino
         stamp: tuple[int, int] | None = (attr.size, attr.mtime_ns)
+        if uid != 0:
+            self.unprivileged.add(fh)
         if flags & os.O_TRUNC and (attr.size or state.length()):
             await self._locked(state, state.truncate, 0)
             stamp = None
+            if uid != 0:
+                await self._kill_privs(state, ino)
         # The kernel's pages are kept only when they are of this very (size, mtime).
         keep = stamp is not None and self.cached.get(ino) == stamp
         if not keep and self.told.get(ino) not in (None, stamp):
@@ -521,6 +566,7 @@ class StripeOperations(pyfuse3.Operations):
         attr = self.client.stat_inode(ino)
         if _stamp(attr) != state.stamp:
             state.refresh(attr)
+        state.mode = attr.mode  # a chmod elsewhere changes neither size nor mtime
         return attr
 
     async def _wait_closing(self, ino: int) -> None:
@@ -531,7 +577,7 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         await self._wait_closing(inode)
-        return await self._open_state(await self._attr(inode), flags)
+        return await self._open_state(await self._attr(inode), flags, ctx.uid)
 
     @_errors
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
@@ -540,7 +586,7 @@ class StripeOperations(pyfuse3.Operations):
                                              gid=ctx.gid, exclusive=bool(flags & os.O_EXCL), truncate=bool(flags & os.O_TRUNC)))
         attr = reply.attr
         await self._wait_closing(attr.ino)
-        fi = await self._open_state(attr, flags & ~os.O_TRUNC)
+        fi = await self._open_state(attr, flags & ~os.O_TRUNC, ctx.uid)
         return fi, self._looked_up(attr)
 
     @_errors
@@ -585,9 +631,25 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         state = self._state(fh)
+        if fh in self.unprivileged and _killed(state.mode) != state.mode:
+            await self._kill_privs(state, self.handles[fh])
         if fh in self.appenders:  # O_APPEND: the kernel's offset is its (maybe stale) cached size
             return await self._locked(state, state.append, buf)
         return await self._locked(state, state.write, off, buf)
+
+    async def _kill_privs(self, state: OpenFile, ino: int) -> None:
+        """Drop setuid (and setgid, when group-executable) after an unprivileged write or truncate.
+
+        Linux does this on every write by a user without CAP_FSETID; under
+        FUSE_CAP_HANDLE_KILLPRIV (libfuse's default) the kernel leaves it to the file
+        system, and in direct_io mode it does not do it at all. The writer is known by
+        the uid that opened the handle (FUSE writes carry no caller).
+        """
+        if _killed(state.mode) == state.mode:
+            return
+        attr = await self.aio.attr(m.SetAttr(ino=ino, mode=stat.S_IMODE(_killed(state.mode))))
+        state.mode = attr.mode
+        await trio.to_thread.run_sync(_invalidate, ino)  # the kernel's cached mode still shows the bits
 
     @_errors
     async def flush(self, fh: int) -> None:
@@ -602,6 +664,7 @@ class StripeOperations(pyfuse3.Operations):
     async def release(self, fh: int) -> None:
         ino = self.handles.pop(fh, None)
         self.appenders.discard(fh)
+        self.unprivileged.discard(fh)
         state = self.files.get(ino) if ino is not None else None
         if ino is None or state is None:
             return
@@ -637,6 +700,7 @@ class StripeOperations(pyfuse3.Operations):
         self.files.clear()
         self.handles.clear()
         self.appenders.clear()
+        self.unprivileged.clear()
         for ino, state in states:
             try:
                 await self._locked(state, state.close)
@@ -653,11 +717,14 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
         st = await self.aio.call(m.Statfs())
+        # The service counts raw bytes on every storage server; each byte of a file is
+        # stored once per replica, so what a user can write is that divided by the replicas.
+        replicas = max(1, (await self.aio.run(self.client.routing)).replicas)
         s = pyfuse3.StatvfsData()
         s.f_bsize = BLKSIZE
         s.f_frsize = 4096
-        s.f_blocks = st.capacity // s.f_frsize
-        s.f_bfree = s.f_bavail = st.free // s.f_frsize
+        s.f_blocks = st.capacity // replicas // s.f_frsize
+        s.f_bfree = s.f_bavail = st.free // replicas // s.f_frsize
         s.f_files = st.files + (1 << 32)
         s.f_ffree = s.f_favail = 1 << 32  # inodes are rows in the metadata store: no fixed table
         s.f_namemax = 255
@@ -694,6 +761,15 @@ class StripeOperations(pyfuse3.Operations):
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._no_xattr.pop((inode, name), None)
         await self.aio.call(m.RemoveXattr(ino=inode, name=name))
+
+
+def _killed(mode: int) -> int:
+    """``mode`` after an unprivileged write: no setuid; no setgid if group-executable
+    (setgid without group execute marks mandatory locking and stays, as on Linux)."""
+    mode &= ~stat.S_ISUID
+    if mode & stat.S_IXGRP:
+        mode &= ~stat.S_ISGID
+    return mode
 
 
 def _stamp(attr: Attr) -> tuple[int, int, int]:
