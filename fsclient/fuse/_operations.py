@@ -18,7 +18,13 @@ Semantics (docs/fuse.md has the long form):
   mount on the same host.
 * Page cache: ``keep_cache`` is granted at open only when the file's
   ``(size, mtime)`` is the one this mount last saw; otherwise the kernel drops
-  the cached pages and attributes (close-to-open across mounts).
+  the cached pages and attributes (close-to-open across mounts). A new open of a
+  file already open here commits this mount's writes and, when the file changed
+  elsewhere, starts its state over from fresh attributes.
+* ``O_APPEND`` handles are ``direct_io``, and the daemon writes each append at the
+  committed length (asked at every write), not at the kernel's cached size.
+* Stopping: :meth:`StripeOperations.drain` commits every open file before the
+  daemon exits (signals, unmount).
 
 Caveats:
 
@@ -171,13 +177,13 @@ class OpenFile:
         self.file.fsync()
         self.dirty = False
 
-    def append(self, data: bytes) -> int:
+    def append(self, data: bytes) -> tuple[int, int]:
         """Write ``data`` at the end of the file as the cluster knows it now (``O_APPEND``).
 
         The kernel picks an append's offset from its cached size, which may predate
         another client's committed appends; this asks the metadata service instead, at
         every write, and writes after both the committed length and this mount's own
-        bytes not committed yet.
+        bytes not committed yet. Returns (bytes written, the offset they went to).
         """
         attr = self.client.stat_inode(self.file.ino)
         if attr.truncations != self.stamp[2]:
@@ -186,7 +192,8 @@ class OpenFile:
             self.sync()
             self.refresh(self.client.stat_inode(self.file.ino))
             attr = self.file.attr
-        return self.write(max(attr.size, self.length()), data)
+        at = max(attr.size, self.length())
+        return self.write(at, data), at
 
     def refresh(self, attr: Attr) -> None:
         """Start over from ``attr``, fresh from the metadata service: another client may
@@ -634,7 +641,10 @@ class StripeOperations(pyfuse3.Operations):
         if fh in self.unprivileged and _killed(state.mode) != state.mode:
             await self._kill_privs(state, self.handles[fh])
         if fh in self.appenders:  # O_APPEND: the kernel's offset is its (maybe stale) cached size
-            return await self._locked(state, state.append, buf)
+            n, at = await self._locked(state, state.append, buf)
+            if at != off:  # the kernel's size is off by what other clients appended: refresh it
+                await trio.to_thread.run_sync(_invalidate, self.handles[fh])
+            return n
         return await self._locked(state, state.write, off, buf)
 
     async def _kill_privs(self, state: OpenFile, ino: int) -> None:

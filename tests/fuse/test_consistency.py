@@ -53,6 +53,7 @@ def test_o_append_lands_at_the_committed_length(mdir: str, client: Client, testd
         with client.open(path, "ab") as f:  # another node appends while the log is held open here
             f.write(b"b2")
         os.write(fd, b"a3")
+        assert os.fstat(fd).st_size == 10  # the kernel's size follows the appends' real offsets
     finally:
         os.close(fd)
     assert client.read_bytes(path) == b"a1b1a2b2a3"
