@@ -525,17 +525,23 @@ class StripeOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EISDIR if attr.is_dir else errno.EINVAL)
         ino = attr.ino
         state = self.files.get(ino)
+        shared = state is not None
         if state is None:
             state = self.files[ino] = OpenFile(self.client, self.client.open_inode(attr, readable=True, writable=True))
-        else:
+        # Counted before any await: a release of the other handles meanwhile must not close it.
+        state.handles += 1
+        fh = next(self._fh)
+        self.handles[fh] = ino
+        if shared:
             # Close-to-open holds between handles of this mount too (`less f` keeps f open
             # while another node rewrites it; `cat f` must show the new bytes): this mount's
             # own writes are committed first, then fresh attributes say whether the file
             # changed since the state started; if so the state starts over from them.
-            attr = await self._locked(state, self._refresh, state, ino) or attr
-        state.handles += 1
-        fh = next(self._fh)
-        self.handles[fh] = ino
+            try:
+                attr = await self._locked(state, self._refresh, state, ino) or attr
+            except BaseException:
+                await self.release(fh)
+                raise
         stamp: tuple[int, int] | None = (attr.size, attr.mtime_ns)
         if uid != 0:
             self.unprivileged.add(fh)

@@ -86,6 +86,29 @@ def test_lazy_umount_drains_open_files(cluster, client: Client, testdir: str, tm
     assert client.read_bytes(f"{testdir}/held") == data
 
 
+def test_lazy_umount_waits_for_the_last_handle(cluster, client: Client, testdir: str, tmp_path, capsys) -> None:
+    """``umount --lazy`` returns once the last handle closed and the daemon committed it and
+    exited by itself: no signal needed."""
+    import threading
+
+    mp = str(tmp_path / "m")
+    do_mount(mp, cluster.file)
+    pid = mount_record(mp)["pid"]
+    data = os.urandom(100_000)
+    fd = os.open(f"{mp}{testdir}/late", os.O_CREAT | os.O_WRONLY, 0o644)
+    assert os.write(fd, data) == len(data)
+    closer = threading.Timer(1.0, os.close, (fd,))
+    closer.start()
+    try:
+        assert fuse_main(["umount", mp, "--lazy"]) == 0
+    finally:
+        closer.join()
+    err = capsys.readouterr().err
+    assert "waiting up to" in err and "stopping the daemon" not in err
+    _wait_gone(pid, timeout=1.0)  # umount returned after the daemon's exit
+    assert client.read_bytes(f"{testdir}/late") == data
+
+
 def test_foreground_daemon_keeps_its_orphans(cluster, client: Client, testdir: str, tmp_path) -> None:
     """A second mount's clean-up leaves the orphans of a live ``stripefs mount --foreground``."""
     fg, second = str(tmp_path / "fg"), str(tmp_path / "second")
