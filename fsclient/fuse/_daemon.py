@@ -269,8 +269,8 @@ def umount(mountpoint: str, lazy: bool = False) -> int:
                 # Still serving open handles: stop it. It drains every open file (buffered
                 # bytes sent, lengths committed) before it exits; wait for that too, so the
                 # commits are done when umount returns.
-                print(f"stripefs umount: files still open on {mountpoint} after {UMOUNT_WAIT:.0f}s; stopping "
-                      f"the daemon (pid {pid}), which commits them first", file=sys.stderr)
+                print(f"stripefs umount: the daemon of {mountpoint} (pid {pid}) still runs after {UMOUNT_WAIT:.0f}s; "
+                      "stopping it (it commits the files still open first)", file=sys.stderr)
                 if daemon_alive(pid, start):
                     os.kill(pid, signal.SIGTERM)
                 if not _wait_exit(pid, start, STOP_WAIT):

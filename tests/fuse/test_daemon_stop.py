@@ -104,7 +104,7 @@ def test_lazy_umount_waits_for_the_last_handle(cluster, client: Client, testdir:
     finally:
         closer.join()
     err = capsys.readouterr().err
-    assert "waiting up to" in err and "stopping the daemon" not in err
+    assert "waiting up to" in err and "stopping it" not in err
     _wait_gone(pid, timeout=1.0)  # umount returned after the daemon's exit
     assert client.read_bytes(f"{testdir}/late") == data
 
