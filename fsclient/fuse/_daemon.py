@@ -8,6 +8,11 @@ the daemon's error. ``stripefs umount MOUNTPOINT [--lazy]`` unmounts, clears a
 mount whose daemon died (``Transport endpoint is not connected``), and waits
 for the daemon to finish.
 
+Stopping: on SIGTERM, SIGINT or SIGHUP, and when the kernel ends the mount
+(unmount, or the last handle closed after a lazy unmount), the daemon drains
+every file still open -- write-behind buffers sent, lengths committed -- before
+it exits, so a file held open (a log) keeps everything written to it.
+
 Options (``-o``): ours are ``attr_timeout=S``, ``entry_timeout=S``,
 ``direct_io``, ``readahead_kb=N``; anything else (``allow_other``, ``ro``,
 ...) goes to libfuse. ``default_permissions`` is always on.
@@ -26,11 +31,13 @@ from typing import Any
 
 from wire import StripefsError, messages as m
 
-from ..core import Client, find_cluster, pid_alive
-from ._mounts import mount_record, mounted_fstype, record_path, remove_mount_record, write_mount_record
+from ..core import Client, find_cluster
+from ._mounts import (daemon_alive, mount_record, mounted_fstype, process_start, record_path, remove_mount_record,
+                      write_mount_record)
 
 READY_TIMEOUT = 30.0
-UMOUNT_WAIT = 15.0
+UMOUNT_WAIT = 15.0  # seconds umount waits for the daemon (after a lazy detach: for the last handle)
+STOP_WAIT = 30.0  # seconds umount then waits for a signalled daemon to commit its open files and exit
 
 
 class MountError(Exception):
@@ -95,7 +102,10 @@ def serve(mountpoint: str, cluster: str | None, options: list[str], ready_fd: in
     client = Client(cluster)
     ops = StripeOperations(client, cfg)
     # cluster_file lets fsclient.batchread map files under the mount to (cluster, inode).
-    record = {"pid": os.getpid(), "mountpoint": mountpoint, "log": os.environ.get("STRIPEFS_MOUNT_LOG"),
+    # start + mount_id: umount and the orphan clean-up of other mounts tell this daemon
+    # from a process that reuses its pid after it is gone.
+    record = {"pid": os.getpid(), "start": process_start(os.getpid()), "mount_id": ops.mount_id,
+              "mountpoint": mountpoint, "log": os.environ.get("STRIPEFS_MOUNT_LOG"),
               "cluster_file": client.config.path, "root": "/"}
     write_mount_record(mountpoint, record)
 
@@ -124,18 +134,29 @@ def serve(mountpoint: str, cluster: str | None, options: list[str], ready_fd: in
             logging.info("removed %d stale orphans", removed)
         tell("ok")
 
-    async def signals() -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
-            async for _ in sigs:
-                pyfuse3.terminate()
-                return
+    async def signals(sigs: Any) -> None:
+        async for signum in sigs:
+            logging.info("%s: committing open files, then stopping", signal.Signals(signum).name)
+            pyfuse3.terminate()
 
     async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(announce)
-            nursery.start_soon(signals)
-            await pyfuse3.main(min_tasks=4, max_tasks=64)
-            nursery.cancel_scope.cancel()
+        # The receiver stays installed until the drain below is done: a second signal must
+        # not kill the daemon (the default action) while it commits the open files.
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(announce)
+                    nursery.start_soon(signals, sigs)
+                    await pyfuse3.main(min_tasks=4, max_tasks=64)
+                    nursery.cancel_scope.cancel()
+            finally:
+                # Whatever ended the loop (a signal, an unmount, the last handle of a lazily
+                # detached mount, an error): no handle can reach the open files any more, so
+                # their buffered bytes are sent and their lengths committed now or never.
+                with trio.CancelScope(shield=True):
+                    drained = await ops.drain()
+                if drained:
+                    logging.info("committed %d file(s) still open at exit", drained)
 
     try:
         trio.run(main)
@@ -224,7 +245,9 @@ def umount(mountpoint: str, lazy: bool = False) -> int:
     if not fstype.startswith("fuse"):
         raise MountError(f"{mountpoint} is a {fstype} mount, not stripefs")
     pid = record.get("pid") if record else None
-    dead = pid is None or not pid_alive(pid)
+    start = record.get("start") if record else None
+    # (pid, start time): a dead daemon's pid may belong to an unrelated process by now.
+    dead = not daemon_alive(pid, start)
     res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
     if res.returncode != 0:
         if not (lazy or dead):
@@ -236,14 +259,36 @@ def umount(mountpoint: str, lazy: bool = False) -> int:
         if res.returncode != 0:
             raise MountError(f"cannot unmount {mountpoint}: {res.stderr.strip()}")
     if pid is not None and not dead:
-        deadline = time.monotonic() + UMOUNT_WAIT
-        while pid_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-            _reap(pid)
-        if pid_alive(pid):
-            os.kill(pid, signal.SIGTERM)
+        # The daemon exits once the kernel ends the mount: at once after a plain unmount,
+        # after the last close of a handle after a lazy one.
+        if not _wait_exit(pid, start, 0.5):
+            if lazy:
+                print(f"stripefs umount: {mountpoint} detached; waiting up to {UMOUNT_WAIT:.0f}s for its open "
+                      "files to close", file=sys.stderr)
+            if not _wait_exit(pid, start, UMOUNT_WAIT):
+                # Still serving open handles: stop it. It drains every open file (buffered
+                # bytes sent, lengths committed) before it exits; wait for that too, so the
+                # commits are done when umount returns.
+                print(f"stripefs umount: the daemon of {mountpoint} (pid {pid}) still runs after {UMOUNT_WAIT:.0f}s; "
+                      "stopping it (it commits the files still open first)", file=sys.stderr)
+                if daemon_alive(pid, start):
+                    os.kill(pid, signal.SIGTERM)
+                if not _wait_exit(pid, start, STOP_WAIT):
+                    print(f"stripefs umount: daemon {pid} still running after {STOP_WAIT:.0f}s", file=sys.stderr)
     remove_mount_record(mountpoint)
     return 0
+
+
+def _wait_exit(pid: int, start: int | None, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for the daemon ``(pid, start)`` to exit; True once it has."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _reap(pid)
+        if not daemon_alive(pid, start):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def _reap(pid: int) -> None:

@@ -4,8 +4,10 @@ Two records describe a mount, both JSON, both written atomically:
 
 * the daemon's own record, next to the user's cluster state
   (``<state dir>/stripefs/mounts/<sha1(mountpoint)[:16]>.json``):
-  ``{"pid", "mountpoint", "log", "cluster_file", "root"}``. ``stripefs umount``
-  reads it to find the daemon; the batch reader reads it to find the cluster.
+  ``{"pid", "start", "mount_id", "mountpoint", "log", "cluster_file", "root"}``.
+  ``stripefs umount`` reads it to find the daemon; the batch reader reads it to find
+  the cluster. ``start`` is the daemon's start time (:func:`process_start`): a pid
+  alone may have been reused by an unrelated process once the daemon died.
 * the published state file for other programs (any writer may produce it)::
 
     $STRIPEFS_MOUNT_STATE_DIR/<quote(mountpoint, safe="")>.json   (default dir /run/stripefs/mounts)
@@ -24,11 +26,11 @@ import os
 from typing import Any
 from urllib.parse import quote
 
-from ..core import default_state_file, mounts
+from ..core import default_state_file, mounts, pid_alive
 
 __all__ = [
     "MOUNT_STATE_DIR", "mount_state_path", "record_path", "mount_record", "write_mount_record",
-    "remove_mount_record", "mounted_fstype",
+    "remove_mount_record", "mounted_fstype", "process_start", "daemon_alive",
 ]
 
 MOUNT_STATE_DIR = "/run/stripefs/mounts"
@@ -83,3 +85,31 @@ def mounted_fstype(mountpoint: str) -> str | None:
         if mp == mountpoint:
             found = fstype
     return found
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot, ``/proc/PID/stat`` field 22), or None.
+
+    A pid is reused once its process is gone; (pid, start time) names one process
+    for as long as the machine runs.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # The command name (field 2) may hold spaces and parentheses: split after its last ")".
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def daemon_alive(pid: int | None, start: int | None) -> bool:
+    """Is the daemon that recorded ``(pid, start)`` still running?
+
+    With ``start`` (every record and orphan name written since it was added), a live
+    process with that pid but another start time is an unrelated process that reused
+    the pid: dead. Without it (an older record), any live process with the pid counts
+    as alive, the safe side for both callers (nothing is removed or signalled wrongly
+    except a stale orphan that is kept).
+    """
+    if pid is None or not pid_alive(pid):
+        return False
+    return start is None or process_start(pid) == start

@@ -18,7 +18,13 @@ Semantics (docs/fuse.md has the long form):
   mount on the same host.
 * Page cache: ``keep_cache`` is granted at open only when the file's
   ``(size, mtime)`` is the one this mount last saw; otherwise the kernel drops
-  the cached pages and attributes (close-to-open across mounts).
+  the cached pages and attributes (close-to-open across mounts). A new open of a
+  file already open here commits this mount's writes and, when the file changed
+  elsewhere, starts its state over from fresh attributes.
+* ``O_APPEND`` handles are ``direct_io``, and the daemon writes each append at the
+  committed length (asked at every write), not at the kernel's cached size.
+* Stopping: :meth:`StripeOperations.drain` commits every open file before the
+  daemon exits (signals, unmount).
 
 Caveats:
 
@@ -48,7 +54,8 @@ import trio
 
 from wire import Attr, DirEntry, messages as m
 
-from ..core import AsyncClient, Client, StripeFile
+from ..core import AsyncClient, Client, StripeFile, pid_alive
+from ._mounts import process_start
 
 __all__ = ["StripeOperations", "FuseConfig", "ORPHAN_DIR"]
 
@@ -110,6 +117,8 @@ class OpenFile:
     def __init__(self, client: Client, file: StripeFile):
         self.client = client  # parallel reads (read_at) bypass the file's readahead state
         self.file = file
+        self.stamp = _stamp(file.attr)  # the cluster's (size, mtime, truncations) this state started from
+        self.mode = file.attr.mode  # as this mount last saw it: writes clear setuid/setgid from it
         self.handles = 0
         self.lock = trio.Lock()
         self.orphan: str | None = None  # name in ORPHAN_DIR once silly-renamed
@@ -168,6 +177,39 @@ class OpenFile:
         self.file.fsync()
         self.dirty = False
 
+    def append(self, data: bytes) -> tuple[int, int]:
+        """Write ``data`` at the end of the file as the cluster knows it now (``O_APPEND``).
+
+        The kernel picks an append's offset from its cached size, which may predate
+        another client's committed appends; this asks the metadata service instead, at
+        every write, and writes after both the committed length and this mount's own
+        bytes not committed yet. Returns (bytes written, the offset they went to).
+        """
+        attr = self.client.stat_inode(self.file.ino)
+        if attr.truncations != self.stamp[2]:
+            # Truncated since this state started (here or elsewhere): its idea of the
+            # length is stale. Commit what is ours and start over from the fresh attributes.
+            self.sync()
+            self.refresh(self.client.stat_inode(self.file.ino))
+            attr = self.file.attr
+        at = max(attr.size, self.length())
+        return self.write(at, data), at
+
+    def refresh(self, attr: Attr) -> None:
+        """Start over from ``attr``, fresh from the metadata service: another client may
+        have rewritten or grown the file. A new :class:`StripeFile` takes the fresh size,
+        truncate count and layout; the old one's readahead windows are dropped with it.
+
+        Only after :meth:`sync` succeeded: nothing is buffered or uncommitted, so closing
+        the old file object commits nothing and only releases its buffers.
+        """
+        old, self.file = self.file, self.client.open_inode(attr, readable=True, writable=True)
+        self.stamp = _stamp(attr)
+        self.mode = attr.mode
+        self.seq_end = 0
+        self.dirty = False
+        old.close()
+
     def truncate(self, size: int) -> None:
         self.file.truncate(size)
         self.seq_end = 0
@@ -180,16 +222,48 @@ class OpenFile:
 
 
 class _Dir:
-    """A directory handle: the current page of a name-ordered listing."""
+    """A directory handle: name cursors behind the offsets given to the kernel, and one page.
+
+    The metadata service lists a directory in name order, a page at a time, resuming
+    ``after`` a name. Each offset handed to the kernel stands for "after this name"
+    (offset 0: from the start), so a listing resumed at any offset -- the next
+    ``getdents``, or a ``seekdir`` back to a ``telldir`` -- continues right after the
+    entry it stopped at, however the directory changed meanwhile: no entry twice,
+    none skipped, and one page fetched rather than the listing read again from the
+    start. Offsets are stable: the same name always gets the same offset in a handle.
+    """
 
     def __init__(self, ino: int):
         self.ino = ino
-        self.base = 0
+        self.after_name: dict[int, str] = {0: ""}  # offset -> the name a listing resumes after
+        self.offset_of: dict[str, int] = {}  # name -> its offset (the inverse)
+        self.page_after: str | None = None  # the cursor ``page`` was fetched for
         self.page: list[DirEntry] = []
-        self.more = True
+        self.index: dict[str, int] = {}  # name -> position in ``page``
+        self.more = False  # another page follows ``page``
 
-    def reset(self) -> None:
-        self.base, self.page, self.more = 0, [], True
+    def offset(self, name: str) -> int:
+        """The offset that resumes the listing after ``name``."""
+        off = self.offset_of.get(name)
+        if off is None:
+            off = self.offset_of[name] = len(self.after_name)
+            self.after_name[off] = name
+        return off
+
+    def find(self, after: str) -> int | None:
+        """Where the entries after ``after`` start in the cached page, or None if not cached."""
+        if self.page_after is None:
+            return None
+        if after == self.page_after:
+            return 0
+        i = self.index.get(after)
+        if i is None or (i == len(self.page) - 1 and self.more):
+            return None  # not in this page, or its last entry: the next page is needed
+        return i + 1
+
+    def set_page(self, after: str, entries: list[DirEntry], more: bool) -> None:
+        self.page_after, self.page, self.more = after, entries, more and bool(entries)
+        self.index = {e.name: i for i, e in enumerate(entries)}
 
 
 class StripeOperations(pyfuse3.Operations):
@@ -207,9 +281,13 @@ class StripeOperations(pyfuse3.Operations):
         self.client = client
         self.aio = AsyncClient(client, limiter=trio.CapacityLimiter(64))
         self.config = config or FuseConfig()
-        self.mount_id = f"{socket.gethostname()}@{os.getpid()}@{os.urandom(3).hex()}"
+        # host@pid.start@random: the pid's start time tells a later mount whether this very
+        # daemon still runs (a pid alone may have been reused; see clean_orphans).
+        self.mount_id = f"{socket.gethostname()}@{os.getpid()}.{process_start(os.getpid())}@{os.urandom(3).hex()}"
         self.files: dict[int, OpenFile] = {}  # ino -> open state
         self.handles: dict[int, int] = {}  # fh -> ino
+        self.appenders: set[int] = set()  # fhs opened with O_APPEND (see OpenFile.append)
+        self.unprivileged: set[int] = set()  # fhs opened by a non-root user: their writes clear setuid/setgid
         self.dirs: dict[int, _Dir] = {}
         self.lookups: dict[int, int] = {}
         self.told: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime) last given to the kernel
@@ -299,6 +377,12 @@ class StripeOperations(pyfuse3.Operations):
         if fields.update_mtime:
             kw["mtime_ns"] = attr.st_mtime_ns
         new = await self.aio.attr(m.SetAttr(ino=inode, **kw)) if kw else await self._attr(inode)
+        if fields.update_size and not fields.update_mode and ctx.uid != 0 and _killed(new.mode) != new.mode:
+            # A truncate by an unprivileged user drops setuid/setgid, as a write does. The
+            # kernel leaves that to us: libfuse asks for it (FUSE_CAP_HANDLE_KILLPRIV).
+            new = await self.aio.attr(m.SetAttr(ino=inode, mode=stat.S_IMODE(_killed(new.mode))))
+        if state is not None:
+            state.mode = new.mode
         return self._entry(new)
 
     @_errors
@@ -315,25 +399,24 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         d = self.dirs[fh]
-        if start_id < d.base:  # rewinddir or seek backwards: list again
-            d.reset()
-        i = start_id
+        after = d.after_name.get(start_id)
+        if after is None:  # not an offset this handle gave out (a bogus seekdir): end of listing
+            return
         while True:
-            while i >= d.base + len(d.page) and d.more:
-                after = d.page[-1].name if d.page else ""
-                d.base += len(d.page)
+            i = d.find(after)
+            if i is None:
                 reply = await self.aio.call(m.Readdir(ino=d.ino, after=after, limit=READDIR_PAGE, plus=True))
-                d.page = reply.entries
-                d.more = reply.more and bool(d.page)
-            if i >= d.base + len(d.page):
+                d.set_page(after, reply.entries, reply.more)
+                i = 0
+            for e in d.page[i:]:
+                hidden = d.ino == pyfuse3.ROOT_INODE and e.name == ORPHAN_DIR or e.attr is None
+                if not hidden:
+                    if not pyfuse3.readdir_reply(token, os.fsencode(e.name), self._entry(e.attr), d.offset(e.name)):
+                        return  # the kernel's buffer is full: it asks again from the last offset it took
+                    self.lookups[e.ino] = self.lookups.get(e.ino, 0) + 1
+                after = e.name
+            if not d.more:
                 return
-            e = d.page[i - d.base]
-            i += 1
-            if d.ino == pyfuse3.ROOT_INODE and e.name == ORPHAN_DIR or e.attr is None:
-                continue
-            if not pyfuse3.readdir_reply(token, os.fsencode(e.name), self._entry(e.attr), i):
-                return
-            self.lookups[e.ino] = self.lookups.get(e.ino, 0) + 1
 
     async def releasedir(self, fh: int) -> None:
         self.dirs.pop(fh, None)
@@ -428,7 +511,7 @@ class StripeOperations(pyfuse3.Operations):
             names = [e.name for e in reply.entries]
             for name in names:
                 parts = name.split("@")
-                if len(parts) >= 4 and parts[-3] == host and parts[-2].isdigit() and not _daemon_alive(int(parts[-2])):
+                if len(parts) >= 4 and parts[-3] == host and not _orphan_owner_alive(parts[-2]):
                     await self.aio.call(m.Unlink(parent=d.ino, name=name))
                     removed += 1
             if not reply.more or not names:
@@ -436,28 +519,68 @@ class StripeOperations(pyfuse3.Operations):
             after = names[-1]
 
     # -- files ------------------------------------------------------------------------------
-    async def _open_state(self, attr: Attr, flags: int) -> pyfuse3.FileInfo:
+    async def _open_state(self, attr: Attr, flags: int, uid: int) -> pyfuse3.FileInfo:
+        """A new handle of ``attr``'s inode, opened with ``flags`` by user ``uid``."""
         if not attr.is_file:
             raise pyfuse3.FUSEError(errno.EISDIR if attr.is_dir else errno.EINVAL)
         ino = attr.ino
         state = self.files.get(ino)
-        stamp = (attr.size, attr.mtime_ns)
-        busy = state is not None and state.handles > 0
+        shared = state is not None
         if state is None:
             state = self.files[ino] = OpenFile(self.client, self.client.open_inode(attr, readable=True, writable=True))
+        # Counted before any await: a release of the other handles meanwhile must not close it.
         state.handles += 1
         fh = next(self._fh)
         self.handles[fh] = ino
+        if shared:
+            # Close-to-open holds between handles of this mount too (`less f` keeps f open
+            # while another node rewrites it; `cat f` must show the new bytes): this mount's
+            # own writes are committed first, then fresh attributes say whether the file
+            # changed since the state started; if so the state starts over from them.
+            try:
+                attr = await self._locked(state, self._refresh, state, ino) or attr
+            except BaseException:
+                await self.release(fh)
+                raise
+        stamp: tuple[int, int] | None = (attr.size, attr.mtime_ns)
+        if uid != 0:
+            self.unprivileged.add(fh)
         if flags & os.O_TRUNC and (attr.size or state.length()):
             await self._locked(state, state.truncate, 0)
-            stamp = None  # type: ignore[assignment]
-        keep = busy or self.cached.get(ino) == stamp
+            stamp = None
+            if uid != 0:
+                await self._kill_privs(state, ino)
+        # The kernel's pages are kept only when they are of this very (size, mtime).
+        keep = stamp is not None and self.cached.get(ino) == stamp
         if not keep and self.told.get(ino) not in (None, stamp):
             # The kernel holds attributes (size) older than the file: drop them now.
             await trio.to_thread.run_sync(_invalidate, ino)
-        if not busy:
-            self.cached[ino] = stamp  # type: ignore[assignment]
-        return pyfuse3.FileInfo(fh=fh, direct_io=self.config.direct_io, keep_cache=keep)
+        self.cached[ino] = stamp  # type: ignore[assignment]
+        direct = self.config.direct_io
+        if flags & os.O_APPEND:
+            # The kernel would place each append at its cached size (stale within
+            # attr_timeout) and copy it into its page cache there; in direct_io mode the
+            # daemon places it at the committed length instead (OpenFile.append).
+            self.appenders.add(fh)
+            direct = True
+        return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=keep)
+
+    def _refresh(self, state: OpenFile, ino: int) -> Attr | None:
+        """Commit ``state``'s writes, fetch fresh attributes, start over if the file changed.
+
+        Runs on a worker thread under ``state.lock``. Returns the fresh attributes, or
+        None when a write of the state failed earlier: the state is kept then, so its
+        handles keep reporting the error (no length is committed over lost bytes).
+        """
+        try:
+            state.sync()
+        except OSError:
+            return None
+        attr = self.client.stat_inode(ino)
+        if _stamp(attr) != state.stamp:
+            state.refresh(attr)
+        state.mode = attr.mode  # a chmod elsewhere changes neither size nor mtime
+        return attr
 
     async def _wait_closing(self, ino: int) -> None:
         ev = self.closing.get(ino)
@@ -467,7 +590,7 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         await self._wait_closing(inode)
-        return await self._open_state(await self._attr(inode), flags)
+        return await self._open_state(await self._attr(inode), flags, ctx.uid)
 
     @_errors
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
@@ -476,7 +599,7 @@ class StripeOperations(pyfuse3.Operations):
                                              gid=ctx.gid, exclusive=bool(flags & os.O_EXCL), truncate=bool(flags & os.O_TRUNC)))
         attr = reply.attr
         await self._wait_closing(attr.ino)
-        fi = await self._open_state(attr, flags & ~os.O_TRUNC)
+        fi = await self._open_state(attr, flags & ~os.O_TRUNC, ctx.uid)
         return fi, self._looked_up(attr)
 
     @_errors
@@ -521,7 +644,28 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         state = self._state(fh)
+        if fh in self.unprivileged and _killed(state.mode) != state.mode:
+            await self._kill_privs(state, self.handles[fh])
+        if fh in self.appenders:  # O_APPEND: the kernel's offset is its (maybe stale) cached size
+            n, at = await self._locked(state, state.append, buf)
+            if at != off:  # the kernel's size is off by what other clients appended: refresh it
+                await trio.to_thread.run_sync(_invalidate, self.handles[fh])
+            return n
         return await self._locked(state, state.write, off, buf)
+
+    async def _kill_privs(self, state: OpenFile, ino: int) -> None:
+        """Drop setuid (and setgid, when group-executable) after an unprivileged write or truncate.
+
+        Linux does this on every write by a user without CAP_FSETID; under
+        FUSE_CAP_HANDLE_KILLPRIV (libfuse's default) the kernel leaves it to the file
+        system, and in direct_io mode it does not do it at all. The writer is known by
+        the uid that opened the handle (FUSE writes carry no caller).
+        """
+        if _killed(state.mode) == state.mode:
+            return
+        attr = await self.aio.attr(m.SetAttr(ino=ino, mode=stat.S_IMODE(_killed(state.mode))))
+        state.mode = attr.mode
+        await trio.to_thread.run_sync(_invalidate, ino)  # the kernel's cached mode still shows the bits
 
     @_errors
     async def flush(self, fh: int) -> None:
@@ -535,6 +679,8 @@ class StripeOperations(pyfuse3.Operations):
 
     async def release(self, fh: int) -> None:
         ino = self.handles.pop(fh, None)
+        self.appenders.discard(fh)
+        self.unprivileged.discard(fh)
         state = self.files.get(ino) if ino is not None else None
         if ino is None or state is None:
             return
@@ -558,10 +704,35 @@ class StripeOperations(pyfuse3.Operations):
             del self.closing[ino]
             done.set()
 
+    async def drain(self) -> int:
+        """Commit every file still open in this mount; the daemon calls it before it exits.
+
+        Each open state is closed (write-behind buffers sent, length committed), and the
+        hidden names of open-but-unlinked files are removed: once the daemon is gone no
+        handle can reach them. Errors are logged, not raised: every file gets its turn.
+        Returns how many open files there were.
+        """
+        states = list(self.files.items())
+        self.files.clear()
+        self.handles.clear()
+        self.appenders.clear()
+        self.unprivileged.clear()
+        for ino, state in states:
+            try:
+                await self._locked(state, state.close)
+            except Exception:
+                log.exception("drain: committing inode %d failed; its unwritten bytes are lost", ino)
+            if state.orphan is not None:
+                try:
+                    await self.aio.call(m.Unlink(parent=await self._orphans(), name=state.orphan))
+                except Exception:
+                    log.exception("drain: removing orphan %s failed", state.orphan)
+        return len(states)
+
     # -- file system ----------------------------------------------------------------------
     @_errors
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
-        st = await self.aio.call(m.Statfs())
+        st = await self.aio.call(m.Statfs())  # already usable bytes (raw / replicas), see metadata
         s = pyfuse3.StatvfsData()
         s.f_bsize = BLKSIZE
         s.f_frsize = 4096
@@ -605,6 +776,20 @@ class StripeOperations(pyfuse3.Operations):
         await self.aio.call(m.RemoveXattr(ino=inode, name=name))
 
 
+def _killed(mode: int) -> int:
+    """``mode`` after an unprivileged write: no setuid; no setgid if group-executable
+    (setgid without group execute marks mandatory locking and stays, as on Linux)."""
+    mode &= ~stat.S_ISUID
+    if mode & stat.S_IXGRP:
+        mode &= ~stat.S_ISGID
+    return mode
+
+
+def _stamp(attr: Attr) -> tuple[int, int, int]:
+    """What tells one version of a file's contents from another, as far as a mount can see."""
+    return (attr.size, attr.mtime_ns, attr.truncations)
+
+
 def _invalidate(ino: int) -> None:
     try:
         pyfuse3.invalidate_inode(ino, attr_only=True)
@@ -612,10 +797,20 @@ def _invalidate(ino: int) -> None:
         pass
 
 
-def _daemon_alive(pid: int) -> bool:
-    """Is ``pid`` a running stripefs mount daemon (not a recycled pid)?"""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"fsclient.fuse" in f.read()
-    except OSError:
-        return False
+def _orphan_owner_alive(owner: str) -> bool:
+    """Is the daemon named ``owner`` in an orphan name (``PID.START``) still running?
+
+    The start time identifies the process, whatever its command line (``stripefs mount
+    --foreground`` serves in the ``stripefs`` process itself) and even if the pid was
+    reused since. Names of older daemons carry the pid alone: those are kept while any
+    process has that pid (keeping a stale orphan is harmless, removing a live one is not).
+    Anything unparsable is kept.
+    """
+    pid, dot, start = owner.partition(".")
+    if not pid.isdigit():
+        return True
+    if not dot:
+        return pid_alive(int(pid))
+    if not start.isdigit():
+        return True
+    return process_start(int(pid)) == int(start)
