@@ -27,7 +27,7 @@ import crc32c
 
 from fsclient import normpath
 
-from ._format import CHECK_CHUNK, DEFAULT_SHARD, FORMAT, MANIFEST, VERSION, chunk_crcs, manifest_bytes, plan_state_dict
+from ._format import CHECK_CHUNK, DEFAULT_SHARD, FORMAT, MANIFEST, chunk_crcs, manifest_bytes, plan_state_dict
 from ._durable import publish_dir
 from ._journal import CkptRow, FileRow, Journal, fault_point
 from ._mover import MoverOptions, SnapshotViews, Uploader, client_for, remote_paths, remove_tree
@@ -218,6 +218,8 @@ def _background(h: SaveHandle, journal: Journal, row: CkptRow, plan: Any, buf: A
         t = time.monotonic()
         views = [buf.view[o : o + s] for o, s in zip(buf.file_offsets, plan.file_sizes)]
         for e in plan.tensors:
+            if e.base is not None:
+                continue  # a view: its bytes are those of the storage entry it names
             base = buf.file_offsets[e.file] + e.offset
             e.crc = crc32c.crc32c(buf.view[base : base + e.nbytes])
         stored, records = [], []
@@ -226,9 +228,9 @@ def _background(h: SaveHandle, journal: Journal, row: CkptRow, plan: Any, buf: A
             rec["name"] = f"data-{i:05d}.bin"
             stored.append(data)
             records.append(rec)
-        manifest = {"format": FORMAT, "version": VERSION, "id": row.id, "kind": "state_dict", "step": row.step,
+        manifest = {"format": FORMAT, "version": plan.version, "id": row.id, "kind": "state_dict", "step": row.step,
                     "created": row.created, "url": row.url, "files": records,
-                    "tensors": [dict(e.index_record(), crc32c=e.crc) for e in plan.tensors], "tree": plan.tree}
+                    "tensors": [e.index_record() for e in plan.tensors], "tree": plan.tree}
         raw_manifest = manifest_bytes(manifest)
         journal.begin(row, [FileRow(r["name"], r["size"], r["crc32c"], r["chunk"], r["chunk_crc32c"], 0) for r in records])
         h.timings["serialize"] = time.monotonic() - t
