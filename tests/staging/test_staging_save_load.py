@@ -228,3 +228,25 @@ def test_files_and_directories_respect_umask(cluster, client, testdir, sdir):
     assert stat.S_IMODE(os.stat(local).st_mode) == 0o770
     for name in os.listdir(local):
         assert stat.S_IMODE(os.stat(os.path.join(local, name)).st_mode) == 0o660, name
+
+
+def test_manifest_version_and_hostile_views(cluster, sdir):
+    """Plain checkpoints stay version 2 (older readers read them); views need 3 and are checked."""
+    import json
+
+    from staging import ChecksumError
+    from staging._format import manifest_bytes
+
+    def manifest(h):
+        with open(os.path.join(_local(sdir, h), "manifest.json"), "rb") as f:
+            return parse_manifest(f.read(), "manifest.json")
+
+    assert manifest(_stage({"w": torch.ones(4), "cfg": {"lr": 0.1}}, sdir, cluster))["version"] == 2
+    w = torch.arange(12.0).reshape(3, 4)
+    man = manifest(_stage({"a": w, "t": w.t()}, sdir, cluster))
+    assert man["version"] == 3 and man["tensors"][1]["base"] == 2
+    for change in ({"byte_offset": 4}, {"stride": [1, 5]}, {"base": 0}, {"base": 7}, {"byte_offset": 2}):
+        bad = json.loads(json.dumps(man))
+        bad["tensors"][1].update(change)
+        with pytest.raises(ChecksumError, match="malformed manifest"):
+            parse_manifest(manifest_bytes(bad), "hostile")
