@@ -198,6 +198,9 @@ def plan_state_dict(state: Any, shard_bytes: int = DEFAULT_SHARD) -> Plan:
             if t.is_conj() or t.is_neg():
                 t = t.resolve_conj().resolve_neg()  # lazy bits have no byte view: store the values
         else:
+            if not orig.dtype.isnative:  # torch holds native byte order only; the load would differ
+                raise bad(path, f"numpy array in non-native byte order {orig.dtype.str} (convert it with "
+                                "arr.astype(arr.dtype.newbyteorder('=')))")
             try:
                 t, is_numpy = torch.from_numpy(orig), True
             except ValueError:  # negative strides: torch cannot view them, a copy it can

@@ -131,8 +131,9 @@ def test_dtypes_round_trip(cluster, sdir):
         assert _same_bytes(out[k], v), k
 
 
-@pytest.mark.parametrize("value", [Point(1, 2), Opaque(3), np.array(["a", "b"]), np.dtype("float32")],
-                         ids=["namedtuple", "class", "str-array", "np-dtype"])
+@pytest.mark.parametrize("value", [Point(1, 2), Opaque(3), np.array(["a", "b"]), np.dtype("float32"),
+                                   np.zeros(3, dtype=">f4"), collections.defaultdict(lambda: 0)],
+                         ids=["namedtuple", "class", "str-array", "np-dtype", "big-endian", "dd-lambda"])
 def test_unloadable_value_refused_at_save_naming_its_key(cluster, sdir, value):
     state = {"ok": torch.ones(2), "cfg": {"inner": [0, value]}}
     with pytest.raises(TypeError, match=r"cfg.*inner.*1"):
