@@ -317,7 +317,11 @@ def _lay_out(plan: Plan, objects: list[tuple[torch.Tensor, bool]], shard_bytes: 
     by_storage: dict[tuple[Any, int], list[int]] = {}
     for i, (t, is_numpy) in enumerate(objects):
         if not is_numpy and t.numel() and t.element_size():
-            by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append(i)
+            try:
+                key = (t.device, t.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # a wrapper subclass with no storage of its own
+                continue
+            by_storage.setdefault(key, []).append(i)
     bases: list[TensorEntry] = []
     for members in by_storage.values():
         if len(members) < 2:

@@ -202,6 +202,8 @@ def _load_zstd(src: _Source, rec: dict[str, Any], index: list[dict[str, Any]], m
             pos, boff = pos + rlen, boff + clen
         cpos += want
         fi = last
+    if pos != raw_size:  # the frames must cover every tensor byte, also when verify is off
+        raise ChecksumError(f"{rec['name']}: zstd frames decode {pos} bytes, {raw_size} recorded", src.root)
     del block
     for i in mine:
         check(i, tensors[i])
