@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["fsync_dir", "publish_dir", "process_umask"]
+__all__ = ["fsync_dir", "process_umask", "publish_dir"]
 
 
 def fsync_dir(path: str) -> None:

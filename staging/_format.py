@@ -162,8 +162,8 @@ _NUMPY_KINDS = "biufcmM"  # scalars stored as raw bytes + dtype string; never ob
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     """``[lo, hi)``: the bytes of its storage that ``t`` can reach (strides are never negative)."""
     isz = t.element_size()
-    lo = t.storage_offset() * isz
-    return lo, lo + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * isz
+    lo = int(t.storage_offset()) * isz
+    return lo, lo + (sum(int(n - 1) * int(st) for n, st in zip(t.shape, t.stride())) + 1) * isz
 
 
 def plan_state_dict(state: Any, shard_bytes: int = DEFAULT_SHARD) -> Plan:
@@ -204,7 +204,7 @@ def plan_state_dict(state: Any, shard_bytes: int = DEFAULT_SHARD) -> Plan:
             try:
                 t, is_numpy = torch.from_numpy(orig), True
             except ValueError:  # negative strides: torch cannot view them, a copy it can
-                t, is_numpy = torch.from_numpy(np.ascontiguousarray(orig)), True
+                t, is_numpy = torch.from_numpy(sys.modules["numpy"].ascontiguousarray(orig)), True
             except TypeError as exc:
                 raise bad(path, f"numpy dtype {orig.dtype} has no torch equivalent ({exc})") from None
         name = str(t.dtype).removeprefix("torch.")
@@ -295,7 +295,7 @@ def plan_state_dict(state: Any, shard_bytes: int = DEFAULT_SHARD) -> Plan:
         try:
             torch.save(v, buf)
             back = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - pickling and the restricted unpickler raise many kinds
             raise bad(path, f"{type(v).__module__}.{type(v).__qualname__} cannot be loaded back with "
                             f"torch.load(weights_only=True): {str(exc).splitlines()[0]:.200}") from None
         if type(back) is not type(v):
@@ -345,7 +345,7 @@ def _lay_out(plan: Plan, objects: list[tuple[torch.Tensor, bool]], shard_bytes: 
             for i in g:
                 t = objects[i][0]
                 entries[i] = TensorEntry(None, 0, 0, t.numel() * t.element_size(), str(t.dtype).removeprefix("torch."),
-                                         list(t.shape), base=j, byte_offset=t.storage_offset() * t.element_size() - lo,
+                                         list(t.shape), base=j, byte_offset=int(t.storage_offset()) * t.element_size() - lo,
                                          stride=list(t.stride()))
             plan.version = 3
     for i, (t, is_numpy) in enumerate(objects):
