@@ -577,12 +577,13 @@ def _validate_view(i: int, e: dict[str, Any], tensors: list[Any], bad: Any) -> N
     if type(j) is not int or not 0 <= j < len(tensors) or not isinstance(tensors[j], dict) or "base" in tensors[j] \
             or not count(tensors[j].get("nbytes")):
         raise bad(f"tensor {i} is a view of {j!r:.20}, not of a stored tensor")
+    name = e.get("dtype")
     try:
-        itemsize = dtype_from_name(e.get("dtype")).itemsize
-    except (ValueError, TypeError):
-        raise bad(f"tensor {i}: unsupported dtype {e.get('dtype')!r:.20}") from None
+        itemsize = dtype_from_name(name if isinstance(name, str) else "").itemsize
+    except ValueError:
+        raise bad(f"tensor {i}: unsupported dtype {name!r:.20}") from None
     if not isinstance(shape, list) or not isinstance(stride, list) or len(shape) != len(stride) or not all(
-            count(d) for d in shape + stride) or not count(off) or off % itemsize or e.get("numpy"):
+            count(d) for d in shape + stride) or type(off) is not int or off < 0 or off % itemsize or e.get("numpy"):
         raise bad(f"tensor {i}: view shape, stride or byte_offset invalid")
     if math.prod(shape) * itemsize != e.get("nbytes"):
         raise bad(f"tensor {i}: shape {shape!r:.60} does not match nbytes")
