@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from fsclient import normpath
 
 from ._durable import publish_dir
-from ._format import FORMAT, MANIFEST, VERSION, ChecksumError, chunk_crcs, manifest_bytes, parse_manifest
+from ._format import BASE_VERSION, FORMAT, MANIFEST, ChecksumError, chunk_crcs, manifest_bytes, parse_manifest
 from ._journal import CkptRow, FileRow, Journal
 from ._mover import MoverOptions, Uploader, client_for
 from ._save import default_staging_dir
@@ -148,7 +148,7 @@ class StagedStorageWriter(FileSystemWriter):
             records.append({"name": name, "size": len(data), "crc32c": total, "chunk": 4 << 20, "chunk_crc32c": crcs,
                             "encoding": "raw"})
             rows.append(FileRow(name, len(data), total, 4 << 20, crcs, 0))
-        manifest = {"format": FORMAT, "version": VERSION, "id": self.ckpt_id, "kind": "dcp", "step": None,
+        manifest = {"format": FORMAT, "version": BASE_VERSION, "id": self.ckpt_id, "kind": "dcp", "step": None,
                     "created": self.row.created, "url": self.row.url, "files": records}
         with open(os.path.join(self._tmp, MANIFEST), "wb") as f:
             f.write(manifest_bytes(manifest))

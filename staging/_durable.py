@@ -1,4 +1,5 @@
-"""Publishing a local directory durably: the one place staging fsyncs directories.
+"""Publishing a local directory durably (the one place staging fsyncs directories), and the
+process umask that every file and directory staging creates, locally or in the store, obeys.
 
 A rename is durable only once the directory that holds the new name is fsynced, and the
 entries of a directory about to be renamed into place are durable only once *it* is
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["fsync_dir", "publish_dir"]
+__all__ = ["fsync_dir", "process_umask", "publish_dir"]
 
 
 def fsync_dir(path: str) -> None:
@@ -36,3 +37,21 @@ def publish_dir(tmp: str, final: str) -> None:
     fsync_dir(tmp)
     os.rename(tmp, final)
     fsync_dir(os.path.dirname(os.path.abspath(final)))
+
+
+def process_umask() -> int:
+    """The process umask, read without changing it.
+
+    ``os.umask`` can only be read by setting it, which would briefly give any other thread
+    creating a file a umask of 0; Linux reports it in ``/proc/self/status`` instead.
+    """
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)  # no /proc (not Linux, or an old kernel): the racy way
+    os.umask(old)
+    return old

@@ -16,13 +16,16 @@ plain ``pickle``. See ``docs/checkpoint-format.md``.
 
 from __future__ import annotations
 
+import argparse
 import base64
+import datetime
 import errno
 import io
 import json
 import math
 import re
-from collections import OrderedDict
+import sys
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,13 +33,17 @@ import crc32c
 import torch
 
 __all__ = [
-    "FORMAT", "VERSION", "CHECK_CHUNK", "MANIFEST", "ChecksumError", "CheckpointConflict",
+    "FORMAT", "VERSION", "BASE_VERSION", "CHECK_CHUNK", "MANIFEST", "ChecksumError", "CheckpointConflict",
     "TensorEntry", "Plan", "plan_state_dict", "decode_tree", "chunk_crcs", "dtype_from_name",
     "manifest_bytes", "parse_manifest", "plain_name",
 ]
 
 FORMAT = "stripefs-checkpoint"
-VERSION = 2  # 2: the manifest carries its own CRC32C (version 1, without it, is still read)
+VERSION = 3  # the newest version this reader knows
+# 2: the manifest carries its own CRC32C (version 1, without it, is still read). 3: shared
+# storages (view entries), more dtypes and tree tags. A writer writes 2 unless it uses a
+# version 3 feature, so that readers of version 2 still read every checkpoint they can.
+BASE_VERSION = 2
 MANIFEST = "manifest.json"
 CHECKSUM_KEY = "manifest_crc32c"
 CHECK_CHUNK = 4 << 20  # granularity of per-chunk checksums (and of zstd frames)
@@ -79,18 +86,31 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
     torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2,
 )}
+# Stored raw like the others, but newer (version 3): a reader older than that refuses the
+# manifest as a whole instead of failing on the dtype. Only the names this torch has.
+_DTYPES_V3 = {n: getattr(torch, n) for n in (
+    "complex32", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
+    "int1", "int2", "int3", "int4", "int5", "int6", "int7",
+    "uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7",
+    "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
+) if isinstance(getattr(torch, n, None), torch.dtype)}
 
 
 def dtype_from_name(name: str) -> torch.dtype:
     try:
-        return _DTYPES[name]
-    except KeyError:
+        return _DTYPES.get(name) or _DTYPES_V3[name]
+    except (KeyError, TypeError):
         raise ValueError(f"checkpoint uses unsupported dtype {name!r}") from None
 
 
 @dataclass
 class TensorEntry:
-    """Where one tensor's bytes live: file index, offset in the file, dtype, shape."""
+    """One tensor of the index: its own bytes (file, offset) or a view of a stored storage.
+
+    A view (``base`` set) has no bytes of its own: it is ``shape``/``stride`` over the bytes of
+    entry ``base`` from ``byte_offset`` on, which is how tensors sharing one storage (tied
+    weights, a weight and its transpose) are written once and come back sharing it.
+    """
 
     tensor: torch.Tensor | None
     file: int
@@ -100,57 +120,125 @@ class TensorEntry:
     shape: list[int]
     numpy: bool = False
     crc: int = 0
+    base: int | None = None
+    byte_offset: int = 0
+    stride: list[int] | None = None
 
     def index_record(self) -> dict[str, Any]:
+        if self.base is not None:
+            return {"base": self.base, "byte_offset": self.byte_offset, "nbytes": self.nbytes, "dtype": self.dtype,
+                    "shape": self.shape, "stride": self.stride, "numpy": False}
         return {"file": self.file, "offset": self.offset, "nbytes": self.nbytes, "dtype": self.dtype,
-                "shape": self.shape, "numpy": self.numpy}
+                "shape": self.shape, "numpy": self.numpy, "crc32c": self.crc}
 
 
 @dataclass
 class Plan:
-    """A state dict laid out into data files; ``file_sizes[i]`` bytes of file ``i``."""
+    """A state dict laid out into data files; ``file_sizes[i]`` bytes of file ``i``.
+
+    ``version`` is the manifest version the plan needs: 2 unless it uses something newer.
+    """
 
     tree: Any
     tensors: list[TensorEntry] = field(default_factory=list)
     file_sizes: list[int] = field(default_factory=list)
+    version: int = 2
 
     @property
     def nbytes(self) -> int:
         return sum(self.file_sizes)
 
 
+def _where(path: tuple[Any, ...]) -> str:
+    return "state" + "".join(f"[{k!r}]" for k in path)
+
+
+_FACTORIES: dict[str, Any] = {"None": None, "list": list, "dict": dict, "set": set, "int": int, "float": float,
+                              "str": str, "bytes": bytes, "tuple": tuple, "frozenset": frozenset,
+                              "OrderedDict": OrderedDict}
+_NUMPY_KINDS = "biufcmM"  # scalars stored as raw bytes + dtype string; never object or structured
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[lo, hi)``: the bytes of its storage that ``t`` can reach (strides are never negative)."""
+    isz = t.element_size()
+    lo = int(t.storage_offset()) * isz
+    return lo, lo + (sum(int(n - 1) * int(st) for n, st in zip(t.shape, t.stride())) + 1) * isz
+
+
 def plan_state_dict(state: Any, shard_bytes: int = DEFAULT_SHARD) -> Plan:
     """Encode ``state`` into a tagged tree and assign every tensor an aligned slot.
 
+    Everything written must load: a value with no tagged form is stored with ``torch.save``
+    only after ``torch.load(weights_only=True)`` gave it back as the same type. Tensors that
+    overlap in one storage are stored once, as that part of the storage, and indexed as views
+    of it; conjugate and negative-bit views are stored resolved.
+
     Raises:
-        TypeError: for tensors that have no raw byte form (sparse, quantized, meta).
+        TypeError: naming the key, for a value that could not be loaded back: a tensor with no
+            raw form (sparse, quantized, meta) or an unsupported dtype, a numpy array torch cannot
+            hold, or a value the restricted unpickler refuses (a class, a namedtuple, ...).
     """
-    plan = Plan(tree=None, file_sizes=[0])
-    seen: dict[int, int] = {}  # id(tensor) -> index: tied weights are stored once
-
+    plan = Plan(tree=None)
+    objects: list[tuple[torch.Tensor, bool]] = []  # (tensor as stored, from numpy), by tree index
+    seen: dict[int, int] = {}  # id(tensor) -> index: the very same object is stored once
     keep: list[Any] = []  # holds keys of ``seen`` alive so that ids stay unique
+    np = sys.modules.get("numpy")  # no numpy imported: no numpy values to handle
 
-    def add(orig: Any, t: torch.Tensor, is_numpy: bool) -> dict[str, Any]:
+    def bad(path: tuple[Any, ...], why: str) -> TypeError:
+        return TypeError(f"cannot checkpoint {_where(path)}: {why}")
+
+    def add(orig: Any, path: tuple[Any, ...]) -> dict[str, Any]:
         if id(orig) in seen:
             return {"t": seen[id(orig)]}
+        if isinstance(orig, torch.Tensor):
+            t, is_numpy = orig.detach(), False
+            if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+                raise bad(path, f"a {t.layout} / quantized / meta tensor has no raw form")
+            if t.is_conj() or t.is_neg():
+                t = t.resolve_conj().resolve_neg()  # lazy bits have no byte view: store the values
+        else:
+            if not orig.dtype.isnative:  # torch holds native byte order only; the load would differ
+                raise bad(path, f"numpy array in non-native byte order {orig.dtype.str} (convert it with "
+                                "arr.astype(arr.dtype.newbyteorder('=')))")
+            try:
+                t, is_numpy = torch.from_numpy(orig), True
+            except ValueError:  # negative strides: torch cannot view them, a copy it can
+                t, is_numpy = torch.from_numpy(sys.modules["numpy"].ascontiguousarray(orig)), True
+            except TypeError as exc:
+                raise bad(path, f"numpy dtype {orig.dtype} has no torch equivalent ({exc})") from None
+        name = str(t.dtype).removeprefix("torch.")
+        if name not in _DTYPES and name not in _DTYPES_V3:
+            raise bad(path, f"dtype {name} is not supported by the checkpoint format")
+        if name in _DTYPES_V3:
+            plan.version = 3
         keep.append(orig)
-        if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
-            raise TypeError(f"cannot checkpoint a {t.layout} / quantized / meta tensor raw")
-        nbytes = t.numel() * t.element_size()
-        a = PAGE if nbytes >= SMALL else 64
-        off = align_up(plan.file_sizes[-1], a)
-        if off > 0 and off + nbytes > shard_bytes:
-            plan.file_sizes[-1] = align_up(plan.file_sizes[-1], PAGE)
-            plan.file_sizes.append(0)
-            off = 0
-        plan.file_sizes[-1] = off + nbytes
-        idx = len(plan.tensors)
-        plan.tensors.append(TensorEntry(t, len(plan.file_sizes) - 1, off, nbytes,
-                                        str(t.dtype).removeprefix("torch."), list(t.shape), is_numpy))
-        seen[id(orig)] = idx
-        return {"t": idx}
+        seen[id(orig)] = len(objects)
+        objects.append((t, is_numpy))
+        return {"t": len(objects) - 1}
 
-    def enc(v: Any) -> Any:
+    def checked(path: tuple[Any, ...], v: Any, node: dict[str, Any]) -> dict[str, Any]:
+        """A leaf encoded with a newer tag, kept only when it decodes to an equal value of its type."""
+        try:
+            back = decode_tree(node, [])
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise bad(path, f"{type(v).__name__} does not round-trip ({exc})") from None
+        if np is not None and isinstance(v, np.generic):  # by bytes: a NaN is not equal to itself
+            same = type(back) is type(v) and back.dtype == v.dtype and back.tobytes() == v.tobytes()
+        else:  # a datetime equal in UTC but with another zone would not be the same value
+            same = type(back) is type(v) and back == v and getattr(back, "tzinfo", None) == getattr(v, "tzinfo", None) \
+                and (getattr(v, "tzinfo", None) is None or back.tzname() == v.tzname())
+        if not same:
+            raise bad(path, f"{type(v).__name__} {v!r:.60} does not round-trip")
+        plan.version = 3
+        return node
+
+    def items(v: Any, path: tuple[Any, ...]) -> list[list[Any]]:
+        return [[enc(k, path + (k,)), enc(x, path + (k,))] for k, x in v.items()]
+
+    def enc(v: Any, path: tuple[Any, ...]) -> Any:
+        if np is not None and isinstance(v, np.generic) and v.dtype.kind in _NUMPY_KINDS:
+            return checked(path, v, {"nps": [v.dtype.str, base64.b64encode(v.tobytes()).decode()]})
         if v is None or isinstance(v, (bool, str)):
             return v
         if isinstance(v, int):
@@ -158,9 +246,9 @@ def plan_state_dict(state: Any, shard_bytes: int = DEFAULT_SHARD) -> Plan:
         if isinstance(v, float):
             return v if math.isfinite(v) else {"f": repr(v)}
         if isinstance(v, torch.Tensor):
-            return add(v, v.detach(), False)
-        if type(v).__module__ == "numpy" and type(v).__name__ == "ndarray" and v.dtype != object:
-            return add(v, torch.from_numpy(v), True)
+            return add(v, path)
+        if np is not None and type(v) is np.ndarray and v.dtype != object:
+            return add(v, path)
         if isinstance(v, torch.Size):
             return {"sz": list(v)}
         if isinstance(v, torch.dtype):
@@ -170,19 +258,114 @@ def plan_state_dict(state: Any, shard_bytes: int = DEFAULT_SHARD) -> Plan:
         if isinstance(v, bytes):
             return {"b": base64.b64encode(v).decode()}
         if type(v) in (dict, OrderedDict):
-            return {"od" if type(v) is OrderedDict else "d": [[enc(k), enc(x)] for k, x in v.items()]}
+            return {"od" if type(v) is OrderedDict else "d": items(v, path)}
         if type(v) is list:
-            return {"l": [enc(x) for x in v]}
+            return {"l": [enc(x, path + (i,)) for i, x in enumerate(v)]}
         if type(v) is tuple:
-            return {"u": [enc(x) for x in v]}
-        # No JSON form: torch.save bytes, loaded only through the weights_only unpickler.
+            return {"u": [enc(x, path + (i,)) for i, x in enumerate(v)]}
+        if type(v) is defaultdict:
+            factory = next((n for n, f in _FACTORIES.items() if f is v.default_factory), None)
+            if factory is None:
+                raise bad(path, f"defaultdict with default_factory {v.default_factory!r:.40} (only builtin types load back)")
+            plan.version = 3
+            return {"dd": [factory, items(v, path)]}
+        if type(v) is argparse.Namespace:
+            plan.version = 3
+            return {"ns": items(vars(v), path)}
+        if type(v) is slice:
+            plan.version = 3
+            return {"sl": [enc(v.start, path + ("start",)), enc(v.stop, path + ("stop",)), enc(v.step, path + ("step",))]}
+        if type(v) is range:
+            plan.version = 3
+            return {"rg": [v.start, v.stop, v.step]}
+        if type(v) is frozenset:
+            plan.version = 3
+            return {"fz": [enc(x, path + (i,)) for i, x in enumerate(v)]}
+        if type(v) is datetime.datetime:
+            return checked(path, v, {"dtm": [v.isoformat(), v.fold]})
+        if type(v) is datetime.date:
+            return checked(path, v, {"dat": v.isoformat()})
+        if type(v) is datetime.time:
+            return checked(path, v, {"tim": [v.isoformat(), v.fold]})
+        if type(v) is datetime.timedelta:
+            return checked(path, v, {"tdl": [v.days, v.seconds, v.microseconds]})
+        # No JSON form: torch.save bytes, loaded only through the weights_only unpickler — so
+        # try that now: a value it refuses would make the whole checkpoint unloadable.
         buf = io.BytesIO()
-        torch.save(v, buf)
+        try:
+            torch.save(v, buf)
+            back = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - pickling and the restricted unpickler raise many kinds
+            raise bad(path, f"{type(v).__module__}.{type(v).__qualname__} cannot be loaded back with "
+                            f"torch.load(weights_only=True): {str(exc).splitlines()[0]:.200}") from None
+        if type(back) is not type(v):
+            raise bad(path, f"{type(v).__qualname__} loads back as {type(back).__qualname__}")
         return {"p": base64.b64encode(buf.getvalue()).decode()}
 
-    plan.tree = enc(state)
-    plan.file_sizes = [align_up(s, PAGE) for s in plan.file_sizes] if plan.tensors else []
+    plan.tree = enc(state, ())
+    _lay_out(plan, objects, shard_bytes)
     return plan
+
+
+def _lay_out(plan: Plan, objects: list[tuple[torch.Tensor, bool]], shard_bytes: int) -> None:
+    """Fill ``plan.tensors`` (index i: object i of the tree, then shared storages) and the files.
+
+    Tensors whose bytes overlap in one storage form a group, stored once as the storage bytes
+    they span (an entry of its own, after the objects) and indexed as views of it.
+    """
+    entries: list[TensorEntry | None] = [None] * len(objects)
+    by_storage: dict[tuple[Any, int], list[int]] = {}
+    for i, (t, is_numpy) in enumerate(objects):
+        if not is_numpy and t.numel() and t.element_size():
+            try:
+                key = (t.device, t.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # a wrapper subclass with no storage of its own
+                continue
+            by_storage.setdefault(key, []).append(i)
+    bases: list[TensorEntry] = []
+    for members in by_storage.values():
+        if len(members) < 2:
+            continue
+        spans = sorted((_byte_span(objects[i][0]), i) for i in members)
+        groups: list[tuple[int, int, list[int]]] = []
+        for (lo, hi), i in spans:
+            if groups and lo < groups[-1][1]:  # overlaps the group so far: the same bytes
+                glo, ghi, g = groups[-1]
+                groups[-1] = (glo, max(ghi, hi), g + [i])
+            else:
+                groups.append((lo, hi, [i]))
+        for lo, hi, g in groups:
+            if len(g) < 2:
+                continue
+            lo -= lo % 16  # every view's offset stays a multiple of its item size (at most 16)
+            src = objects[g[0]][0]
+            whole = torch.empty(0, dtype=torch.uint8, device=src.device).set_(src.untyped_storage(), lo, (hi - lo,), (1,))
+            j = len(objects) + len(bases)
+            bases.append(TensorEntry(whole, 0, 0, hi - lo, "uint8", [hi - lo]))
+            for i in g:
+                t = objects[i][0]
+                entries[i] = TensorEntry(None, 0, 0, t.numel() * t.element_size(), str(t.dtype).removeprefix("torch."),
+                                         list(t.shape), base=j, byte_offset=int(t.storage_offset()) * t.element_size() - lo,
+                                         stride=list(t.stride()))
+            plan.version = 3
+    for i, (t, is_numpy) in enumerate(objects):
+        if entries[i] is None:
+            entries[i] = TensorEntry(t, 0, 0, t.numel() * t.element_size(), str(t.dtype).removeprefix("torch."),
+                                     list(t.shape), is_numpy)
+    plan.tensors = [e for e in entries if e is not None] + bases
+    sizes = [0]
+    for e in plan.tensors:
+        if e.base is not None:
+            continue
+        a = PAGE if e.nbytes >= SMALL else 64
+        off = align_up(sizes[-1], a)
+        if off > 0 and off + e.nbytes > shard_bytes:
+            sizes[-1] = align_up(sizes[-1], PAGE)
+            sizes.append(0)
+            off = 0
+        sizes[-1] = off + e.nbytes
+        e.file, e.offset = len(sizes) - 1, off
+    plan.file_sizes = [align_up(n, PAGE) for n in sizes] if plan.tensors else []
 
 
 def decode_tree(node: Any, tensors: list[Any]) -> Any:
@@ -220,6 +403,46 @@ def decode_tree(node: Any, tensors: list[Any]) -> Any:
         return base64.b64decode(v)
     if tag == "p":
         return torch.load(io.BytesIO(base64.b64decode(v)), weights_only=True)
+    return _decode_v3(tag, v, tensors)
+
+
+def _decode_v3(tag: str, v: Any, tensors: list[Any]) -> Any:
+    """The tags of version 3: values that load exactly without any unpickling."""
+    if tag == "nps":
+        import numpy as np
+
+        if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, str) for x in v)):
+            raise ValueError("malformed numpy scalar node")
+        try:  # only byte-order + kind + size strings ("<f4", "|b1", "<M8[s]") reach np.dtype
+            dt = np.dtype(v[0]) if v[0][:1] in ("<", ">", "|", "=") and v[0][1:2] in tuple(_NUMPY_KINDS) else None
+        except TypeError:
+            dt = None
+        raw = base64.b64decode(v[1])
+        if dt is None or dt.kind not in _NUMPY_KINDS or dt.fields is not None or dt.subdtype is not None or len(raw) != dt.itemsize:
+            raise ValueError(f"malformed numpy scalar node {v!r:.60}")
+        return np.frombuffer(raw, dtype=dt)[0]
+    if tag == "dd":
+        if not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and v[0] in _FACTORIES):
+            raise ValueError(f"malformed defaultdict node {v!r:.60}")
+        return defaultdict(_FACTORIES[v[0]], [(_hashable(decode_tree(k, tensors)), decode_tree(x, tensors)) for k, x in v[1]])
+    if tag == "ns":
+        return argparse.Namespace(**{str(decode_tree(k, tensors)): decode_tree(x, tensors) for k, x in v})
+    if tag == "sl":
+        return slice(*(decode_tree(x, tensors) for x in v))
+    if tag == "rg":
+        if not (isinstance(v, list) and len(v) == 3 and all(type(x) is int for x in v)):
+            raise ValueError(f"malformed range node {v!r:.60}")
+        return range(*v)
+    if tag == "fz":
+        return frozenset(_hashable(decode_tree(x, tensors)) for x in v)
+    if tag == "dtm":
+        return datetime.datetime.fromisoformat(v[0]).replace(fold=v[1])
+    if tag == "dat":
+        return datetime.date.fromisoformat(v)
+    if tag == "tim":
+        return datetime.time.fromisoformat(v[0]).replace(fold=v[1])
+    if tag == "tdl":
+        return datetime.timedelta(days=v[0], seconds=v[1], microseconds=v[2])
     raise ValueError(f"unknown manifest tree tag {tag!r}")
 
 
@@ -329,6 +552,9 @@ def _validate(man: dict[str, Any], where: str) -> None:
     if not isinstance(tensors, list) or "tree" not in man:
         raise bad("tensors or tree missing")
     for i, e in enumerate(tensors):
+        if isinstance(e, dict) and "base" in e:
+            _validate_view(i, e, tensors, bad)
+            continue
         if not isinstance(e, dict) or type(e.get("file")) is not int or not 0 <= e["file"] < len(files):
             raise bad(f"tensor {i} names no listed file")
         off, nbytes, shape = e.get("offset"), e.get("nbytes"), e.get("shape")
@@ -340,3 +566,26 @@ def _validate(man: dict[str, Any], where: str) -> None:
             raise bad(f"tensor {i}: unsupported dtype {e.get('dtype')!r:.20}") from None
         if not isinstance(shape, list) or not all(count(d) for d in shape) or math.prod(shape) * itemsize != nbytes:
             raise bad(f"tensor {i}: shape {shape!r:.60} does not match nbytes")
+
+
+def _validate_view(i: int, e: dict[str, Any], tensors: list[Any], bad: Any) -> None:
+    """A view entry (version 3) must stay inside the bytes of the stored entry it names."""
+    def count(x: Any) -> bool:
+        return type(x) is int and x >= 0
+
+    j, shape, stride, off = e.get("base"), e.get("shape"), e.get("stride"), e.get("byte_offset")
+    if type(j) is not int or not 0 <= j < len(tensors) or not isinstance(tensors[j], dict) or "base" in tensors[j] \
+            or not count(tensors[j].get("nbytes")):
+        raise bad(f"tensor {i} is a view of {j!r:.20}, not of a stored tensor")
+    name = e.get("dtype")
+    try:
+        itemsize = dtype_from_name(name if isinstance(name, str) else "").itemsize
+    except ValueError:
+        raise bad(f"tensor {i}: unsupported dtype {name!r:.20}") from None
+    if not isinstance(shape, list) or not isinstance(stride, list) or len(shape) != len(stride) or not all(
+            count(d) for d in shape + stride) or type(off) is not int or off < 0 or off % itemsize or e.get("numpy"):
+        raise bad(f"tensor {i}: view shape, stride or byte_offset invalid")
+    if math.prod(shape) * itemsize != e.get("nbytes"):
+        raise bad(f"tensor {i}: shape {shape!r:.60} does not match nbytes")
+    if math.prod(shape) and off + (sum((n - 1) * st for n, st in zip(shape, stride)) + 1) * itemsize > tensors[j]["nbytes"]:
+        raise bad(f"tensor {i}: view reaches past the end of tensor {j}")

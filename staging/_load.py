@@ -100,7 +100,9 @@ def _load_from(src: _Source, man: dict[str, Any], verify: bool) -> list[torch.Te
             raise ChecksumError(f"tensor {i} of {src.root} fails its CRC32C check", src.root)
 
     for fi, rec in enumerate(files):
-        mine = sorted((i for i, e in enumerate(index) if e["file"] == fi), key=lambda i: index[i]["offset"])
+        # Views (version 3) have no bytes of their own: _materialize makes them from their storage.
+        mine = sorted((i for i, e in enumerate(index) if "base" not in e and e["file"] == fi),
+                      key=lambda i: index[i]["offset"])
         if rec.get("encoding", "raw") == "zstd":
             jobs.append(lambda rec=rec, mine=mine: _load_zstd(src, rec, index, mine, out, check))
             continue
@@ -150,33 +152,78 @@ def _load_run(src: _Source, name: str, index: list[dict[str, Any]], run: list[in
         out[i] = t
 
 
+ZSTD_BLOCK = 8 << 20  # compressed bytes read per request by a zstd load (whole frames)
+
+
 def _load_zstd(src: _Source, rec: dict[str, Any], index: list[dict[str, Any]], mine: list[int], out: list[Any],
                check: Any) -> None:
+    """Decompress frame by frame straight into the tensors of the file.
+
+    Only a block of compressed frames (about ``ZSTD_BLOCK``) and one decompressed frame are
+    held besides the tensors themselves: never the whole stored file, never the whole raw file.
+    """
     import zstandard
 
-    stored = bytearray(rec["size"])
-    _read_exact(src, rec["name"], memoryview(stored), 0)
-    raw = torch.empty(rec["raw_size"], dtype=torch.uint8)
-    rv, pos, cpos = _bytes_of(raw), 0, 0
-    for rlen, clen, crc in rec["frames"]:
-        piece = zstandard.ZstdDecompressor().decompress(bytes(stored[cpos : cpos + clen]), max_output_size=rlen)
-        if len(piece) != rlen or crc32c.crc32c(piece) != crc:
-            raise ChecksumError(f"{rec['name']}: zstd frame at {cpos} fails its check", src.root)
-        rv[pos : pos + rlen] = piece
-        pos, cpos = pos + rlen, cpos + clen
+    tensors = {i: _empty(index[i]) for i in mine}
+    spans = [(index[i]["offset"], index[i]["offset"] + index[i]["nbytes"], _bytes_of(tensors[i])) for i in mine]
+    frames, size, raw_size = rec["frames"], rec["size"], rec["raw_size"]
+    dec = zstandard.ZstdDecompressor()
+    block = bytearray()
+    pos = cpos = k = fi = 0  # raw and stored offset of frame fi; spans[k] is the first not yet complete
+    while fi < len(frames):
+        # The next run of whole frames, up to ZSTD_BLOCK of stored bytes (at least one frame).
+        last, want = fi, 0
+        while last < len(frames) and (want == 0 or want + frames[last][1] <= ZSTD_BLOCK):
+            want += frames[last][1]
+            last += 1
+        if cpos + want > size:
+            raise ChecksumError(f"{rec['name']}: zstd frames run past the stored size", src.root)
+        if len(block) < want:
+            block = bytearray(want)
+        view = memoryview(block)[:want]
+        _read_exact(src, rec["name"], view, cpos)
+        boff = 0
+        for rlen, clen, crc in frames[fi:last]:
+            if pos + rlen > raw_size:
+                raise ChecksumError(f"{rec['name']}: zstd frames decode past the raw size", src.root)
+            piece = dec.decompress(view[boff : boff + clen], max_output_size=rlen)
+            if len(piece) != rlen or crc32c.crc32c(piece) != crc:
+                raise ChecksumError(f"{rec['name']}: zstd frame at {cpos + boff} fails its check", src.root)
+            pv = memoryview(piece)
+            j = k
+            while j < len(spans) and spans[j][0] < pos + rlen:  # tensors this frame covers a part of
+                lo, hi, dest = spans[j]
+                a, b = max(lo, pos), min(hi, pos + rlen)
+                if a < b:
+                    dest[a - lo : b - lo] = pv[a - pos : b - pos]
+                j += 1
+            while k < len(spans) and spans[k][1] <= pos + rlen:
+                k += 1
+            pos, boff = pos + rlen, boff + clen
+        cpos += want
+        fi = last
+    if pos != raw_size:  # the frames must cover every tensor byte, also when verify is off
+        raise ChecksumError(f"{rec['name']}: zstd frames decode {pos} bytes, {raw_size} recorded", src.root)
+    del block
     for i in mine:
-        e = index[i]
-        t = _empty(e)
-        t.reshape(-1).view(torch.uint8).copy_(raw[e["offset"] : e["offset"] + e["nbytes"]])
-        check(i, t)
-        out[i] = t
+        check(i, tensors[i])
+        out[i] = tensors[i]
 
 
 def _materialize(src: _Source, man: dict[str, Any], verify: bool, map_location: Any) -> Any:
-    tensors = _load_from(src, man, verify)
+    tensors: list[Any] = _load_from(src, man, verify)
+    index = man["tensors"]
     if map_location is not None:
-        tensors = [t.to(map_location) for t in tensors]
-    values: list[Any] = [t.numpy() if e.get("numpy") else t for t, e in zip(tensors, man["tensors"])]
+        device = torch.device(map_location)
+        # numpy arrays stay numpy (host memory): only tensors move.
+        tensors = [t if t is None or e.get("numpy") else t.to(device) for t, e in zip(tensors, index)]
+    for i, e in enumerate(index):
+        if "base" in e:  # a view of a stored storage, on whatever device that storage now is
+            base = tensors[e["base"]]
+            dt = dtype_from_name(e["dtype"])
+            tensors[i] = torch.empty(0, dtype=dt, device=base.device).set_(
+                base.untyped_storage(), e["byte_offset"] // dt.itemsize, e["shape"], e["stride"])
+    values: list[Any] = [t.numpy() if e.get("numpy") else t for t, e in zip(tensors, index)]
     return decode_tree(man["tree"], values)
 
 
@@ -193,7 +240,8 @@ def load(url: str, *, map_location: Any = None, verify: bool = True, staging_dir
 
     Args:
         url: ``stripefs://…/step-N``, or a local staged step directory.
-        map_location: device (or anything ``Tensor.to`` takes) for the tensors; default CPU.
+        map_location: device for the tensors (a ``torch.device`` or its name); default CPU.
+            numpy arrays are always returned as numpy arrays, in host memory.
         verify: check every tensor's CRC32C (fail closed on mismatch).
         prefer_local: use the staging directory's copy when it is the committed one and verifies.
 

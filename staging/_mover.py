@@ -43,11 +43,12 @@ import crc32c
 from fsclient import Client, normpath
 from wire import ErrorCode, StripefsError
 
+from ._durable import process_umask
 from ._format import MANIFEST, CheckpointConflict, ChecksumError, parse_manifest
 from ._journal import CkptRow, FileRow, Journal, fault_point
 from ._verify import file_problems
 
-__all__ = ["MoverOptions", "Uploader", "remote_paths", "remove_tree", "client_for"]
+__all__ = ["MoverOptions", "Uploader", "SnapshotViews", "remote_paths", "remove_tree", "client_for"]
 
 log = logging.getLogger("stripefs.staging")
 
@@ -146,14 +147,51 @@ class _Throttle:
             time.sleep(ahead)
 
 
+class SnapshotViews:
+    """The snapshot buffer's file views (file index -> memoryview), lent to an upload.
+
+    The upload borrows a piece's view while the piece is in flight; :meth:`revoke` (called
+    once the local copy is durable) stops further loans and waits for the pieces in flight,
+    after which the buffer may be reused by the next save and the upload reads the staged
+    files instead. Holding the buffer for the whole upload would make the next save wait
+    for the upload — the stall asynchronous checkpointing exists to avoid.
+    """
+
+    def __init__(self, views: list[memoryview]):
+        self._views: list[memoryview] | None = views
+        self._loans = 0
+        self._cond = threading.Condition()
+
+    def borrow(self, index: int, off: int, n: int) -> memoryview | None:
+        """``n`` bytes of file ``index`` at ``off``, or None once revoked (read the staged file)."""
+        with self._cond:
+            if self._views is None:
+                return None
+            self._loans += 1
+            return self._views[index][off : off + n]
+
+    def give_back(self) -> None:
+        """A borrowed piece is no longer read by anyone (its write completed or failed)."""
+        with self._cond:
+            self._loans -= 1
+            self._cond.notify_all()
+
+    def revoke(self) -> None:
+        """No more loans; returns once every borrowed piece is given back. Idempotent."""
+        with self._cond:
+            self._views = None
+            while self._loans:
+                self._cond.wait()
+
+
 @dataclass
 class Uploader:
-    """Uploads one checkpoint; ``buffer`` (file index -> memoryview) skips re-reading local files."""
+    """Uploads one checkpoint; ``buffers`` (the snapshot, while lent) skips re-reading local files."""
 
     journal: Journal
     row: CkptRow
     options: MoverOptions = field(default_factory=MoverOptions)
-    buffers: list[memoryview] | None = None
+    buffers: SnapshotViews | None = None
     on_progress: Callable[[int], None] | None = None
     uploaded: int = 0  # bytes sent by this uploader (tests check resume skips done bytes)
 
@@ -195,7 +233,7 @@ class Uploader:
             if any(f.done for f in files):
                 self.journal.reset_progress(self.row.id)  # the partial upload is gone: start over
                 files = self.journal.files(self.row.id)
-            client.makedirs(partial)
+            client.makedirs(partial, 0o777 & ~process_umask())  # the parents it creates too
         throttle = _Throttle(self.options.bandwidth)
         with ThreadPoolExecutor(max(1, self.options.concurrency), thread_name_prefix="stripefs-mover") as pool:
             for fut in [pool.submit(self._upload_checked, client, partial, f, throttle) for f in files]:
@@ -233,28 +271,40 @@ class Uploader:
         piece = max(f.chunk, self.options.piece // f.chunk * f.chunk)  # whole checksum chunks per piece
         start_at = f.done if f.done and _committed_size(client, path) >= f.done else 0
         with client.open(path, "r+b" if start_at else "wb") as sf:
-            local = None if self.buffers is not None else open(os.path.join(self.row.local_dir, f.name), "rb")
-            if local is not None:
-                local.seek(start_at)
+            _apply_umask(client, path, 0o666)
+            local = None  # the staged file, opened once a piece is not served from the snapshot
             spare: list[Any] = []
-            inflight: deque[tuple[int, int, Any, Future]] = deque()
+            inflight: deque[tuple[int, int, Any, bool, Future]] = deque()
             try:
                 off = start_at
                 while off < f.size or inflight:
                     while off < f.size and len(inflight) < DEPTH:
                         n = min(piece, f.size - off)
-                        if local is None:
-                            view, buf = self.buffers[index][off : off + n], None  # type: ignore[index]
-                        else:
+                        view = self.buffers.borrow(index, off, n) if self.buffers is not None else None
+                        lent, buf = view is not None, None
+                        if view is None:
+                            if local is None:
+                                local = open(os.path.join(self.row.local_dir, f.name), "rb")
                             buf = spare.pop() if spare else mmap.mmap(-1, piece)
                             view = memoryview(buf)[:n]
+                            local.seek(off)
                             if local.readinto(view) != n:
                                 raise ChecksumError(f"staged file {f.name} is shorter than recorded", local.name)
                             _verify(view, off, f, local.name)
-                        inflight.append((off, n, buf, client.submit_write(sf.ino, sf.layout, off, view)))
+                        try:
+                            fut = client.submit_write(sf.ino, sf.layout, off, view)
+                        except BaseException:
+                            if lent:
+                                self.buffers.give_back()  # type: ignore[union-attr]
+                            raise
+                        inflight.append((off, n, buf, lent, fut))
                         off += n
-                    start, n, buf, fut = inflight.popleft()
-                    fut.result()  # acknowledged: the bytes are on the servers' disks
+                    start, n, buf, lent, fut = inflight.popleft()
+                    try:
+                        fut.result()  # acknowledged: the bytes are on the servers' disks
+                    finally:
+                        if lent:
+                            self.buffers.give_back()  # type: ignore[union-attr]
                     if buf is not None:
                         spare.append(buf)
                     fault_point("piece_written")
@@ -270,10 +320,13 @@ class Uploader:
                     throttle.account(n)
             finally:
                 while inflight:  # never free a buffer the sender may still read
+                    _, _, _, lent, fut = inflight.popleft()
                     try:
-                        inflight.popleft()[3].result()
+                        fut.result()
                     except BaseException:
                         pass
+                    if lent:
+                        self.buffers.give_back()  # type: ignore[union-attr]
                 if local is not None:
                     local.close()
 
@@ -281,6 +334,7 @@ class Uploader:
         with open(os.path.join(self.row.local_dir, MANIFEST), "rb") as fh:
             raw = fh.read()
         client.write_bytes(posixpath.join(partial, MANIFEST), raw)
+        _apply_umask(client, posixpath.join(partial, MANIFEST), 0o666)
         fault_point("before_rename")
         try:
             client.rename(partial, final, noreplace=True)
@@ -291,6 +345,17 @@ class Uploader:
                 raise CheckpointConflict(f"{final} was committed by another writer (checkpoint {other})", final) from None
         fault_point("after_rename")
         self.journal.set_state(self.row.id, "committed")
+
+
+def _apply_umask(client: Client, path: str, mode: int) -> None:
+    """Give a file the store created the mode a local ``open`` would: ``mode`` less the umask.
+
+    The client creates files 0666 whatever the process umask is; a checkpoint must not be
+    group- or world-writable when the trainer's umask says otherwise.
+    """
+    want = mode & ~process_umask()
+    if client.stat(path).mode & 0o7777 != want:
+        client.chmod(path, want)
 
 
 def _committed_size(client: Client, path: str) -> int:

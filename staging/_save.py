@@ -4,8 +4,11 @@ Phases (timed on the handle): ``snapshot`` (blocking: tensors copied into a
 pooled host buffer), ``serialize`` (checksums, optional zstd, the manifest),
 ``local_write`` (files fsynced and renamed into the staging directory: the
 checkpoint is *locally durable*), ``upload`` (streamed from the snapshot
-buffer while the local write runs, or from the local files when compressed)
-and ``commit`` (manifest, atomic rename: *globally durable*).
+buffer while the local write runs, then from the local files; from the local
+files only when compressed) and ``commit`` (manifest, atomic rename:
+*globally durable*). The snapshot buffer goes back to the pool as soon as the
+checkpoint is locally durable, so the next save waits at most for this one's
+local write, never for its upload.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ import crc32c
 
 from fsclient import normpath
 
-from ._format import CHECK_CHUNK, DEFAULT_SHARD, FORMAT, MANIFEST, VERSION, chunk_crcs, manifest_bytes, plan_state_dict
+from ._format import CHECK_CHUNK, DEFAULT_SHARD, FORMAT, MANIFEST, chunk_crcs, manifest_bytes, plan_state_dict
 from ._durable import publish_dir
 from ._journal import CkptRow, FileRow, Journal, fault_point
-from ._mover import MoverOptions, Uploader, client_for, remote_paths, remove_tree
+from ._mover import MoverOptions, SnapshotViews, Uploader, client_for, remote_paths, remove_tree
 from ._service import Mover, apply_retention
 from ._snapshot import POOL, snapshot
 
@@ -44,11 +47,16 @@ class SaveHandle:
     """Progress of one save: snapshotted → locally durable → globally durable, or an error.
 
     ``timings`` maps phase -> seconds and ``gbps`` phase -> GB/s once each phase ends.
+    ``snapshot_wait_s`` is how long the save waited for a snapshot buffer to come free
+    (part of ``timings["snapshot"]``); ``extra_buffer`` is True when it took another
+    buffer instead, because every buffer was busy and ``snapshot_memory`` allowed one.
     """
 
     def __init__(self, url: str, ckpt_id: str, nbytes: int):
         self.url, self.id, self.nbytes = url, ckpt_id, nbytes
         self.timings: dict[str, float] = {}
+        self.snapshot_wait_s = 0.0
+        self.extra_buffer = False
         self._snap, self._local, self._global, self._done = (threading.Event() for _ in range(4))
         self._error: BaseException | None = None
         self._observed = False
@@ -144,7 +152,8 @@ def _step_of(url: str, step: int | None) -> int | None:
 def save(state_dict: Any, url: str, *, staging_dir: str | None = None, compress: str | None = None,
          keep_local: int | None = 2, keep_remote: int | None = None, pin: bool = False, step: int | None = None,
          cluster: str | None = None, upload: bool = True, background_mover: bool = True,
-         options: MoverOptions | None = None, shard_bytes: int = DEFAULT_SHARD) -> SaveHandle:
+         options: MoverOptions | None = None, shard_bytes: int = DEFAULT_SHARD,
+         snapshot_timeout: float | None = 300.0, snapshot_memory: int | None = None) -> SaveHandle:
     """Checkpoint ``state_dict`` to ``url`` (``stripefs://run/step-100``); blocks only for the snapshot.
 
     Args:
@@ -157,12 +166,20 @@ def save(state_dict: Any, url: str, *, staging_dir: str | None = None, compress:
         upload: False stages locally only (a standalone ``stripefs mover`` uploads it).
         background_mover: start an in-process mover thread that also resumes older leftovers.
         options: upload concurrency, bandwidth cap, retries.
+        snapshot_timeout: when every snapshot buffer is busy (an earlier save is still
+            writing its local copy), wait at most this many seconds for one (None: no limit).
+        snapshot_memory: bytes all snapshot buffers of the process may take together; when
+            every buffer is busy and another fits under it, the save takes another buffer
+            instead of waiting. None: one buffer (memory stays at one copy of the state).
 
     Returns:
-        a :class:`SaveHandle`; ``wait()`` raises the save's error.
+        a :class:`SaveHandle`; ``wait()`` raises the save's error. ``snapshot_wait_s`` and
+        ``extra_buffer`` say whether the save waited for a buffer or took another one.
 
     Raises:
-        ValueError: unknown ``compress``. TypeError: a tensor without a raw form.
+        ValueError: unknown ``compress``. TypeError: a value that ``load`` could not give
+            back (the message names its key).
+        TimeoutError: no snapshot buffer within ``snapshot_timeout`` (nothing was saved).
         an unobserved error of an earlier save of this process.
     """
     if compress not in (None, "zstd"):
@@ -175,9 +192,10 @@ def save(state_dict: Any, url: str, *, staging_dir: str | None = None, compress:
     remote_paths(url, "x")  # validate the URL before any work
     t0 = time.monotonic()
     plan = plan_state_dict(state_dict, shard_bytes)
-    buf = snapshot(plan, POOL)
+    buf = snapshot(plan, POOL, snapshot_timeout, snapshot_memory)
     h = SaveHandle(url, uuid.uuid4().hex, plan.nbytes)
     h.timings["snapshot"] = time.monotonic() - t0
+    h.snapshot_wait_s, h.extra_buffer = buf.wait_s, buf.extra
     h._snap.set()
     with _lock:
         _handles.append(h)
@@ -195,10 +213,13 @@ def _background(h: SaveHandle, journal: Journal, row: CkptRow, plan: Any, buf: A
     lock = journal.lock(row.id)
     lock.try_acquire()  # a fresh id: nobody else can hold it
     released = False
+    lent: SnapshotViews | None = None
     try:
         t = time.monotonic()
         views = [buf.view[o : o + s] for o, s in zip(buf.file_offsets, plan.file_sizes)]
         for e in plan.tensors:
+            if e.base is not None:
+                continue  # a view: its bytes are those of the storage entry it names
             base = buf.file_offsets[e.file] + e.offset
             e.crc = crc32c.crc32c(buf.view[base : base + e.nbytes])
         stored, records = [], []
@@ -207,9 +228,9 @@ def _background(h: SaveHandle, journal: Journal, row: CkptRow, plan: Any, buf: A
             rec["name"] = f"data-{i:05d}.bin"
             stored.append(data)
             records.append(rec)
-        manifest = {"format": FORMAT, "version": VERSION, "id": row.id, "kind": "state_dict", "step": row.step,
+        manifest = {"format": FORMAT, "version": plan.version, "id": row.id, "kind": "state_dict", "step": row.step,
                     "created": row.created, "url": row.url, "files": records,
-                    "tensors": [dict(e.index_record(), crc32c=e.crc) for e in plan.tensors], "tree": plan.tree}
+                    "tensors": [e.index_record() for e in plan.tensors], "tree": plan.tree}
         raw_manifest = manifest_bytes(manifest)
         journal.begin(row, [FileRow(r["name"], r["size"], r["crc32c"], r["chunk"], r["chunk_crc32c"], 0) for r in records])
         h.timings["serialize"] = time.monotonic() - t
@@ -220,7 +241,8 @@ def _background(h: SaveHandle, journal: Journal, row: CkptRow, plan: Any, buf: A
         up_box: dict[str, Any] = {}
         if upload and compress is None:
             # Stream from the snapshot buffer while the local copy is written: the two overlap.
-            up_thread = threading.Thread(target=_upload, args=(h, journal, row, options, views, local_ok, up_box), daemon=True)
+            lent = SnapshotViews(views)
+            up_thread = threading.Thread(target=_upload, args=(h, journal, row, options, lent, local_ok, up_box), daemon=True)
             up_thread.start()
         t = time.monotonic()
         try:
@@ -236,9 +258,13 @@ def _background(h: SaveHandle, journal: Journal, row: CkptRow, plan: Any, buf: A
         h.timings["local_write"] = time.monotonic() - t
         h._local.set()
         local_ok.set()
+        # A durable local copy exists: the upload goes on from it, and the buffer is free for
+        # the next save as soon as the pieces in flight from it are acknowledged.
+        if lent is not None:
+            lent.revoke()
+        POOL.release(buf)
+        released = True
         if up_thread is None:
-            POOL.release(buf)
-            released = True
             if upload:
                 _upload(h, journal, row, options, None, local_ok, up_box)
         else:
@@ -253,12 +279,14 @@ def _background(h: SaveHandle, journal: Journal, row: CkptRow, plan: Any, buf: A
         h._fail(exc)
     finally:
         if not released:
+            if lent is not None:
+                lent.revoke()  # never hand out a buffer a piece in flight still reads
             POOL.release(buf)
         lock.release()  # before done(): a mover started after done() can take the checkpoint
         h._done.set()
 
 
-def _upload(h: SaveHandle, journal: Journal, row: CkptRow, options: MoverOptions, views: Any,
+def _upload(h: SaveHandle, journal: Journal, row: CkptRow, options: MoverOptions, views: SnapshotViews | None,
             local_ok: threading.Event, box: dict[str, Any]) -> None:
     def wait_local() -> None:
         local_ok.wait()
@@ -313,7 +341,8 @@ def write_local_dir(final: str, files: list[tuple[str, Any]], manifest: bytes) -
     os.makedirs(tmp, exist_ok=True)
     try:
         for fname, data in files + [(MANIFEST, memoryview(manifest))]:
-            fd = os.open(os.path.join(tmp, fname), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            # 0666: the umask decides, as for any file the trainer writes.
+            fd = os.open(os.path.join(tmp, fname), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
             try:
                 view, off = memoryview(data), 0
                 while off < len(view):
