@@ -68,8 +68,33 @@ def _values(rng: random.Random, real: list[dict[str, Any]]) -> dict[str, Callabl
     return {"int": some_int, "str": some_str, "port": port, "server_id": server_id, "token": token}
 
 
-def _frame(rng: random.Random, v: dict[str, Callable[[], Any]]) -> m.Message:
+def _valid(rng: random.Random, real: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    """A well-formed frame of ``kind``: real servers' addresses, ids and roots, but never their tokens."""
+    srv = rng.choice(real)
+    token = os.urandom(32).hex()
+    sid = rng.choice([None, 1, 2, rng.randint(3, 1000)])
+    if kind == "register":
+        return dict(host=rng.choice(["127.0.0.1", "localhost", srv["host"]]),
+                    port=rng.choice([srv["port"], rng.randint(1, 65535)]), root=rng.choice([srv["root"], "/srv/fz"]),
+                    server_id=sid, capacity=rng.randint(0, 1 << 40), used=rng.randint(0, 1 << 30),
+                    pid=rng.randint(1, 1 << 22), token=token)
+    if kind == "heartbeat":
+        return dict(server_id=sid or 1, capacity=rng.randint(0, 1 << 40), used=rng.randint(0, 1 << 30),
+                    chunks=rng.randint(0, 1000), token=token)
+    return dict(server_id=sid or 1, token=token)
+
+
+def _frame(rng: random.Random, v: dict[str, Callable[[], Any]], real: list[dict[str, Any]]) -> m.Message:
+    """Half the frames are random in every field; half are well-formed with one field made random."""
     kind = rng.choice(["register", "heartbeat", "syncdone"])
+    cls = {"register": m.RegisterServer, "heartbeat": m.Heartbeat, "syncdone": m.SyncDone}[kind]
+    if rng.random() < 0.5:
+        fields = _valid(rng, real, kind)
+        if rng.random() < 0.7:
+            name = rng.choice(sorted(fields))
+            gen = {"host": "str", "root": "str", "token": "token", "port": "port", "server_id": "server_id"}
+            fields[name] = v[gen.get(name, "int")]()
+        return cls(**fields)
     if kind == "register":
         return m.RegisterServer(host=v["str"](), port=v["port"](), root=v["str"](), server_id=v["server_id"](),
                                 capacity=v["int"](), used=v["int"](), pid=v["int"](), token=v["token"]())
@@ -88,13 +113,14 @@ def test_membership_fuzz_changes_nothing(fuzzed: LocalCluster) -> None:
         v = _values(rng, fuzzed.data["servers"])
         answers: dict[str, int] = {}
         for _ in range(FRAMES):
-            msg = _frame(rng, v)
+            msg = _frame(rng, v, fuzzed.data["servers"])
             try:
                 reply = c.call(msg, timeout=10.0)
                 key = f"ok:{getattr(reply, 'state', '-')}"
             except StripefsError as exc:
                 key = exc.code.name
             answers[key] = answers.get(key, 0) + 1
+        print(f"{FRAMES} membership frames: {answers}")
         # A real server may only ever be admitted under its own token: never "serving" by a fuzzed frame.
         assert not any(k.startswith("ok:") and k not in ("ok:pending", "ok:-") for k in answers), answers
         for pid in fuzzed.data["pids"]:
