@@ -261,8 +261,8 @@ async def _register_and_heartbeat(service: StorageService, meta: TrioConnection,
         except StripefsError as exc:
             if exc.code == ErrorCode.NOT_FOUND and known:
                 known = False  # the metadata service forgot us (or our registration): register again
-            if exc.code == ErrorCode.PERMISSION:
-                log.error("metadata service refused this storage root's identity: %s", exc.message)
+            if exc.code in (ErrorCode.PERMISSION, ErrorCode.INVALID, ErrorCode.BUSY):
+                log.error("metadata service refused this storage server's registration: %s", exc.message)
             else:
                 log.warning("metadata service unreachable from storage server: %s", exc.message)
         polls = polls + 1 if pending else 0

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import time
 from typing import Iterator
 
@@ -112,6 +114,11 @@ def test_phantom_registrations_stay_pending_and_take_no_chain(small: LocalCluste
         assert all(pending[s]["reason"] for s in sids)
         assert {s.server_id: s.state for s in st.servers if s.server_id in sids} == dict.fromkeys(sids, "pending")
         assert _snapshot(c) == before
+        shown = subprocess.run([sys.executable, "-m", "stripefs", "status", "--cluster", small.file],
+                               capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        for sid in sids:
+            assert f"pending {sid} (127.0.0.1:" in shown.stdout and "cannot connect back" in shown.stdout, shown.stdout
         c.makedirs("/phantom", exist_ok=True)
         for i in range(5):  # every write lands on a real server
             data = os.urandom(8 << 20)
