@@ -155,6 +155,7 @@ class Membership:
                 # servers are still up and their next heartbeat confirms it; a server that
                 # stays silent is declared offline by the usual sweep.
                 self.servers[info.server_id] = ServerInfo(**{**info.to_wire(), "last_seen": now})
+                self.since[info.server_id] = now  # a joining server's wait starts again after a restart
         except FileNotFoundError:
             pass
 
@@ -337,7 +338,7 @@ class Membership:
             info = self.servers[sid]
             if info.state != "joining" or now - info.last_seen > HEARTBEAT_FRESH:
                 continue
-            if self.replicas == 1 and now - self.since.get(sid, now) < self.admit_after:
+            if self.replicas == 1 and now - self.since.setdefault(sid, now) < self.admit_after:
                 continue
             moved = self._plan_migration(sid)
             self.last_move = now
@@ -739,7 +740,10 @@ class MetadataService(Service):
         """Connect back to every pending registration that is due; admit those that check out."""
         async with trio.open_nursery() as nursery:
             while True:
-                with trio.move_on_after(0.05):
+                if self.members.pending:  # retries are due on their own schedule
+                    with trio.move_on_after(0.05):
+                        await self.admission_wakeup.wait()
+                else:  # nothing to check until someone registers
                     await self.admission_wakeup.wait()
                 self.admission_wakeup = trio.Event()
                 now = self.members.clock()

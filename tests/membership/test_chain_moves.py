@@ -122,3 +122,27 @@ def test_pending_registrations_expire_and_are_bounded(tmp_path: Path) -> None:
     clock.t += 60
     mb.sweep()
     assert not mb.pending and not mb.servers
+
+
+def test_tokens_and_joining_survive_a_metadata_restart(tmp_path: Path) -> None:
+    import pytest
+
+    from wire import StripefsError
+
+    clock = Clock()
+    path = str(tmp_path / "servers.json")
+    mb = Membership(path, replicas=1, admit_after=3.0, clock=clock)
+    a, b = _join(mb, 9001), _join(mb, 9002)
+    mb.freeze()
+    new = _join(mb, 9003)
+    assert mb.servers[new].state == "joining"
+    mb = Membership(path, replicas=1, admit_after=3.0, clock=clock)  # the service restarted
+    with pytest.raises(StripefsError) as info:  # the id stays bound to its data directory
+        mb.heartbeat(m.Heartbeat(server_id=a, capacity=1, used=0, chunks=0, token="ee" * 32))
+    assert info.value.errno == 1
+    for _ in range(4):
+        clock.t += 1.0
+        for sid, port in ((a, 9001), (b, 9002), (new, 9003)):
+            _beat(mb, sid, port)
+        mb.sweep()
+    assert any(new in ts for ts in mb.table.values())  # the wait restarted, and ended

@@ -2,21 +2,26 @@
 
 2,000 membership frames (``RegisterServer``, ``Heartbeat``, ``SyncDone``) with
 random field values -- edge integers, wrong types, hostile strings, the real
-servers' own addresses and ids -- sent as any client can. Afterwards every
-process is alive, nothing was registered, the routing version and the chain
-table did not move, and the cluster reads and writes.
+servers' own addresses and ids -- sent as any client can; then raw garbage,
+truncated and oversized frames before and after the handshake, to the metadata
+service and to every storage server. Afterwards every process is alive, nothing
+was registered, the routing version and the chain table did not move, and the
+cluster reads and writes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import socket
 from typing import Any, Callable, Iterator
 
 import pytest
 
 from fsclient import Client
 from fsclient.testing import LocalCluster
+import wire
 from wire import StripefsError, messages as m
 
 from ..conftest import TEST_CHUNK
@@ -133,3 +138,76 @@ def test_membership_fuzz_changes_nothing(fuzzed: LocalCluster) -> None:
         data = os.urandom(5 * TEST_CHUNK + 3)
         c.write_bytes("/after-fuzz", data)
         assert c.read_bytes("/after-fuzz") == data
+
+
+RAW_CONNECTIONS = 150
+
+
+def _authenticated(addr: tuple[str, int], secret: str) -> tuple[socket.socket, wire.ClientConnection]:
+    """A raw socket past the handshake (the machine decides every byte of it)."""
+    sock = socket.create_connection(addr, timeout=5)
+    machine = wire.ClientConnection(secret, os.urandom(16))
+    while machine.state is not wire.ConnState.READY:
+        event = machine.next_event()
+        out = machine.data_to_send()
+        if out:
+            sock.sendall(out)
+        if event is wire.NEED_DATA:
+            machine.receive_data(sock.recv(65536))
+    return sock, machine
+
+
+def _junk(rng: random.Random, machine: wire.ClientConnection | None) -> bytes:
+    """Garbage, a frame cut short, a frame claiming an oversized header or payload, or a random
+    membership frame (well-formed or not) -- the last three only mean something after the handshake."""
+    roll = rng.random()
+    if roll < 0.25:
+        return os.urandom(rng.randint(1, 300))
+    msg_type = rng.choice([28, 29, 48, 45, 3, rng.randint(0, 65535)])
+    header = {rng.choice(["host", "port", "root", "server_id", "token", "x"]): rng.choice(
+        [1, -1, 2 ** 63 - 1, "127.0.0.1", "", None, b"\x00", [1], {"a": 1}]) for _ in range(rng.randint(0, 6))}
+    frame = wire.encode_frame(msg_type, rng.randint(1, 2 ** 63), header)
+    if roll < 0.45:
+        return frame[: rng.randint(1, len(frame) - 1)]  # truncated: the server sees EOF mid-frame
+    if roll < 0.6:  # a prefix claiming more than any frame may carry
+        return b"SF\x01\x00" + msg_type.to_bytes(2, "big") + b"\x00\x00" + b"\x00" * 8 + \
+            rng.choice([(1 << 31).to_bytes(4, "big") + b"\x00" * 8, b"\x00\x00\x00\x02" + (1 << 40).to_bytes(8, "big")])
+    return frame
+
+
+def test_raw_garbage_before_and_after_authentication(fuzzed: LocalCluster) -> None:
+    rng = random.Random(SEED + 1)
+    conf = fuzzed.data
+    secret = json.load(open(fuzzed.file))["secret"]
+    targets = [(conf["metadata"]["host"], conf["metadata"]["port"])] + [(s["host"], s["port"]) for s in conf["servers"]]
+    with fuzzed.client() as c:
+        st = c.status()
+        before = (st.routing_version, sorted((s.server_id, s.host, s.port, s.state) for s in st.servers
+                                            if s.state != "pending"))
+    for i in range(RAW_CONNECTIONS):
+        addr = targets[i % len(targets)]
+        if rng.random() < 0.5:
+            sock, machine = socket.create_connection(addr, timeout=5), None
+        else:
+            sock, machine = _authenticated(addr, secret)
+        with sock:
+            try:
+                for _ in range(rng.randint(1, 4)):
+                    sock.sendall(_junk(rng, machine))
+                sock.shutdown(socket.SHUT_WR)
+                while sock.recv(65536):  # the server answers or closes; it never hangs
+                    pass
+            except TimeoutError:
+                raise  # a server waiting on a half-closed connection: the bug this looks for
+            except OSError:
+                pass  # the server refused and closed first (reset, broken pipe, not connected)
+    for pid in conf["pids"]:
+        os.kill(pid, 0)
+    with fuzzed.client() as c:
+        st = c.status()
+        after = (st.routing_version, sorted((s.server_id, s.host, s.port, s.state) for s in st.servers
+                                           if s.state != "pending"))
+        assert after == before
+        data = os.urandom(3 * TEST_CHUNK)
+        c.write_bytes("/after-raw-fuzz", data)
+        assert c.read_bytes("/after-raw-fuzz") == data
