@@ -19,6 +19,7 @@ from typing import Iterator
 import pytest
 
 from fsclient import Client
+from fsclient.core import pid_alive
 from fsclient.testing import LocalCluster
 from wire import StripefsError, messages as m
 
@@ -164,6 +165,9 @@ def test_restarted_server_is_admitted_again(small: LocalCluster) -> None:
         before = c.status()
     pid = small.data["servers"][1]["pid"]
     os.kill(pid, 9)
+    deadline = time.monotonic() + 10
+    while pid_alive(pid) and time.monotonic() < deadline:  # SIGKILL lands asynchronously
+        time.sleep(0.02)
     small.up()  # starts only the dead server; returns once it is admitted
     with small.client() as c:
         st = c.status()

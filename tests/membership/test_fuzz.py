@@ -127,7 +127,7 @@ def test_membership_fuzz_changes_nothing(fuzzed: LocalCluster) -> None:
             answers[key] = answers.get(key, 0) + 1
         print(f"{FRAMES} membership frames: {answers}")
         # A real server may only ever be admitted under its own token: never "serving" by a fuzzed frame.
-        assert not any(k.startswith("ok:") and k not in ("ok:pending", "ok:-") for k in answers), answers
+        assert not any(k.startswith("ok:") and k != "ok:pending" for k in answers), answers
         for pid in fuzzed.data["pids"]:
             os.kill(pid, 0)  # raises if a process died
         st = c.status()
