@@ -35,6 +35,8 @@ from wire import (
     Message,
     ResponseReceived,
     StripefsError,
+)
+from wire import (
     messages as m,
 )
 

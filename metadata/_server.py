@@ -752,7 +752,7 @@ class MetadataService(Service):
                         cand.verifying = True
                         nursery.start_soon(self._verify, cand)
 
-    async def _verify(self, cand: Any) -> None:
+    async def _verify(self, cand: Candidate) -> None:
         try:
             async with self.verifying:
                 reason = await connect_back(self.secret, cand.host, cand.port, cand.server_id, cand.root)

@@ -21,7 +21,8 @@ import pytest
 from fsclient import Client
 from fsclient.core import pid_alive
 from fsclient.testing import LocalCluster
-from wire import StripefsError, messages as m
+from wire import StripefsError
+from wire import messages as m
 
 from ..conftest import TEST_CHUNK
 

@@ -19,10 +19,10 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from fsclient import Client
-from fsclient.testing import LocalCluster
 import wire
-from wire import StripefsError, messages as m
+from fsclient.testing import LocalCluster
+from wire import StripefsError
+from wire import messages as m
 
 from ..conftest import TEST_CHUNK
 
