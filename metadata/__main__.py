@@ -18,7 +18,7 @@ async def _main(args: argparse.Namespace, secret: str, cluster_id: str, raw: dic
         host, port = await nursery.start(functools.partial(
             serve_metadata, args.state, secret=secret, host=args.host, port=args.port, cluster_id=cluster_id,
             chunk_size=args.chunk_size, max_stripe=args.stripe, gc_grace=args.gc_grace, replicas=args.replicas,
-            store_url=args.store or raw.get("metadata_store_url"),
+            store_url=args.store or raw.get("metadata_store_url"), admit_after=args.admit_after,
         ))
         if args.ready:
             tmp = args.ready + ".tmp"
@@ -38,6 +38,8 @@ def main() -> None:
     p.add_argument("--stripe", type=int, default=16)
     p.add_argument("--gc-grace", type=float, default=30.0, help="seconds before chunks of removed files are reclaimed")
     p.add_argument("--replicas", type=int, default=1, help="targets per chain (new clusters)")
+    p.add_argument("--admit-after", type=float, default=3.0,
+                   help="with one replica, seconds a new storage server must heartbeat before it takes chain slots")
     p.add_argument("--ready", help="file to write host:port into once serving")
     p.add_argument("--store", help="postgresql://... to keep the namespace in PostgreSQL (default: the cluster file's metadata_store_url, else SQLite in --state); prefer the cluster file: a URL here shows in ps")
     args = p.parse_args()

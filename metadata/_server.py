@@ -8,8 +8,11 @@ factor 1 every server is one chain of one target; chains are lists so chain
 replication can extend them.
 
 Background tasks: a liveness check (a server silent for ``OFFLINE_AFTER``
-seconds is reported offline) and the garbage collector that tells storage
-servers to drop the chunks of removed files and the tails of truncated ones.
+seconds is reported offline), admission (a registering server is ``pending``
+until the service has connected back to it: ``_admission.py``), rate-limited
+chain moves for servers that joined a frozen table, and the garbage collector
+that tells storage servers to drop the chunks of removed files and the tails
+of truncated ones.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import random
 import stat
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import trio
@@ -28,6 +32,7 @@ import trio
 from rpc import ReplayCache, ServerConn, Service, TrioPool, serve_rpc
 from wire import ErrorCode, FrameHead, Message, ReplyMessage, Routing, ServerInfo, StripefsError, messages as m
 
+from ._admission import MAX_SERVER_ID, NOT_YET, connect_back, same_token, token_hash, validate
 from ._leases import Leases
 from ._namespace import Namespace
 from ._store import GarbageItem, SqliteStore, Store
@@ -45,6 +50,43 @@ GC_GRACE = 30.0
 # A server that left a chain keeps its copy this long: every server and client sees the
 # new routing first (servers within a heartbeat; clients on STALE_ROUTING).
 DROP_GRACE = 5.0
+# With one replica a chain moved to a server that then fails has no copy left, so a new
+# server takes chain slots only after it has heartbeated this long (``--admit-after``).
+ADMIT_AFTER = 3.0
+# A server counts as heartbeating when its last heartbeat is this recent (they come every second).
+HEARTBEAT_FRESH = 2.0
+# Chain moves start at most this often, and only while no other server's moves are in flight.
+MOVE_INTERVAL = 1.0
+# A registration neither repeated nor followed by heartbeats for this long is forgotten.
+PENDING_TTL = 10.0
+# Registrations waiting for admission at once: beyond, BUSY (a flood cannot grow memory).
+MAX_PENDING = 64
+# Connect-back checks running at once.
+MAX_VERIFYING = 8
+
+
+@dataclass
+class Candidate:
+    """A registration waiting for its connect-back check; never in the chain table."""
+
+    server_id: int
+    host: str
+    port: int
+    root: str
+    capacity: int
+    used: int
+    pid: int
+    token_hash: str
+    first_seen: float
+    last_seen: float
+    reason: str = "waiting for the connect-back check"
+    attempts: int = 0
+    next_try: float = 0.0
+    verifying: bool = False
+
+    def as_status(self, now: float) -> dict[str, Any]:
+        return {"server_id": self.server_id, "host": self.host, "port": self.port, "root": self.root,
+                "reason": self.reason, "attempts": self.attempts, "waiting": round(now - self.first_seen, 1)}
 
 
 class Membership:
@@ -60,13 +102,33 @@ class Membership:
     States: ``serving``; ``offline`` (no heartbeat for ``OFFLINE_AFTER``);
     ``syncing`` (back after being away while another replica of its chains kept
     serving: it receives new writes at the end of its chains and copies what it
-    missed, then reports :class:`SyncDone`). Every state change bumps the
-    routing version; clients and servers refresh on a mismatch.
+    missed, then reports :class:`SyncDone`); ``joining`` (admitted into a frozen
+    table, holding no chain slot yet: :meth:`place` moves it in). Every state
+    change bumps the routing version; clients and servers refresh on a mismatch.
+
+    Registrations are not trusted: :meth:`register` only records a
+    :class:`Candidate` (``pending``, outside :attr:`servers` and the table); the
+    service checks it by connecting back and then calls :meth:`admit`. A server id
+    is bound to the SHA-256 of its data directory's token (:attr:`tokens`).
+
+    Args:
+        admit_after: with one replica, seconds a new server must heartbeat before it
+            takes chain slots.
+        move_interval: least seconds between two servers' chain moves.
+        clock: the monotonic clock (tests drive time).
     """
 
-    def __init__(self, path: str, replicas: int = 1):
+    def __init__(self, path: str, replicas: int = 1, *, admit_after: float = ADMIT_AFTER,
+                 move_interval: float = MOVE_INTERVAL, clock: Callable[[], float] = time.monotonic):
         self.path = path
+        self.clock = clock
+        self.admit_after = admit_after
+        self.move_interval = move_interval
         self.servers: dict[int, ServerInfo] = {}
+        self.tokens: dict[int, str] = {}  # server id -> SHA-256 of its data directory's token
+        self.pending: dict[int, Candidate] = {}
+        self.since: dict[int, float] = {}  # server id -> when its current run of heartbeats began
+        self.last_move = -float("inf")
         self.version = 1
         self.replicas = replicas
         self.table: dict[int, list[int]] = {}
@@ -83,7 +145,8 @@ class Membership:
             self.table = {int(c): [int(t) for t in ts] for c, ts in raw.get("table", [])}
             self.leaving = {int(c): int(t) for c, t in raw.get("leaving", [])}
             self.drops = [(int(t), int(c)) for t, c in raw.get("drops", [])]
-            now = time.monotonic()
+            self.tokens = {int(sid): str(h) for sid, h in raw.get("tokens", [])}
+            now = self.clock()
             for s in raw.get("servers", []):
                 info = ServerInfo.from_wire(s)
                 if info.state != "serving":
@@ -92,6 +155,7 @@ class Membership:
                 # servers are still up and their next heartbeat confirms it; a server that
                 # stays silent is declared offline by the usual sweep.
                 self.servers[info.server_id] = ServerInfo(**{**info.to_wire(), "last_seen": now})
+                self.since[info.server_id] = now  # a joining server's wait starts again after a restart
         except FileNotFoundError:
             pass
 
@@ -102,6 +166,7 @@ class Membership:
                        "table": [[c, ts] for c, ts in sorted(self.table.items())],
                        "leaving": [[c, t] for c, t in sorted(self.leaving.items())],
                        "drops": [list(d) for d in self.drops],
+                       "tokens": [[sid, h] for sid, h in sorted(self.tokens.items())],
                        "servers": [s.to_wire() for s in self.servers.values()]}, f)
             f.flush()
             os.fsync(f.fileno())
@@ -145,35 +210,141 @@ class Membership:
             for ts in self.table.values() if sid in ts for t in ts
         )
 
+    def _in_table(self, sid: int) -> bool:
+        return any(sid in ts for ts in self.table.values())
+
+    def _new_id(self) -> int:
+        used = set(self.servers) | set(self.pending) | set(self.tokens)
+        sid = max(used, default=0) + 1
+        if sid > MAX_SERVER_ID:  # someone registered the largest id: take the first free one
+            sid = next(i for i in range(1, MAX_SERVER_ID + 1) if i not in used)
+        return sid
+
     def register(self, msg: m.RegisterServer) -> tuple[int, str]:
+        """Record a registration as ``pending``; nothing else changes until :meth:`admit`.
+
+        Returns:
+            ``(server id, "pending")``.
+
+        Raises:
+            StripefsError: INVALID for a bad field; PERMISSION when the server id is bound
+            to another data directory's token (or another registration is being checked
+            for it); BUSY when too many registrations wait.
+        """
+        validate(msg)
+        th = token_hash(msg.token)
         sid = msg.server_id
         if sid is None:
-            sid = max(self.servers, default=0) + 1
+            # The same data directory registering again without its id (it lost the answer):
+            # it keeps the id it was given.
+            sid = next((s for s, h in self.tokens.items() if h == th), None)
+            sid = sid or next((c.server_id for c in self.pending.values() if c.token_hash == th), None)
+            sid = sid or self._new_id()
+        recorded = self.tokens.get(sid)
+        if recorded is not None and not same_token(recorded, msg.token):
+            raise StripefsError(ErrorCode.PERMISSION, f"storage server {sid} belongs to another data directory")
+        now = self.clock()
+        old = self.pending.get(sid)
+        if old is not None and old.token_hash != th:
+            if now - old.last_seen <= PENDING_TTL:
+                raise StripefsError(ErrorCode.PERMISSION, f"another registration of storage server {sid} is being checked")
+            old = None
+        if old is not None and (old.host, old.port, old.root) == (msg.host, msg.port, msg.root):
+            old.capacity, old.used, old.pid, old.last_seen = msg.capacity, msg.used, msg.pid, now
+            return sid, "pending"
+        if old is None and len(self.pending) >= MAX_PENDING:
+            raise StripefsError(ErrorCode.BUSY, "too many registrations are waiting for admission; retry later")
+        self.pending[sid] = Candidate(sid, msg.host, msg.port, msg.root, msg.capacity, msg.used, msg.pid, th, now, now)
+        log.info("storage server %d (%s:%d) registered: pending until it answers a connect-back", sid, msg.host, msg.port)
+        return sid, "pending"
+
+    def reject(self, sid: int, reason: str) -> None:
+        """A connect-back check failed: keep the candidate pending, with the reason, and retry later."""
+        cand = self.pending.get(sid)
+        if cand is None:
+            return
+        if reason != cand.reason:
+            log.info("storage server %d (%s:%d) not admitted yet: %s", sid, cand.host, cand.port, reason)
+        cand.reason = reason
+        cand.attempts += 1
+        delay = 0.02 if reason == NOT_YET else min(2.0, 0.05 * 2 ** min(cand.attempts, 6))
+        cand.next_try = self.clock() + delay
+
+    def admit(self, sid: int) -> str:
+        """The candidate passed the connect-back check: it joins the membership. Returns its state."""
+        cand = self.pending.pop(sid)
+        now = self.clock()
         old = self.servers.get(sid)
         behind = sid in self.stale or self._peers_serving(sid)
         state = "syncing" if old is not None and self.frozen and self.replicas > 1 and behind else "serving"
-        if old is None and self.frozen:
-            state = "syncing" if self._plan_migration(sid) else "serving"
-        elif any(sid in ts for c, ts in self.table.items() if c in self.leaving and self.leaving[c] != sid):
+        if any(sid in ts for c, ts in self.table.items() if c in self.leaving and self.leaving[c] != sid):
             state = "syncing"  # a newcomer that restarted before it finished copying
-        info = ServerInfo(sid, msg.host, msg.port, state, msg.capacity, msg.used, msg.pid, time.monotonic())
+        elif self.frozen and not self._in_table(sid):
+            state = "joining"  # chain slots come later, rate-limited (place)
+        info = ServerInfo(sid, cand.host, cand.port, state, cand.capacity, cand.used, cand.pid, now)
         self.servers[sid] = info
+        self.tokens[sid] = cand.token_hash
+        self.since[sid] = now
         self._rebuild()
         if old is None or (old.host, old.port, old.state) != (info.host, info.port, info.state):
             self.version += 1
         self.save()
-        return sid, state
+        log.info("storage server %d (%s:%d) admitted: %s", sid, cand.host, cand.port, state)
+        return state
+
+    def _check_token(self, sid: int, token: str) -> None:
+        recorded = self.tokens.get(sid)
+        # A server recorded before tokens existed has none until it registers again.
+        if recorded is not None and not same_token(recorded, token):
+            raise StripefsError(ErrorCode.PERMISSION, f"storage server {sid} belongs to another data directory")
 
     def heartbeat(self, msg: m.Heartbeat) -> str:
-        old = self.servers.get(msg.server_id)
+        validate(msg)
+        sid = msg.server_id
+        cand = self.pending.get(sid)
+        if cand is not None and (sid not in self.servers or cand.token_hash == token_hash(msg.token)):
+            if cand.token_hash != token_hash(msg.token):
+                raise StripefsError(ErrorCode.PERMISSION, f"storage server {sid} belongs to another data directory")
+            cand.capacity, cand.used, cand.last_seen = msg.capacity, msg.used, self.clock()
+            return "pending"
+        old = self.servers.get(sid)
         if old is None:
-            raise StripefsError(ErrorCode.NOT_FOUND, f"unknown storage server {msg.server_id}")
+            raise StripefsError(ErrorCode.NOT_FOUND, f"unknown storage server {sid}")
+        self._check_token(sid, msg.token)
+        now = self.clock()
         state = old.state
         if state == "offline":  # it was declared dead and may have missed writes
-            behind = msg.server_id in self.stale or self._peers_serving(msg.server_id)
+            behind = sid in self.stale or self._peers_serving(sid)
             state = "syncing" if self.replicas > 1 and behind else "serving"
-        self._set(msg.server_id, state=state, capacity=msg.capacity, used=msg.used, last_seen=time.monotonic())
+            if state == "serving" and self.frozen and not self._in_table(sid):
+                state = "joining"
+            self.since[sid] = now
+        self._set(sid, state=state, capacity=msg.capacity, used=msg.used, last_seen=now)
         return state
+
+    def place(self) -> int | None:
+        """Move one ``joining`` server into its fair share of chain slots, if moves are due.
+
+        Rate-limited: never while another server's moves are in flight, nor within
+        ``move_interval`` of the last; with one replica only a server that has
+        heartbeated for ``admit_after`` seconds (and still does). Returns the server moved.
+        """
+        if not self.frozen or self.leaving:
+            return None
+        now = self.clock()
+        if now - self.last_move < self.move_interval:
+            return None
+        for sid in sorted(self.servers):
+            info = self.servers[sid]
+            if info.state != "joining" or now - info.last_seen > HEARTBEAT_FRESH:
+                continue
+            if self.replicas == 1 and now - self.since.setdefault(sid, now) < self.admit_after:
+                continue
+            moved = self._plan_migration(sid)
+            self.last_move = now
+            self._set(sid, state="syncing" if moved else "serving")
+            return sid
+        return None
 
     def _plan_migration(self, new: int) -> bool:
         """A server joined a frozen cluster: move it into a fair share of chain slots.
@@ -204,10 +375,24 @@ class Membership:
             log.info("chain %d: server %d joins, server %d will leave", chain, new, donor)
         return bool(want)
 
-    def sync_done(self, sid: int) -> None:
+    def sync_done(self, msg: m.SyncDone | int) -> None:
+        """A syncing server caught up: the members it relieved leave those chains.
+
+        ``msg`` is the server's :class:`SyncDone` (checked: fields, token) or, inside
+        the service, a server id.
+        """
+        if isinstance(msg, m.SyncDone):
+            validate(msg)
+            if msg.server_id not in self.servers:
+                raise StripefsError(ErrorCode.NOT_FOUND, f"unknown storage server {msg.server_id}")
+            self._check_token(msg.server_id, msg.token)
+            sid = msg.server_id
+        else:
+            sid = msg
         if sid in self.servers and self.servers[sid].state == "syncing":
             for chain, donor in list(self.leaving.items()):
                 if sid in self.table.get(chain, []):
+                    # The newcomer serves from now on, so the chain keeps a serving target.
                     self.table[chain].remove(donor)
                     del self.leaving[chain]
                     self.drops.append((donor, chain))
@@ -219,11 +404,21 @@ class Membership:
             self.save()
 
     def sweep(self) -> None:
-        now = time.monotonic()
+        """Declare silent servers offline, forget silent registrations, start due chain moves."""
+        now = self.clock()
         for sid, s in list(self.servers.items()):
             if s.state != "offline" and now - s.last_seen > OFFLINE_AFTER:
                 log.warning("storage server %d (%s:%d) is offline", sid, s.host, s.port)
                 self._set(sid, state="offline")
+        for sid, cand in list(self.pending.items()):
+            if now - cand.last_seen > PENDING_TTL and not cand.verifying:
+                log.info("registration of storage server %d (%s:%d) dropped: %s", sid, cand.host, cand.port, cand.reason)
+                del self.pending[sid]
+        self.place()
+
+    def pending_status(self) -> list[dict[str, Any]]:
+        now = self.clock()
+        return [c.as_status(now) for _, c in sorted(self.pending.items())]
 
     def routing(self) -> Routing:
         def state(t: int) -> str:
@@ -271,6 +466,8 @@ class MetadataService(Service):
         self._running: dict[tuple[bytes, int], trio.Event] = {}  # mutations being applied, by replay key
         self.storage = TrioPool(secret, keep=1)  # calls to storage servers run one at a time
         self.gc_wakeup = trio.Event()
+        self.admission_wakeup = trio.Event()
+        self.verifying = trio.CapacityLimiter(MAX_VERIFYING)
         self.started = time.time()
 
     async def _ns(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -430,12 +627,13 @@ class MetadataService(Service):
             return await self._status()
         if isinstance(msg, m.RegisterServer):
             sid, state = self.members.register(msg)
+            self.admission_wakeup.set()  # connect back now, not at the next poll
             return m.RegisterServerReply(sid, state, self.members.version)
         if isinstance(msg, m.Heartbeat):
             state = self.members.heartbeat(msg)
             return m.HeartbeatReply(state, self.members.version)
         if isinstance(msg, m.SyncDone):
-            self.members.sync_done(msg.server_id)
+            self.members.sync_done(msg)
             return m.SyncDoneReply(self.members.version)
         if isinstance(msg, m.Ping):
             return m.EmptyReply()
@@ -459,9 +657,14 @@ class MetadataService(Service):
     async def _status(self) -> m.ClusterStatusReply:
         routing = self.members.routing()
         counts = await self._ns(self.ns.counts)
+        # Registrations not admitted yet are shown too (state "pending"), with the reason in
+        # metadata["pending"]; they are never part of the routing clients use.
+        pending = [ServerInfo(c.server_id, c.host, c.port, "pending", c.capacity, c.used, c.pid, c.last_seen)
+                   for sid, c in sorted(self.members.pending.items()) if sid not in routing.servers]
         return m.ClusterStatusReply(
-            metadata={"pid": os.getpid(), "uptime": time.time() - self.started, "store": self.store_kind, **counts},
-            servers=list(routing.servers.values()),
+            metadata={"pid": os.getpid(), "uptime": time.time() - self.started, "store": self.store_kind, **counts,
+                      "pending": self.members.pending_status()},
+            servers=list(routing.servers.values()) + pending,
             chains=[{"chain_id": c, "targets": [t for t, _ in ms], "states": [st for _, st in ms]}
                     for c, ms in sorted(routing.members.items())],
             replicas=routing.replicas,
@@ -547,6 +750,39 @@ class MetadataService(Service):
             self.members.add_drop_done(item)
             self._drop_seen.pop(item, None)
 
+    async def admission(self) -> None:
+        """Connect back to every pending registration that is due; admit those that check out."""
+        async with trio.open_nursery() as nursery:
+            while True:
+                if self.members.pending:  # retries are due on their own schedule
+                    with trio.move_on_after(0.05):
+                        await self.admission_wakeup.wait()
+                else:  # nothing to check until someone registers
+                    await self.admission_wakeup.wait()
+                self.admission_wakeup = trio.Event()
+                now = self.members.clock()
+                for cand in list(self.members.pending.values()):
+                    if not cand.verifying and cand.next_try <= now:
+                        cand.verifying = True
+                        nursery.start_soon(self._verify, cand)
+
+    async def _verify(self, cand: Candidate) -> None:
+        try:
+            async with self.verifying:
+                reason = await connect_back(self.secret, cand.host, cand.port, cand.server_id, cand.root)
+        except Exception as exc:  # never let one registration take the service down
+            log.exception("connect-back to storage server %d failed", cand.server_id)
+            reason = f"connect-back failed: {exc}"
+        finally:
+            cand.verifying = False
+        if self.members.pending.get(cand.server_id) is not cand:
+            return  # replaced by a newer registration, or forgotten meanwhile
+        if reason is None:
+            self.members.admit(cand.server_id)
+            self.members.place()  # with replicas, its chain moves may start at once
+        else:
+            self.members.reject(cand.server_id, reason)
+
     async def background(self) -> None:
         while True:
             with trio.move_on_after(GC_INTERVAL):
@@ -583,6 +819,7 @@ async def serve_metadata(
     gc_grace: float = GC_GRACE,
     replicas: int = 1,
     store_url: str | None = None,
+    admit_after: float = ADMIT_AFTER,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the metadata of the cluster whose state lives in ``state_dir``.
@@ -590,14 +827,17 @@ async def serve_metadata(
     Args:
         store_url: a ``postgresql://`` URL to keep the namespace in PostgreSQL; by
             default it is SQLite in ``state_dir/meta.db``.
+        admit_after: with one replica, seconds a new storage server must heartbeat
+            before it takes chain slots in a frozen table.
     """
     os.makedirs(state_dir, exist_ok=True)
     store = await trio.to_thread.run_sync(open_store, state_dir, store_url)
     ns = await trio.to_thread.run_sync(lambda: Namespace(store, default_chunk_size=chunk_size, max_stripe=max_stripe))
-    members = Membership(os.path.join(state_dir, "servers.json"), replicas)
+    members = Membership(os.path.join(state_dir, "servers.json"), replicas, admit_after=admit_after)
     service = MetadataService(ns, members, secret, gc_grace)
     async with trio.open_nursery() as nursery:
         address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id))
         nursery.start_soon(service.run_batches)
         nursery.start_soon(service.background)
+        nursery.start_soon(service.admission)
         task_status.started(address)

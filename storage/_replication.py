@@ -66,6 +66,7 @@ class Replicator:
         self.secret = secret
         self.meta = meta
         self.server_id: int | None = None
+        self.token = ""  # this root's identity token (target.json), sent with SyncDone
         self.routing: Routing | None = None
         self.peers = TrioPool(secret, keep=POOL_PER_PEER)  # forwarding runs many calls to a peer at once
         self._locks: dict[tuple[int, int], tuple[trio.Lock, int]] = {}
@@ -185,7 +186,7 @@ class Replicator:
                 break
             await trio.sleep(0.2)
         log.info("resync done: %d chunks copied, %d removed", total_copied, total_removed)
-        await control_call(self.meta, m.SyncDone(server_id=self.server_id or 0))
+        await control_call(self.meta, m.SyncDone(server_id=self.server_id or 0, token=self.token))
 
     async def _resync_pass(self, started: float) -> tuple[int, int]:
         routing = await self.refresh(-1)

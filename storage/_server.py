@@ -5,9 +5,13 @@ out, by ``sendfile`` when the blocks are verified), RemoveChunks,
 TruncateChunk, StatChunk, TargetInfo. Disk work runs in worker threads; write
 payloads are received straight into page-aligned pooled buffers.
 
-On start the server registers with the metadata service (keeping its server id
-across restarts in ``ROOT/target.json``) and then heartbeats every second with
-its capacity and usage. Replication (forwarding along chains, resync, scrub)
+On start the server registers with the metadata service and then heartbeats
+every second with its capacity and usage. ``ROOT/target.json`` keeps its server
+id across restarts and the root's identity token: a random secret created once
+per storage root and sent with every membership message, which binds the server
+id to this data directory. A registration is ``pending`` until the metadata
+service has connected back to the announced address (the server polls quickly
+meanwhile); the server reports itself started only once admitted. Replication (forwarding along chains, resync, scrub)
 lives in ``_replication.py``.
 """
 
@@ -17,6 +21,7 @@ import functools
 import json
 import logging
 import os
+import secrets
 from typing import Any
 
 import trio
@@ -30,6 +35,10 @@ from ._replication import Replicator, control_call
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 1.0
+# While the metadata service checks a registration (a connect-back, milliseconds) the
+# server asks again this often, for up to PENDING_FAST_POLLS times, so startup stays fast.
+PENDING_POLL = 0.05
+PENDING_FAST_POLLS = 100
 SMALL_READ = 256 * 1024
 
 
@@ -200,39 +209,65 @@ def _save_identity(root: str, ident: dict[str, Any]) -> None:
     ChunkStore._fsync_dir(root)  # the rename itself is durable only once its directory is
 
 
+def _identity_token(ident: dict[str, Any]) -> bool:
+    """Give ``ident`` its root's identity token if it has none; returns whether it was created."""
+    token = ident.get("token")
+    if isinstance(token, str) and len(token) == 64 and all(c in "0123456789abcdef" for c in token):
+        return False
+    ident["token"] = secrets.token_hex(32)
+    return True
+
+
 async def _register_and_heartbeat(service: StorageService, meta: TrioConnection, host: str, port: int, root: str,
-                                  registered: trio.Event, nursery: trio.Nursery) -> None:
+                                  admitted: trio.Event, nursery: trio.Nursery) -> None:
     ident = await trio.to_thread.run_sync(_load_identity, root)
+    if _identity_token(ident):  # on disk before it is ever sent: the id it earns is bound to it
+        await trio.to_thread.run_sync(_save_identity, root, ident)
+    token = ident["token"]
+    service.repl.token = token
+    known = False  # the metadata service answered our registration (pending or admitted)
+    polls = 0
     while True:
+        pending = False
         try:
             info = await service.info()
             reply: m.RegisterServerReply | m.HeartbeatReply
-            if not registered.is_set():
+            if not known:
                 registration, _ = await control_call(meta, m.RegisterServer(
                     host=host, port=port, root=root, server_id=ident.get("server_id"),
-                    capacity=info.capacity, used=info.used, pid=os.getpid(),
+                    capacity=info.capacity, used=info.used, pid=os.getpid(), token=token,
                 ))
+                # Taken at once: the metadata service's connect-back check asks for this id.
                 service.server_id = registration.server_id
                 reply = registration
                 if ident.get("server_id") != service.server_id:
                     ident["server_id"] = service.server_id
                     await trio.to_thread.run_sync(_save_identity, root, ident)
-                registered.set()
+                known = True
             else:
                 assert service.server_id is not None
                 reply, _ = await control_call(meta, m.Heartbeat(
                     server_id=service.server_id, capacity=info.capacity, used=info.used, chunks=info.chunks,
+                    token=token,
                 ))
-            repl = service.repl
-            if repl.routing is None or repl.routing.version != reply.routing_version:
-                await repl.refresh(-1)
-            if reply.state == "syncing" and not repl.syncing:
-                nursery.start_soon(repl.resync)
+            if reply.state == "pending":
+                pending = True
+            else:
+                repl = service.repl
+                if repl.routing is None or repl.routing.version != reply.routing_version:
+                    await repl.refresh(-1)
+                if reply.state == "syncing" and not repl.syncing:
+                    nursery.start_soon(repl.resync)
+                admitted.set()
         except StripefsError as exc:
-            if exc.code == ErrorCode.NOT_FOUND and registered.is_set():
-                registered = trio.Event()  # the metadata service forgot us: register again
-            log.warning("metadata service unreachable from storage server: %s", exc.message)
-        await trio.sleep(HEARTBEAT_INTERVAL)
+            if exc.code == ErrorCode.NOT_FOUND and known:
+                known = False  # the metadata service forgot us (or our registration): register again
+            if exc.code in (ErrorCode.PERMISSION, ErrorCode.INVALID, ErrorCode.BUSY):
+                log.error("metadata service refused this storage server's registration: %s", exc.message)
+            else:
+                log.warning("metadata service unreachable from storage server: %s", exc.message)
+        polls = polls + 1 if pending else 0
+        await trio.sleep(PENDING_POLL if pending and polls <= PENDING_FAST_POLLS else HEARTBEAT_INTERVAL)
 
 
 async def serve_storage(
@@ -248,7 +283,7 @@ async def serve_storage(
     """Serve the target in ``root`` until cancelled.
 
     Reports ``(host, port)`` through ``task_status`` once it is listening *and*
-    registered with the metadata service, so callers can use it at once.
+    admitted by the metadata service, so callers can use it at once.
     """
     os.makedirs(root, exist_ok=True)
     store = await trio.to_thread.run_sync(ChunkStore, root)
@@ -256,7 +291,7 @@ async def serve_storage(
     service = StorageService(store, Replicator(store, secret, TrioConnection(metadata, secret)))
     async with trio.open_nursery() as nursery:
         address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id))
-        registered = trio.Event()
-        nursery.start_soon(_register_and_heartbeat, service, meta_conn, address[0], address[1], store.root, registered, nursery)
-        await registered.wait()
+        admitted = trio.Event()
+        nursery.start_soon(_register_and_heartbeat, service, meta_conn, address[0], address[1], store.root, admitted, nursery)
+        await admitted.wait()
         task_status.started(address)

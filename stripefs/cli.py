@@ -93,6 +93,8 @@ def cmd_status(a: argparse.Namespace) -> int:
     print(f"{'id':>3} {'address':<22} {'state':<8} {'pid':>7} {'used':>12} {'capacity':>12}")
     for s in st.servers:
         print(f"{s.server_id:>3} {s.host + ':' + str(s.port):<22} {s.state:<8} {s.pid:>7} {_human(s.used):>12} {_human(s.capacity):>12}")
+    for p in md.get("pending", []):  # registrations the metadata service has not admitted (yet)
+        print(f"    pending {p['server_id']} ({p['host']}:{p['port']}, {p['waiting']}s): {p['reason']}")
     def chain(c: dict[str, Any]) -> str:
         return "[" + ",".join(f"{t}{'' if s == 'serving' else '(' + s + ')'}" for t, s in zip(c["targets"], c["states"])) + "]"
 

@@ -342,7 +342,7 @@ class ClusterStatusReply(ReplyMessage):
 @reply
 class RegisterServerReply(ReplyMessage):
     server_id: int
-    state: str  # serving | syncing
+    state: str  # pending (not admitted yet) | joining | serving | syncing
     routing_version: int
 
 
@@ -606,6 +606,10 @@ class RegisterServer(Message[RegisterServerReply]):
     capacity: int = 0
     used: int = 0
     pid: int = 0
+    # The data directory's identity: a random secret created once per storage root
+    # (``ROOT/target.json``). A server id is bound to it at its first admission, and only
+    # its holder may re-register, heartbeat or report SyncDone under that id.
+    token: str = ""
 
 
 @message(29)
@@ -614,6 +618,7 @@ class Heartbeat(Message[HeartbeatReply]):
     capacity: int = 0
     used: int = 0
     chunks: int = 0
+    token: str = ""  # the data directory's identity (see RegisterServer)
 
 
 @message(30)
@@ -768,6 +773,7 @@ class SyncDone(Message[SyncDoneReply]):
     """Storage -> metadata: this server has caught up with its chains."""
 
     server_id: int
+    token: str = ""  # the data directory's identity (see RegisterServer)
 
 
 @message(49)

@@ -1,0 +1,185 @@
+"""Who may join the storage membership: field checks, identity tokens, the connect-back check.
+
+Any holder of the cluster secret -- every client -- can send the membership
+messages (``RegisterServer``, ``Heartbeat``, ``SyncDone``), so the metadata
+service trusts none of their fields:
+
+* :func:`validate` refuses out-of-range fields with ``INVALID`` (EINVAL) before
+  anything changes;
+* a server id is bound to its data directory's identity token (a random secret
+  in ``ROOT/target.json``, created once per storage root); the service keeps only
+  its SHA-256 (:func:`token_hash`), so ``servers.json`` does not reveal it;
+* :func:`connect_back` proves that the announced address is a storage server of
+  this cluster answering as the registered server (same id, same data
+  directory) before the registration may take a chain slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import os
+import re
+from typing import Any
+
+import trio
+
+from wire import (
+    NEED_DATA,
+    ClientConnection,
+    ConnectionClosed,
+    ErrorCode,
+    ErrorReceived,
+    HandshakeComplete,
+    Message,
+    ResponseReceived,
+    StripefsError,
+)
+from wire import (
+    messages as m,
+)
+
+__all__ = ["MAX_SERVER_ID", "validate", "valid_host", "token_hash", "same_token", "connect_back", "NOT_YET"]
+
+MAX_SERVER_ID = 2 ** 31 - 1
+_MAX_BYTES = 2 ** 63 - 1  # capacities and counts: anything larger is not a real disk
+_MAX_PID = 2 ** 31 - 1
+_MAX_ROOT = 4096  # PATH_MAX
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)\Z")
+_TOKEN = re.compile(r"[0-9a-f]{32,128}\Z")
+CONNECT_BACK_TIMEOUT = 2.0
+# The answer of a server that has not processed its registration reply yet (it learns
+# its id from that reply): not a refusal, the check is simply repeated shortly.
+NOT_YET = "the server has not taken its server id yet"
+
+
+def _invalid(msg: str) -> StripefsError:
+    return StripefsError(ErrorCode.INVALID, msg)
+
+
+def valid_host(host: str) -> bool:
+    """An IP literal a peer can connect to, or an RFC 1123 host name."""
+    if not host or len(host) > 253:
+        return False
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:  # "0.0.0.0" or a multicast group is not an address anyone can connect back to
+        return not (ip.is_unspecified or ip.is_multicast)
+    labels = (host[:-1] if host.endswith(".") else host).split(".")
+    # A name whose last label is all digits is a mistyped IP ("256.1.1.1"), not a host name.
+    return all(_LABEL.match(label) for label in labels) and not labels[-1].isdigit()
+
+
+def _int(name: str, value: Any, lo: int, hi: int) -> None:
+    # The wire decoder already refused non-ints (and bools); ranges are ours to check.
+    if not lo <= value <= hi:
+        raise _invalid(f"{name} must be between {lo} and {hi}, not {value}")
+
+
+def _token(value: str) -> None:
+    if not _TOKEN.match(value):
+        raise _invalid("token must be the storage root's identity: 32-128 lowercase hex digits")
+
+
+def validate(msg: Message[Any]) -> None:
+    """Refuse a membership message with an out-of-range field.
+
+    Raises:
+        StripefsError: INVALID naming the first bad field.
+    """
+    if isinstance(msg, m.RegisterServer):
+        if not valid_host(msg.host):
+            raise _invalid(f"host must be an IP address or a host name, not {msg.host[:80]!r}")
+        _int("port", msg.port, 1, 65535)
+        root = msg.root
+        if not root or len(root) > _MAX_ROOT or "\0" in root or not os.path.isabs(root):
+            raise _invalid(f"root must be an absolute path, not {root[:80]!r}")
+        if msg.server_id is not None:
+            _int("server_id", msg.server_id, 1, MAX_SERVER_ID)
+        _int("capacity", msg.capacity, 0, _MAX_BYTES)
+        _int("used", msg.used, 0, _MAX_BYTES)
+        _int("pid", msg.pid, 1, _MAX_PID)
+        _token(msg.token)
+    elif isinstance(msg, m.Heartbeat):
+        _int("server_id", msg.server_id, 1, MAX_SERVER_ID)
+        _int("capacity", msg.capacity, 0, _MAX_BYTES)
+        _int("used", msg.used, 0, _MAX_BYTES)
+        _int("chunks", msg.chunks, 0, _MAX_BYTES)
+        _token(msg.token)
+    elif isinstance(msg, m.SyncDone):
+        _int("server_id", msg.server_id, 1, MAX_SERVER_ID)
+        _token(msg.token)
+
+
+def token_hash(token: str) -> str:
+    """What the metadata service keeps of a token (never the token itself)."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def same_token(recorded: str, token: str) -> bool:
+    return hmac.compare_digest(recorded, token_hash(token))
+
+
+async def _exchange(stream: trio.SocketStream, machine: ClientConnection, msg: Message[Any]) -> Any:
+    """The handshake, then one request and its typed reply, through the sans-IO machine."""
+
+    async def next_event() -> Any:
+        while True:
+            event = machine.next_event()  # PROTOCOL for a server of the wrong role
+            out = machine.data_to_send()
+            if out:
+                await stream.send_all(out)
+            if event is not NEED_DATA:
+                return event
+            machine.receive_data(await stream.receive_some(max(machine.next_read_size(), 1 << 16)))
+
+    event = await next_event()
+    if not isinstance(event, HandshakeComplete):
+        raise StripefsError(ErrorCode.PROTOCOL, "no handshake")
+    _, data = machine.send_request(msg)
+    await stream.send_all(data)
+    event = await next_event()
+    if isinstance(event, ErrorReceived):
+        raise event.error
+    if isinstance(event, ConnectionClosed):
+        raise StripefsError(ErrorCode.UNAVAILABLE, "connection closed before the answer")
+    if not isinstance(event, ResponseReceived) or event.payload_len:
+        raise StripefsError(ErrorCode.PROTOCOL, "unexpected answer")
+    return m.decode_reply(msg, event.header)
+
+
+async def connect_back(secret: str, host: str, port: int, server_id: int, root: str,
+                       timeout: float = CONNECT_BACK_TIMEOUT) -> str | None:
+    """Check that ``host:port`` is a storage server of this cluster answering as ``server_id`` in ``root``.
+
+    The handshake is the cluster's own (both sides prove the secret; the server
+    must announce the ``storage`` role), then ``TargetInfo`` must name the same
+    server id and data directory.
+
+    Returns:
+        None when it is; otherwise why not (:data:`NOT_YET` when the server does
+        not know its id yet, which is worth asking again at once).
+    """
+    address = f"{host}:{port}"
+    try:
+        with trio.fail_after(timeout):
+            stream = await trio.open_tcp_stream(host, port)
+            async with stream:
+                machine = ClientConnection(secret, os.urandom(16), expect_role="storage")
+                info = await _exchange(stream, machine, m.TargetInfo())
+    except trio.TooSlowError:
+        return f"no answer from {address} within {timeout:g}s"
+    except StripefsError as exc:
+        return f"{address} is not a storage server of this cluster: {exc.message}"
+    except OSError as exc:
+        return f"cannot connect back to {address}: {exc.strerror or exc}"
+    if info.server_id is None:
+        return NOT_YET
+    if info.server_id != server_id:
+        return f"{address} answers as storage server {info.server_id}, not {server_id}"
+    if os.path.normpath(info.root) != os.path.normpath(root):
+        return f"{address} serves {info.root!r}, not the registered {root!r}"
+    return None
