@@ -1,0 +1,112 @@
+"""Replicas converge by content, not by version number alone (issue 14).
+
+Claim 1: a head that applied a write and died before forwarding it comes back
+holding bytes its chain never acknowledged, at a version the serving replica
+also reached (or passed) with other bytes. The test forges that state on the
+stopped server's disk (a :class:`storage.ChunkStore` over its root), which is
+what the crash leaves, instead of racing a kill -9 against a forward.
+
+Claim 2 (``SyncDone`` from a donor) runs on :class:`metadata._server.Membership`
+directly with a fake clock.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import crc32c
+
+from fsclient import Client
+from metadata._server import Membership
+from storage import ChunkStore
+from tests.conftest import TEST_CHUNK
+from tests.membership.test_chain_moves import Clock, _beat, _join
+from tests.replication.test_replication import server_pid, wait_all_serving
+from wire import messages as m
+
+BLOCK = 64 * 1024
+
+
+def _block_crcs(data: bytes) -> list[int]:
+    return [crc32c.crc32c(data[b : b + BLOCK]) for b in range(0, len(data), BLOCK)]
+
+
+def _wait_state(c: Client, sid: int, state: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(s.server_id == sid and s.state == state for s in c.status().servers):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"server {sid} never became {state}: {c.status().servers}")
+
+
+def _forge(root: str, ino: int, data: bytes, offset: int = 0) -> None:
+    """What a head that died before forwarding leaves: a write applied only here."""
+    store = ChunkStore(root)
+    meta = store.stat(ino, 0)
+    assert meta is not None
+    store.write(ino, 0, offset, memoryview(data), crc32c.crc32c(data), TEST_CHUNK, meta.chain)
+
+
+def test_replicas_converge_by_content_after_a_head_dies_before_forwarding(make_cluster) -> None:
+    h = make_cluster(servers=2, replicas=2)
+    base = os.urandom(TEST_CHUNK)
+    with h.client() as c:
+        c.write_bytes("/same", base)  # the forged write and the chain's write share a version
+        c.write_bytes("/ahead", base)  # the forged write is one version ahead of the chain
+        ino_same, ino_ahead = c.stat("/same").ino, c.stat("/ahead").ino
+        victim = c.status().servers[0].server_id
+        other = next(s.server_id for s in c.status().servers if s.server_id != victim)
+        root = c.call_storage(victim, m.TargetInfo()).root
+    os.kill(server_pid(h, victim), signal.SIGKILL)
+    with h.client() as c:
+        _wait_state(c, victim, "offline")
+        lost1, lost2 = os.urandom(BLOCK), os.urandom(BLOCK)  # never acknowledged to anyone
+        _forge(root, ino_same, lost1)
+        _forge(root, ino_ahead, lost2, BLOCK)
+        w2 = os.urandom(BLOCK)
+        with c.open("/same", "r+b") as f:  # acknowledged by the surviving replica alone
+            f.write(w2)
+    h.up()  # restarts the victim: it resyncs and serves again
+    with h.client() as c:
+        wait_all_serving(c, 2)
+        w3 = os.urandom(1000)
+        with c.open("/ahead", "r+b") as f:  # a write forwarded to (or from) the returned server
+            f.write(w3)
+        expect = {ino_same: w2 + base[BLOCK:], ino_ahead: w3 + base[1000:]}
+        for ino, data in expect.items():
+            stats = {sid: c.call_storage(sid, m.StatChunk(ino=ino, index=0)) for sid in (victim, other)}
+            for sid, st in stats.items():
+                assert st.crcs == _block_crcs(data), f"server {sid} holds other bytes for inode {ino}"
+            assert stats[victim].version == stats[other].version
+        assert c.read_bytes("/same") == expect[ino_same]
+        assert c.read_bytes("/ahead") == expect[ino_ahead]
+
+
+def test_sync_done_from_a_donor_does_not_drop_its_chains(tmp_path: Path) -> None:
+    clock = Clock()
+    mb = Membership(str(tmp_path / "servers.json"), replicas=2, admit_after=0.0, move_interval=0.0, clock=clock)
+    a, b = _join(mb, 9001), _join(mb, 9002)
+    mb.freeze()
+    new = _join(mb, 9003)
+    clock.t += 1.0
+    for sid, port in ((a, 9001), (b, 9002), (new, 9003)):
+        _beat(mb, sid, port)
+    mb.sweep()
+    assert mb.leaving and mb.servers[new].state == "syncing"
+    leaving = dict(mb.leaving)
+    donor = next(iter(leaving.values()))
+    # The donor blips and comes back syncing (it may have missed writes), then catches up
+    # before the newcomer has copied anything: it must keep donating.
+    mb._set(donor, state="syncing")
+    mb.sync_done(donor)
+    for chain, d in leaving.items():
+        assert d in mb.table[chain], f"chain {chain} lost donor {d} before the newcomer synced"
+        assert mb.leaving.get(chain) == d
+    assert mb.servers[new].state == "syncing"
+    mb.sync_done(new)
+    for chain, d in leaving.items():
+        assert d not in mb.table[chain] and new in mb.table[chain]
