@@ -391,7 +391,13 @@ class Membership:
             sid = msg
         if sid in self.servers and self.servers[sid].state == "syncing":
             for chain, donor in list(self.leaving.items()):
-                if sid in self.table.get(chain, []):
+                ts = self.table.get(chain, [])
+                # Only the newcomer's SyncDone relieves the donor. The newcomer joined at the
+                # end of the frozen table (_plan_migration) and stays last until then; another
+                # member that blipped and resynced (the donor itself, or a third replica) has
+                # caught up with its chains, but the newcomer may not have copied anything
+                # yet, so dropping the donor then could remove the only complete copy.
+                if ts and ts[-1] == sid and sid != donor:
                     # The newcomer serves from now on, so the chain keeps a serving target.
                     self.table[chain].remove(donor)
                     del self.leaving[chain]
