@@ -78,6 +78,16 @@ class ChunkMeta:
     mtime_ns: int = 0  # file mtime when verified/written by us
     chain: int = 0
 
+    @property
+    def digest(self) -> int:
+        """CRC32C over the length and the block CRCs: equal chunks have equal digests.
+
+        Versions alone cannot tell replicas apart: a head that applied a write and
+        died before forwarding it comes back with bytes at a version its successor
+        later reached with other bytes. Replication and resync compare this too.
+        """
+        return _crc(struct.pack(f"!Q{len(self.crcs)}I", self.length, *self.crcs))
+
     def pack(self) -> bytes:
         head = _HDR.pack(MAGIC, self.version, self.length, BLOCK, len(self.crcs), self.chain).ljust(_CRC_OFF, b"\0")
         return head + struct.pack(f"!{len(self.crcs)}I", *self.crcs)
@@ -470,14 +480,26 @@ class ChunkStore:
         return self._load(ino, index)
 
     # -- replication support ---------------------------------------------------------------
-    def replace(self, ino: int, index: int, chain: int, version: int, data: bytes | memoryview, *, force: bool = False) -> ChunkMeta:
-        """Install a whole chunk copied from a replica, if newer than ours (resync) or ``force`` (repair)."""
+    def replace(self, ino: int, index: int, chain: int, version: int, data: bytes | memoryview, *, force: bool = False,
+                expect: tuple[int, int] | None = None) -> ChunkMeta | None:
+        """Install a whole chunk copied from a replica.
+
+        Installed if newer than ours (a replica catching up), with ``force`` (repair, a
+        diverged copy) or, with ``expect`` = ``(version, digest)``, only while our copy
+        is still exactly that (``(-1, 0)``: none): a resync decided to replace what it
+        saw, and a write forwarded meanwhile must not be overwritten by an older copy.
+        Returns the chunk's meta now (None: no chunk, left so because ``expect`` failed).
+        """
         with self._lock(ino, index):
             try:
                 cur = self._load(ino, index)
             except StripefsError:  # our copy's header is corrupt: replace it
                 cur = None
-            if cur is not None and cur.version >= version and not force:
+            if expect is not None:
+                seen = (cur.version, cur.digest) if cur is not None else (-1, 0)
+                if seen != expect:
+                    return cur
+            elif cur is not None and cur.version >= version and not force:
                 return cur
             if self.is_removed(ino):  # a copy from a peer that has not collected it yet
                 raise self._stale(ino)
@@ -517,7 +539,7 @@ class ChunkStore:
     def drop_chain(self, chain: int) -> int:
         """Delete every chunk of ``chain`` held here (the chain moved to another server)."""
         items = self.list_chain(chain)
-        for ino, index, _v, _n in items:
+        for ino, index, *_rest in items:
             self.remove_one(ino, index)
         return len(items)
 
@@ -552,24 +574,32 @@ class ChunkStore:
             out.extend((ino, int(n, 16)) for n in names if not n.endswith(".tmp"))
         return out
 
-    def chunks_by_chain(self) -> dict[int, list[tuple[int, int, int, int]]]:
-        """Every chunk held here, grouped by chain: ``{chain: [(ino, index, version, length)]}``.
+    def chunks_by_chain(self) -> dict[int, list[tuple[int, int, int, int, int]]]:
+        """Every chunk held here, grouped by chain: ``{chain: [(ino, index, version, length, digest)]}``.
 
-        One directory walk (headers come from the in-memory cache after the first read).
+        One directory walk (headers come from the in-memory cache after the first
+        read); each chain's list is in (ino, index) order, so it can be paged.
         """
-        out: dict[int, list[tuple[int, int, int, int]]] = {}
-        for ino, index in self.all_chunks():
+        out: dict[int, list[tuple[int, int, int, int, int]]] = {}
+        for ino, index in sorted(self.all_chunks()):
             try:
                 meta = self._load(ino, index)
             except StripefsError:
                 meta = None  # a corrupt header: scrub reports it
             if meta is not None:
-                out.setdefault(meta.chain, []).append((ino, index, meta.version, meta.length))
+                out.setdefault(meta.chain, []).append((ino, index, meta.version, meta.length, meta.digest))
         return out
 
-    def list_chain(self, chain: int) -> list[tuple[int, int, int, int]]:
-        """``(ino, index, version, length)`` of every chunk of ``chain`` held here."""
-        return self.chunks_by_chain().get(chain, [])
+    def list_chain(self, chain: int, after: tuple[int, int] | None = None,
+                   limit: int = 0) -> list[tuple[int, int, int, int, int]]:
+        """``(ino, index, version, length, digest)`` of the chunks of ``chain`` held here.
+
+        ``after``/``limit``: a page, the first ``limit`` (> 0) chunks past ``after``.
+        """
+        items = self.chunks_by_chain().get(chain, [])
+        if after is not None:
+            items = [c for c in items if (c[0], c[1]) > after]
+        return items[:limit] if limit > 0 else items
 
     def scrub(self) -> tuple[int, list[tuple[int, int, int]]]:
         """Re-read and verify every chunk from disk: ``(checked, [(ino, index, chain)] bad)``."""

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 R = TypeVar("R", bound=ReplyMessage)
 
 POOL_PER_PEER = 8
+LIST_PAGE = 8192  # chunks per ListChunks reply: ~50 bytes each, far below the frame limit
 SETTLE = 3.0  # seconds: > 2 heartbeats, so every peer routes by the table that includes us
 
 
@@ -125,7 +126,7 @@ class Replicator:
                 meta = await trio.to_thread.run_sync(
                     self.store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain
                 )
-                await self._forward(order, pos, msg, view, meta.version, routing.version)
+                await self._forward(order, pos, msg, view, meta.version, routing.version, meta.digest)
         else:
             try:
                 meta = await trio.to_thread.run_sync(
@@ -135,14 +136,23 @@ class Replicator:
                 # We missed versions (we were away): take the predecessor's whole chunk, which
                 # already includes this write, then pass the write on.
                 meta = await self.copy_chunk(order[pos - 1], msg.ino, msg.index)
-            await self._forward(order, pos, msg, view, msg.version, routing.version)
+            if msg.digest is not None and (meta.version != msg.version or meta.digest != msg.digest):
+                # Our copy diverged: we applied another write as this version (or a later
+                # one) while heading the chain and failed before forwarding it. The head
+                # holds the chunk's lock for this round trip, so the predecessor's copy is
+                # exactly this version: take it instead of acknowledging bytes we lack.
+                log.warning("chunk %d:%d diverged here (version %d, chain at %d): copying it from server %d",
+                            msg.ino, msg.index, meta.version, msg.version, order[pos - 1])
+                meta = await self.copy_chunk(order[pos - 1], msg.ino, msg.index, force=True)
+            await self._forward(order, pos, msg, view, msg.version, routing.version, msg.digest)
         return m.WriteChunkReply(length=meta.length, version=meta.version)
 
-    async def _forward(self, order: list[int], pos: int, msg: m.WriteChunk, view: memoryview, version: int, rv: int) -> None:
+    async def _forward(self, order: list[int], pos: int, msg: m.WriteChunk, view: memoryview, version: int, rv: int,
+                       digest: int | None) -> None:
         if pos + 1 >= len(order):
             return
         fwd = m.WriteChunk(ino=msg.ino, index=msg.index, offset=msg.offset, crc=msg.crc, chunk_size=msg.chunk_size,
-                           chain=msg.chain, routing_version=rv, version=version)
+                           chain=msg.chain, routing_version=rv, version=version, digest=digest)
         try:
             await self.call_peer(order[pos + 1], fwd, bytes(view))
         except StripefsError as exc:
@@ -152,11 +162,30 @@ class Replicator:
                 raise StripefsError(ErrorCode.UNAVAILABLE, f"replica {order[pos + 1]} of chain {msg.chain}: {exc.message}") from exc
             raise
 
-    async def copy_chunk(self, source: int, ino: int, index: int, *, force: bool = False) -> Any:
+    async def copy_chunk(self, source: int, ino: int, index: int, *, force: bool = False,
+                         expect: tuple[int, int] | None = None) -> Any:
+        """Copy a whole chunk from ``source`` (see :meth:`ChunkStore.replace` for ``force``/``expect``)."""
         reply, data = await self.call_peer(source, m.FetchChunk(ino=ino, index=index))
         return await trio.to_thread.run_sync(
-            lambda: self.store.replace(ino, index, reply.chain, reply.version, data, force=force)
+            lambda: self.store.replace(ino, index, reply.chain, reply.version, data, force=force, expect=expect)
         )
+
+    async def list_chunks(self, source: int, chain: int) -> dict[tuple[int, int], tuple[int, int | None]]:
+        """``{(ino, index): (version, digest)}`` of ``chain`` on ``source``, page by page.
+
+        Paged so that a chain of any size fits in frames; the digest is None from a
+        server that predates digests (then versions alone decide).
+        """
+        out: dict[tuple[int, int], tuple[int, int | None]] = {}
+        after: list[int] | None = None
+        while True:
+            reply, _ = await self.call_peer(source, m.ListChunks(chain=chain, after=after, limit=LIST_PAGE))
+            digests = reply.digests if reply.digests is not None and len(reply.digests) == len(reply.chunks) else None
+            for k, entry in enumerate(reply.chunks):
+                out[(int(entry[0]), int(entry[1]))] = (int(entry[2]), None if digests is None else int(digests[k]))
+            if not reply.more or not reply.chunks:
+                return out
+            after = [int(reply.chunks[-1][0]), int(reply.chunks[-1][1])]
 
     # -- resync -------------------------------------------------------------------------------
     async def resync(self) -> None:
@@ -199,15 +228,19 @@ class Replicator:
             sources = [t for t, st in members if st == "serving" and t != self.server_id]
             if not sources:
                 continue
-            reply, _ = await self.call_peer(sources[0], m.ListChunks(chain=chain))
-            remote = {(int(i), int(x)): int(v) for i, x, v, _n in reply.chunks}
-            local = {(i, x): v for i, x, v, _n in held.get(chain, [])}
+            remote = await self.list_chunks(sources[0], chain)
+            local = {(i, x): (v, d) for i, x, v, _n, d in held.get(chain, [])}
             self.sync_progress = {"chain": chain, "total": len(remote), "done": 0}
-            for (ino, index), version in remote.items():
-                if local.get((ino, index), -1) < version:
+            for (ino, index), (version, digest) in remote.items():
+                have = local.get((ino, index))
+                # Copy what is behind, and what differs from the serving copy at all: a
+                # version we hold that the chain never had (we applied a write as head and
+                # failed before forwarding it) or other bytes at the same version.
+                behind = have is None or have[0] < version
+                if behind or (digest is not None and have != (version, digest)):
                     try:
                         async with self.chunk_lock((ino, index)):
-                            await self.copy_chunk(sources[0], ino, index)
+                            await self.copy_chunk(sources[0], ino, index, expect=have or (-1, 0))
                     except StripefsError as exc:
                         if exc.code not in (ErrorCode.NOT_FOUND, ErrorCode.STALE_FILE):
                             raise

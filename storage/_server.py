@@ -139,8 +139,14 @@ class StorageService(Service):
             removed = await trio.to_thread.run_sync(store.drop_chain, msg.chain)
             await conn.send(head, m.RemovedReply(removed=removed).to_header())
         elif isinstance(msg, m.ListChunks):
-            chunks = await trio.to_thread.run_sync(store.list_chain, msg.chain)
-            await conn.send(head, m.ListChunksReply(chunks=[list(c) for c in chunks]).to_header())
+            after = (int(msg.after[0]), int(msg.after[1])) if msg.after is not None and len(msg.after) == 2 else None
+            limit = max(0, msg.limit)
+            # One past the page tells whether more follow.
+            chunks = await trio.to_thread.run_sync(store.list_chain, msg.chain, after, limit + 1 if limit else 0)
+            more = bool(limit) and len(chunks) > limit
+            chunks = chunks[:limit] if more else chunks
+            reply = m.ListChunksReply(chunks=[list(c[:4]) for c in chunks], digests=[c[4] for c in chunks], more=more)
+            await conn.send(head, reply.to_header())
         elif isinstance(msg, m.Scrub):
             await conn.send(head, (await self.repl.scrub(msg.repair)).to_header())
         elif isinstance(msg, m.TargetInfo):

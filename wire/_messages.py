@@ -400,7 +400,11 @@ class TargetInfoReply(ReplyMessage):
 
 @reply
 class ListChunksReply(ReplyMessage):
-    chunks: list[list[int]]  # [[ino, index, version, length], ...]
+    chunks: list[list[int]]  # [[ino, index, version, length], ...], in (ino, index) order
+    # The content digest of each chunk in ``chunks`` (storage ChunkMeta.digest), so a resync
+    # copies a chunk whose bytes differ at the same version; None from older servers.
+    digests: list[int] | None = None
+    more: bool = False  # a page (ListChunks.limit): ask again after the last entry
 
 
 @reply
@@ -707,6 +711,11 @@ class WriteChunk(Message[WriteChunkReply]):
     chain: int = 0  # the chain the chunk belongs to (replicated writes go head -> tail)
     routing_version: int = 0  # the sender's routing table version (STALE_ROUTING if it differs)
     version: int | None = None  # set by the chain head when it forwards to the next replica
+    # Set with ``version``: the digest of the chunk once this write is applied (storage
+    # ChunkMeta.digest). A replica whose copy at that version differs (it applied another
+    # write as the same version before a failure) replaces it from its predecessor rather
+    # than acknowledging bytes the chain does not hold.
+    digest: int | None = None
 
 
 @message(41)
@@ -755,9 +764,16 @@ class TargetInfo(Message[TargetInfoReply]):
 
 @message(46)
 class ListChunks(Message[ListChunksReply]):
-    """Chunks of one chain held by a storage server (resync compares versions)."""
+    """Chunks of one chain held by a storage server (resync compares versions and digests).
+
+    Paged: with ``limit`` > 0 at most ``limit`` chunks after ``after`` (``[ino, index]``)
+    come back, and the reply says whether more follow; ``limit`` 0 lists them all (the
+    old form, which past ~88k chunks overflows a frame).
+    """
 
     chain: int
+    after: list[int] | None = None
+    limit: int = 0
 
 
 @message(47)

@@ -110,3 +110,26 @@ def test_sync_done_from_a_donor_does_not_drop_its_chains(tmp_path: Path) -> None
     mb.sync_done(new)
     for chain, d in leaving.items():
         assert d not in mb.table[chain] and new in mb.table[chain]
+
+
+def test_digest_list_pages_and_conditional_replace(tmp_path: Path) -> None:
+    store = ChunkStore(str(tmp_path))
+    for ino in (3, 1, 2):
+        for index in (1, 0):
+            data = bytes([ino, index]) * 100
+            store.write(ino, index, 0, memoryview(data), crc32c.crc32c(data), TEST_CHUNK, chain=7)
+    items = store.list_chain(7)
+    assert [(i, x) for i, x, *_ in items] == sorted((i, x) for i in (1, 2, 3) for x in (0, 1))
+    assert store.list_chain(7, (1, 1), 2) == items[2:4] and store.list_chain(7, (3, 1), 2) == []
+    meta = store.stat(1, 0)
+    assert meta is not None and items[0][4] == meta.digest
+    # Same version, other bytes: other digest; the same bytes elsewhere: the same digest.
+    other = ChunkStore(str(tmp_path / "other"))
+    data = b"x" * 200
+    other.write(1, 0, 0, memoryview(data), crc32c.crc32c(data), TEST_CHUNK, chain=7)
+    theirs = other.stat(1, 0)
+    assert theirs is not None and theirs.version == meta.version and theirs.digest != meta.digest
+    # A conditional replace leaves a chunk that changed since the caller looked at it.
+    assert store.replace(1, 0, 7, 1, data, expect=(meta.version, meta.digest + 1)) is meta
+    new = store.replace(1, 0, 7, 1, data, expect=(meta.version, meta.digest))
+    assert new is not None and new.digest == theirs.digest
