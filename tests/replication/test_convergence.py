@@ -133,3 +133,35 @@ def test_digest_list_pages_and_conditional_replace(tmp_path: Path) -> None:
     assert store.replace(1, 0, 7, 1, data, expect=(meta.version, meta.digest + 1)) is meta
     new = store.replace(1, 0, 7, 1, data, expect=(meta.version, meta.digest))
     assert new is not None and new.digest == theirs.digest
+
+
+def test_truncate_and_remove_skip_an_offline_replica_which_catches_up(make_cluster) -> None:
+    h = make_cluster(servers=2, replicas=2)
+    old = os.urandom(TEST_CHUNK * 3)
+    with h.client() as c:
+        c.write_bytes("/t", old)
+        c.write_bytes("/gone", old)
+        ino_t, ino_gone = c.stat("/t").ino, c.stat("/gone").ino
+        victim = c.status().servers[0].server_id
+    os.kill(server_pid(h, victim), signal.SIGKILL)
+    new = os.urandom(TEST_CHUNK // 2)
+    with h.client() as c:
+        _wait_state(c, victim, "offline")
+        c.write_bytes("/t", new)  # truncates the existing file first: the offline replica is skipped
+        c.unlink("/gone")
+        assert c.read_bytes("/t") == new
+    h.up()
+    with h.client() as c:
+        wait_all_serving(c, 2)
+        # The returned replica dropped what was cut or removed while it was away.
+        st = c.call_storage(victim, m.StatChunk(ino=ino_t, index=0))
+        assert st.crcs == _block_crcs(new)
+        for ino, index in [(ino_t, 1), (ino_t, 2), (ino_gone, 0)]:
+            deadline = time.monotonic() + 15
+            while True:
+                try:
+                    c.call_storage(victim, m.StatChunk(ino=ino, index=index))
+                except OSError:
+                    break
+                assert time.monotonic() < deadline, f"server {victim} still holds chunk {ino}:{index}"
+                time.sleep(0.2)
