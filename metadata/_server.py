@@ -735,12 +735,48 @@ class MetadataService(Service):
             first = -(-item.length // cs)
             cut = (item.length // cs, item.length % cs) if item.length % cs else None
         table = self.members.table
-        targets = {t for c in set(layout.chains) for t in table.get(c, [])}
-        for sid in sorted(targets):  # a server that no longer exists has nothing to delete
-            await self._call_storage(sid, m.RemoveChunks(ino=item.ino, from_index=first, forget=item.kind == "remove"))
+        chains = set(layout.chains)
+        for c in chains:
+            if table.get(c) and not self._online(table[c]):
+                # Nobody could repair a target of this chain later: it must not come back
+                # serving with the bytes this removal or cut was meant to drop.
+                raise StripefsError(ErrorCode.UNAVAILABLE, f"chain {c} has no target online")
+        # Offline targets are skipped: one returns ``syncing`` (it missed writes) and its
+        # resync drops the chunks its serving peer no longer holds and copies those whose
+        # length (digest) differs, so removals and cuts reach it then. Calling it now would
+        # cost a connect timeout per item and fail truncations that already committed a size.
+        targets = {t for c in chains for t in self._online(table.get(c, []))}
+        # A server that no longer exists has nothing to delete (_call_storage).
+        await self._call_all([(sid, m.RemoveChunks(ino=item.ino, from_index=first, forget=item.kind == "remove"))
+                              for sid in sorted(targets)])
         if cut is not None:
-            for sid in table.get(layout.chain_of(cut[0]), []):
-                await self._call_storage(sid, m.TruncateChunk(ino=item.ino, index=cut[0], length=cut[1]))
+            await self._call_all([(sid, m.TruncateChunk(ino=item.ino, index=cut[0], length=cut[1]))
+                                  for sid in self._online(table.get(layout.chain_of(cut[0]), []))])
+
+    async def _call_all(self, calls: list[tuple[int, Message]]) -> None:
+        """Make the calls in parallel (one slow server costs one wait, not one each).
+
+        Raises:
+            StripefsError: the first failure, once every call has finished.
+        """
+        errors: list[StripefsError] = []
+
+        async def one(sid: int, msg: Message) -> None:
+            try:
+                await self._call_storage(sid, msg)
+            except StripefsError as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for sid, msg in calls:
+                nursery.start_soon(one, sid, msg)
+        if errors:
+            raise errors[0]
+
+    def _online(self, targets: list[int]) -> list[int]:
+        """The targets not known to be offline (serving, syncing, or not known at all)."""
+        servers = self.members.servers
+        return [t for t in targets if t not in servers or servers[t].state != "offline"]
 
     async def drop_moved_chains(self) -> None:
         """Tell servers that left a chain to delete its chunks, once everyone has the new routing."""
@@ -789,12 +825,17 @@ class MetadataService(Service):
         else:
             self.members.reject(cand.server_id, reason)
 
+    async def detect(self) -> None:
+        """Failure detection on its own clock: never waits behind garbage collection's I/O."""
+        while True:
+            self.members.sweep()
+            await trio.sleep(GC_INTERVAL)
+
     async def background(self) -> None:
         while True:
             with trio.move_on_after(GC_INTERVAL):
                 await self.gc_wakeup.wait()
             self.gc_wakeup = trio.Event()
-            self.members.sweep()
             try:
                 await self.collect()
                 await self.drop_moved_chains()
@@ -844,6 +885,7 @@ async def serve_metadata(
     async with trio.open_nursery() as nursery:
         address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id))
         nursery.start_soon(service.run_batches)
+        nursery.start_soon(service.detect)
         nursery.start_soon(service.background)
         nursery.start_soon(service.admission)
         task_status.started(address)
