@@ -145,8 +145,8 @@ class StorageService(Service):
             chunks = await trio.to_thread.run_sync(store.list_chain, msg.chain, after, limit + 1 if limit else 0)
             more = bool(limit) and len(chunks) > limit
             chunks = chunks[:limit] if more else chunks
-            reply = m.ListChunksReply(chunks=[list(c[:4]) for c in chunks], digests=[c[4] for c in chunks], more=more)
-            await conn.send(head, reply.to_header())
+            listing = m.ListChunksReply(chunks=[list(c[:4]) for c in chunks], digests=[c[4] for c in chunks], more=more)
+            await conn.send(head, listing.to_header())
         elif isinstance(msg, m.Scrub):
             await conn.send(head, (await self.repl.scrub(msg.repair)).to_header())
         elif isinstance(msg, m.TargetInfo):

@@ -84,6 +84,22 @@ def test_replicas_converge_by_content_after_a_head_dies_before_forwarding(make_c
             assert stats[victim].version == stats[other].version
         assert c.read_bytes("/same") == expect[ino_same]
         assert c.read_bytes("/ahead") == expect[ino_ahead]
+        # ListChunks pages (claim 4): one chunk a page gives what one unpaged reply gives.
+        for chain in (ch["chain_id"] for ch in c.status().chains):
+            whole = c.call_storage(other, m.ListChunks(chain=chain))
+            assert not whole.more and whole.digests is not None and len(whole.digests) == len(whole.chunks)
+            paged: list[list[int]] = []
+            digests: list[int] = []
+            after = None
+            while True:
+                page = c.call_storage(other, m.ListChunks(chain=chain, after=after, limit=1))
+                assert len(page.chunks) <= 1 and page.digests is not None
+                paged += page.chunks
+                digests += page.digests
+                if not page.more:
+                    break
+                after = page.chunks[-1][:2]
+            assert paged == whole.chunks and digests == whole.digests
 
 
 def test_sync_done_from_a_donor_does_not_drop_its_chains(tmp_path: Path) -> None:
