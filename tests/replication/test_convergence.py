@@ -18,10 +18,13 @@ import time
 from pathlib import Path
 
 import crc32c
+import trio
 
 from fsclient import Client
 from metadata._server import Membership
 from storage import ChunkStore
+from storage import _replication
+from storage._replication import Replicator
 from tests.conftest import TEST_CHUNK
 from tests.membership.test_chain_moves import Clock, _beat, _join
 from tests.replication.test_replication import server_pid, wait_all_serving
@@ -181,3 +184,33 @@ def test_truncate_and_remove_skip_an_offline_replica_which_catches_up(make_clust
                     break
                 assert time.monotonic() < deadline, f"server {victim} still holds chunk {ino}:{index}"
                 time.sleep(0.2)
+
+
+def test_resync_listing_follows_pages_and_old_servers(tmp_path: Path, monkeypatch) -> None:
+    """A chain listed page by page (claim 4); a server without digests still lists by version."""
+    store = ChunkStore(str(tmp_path))
+    for index in range(7):
+        data = bytes([index]) * 10
+        store.write(5, index, 0, memoryview(data), crc32c.crc32c(data), TEST_CHUNK, chain=2)
+    asked: list[m.ListChunks] = []
+
+    async def answer(self: Replicator, sid: int, msg: m.ListChunks, payload: bytes = b"") -> tuple:
+        asked.append(msg)
+        after = tuple(msg.after) if msg.after is not None else None
+        page = store.list_chain(msg.chain, after, msg.limit + 1)  # type: ignore[arg-type]
+        more = len(page) > msg.limit
+        page = page[: msg.limit]
+        return m.ListChunksReply(chunks=[list(c[:4]) for c in page], digests=[c[4] for c in page], more=more), b""
+
+    monkeypatch.setattr(_replication, "LIST_PAGE", 3)
+    monkeypatch.setattr(Replicator, "call_peer", answer)
+    repl = Replicator(store, "secret", None)  # type: ignore[arg-type]
+    listed = trio.run(repl.list_chunks, 1, 2)
+    assert listed == {(i, x): (v, d) for i, x, v, _n, d in store.list_chain(2)} and len(listed) == 7
+    assert [q.after for q in asked] == [None, [5, 2], [5, 5]] and all(q.limit == 3 for q in asked)
+
+    async def old(self: Replicator, sid: int, msg: m.ListChunks, payload: bytes = b"") -> tuple:
+        return m.ListChunksReply(chunks=[list(c[:4]) for c in store.list_chain(msg.chain)]), b""
+
+    monkeypatch.setattr(Replicator, "call_peer", old)
+    assert trio.run(repl.list_chunks, 1, 2) == {(i, x): (v, None) for i, x, v, _n, _d in store.list_chain(2)}
