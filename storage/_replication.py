@@ -136,11 +136,12 @@ class Replicator:
                 # We missed versions (we were away): take the predecessor's whole chunk, which
                 # already includes this write, then pass the write on.
                 meta = await self.copy_chunk(order[pos - 1], msg.ino, msg.index)
-            if msg.digest is not None and (meta.version != msg.version or meta.digest != msg.digest):
+            if msg.digest is not None and len(view) and (meta.version != msg.version or meta.digest != msg.digest):
                 # Our copy diverged: we applied another write as this version (or a later
                 # one) while heading the chain and failed before forwarding it. The head
                 # holds the chunk's lock for this round trip, so the predecessor's copy is
-                # exactly this version: take it instead of acknowledging bytes we lack.
+                # exactly this version: take it instead of acknowledging bytes we lack. (An
+                # empty write creates no version: there is nothing to compare.)
                 log.warning("chunk %d:%d diverged here (version %d, chain at %d): copying it from server %d",
                             msg.ino, msg.index, meta.version, msg.version, order[pos - 1])
                 meta = await self.copy_chunk(order[pos - 1], msg.ino, msg.index, force=True)
