@@ -214,3 +214,47 @@ def test_resync_listing_follows_pages_and_old_servers(tmp_path: Path, monkeypatc
 
     monkeypatch.setattr(Replicator, "call_peer", old)
     assert trio.run(repl.list_chunks, 1, 2) == {(i, x): (v, None) for i, x, v, _n, _d in store.list_chain(2)}
+
+
+def test_a_replica_never_serves_bytes_its_chain_has_not_acknowledged(make_cluster) -> None:
+    """CRAQ reads (claim 5): the tail paused, a write sits applied on the head only."""
+    import threading
+
+    h = make_cluster(servers=2, replicas=2)
+    old, new = os.urandom(BLOCK), os.urandom(BLOCK)
+    with h.client() as c:
+        c.write_bytes("/craq", old)
+        ino = c.stat("/craq").ino
+        place = c.placement("/craq")[0]
+        head, tail = place["replicas"][0], place["replicas"][-1]
+        chain = place["chain"]
+    tail_pid = server_pid(h, tail)
+    done = threading.Event()
+
+    def write() -> None:
+        with h.client() as w, w.open("/craq", "r+b") as f:
+            f.write(new)
+        done.set()
+
+    os.kill(tail_pid, signal.SIGSTOP)  # well under the failure timeout: the chain stays as it is
+    writer = threading.Thread(target=write)
+    try:
+        writer.start()
+        seen: list[list[int] | None] = []
+
+        def read() -> None:
+            with h.client() as r:
+                seen.append(r.call_storage(head, m.ReadChunk(ino=ino, index=0, offset=0, length=BLOCK, chain=chain)).crcs)
+
+        reader = threading.Thread(target=read, daemon=True)
+        time.sleep(0.5)  # the write reaches the head, which applies it and waits on the tail
+        reader.start()
+        reader.join(1.0)
+        assert not done.is_set()
+        assert seen in ([], [_block_crcs(old)]), "the head served bytes its tail had not acknowledged"
+    finally:
+        os.kill(tail_pid, signal.SIGCONT)
+    writer.join(30)
+    assert done.is_set()
+    with h.client() as c:
+        assert c.read_bytes("/craq") == new
