@@ -74,6 +74,10 @@ class Replicator:
         self._refresh_lock = trio.Lock()
         self.syncing = False
         self.sync_progress: dict[str, int] = {}
+        # CRAQ: chunks whose newest version here is not acknowledged by our successor yet
+        # (in flight, or its forward failed). Reads of them go to the chain's last serving
+        # target, which holds only what the chain has (see StorageService.handle).
+        self.dirty: dict[tuple[int, int], int] = {}
 
     # -- routing ----------------------------------------------------------------------------
     async def refresh(self, at_least: int = 0) -> Routing:
@@ -126,7 +130,7 @@ class Replicator:
                 meta = await trio.to_thread.run_sync(
                     self.store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain
                 )
-                await self._forward(order, pos, msg, view, meta.version, routing.version, meta.digest)
+                await self._forward_marked(order, pos, msg, view, meta.version, routing.version, meta.digest)
         else:
             try:
                 meta = await trio.to_thread.run_sync(
@@ -145,8 +149,22 @@ class Replicator:
                 log.warning("chunk %d:%d diverged here (version %d, chain at %d): copying it from server %d",
                             msg.ino, msg.index, meta.version, msg.version, order[pos - 1])
                 meta = await self.copy_chunk(order[pos - 1], msg.ino, msg.index, force=True)
-            await self._forward(order, pos, msg, view, msg.version, routing.version, msg.digest)
+            await self._forward_marked(order, pos, msg, view, msg.version, routing.version, msg.digest)
         return m.WriteChunkReply(length=meta.length, version=meta.version)
+
+    async def _forward_marked(self, order: list[int], pos: int, msg: m.WriteChunk, view: memoryview, version: int,
+                              rv: int, digest: int | None) -> None:
+        """:meth:`_forward`, the chunk ``dirty`` here until the successor acknowledged it.
+
+        A failed forward leaves it dirty: those bytes were never acknowledged, and stay
+        unread here until a later write to the chunk commits.
+        """
+        key = (msg.ino, msg.index)
+        if pos + 1 < len(order):
+            self.dirty[key] = version
+        await self._forward(order, pos, msg, view, version, rv, digest)
+        if self.dirty.get(key) == version:
+            del self.dirty[key]
 
     async def _forward(self, order: list[int], pos: int, msg: m.WriteChunk, view: memoryview, version: int, rv: int,
                        digest: int | None) -> None:

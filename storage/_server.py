@@ -97,6 +97,18 @@ class StorageService(Service):
             if msg.chain and routing is not None and self.server_id not in routing.chains.get(msg.chain, (self.server_id,)):
                 # We left this chain (or are not serving it yet): never answer with a hole.
                 raise StripefsError(ErrorCode.STALE_ROUTING, f"server {self.server_id} does not serve chain {msg.chain}")
+            if msg.chain and routing is not None and (msg.ino, msg.index) in self.repl.dirty:
+                serving = routing.chains.get(msg.chain, ())
+                if serving and serving[-1] != self.server_id:
+                    # CRAQ: our newest version is not acknowledged yet; the last serving
+                    # target applies a write last, so it holds only what the chain has.
+                    # (Unreachable, the error sends the client to the next replica.)
+                    tail = serving[-1]
+                    fwd = m.ReadChunk(ino=msg.ino, index=msg.index, offset=msg.offset, length=msg.length,
+                                      chain=msg.chain, routing_version=routing.version)
+                    reply, data = await self.repl.call_peer(tail, fwd)
+                    await conn.send(head, reply.to_header(), payload=bytes(data))
+                    return
             if msg.length <= SMALL_READ:
                 # Latency matters for small reads (dataloader samples): read and send in one
                 # worker-thread hop, holding the connection's send lock.
