@@ -480,7 +480,7 @@ class ChunkStore:
         return self._load(ino, index)
 
     # -- replication support ---------------------------------------------------------------
-    def replace(self, ino: int, index: int, chain: int, version: int, data: bytes | memoryview, *, force: bool = False,
+    def replace(self, ino: int, index: int, chain: int, version: int, data: bytes | bytearray | memoryview, *, force: bool = False,
                 expect: tuple[int, int] | None = None) -> ChunkMeta | None:
         """Install a whole chunk copied from a replica.
 
@@ -564,7 +564,7 @@ class ChunkStore:
                 raise StripefsError(ErrorCode.CHECKSUM, f"chunk {ino}:{index} block {b} fails its checksum")
 
     def all_chunks(self) -> list[tuple[int, int]]:
-        out = []
+        out: list[tuple[int, int]] = []
         for d in os.listdir(self.chunk_root):
             try:
                 ino = int(d, 16)

@@ -106,8 +106,8 @@ class StorageService(Service):
                     tail = serving[-1]
                     fwd = m.ReadChunk(ino=msg.ino, index=msg.index, offset=msg.offset, length=msg.length,
                                       chain=msg.chain, routing_version=routing.version)
-                    reply, data = await self.repl.call_peer(tail, fwd)
-                    await conn.send(head, reply.to_header(), payload=bytes(data))
+                    proxied, tail_bytes = await self.repl.call_peer(tail, fwd)
+                    await conn.send(head, proxied.to_header(), payload=bytes(tail_bytes))
                     return
             if msg.length <= SMALL_READ:
                 # Latency matters for small reads (dataloader samples): read and send in one
