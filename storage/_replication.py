@@ -11,9 +11,13 @@ the same order everywhere and a retried write is recognised by its version.
 Targets that come back after being offline are ``syncing``: they sit at the end
 of their chains and receive new writes (a write whose version shows a gap makes
 the target fetch the whole chunk from its predecessor first), while a
-background task copies every chunk whose version is behind a serving replica's
-and drops chunks removed meanwhile. Then the target reports ``SyncDone`` and
-serves again. Scrub re-reads every chunk and repairs bad ones from a replica.
+background task copies every chunk whose version or digest (ChunkMeta.digest)
+differs from a serving replica's and drops chunks removed meanwhile. Then the
+target reports ``SyncDone`` and serves again. A forwarded write carries the
+digest too, so a replica never acknowledges a version it holds with other bytes.
+Reads of a chunk whose newest version here is not acknowledged yet go to the
+chain's last serving target (CRAQ). Scrub re-reads every chunk and repairs bad
+ones from a replica.
 """
 
 from __future__ import annotations

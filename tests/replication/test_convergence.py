@@ -7,7 +7,10 @@ stopped server's disk (a :class:`storage.ChunkStore` over its root), which is
 what the crash leaves, instead of racing a kill -9 against a forward.
 
 Claim 2 (``SyncDone`` from a donor) runs on :class:`metadata._server.Membership`
-directly with a fake clock.
+directly with a fake clock. Claim 3: truncation and removal with a replica
+offline, which drops what it missed once back. Claim 4: ``ListChunks`` pages.
+Claim 5: CRAQ reads, with the tail paused (SIGSTOP, well under the failure
+timeout) while a write sits applied on the head only.
 """
 
 from __future__ import annotations
