@@ -21,7 +21,7 @@ import socket
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import wire
 from wire import (
@@ -56,6 +56,7 @@ class _Pending:
     dest: memoryview | None
     lock: threading.Lock = field(default_factory=threading.Lock)
     cancelled: bool = False
+    check: Callable[[dict[str, Any], memoryview], None] | None = None
 
 
 def _tune(sock: socket.socket) -> None:
@@ -173,16 +174,20 @@ class Connection:
         payload: memoryview | bytes | None = None,
         dest: memoryview | None = None,
         req_id: int | None = None,
+        check: Callable[[dict[str, Any], memoryview], None] | None = None,
     ) -> Future:
         """Send ``msg`` (with an optional payload); the future resolves to a :class:`Reply`.
 
         ``dest``: where the response payload goes (``recv_into``, no copy).
+        ``check(header, received)``: runs on the reader thread once the payload is in
+        ``dest`` (e.g. its checksums); a ``StripefsError`` it raises fails the future.
+        Checks of different connections run in parallel (CRC32C releases the GIL).
         """
         fut: Future = Future()
         if self.broken:
             fut.set_exception(unavailable(self.address, "connection is broken"))
             return fut
-        pending = _Pending(fut, dest)
+        pending = _Pending(fut, dest, check=check)
         # call()/abandon() need the pending record after a timeout; drop the link once
         # the future resolves so future <-> pending is not a reference cycle.
         fut.pending = pending  # type: ignore[attr-defined]
@@ -312,6 +317,14 @@ class Connection:
                     raise StripefsError(ErrorCode.PROTOCOL, "response payload larger than the request allows")
                 got = self._machine.take_payload(dest[:n])
                 self._recv_into(dest[got:n])
+                if pending.check is not None:
+                    try:
+                        pending.check(event.header, dest[:n])
+                    except StripefsError as exc:  # the stream is intact: only this answer is bad
+                        pending.dest = dest = None
+                        self._machine.payload_received(n - got)
+                        pending.future.set_exception(exc)
+                        return
                 pending.dest = dest = None  # no reference to the caller's buffer survives
             self._machine.payload_received(n - got)
             pending.future.set_result(Reply(event.header, n))

@@ -22,6 +22,7 @@ worker) drops the parent's connections and threads and reconnects lazily.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -49,6 +50,22 @@ _LIVE: "weakref.WeakSet[ClientCore]" = weakref.WeakSet()
 R = TypeVar("R", bound=ReplyMessage)
 # Chunk replies are decoded once per chunk: bind the decoders once (a fast path, no reflection).
 _read_reply = m.ReadChunkReply.from_header
+
+
+def check_read(header: dict[str, Any], received: memoryview, coff: int) -> None:
+    """End to end: the payload of a ``ReadChunk`` answer against its segment checksums.
+
+    Runs on the connection's reader thread as soon as the bytes are in (see
+    ``rpc.Connection.submit``), so pieces from different servers are checked in
+    parallel; a torn or corrupted payload fails the piece (retried on another
+    replica), never reaches the caller as data.
+    """
+    crcs = header.get("crcs")
+    if crcs is None:
+        return  # a server from before end-to-end checks
+    if not isinstance(crcs, list):
+        raise StripefsError(ErrorCode.PROTOCOL, "ReadChunk reply: crcs is not a list")
+    check_segments(received, coff, crcs)
 _write_reply = m.WriteChunkReply.from_header
 
 
@@ -251,7 +268,8 @@ class ClientCore:
             index, coff, k, pos, chain = p
             conn = self.data_conn(self._replica(chain, ino + index, attempt))
             return conn.submit(m.ReadChunk(ino=ino, index=index, offset=coff, length=k, chain=chain,
-                                           routing_version=self.routing().version), dest=dest[pos : pos + k])
+                                           routing_version=self.routing().version), dest=dest[pos : pos + k],
+                               check=functools.partial(check_read, coff=coff))
 
         def finish(p: tuple[int, int, int, int, int], reply: Reply) -> None:
             _index, coff, k, pos, _chain = p
@@ -259,8 +277,6 @@ class ClientCore:
             got = rr.length
             if got != reply.nbytes:
                 raise StripefsError(ErrorCode.PROTOCOL, f"ReadChunk reply announces {got} bytes, its payload has {reply.nbytes}")
-            if rr.crcs is not None:  # end to end: a torn or corrupted payload is retried, never returned
-                check_segments(dest[pos : pos + got], coff, rr.crcs)
             if got < k:  # a hole or a chunk shorter than the file length: zeros
                 dest[pos + got : pos + k] = bytes(k - got)
 
