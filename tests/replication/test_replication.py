@@ -194,7 +194,7 @@ def test_add_server_rebalances_without_downtime(make_cluster, replicas: int) -> 
     with Workload(h, "/r", writers=1) as load:
         h.add_server()
         with h.client() as c:
-            wait_all_serving(c, 4, timeout=60)
+            wait_all_serving(c, 4, timeout=180)  # chains move one at a time (rate-limited) while a writer runs
             st = c.status()
         time.sleep(0.5)
     load.verify()
