@@ -22,31 +22,13 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from ._store import SqlTxn, Store, Txn
+from ._store import _SCHEMA, SqlTxn, Store, Txn
 
 __all__ = ["PostgresStore", "PG_SCHEMA"]
 
-PG_SCHEMA = """
-CREATE TABLE IF NOT EXISTS inodes (
-    ino BIGINT PRIMARY KEY, ftype INTEGER NOT NULL, mode INTEGER NOT NULL,
-    nlink BIGINT NOT NULL, uid BIGINT NOT NULL, gid BIGINT NOT NULL, size BIGINT NOT NULL,
-    atime_ns BIGINT NOT NULL, mtime_ns BIGINT NOT NULL, ctime_ns BIGINT NOT NULL,
-    chunk_size BIGINT, chains TEXT, target TEXT, rdev BIGINT NOT NULL DEFAULT 0,
-    truncations BIGINT NOT NULL DEFAULT 0);
-CREATE TABLE IF NOT EXISTS dirs (
-    ino BIGINT PRIMARY KEY, parent BIGINT NOT NULL, chunk_size BIGINT, stripe INTEGER);
-CREATE TABLE IF NOT EXISTS dentries (
-    parent BIGINT NOT NULL, name BYTEA NOT NULL, ino BIGINT NOT NULL, mode INTEGER NOT NULL,
-    PRIMARY KEY (parent, name));
-CREATE TABLE IF NOT EXISTS garbage (
-    id BIGINT PRIMARY KEY, kind TEXT NOT NULL, ino BIGINT NOT NULL, length BIGINT NOT NULL,
-    chunk_size BIGINT NOT NULL, chains TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS xattrs (
-    ino BIGINT NOT NULL, name BYTEA NOT NULL, value BYTEA NOT NULL, PRIMARY KEY (ino, name));
-CREATE TABLE IF NOT EXISTS locks (
-    key TEXT PRIMARY KEY, owner BYTEA NOT NULL, token BIGINT NOT NULL, expires_ns BIGINT NOT NULL);
-"""
+# The SQLite schema in PostgreSQL's types: every integer 64-bit (inode numbers, times in
+# nanoseconds), byte strings as BYTEA. One schema, so a column added there is added here.
+PG_SCHEMA = _SCHEMA.replace("INTEGER", "BIGINT").replace("BLOB", "BYTEA")
 # dentries' primary key (parent, name) is also the index readdir pages through, in
 # byte order of name (BYTEA compares bytewise, as SQLite's BLOB does).
 
