@@ -228,13 +228,19 @@ class Replicator:
         # still route by a table from before we joined (servers refresh it with their
         # heartbeat) and apply a write without forwarding it; the next pass sees its
         # higher version and copies it.
+        #
+        # Under a steady stream of writes a pass may always copy a chunk or two (one
+        # written between the listing and our check, its forward still on the way), so
+        # passes that begin after SETTLE also end the resync: every write from then on
+        # is forwarded to us, and such a pass listed everything applied before.
         started = time.time()
-        total_copied = total_removed = 0
+        total_copied = total_removed = settled = 0
         while True:
+            settled += time.time() - started >= SETTLE
             copied, removed = await self._resync_pass(started)
             total_copied += copied
             total_removed += removed
-            if copied == 0 and time.time() - started >= SETTLE:
+            if (copied == 0 and time.time() - started >= SETTLE) or settled >= 2:
                 break
             await trio.sleep(0.2)
         log.info("resync done: %d chunks copied, %d removed", total_copied, total_removed)
@@ -263,6 +269,12 @@ class Replicator:
                 if behind or (digest is not None and have != (version, digest)):
                     try:
                         async with self.chunk_lock((ino, index)):
+                            if await trio.to_thread.run_sync(self._changed, ino, index, have):
+                                # A write forwarded since the walk: it came down the chain (which
+                                # checks it), nothing to copy. Not counted, so that a pass under a
+                                # steady stream of writes still copies nothing and the resync ends.
+                                self.sync_progress["done"] += 1
+                                continue
                             await self.copy_chunk(sources[0], ino, index, expect=have or (-1, 0))
                     except StripefsError as exc:
                         if exc.code not in (ErrorCode.NOT_FOUND, ErrorCode.STALE_FILE):
@@ -275,6 +287,14 @@ class Replicator:
                     await trio.to_thread.run_sync(self.store.remove_one, *key)
                     removed += 1
         return copied, removed
+
+    def _changed(self, ino: int, index: int, seen: tuple[int, int | None] | None) -> bool:
+        """Is our copy of a chunk no longer the ``(version, digest)`` the pass walked?"""
+        try:
+            cur = self.store.stat(ino, index)
+        except StripefsError:
+            return False  # unreadable header: the copy replaces it
+        return (None if cur is None else (cur.version, cur.digest)) != seen
 
     def _older_than(self, key: tuple[int, int], t: float) -> bool:
         try:

@@ -99,12 +99,16 @@ class Client:
             None to use ``STRIPEFS_CLUSTER`` / the last ``stripefs up``.
         conns_per_server: pipelined connections per storage server.
         max_inflight: chunk requests in flight per read/write call.
+        retry_for: seconds a failing chunk read or write keeps retrying (a server
+            down, a chain with no serving target while a server returns) before the
+            error reaches the caller; None: ``$STRIPEFS_RETRY_FOR``, else 30.
     """
 
     def __init__(self, cluster: "str | os.PathLike[str] | ClusterConfig | None" = None, *, secret: str | None = None,
-                 conns_per_server: int = 2, max_inflight: int = 32):
+                 conns_per_server: int = 2, max_inflight: int = 32, retry_for: float | None = None):
         self.config = find_cluster(cluster, secret)
-        self._core = ClientCore(self.config, conns_per_server=conns_per_server, max_inflight=max_inflight)
+        self._core = ClientCore(self.config, conns_per_server=conns_per_server, max_inflight=max_inflight,
+                                retry_for=retry_for)
         self._session = os.urandom(16)  # owner of this client's leases
         self._leases: weakref.WeakSet[Lease] = weakref.WeakSet()
 

@@ -23,6 +23,7 @@ worker) drops the parent's connections and threads and reconnects lazily.
 from __future__ import annotations
 
 import functools
+import heapq
 import itertools
 import logging
 import os
@@ -43,7 +44,10 @@ from ._ordering import WriteOrder
 
 log = logging.getLogger(__name__)
 
-RETRY_FOR = 20.0  # seconds a chunk request keeps retrying (a dead replica is dropped from its chain in ~5 s)
+# Seconds a failing chunk request keeps retrying: a dead replica leaves its chain in ~5 s,
+# but with overlapping faults a chain may have no serving target until a server returns.
+RETRY_FOR = 30.0
+RETRY_ENV = "STRIPEFS_RETRY_FOR"  # overrides RETRY_FOR for clients that do not pass retry_for
 RETRY_DELAY = 0.2
 REQUEST_TIMEOUT = 120.0
 _LIVE: "weakref.WeakSet[ClientCore]" = weakref.WeakSet()
@@ -92,6 +96,24 @@ def split(layout: Layout, offset: int, length: int) -> Iterator[tuple[int, int, 
         pos += n
 
 
+def retry_budget(retry_for: float | None = None) -> float:
+    """Seconds chunk requests keep retrying: ``retry_for``, else ``$STRIPEFS_RETRY_FOR``, else 30.
+
+    Raises:
+        StripefsError: INVALID for a negative or non-numeric budget.
+    """
+    raw: Any = retry_for
+    if raw is None:
+        raw = os.environ.get(RETRY_ENV) or RETRY_FOR
+    try:
+        value = float(raw)
+    except (TypeError, ValueError) as exc:
+        raise StripefsError(ErrorCode.INVALID, f"retry budget must be a number of seconds, got {raw!r}") from exc
+    if not value >= 0:  # also refuses NaN
+        raise StripefsError(ErrorCode.INVALID, f"retry budget must be >= 0 seconds, got {raw!r}")
+    return value
+
+
 def _settle(inflight: "deque[tuple[int, Future]]") -> None:
     """Before failing a call, let its other requests finish: none may write into the
     caller's buffer after we return. Requests that do not finish in time are abandoned."""
@@ -107,8 +129,10 @@ def _settle(inflight: "deque[tuple[int, Future]]") -> None:
 class ClientCore:
     """Shared machinery of :class:`fsclient.Client` (sync) and the async API."""
 
-    def __init__(self, config: ClusterConfig, *, conns_per_server: int = 2, max_inflight: int = 32):
+    def __init__(self, config: ClusterConfig, *, conns_per_server: int = 2, max_inflight: int = 32,
+                 retry_for: float | None = None):
         self.config = config
+        self.retry_for = retry_budget(retry_for)
         self.conns_per_server = conns_per_server
         self.max_inflight = max_inflight
         self.buffers = BufferPool()
@@ -211,15 +235,30 @@ class ClientCore:
         """Submit pieces with a bounded window; retry failed pieces after a routing refresh.
 
         ``submit(piece, attempt)`` returns a future; ``finish(piece, reply)`` consumes it.
-        Unavailable servers, stale routing and bad replicas (checksum) are retried for
-        up to ``RETRY_FOR`` seconds, on the next replica where there is one.
+        Unavailable servers, stale routing, a chain with no serving target and bad
+        replicas (checksum) are retried, on the next replica where there is one, for
+        up to ``retry_for`` seconds after the piece first failed (a fault in the middle
+        of a long call gets the whole budget). A piece that waits does not hold up the
+        others: it is due again after a short backoff, and the routing is refreshed
+        once per backoff however many pieces wait.
         """
         attempts = [0] * len(pieces)
         seen = [0] * len(pieces)  # routing version each piece was sent with
+        failing_since: dict[int, float] = {}
         queue = deque(range(len(pieces)))
+        waiting: list[tuple[float, int]] = []  # (due, piece): a heap of pieces backing off
         inflight: deque[tuple[int, Future]] = deque()
-        deadline: float | None = None
-        while queue or inflight:
+        stale = False  # a piece waits for the routing to change: ask for it when one is due
+        while queue or inflight or waiting:
+            now = time.monotonic()
+            while waiting and waiting[0][0] <= now:
+                queue.append(heapq.heappop(waiting)[1])
+            if stale and queue:
+                stale = False
+                try:
+                    self.routing(refresh=True)
+                except StripefsError:
+                    pass  # the metadata call has its own retries; the pieces fail below again
             while queue and len(inflight) < self.max_inflight:
                 i = queue.popleft()
                 try:
@@ -229,9 +268,13 @@ class ClientCore:
                     failed: Future = Future()
                     failed.set_exception(exc)
                     inflight.append((i, failed))
+            if not inflight:
+                time.sleep(max(0.0, waiting[0][0] - time.monotonic()))
+                continue
             i, fut = inflight.popleft()
             try:
                 finish(pieces[i], fut.result(REQUEST_TIMEOUT))
+                failing_since.pop(i, None)
             except TimeoutError as exc:
                 for _, other in [(i, fut), *inflight]:  # nothing may land in dest after we return
                     abandon(other)
@@ -241,20 +284,24 @@ class ClientCore:
                     _settle(inflight)
                     raise
                 now = time.monotonic()
-                deadline = deadline or now + RETRY_FOR
-                replicas = len(self.routing().chains.get(pieces[i][-1], ())) if pieces[i] else 0
-                if now > deadline or (exc.code == ErrorCode.CHECKSUM and attempts[i] + 1 >= max(replicas, 1)):
+                since = failing_since.setdefault(i, now)
+                chain = pieces[i][-1]
+                replicas = len(self.routing().chains.get(chain, ()))
+                if exc.code == ErrorCode.CHECKSUM and attempts[i] + 1 >= max(replicas, 1):
                     _settle(inflight)
-                    raise
+                    raise  # every replica was tried: the bytes are bad everywhere
+                if now - since > self.retry_for:
+                    _settle(inflight)
+                    raise StripefsError(exc.code, f"{exc.message} (still failing after {self.retry_for:g} s of retries; "
+                                                  f"the budget is the client's retry_for or {RETRY_ENV})") from exc
                 attempts[i] += 1
-                if exc.code != ErrorCode.CHECKSUM and self.routing().version <= seen[i]:
-                    # Only wait and refresh when no newer routing arrived since this piece
-                    # went out: the other pieces of a failover then retry at once.
-                    time.sleep(min(RETRY_DELAY * attempts[i], 1.0))
-                    if not self.routing(refresh=True).chains.get(pieces[i][-1]):
-                        _settle(inflight)  # every replica of the chain is down: no point waiting
-                        raise
-                queue.append(i)
+                if exc.code == ErrorCode.CHECKSUM or self.routing().version > seen[i]:
+                    queue.append(i)  # another replica, or newer routing already: at once
+                else:
+                    # Wait for the routing to change (a dead target taken out of its chain,
+                    # a returning one serving again): back off, up to a second.
+                    heapq.heappush(waiting, (now + min(RETRY_DELAY * attempts[i], 1.0), i))
+                    stale = True
 
     def read_into(self, ino: int, layout: Layout, file_size: int, offset: int, dest: memoryview) -> int:
         """Read up to ``len(dest)`` bytes at ``offset``; holes read as zeros. Returns bytes read."""

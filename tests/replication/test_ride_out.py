@@ -1,0 +1,146 @@
+"""Clients ride out faults (issue 14 claim 7): while a chain has no serving target,
+chunk reads and writes wait and retry for a bounded time instead of failing.
+
+The overlapping schedule, R = 2 on two servers (every chain holds both): kill
+one server, restart it, and kill the other while the first is still syncing
+(it cannot serve: it may lack writes). Every chain is then without a serving
+target until the second server returns. The application must see no error,
+only a pause; and once the budget (``retry_for``) is spent, a clear error.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from fsclient import Client
+from tests.conftest import TEST_CHUNK
+from tests.replication.test_replication import server_pid, wait_all_serving
+
+
+def _wait_state(c: Client, sid: int, state: str, timeout: float = 30.0, poll: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(s.server_id == sid and s.state == state for s in c.status().servers):
+            return
+        time.sleep(poll)
+    raise AssertionError(f"server {sid} never became {state}: {c.status().servers}")
+
+
+class Traffic:
+    """One writer and one reader thread; every error they meet is kept."""
+
+    def __init__(self, h, prefix: str):
+        self.h, self.prefix = h, prefix
+        self.acked: dict[str, bytes] = {}
+        self.errors: list[BaseException] = []
+        self.writes = self.reads = 0
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._write), threading.Thread(target=self._read)]
+
+    def _write(self) -> None:
+        with self.h.client() as c:
+            n = 0
+            while not self.stop.is_set():
+                path = f"{self.prefix}/w{n}"
+                data = os.urandom(TEST_CHUNK * 2 + 7 * n)
+                try:
+                    c.write_bytes(path, data)
+                    self.acked[path] = data
+                    self.writes += 1
+                except BaseException as exc:  # noqa: BLE001 - the test reports it
+                    self.errors.append(exc)
+                n += 1
+
+    def _read(self) -> None:
+        with self.h.client() as c:
+            while not self.stop.is_set():
+                for path, data in list(self.acked.items())[-3:]:
+                    try:
+                        if c.read_bytes(path) != data:
+                            self.errors.append(AssertionError(f"wrong bytes in {path}"))
+                        self.reads += 1
+                    except BaseException as exc:  # noqa: BLE001
+                        self.errors.append(exc)
+                time.sleep(0.02)
+
+    def __enter__(self) -> "Traffic":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(90)
+
+
+@pytest.mark.slow
+def test_overlapping_faults_pause_the_application_without_errors(make_cluster) -> None:
+    h = make_cluster(servers=2, replicas=2)
+    with h.client() as c:
+        c.mkdir("/o")
+        first, second = sorted(s.server_id for s in c.status().servers)
+    with Traffic(h, "/o") as load:
+        time.sleep(0.5)
+        os.kill(server_pid(h, first), signal.SIGKILL)
+        with h.client() as c:
+            _wait_state(c, first, "offline")
+        h.up()  # the first server returns and resyncs (for at least a few seconds)
+        with h.client() as c:
+            _wait_state(c, first, "syncing", poll=0.05)
+            os.kill(server_pid(h, second), signal.SIGKILL)  # overlapping fault: no chain is served
+            _wait_state(c, second, "offline")
+            stalled_at = load.writes
+            time.sleep(1.0)
+        h.up()  # the second server returns serving; the first finishes its resync from it
+        with h.client() as c:
+            wait_all_serving(c, 2)
+        resumed_at = load.writes
+        deadline = time.monotonic() + 20
+        while load.writes < resumed_at + 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert not load.errors, load.errors[:3]
+    assert load.writes >= resumed_at + 3 > stalled_at - 1  # writes went on after the outage
+    with h.client() as c:
+        for path, data in load.acked.items():
+            assert c.read_bytes(path) == data, path
+
+
+@pytest.mark.slow
+def test_a_chain_without_a_serving_target_fails_clearly_after_the_budget(make_cluster) -> None:
+    h = make_cluster(servers=2, replicas=1)
+    with h.client() as c:
+        c.mkdir("/b")
+        c.set_layout("/b", stripe=1)
+        c.write_bytes("/b/f", b"x" * 1000)
+        chain = c.stat("/b/f").layout.chains[0]
+        sid = c.routing(refresh=True).chains[chain][0]
+    os.kill(server_pid(h, sid), signal.SIGKILL)
+    with h.client() as c:
+        _wait_state(c, sid, "offline")
+    with h.client(retry_for=2.0) as c:
+        t0 = time.monotonic()
+        with pytest.raises(OSError) as err:
+            c.read_bytes("/b/f")
+        waited = time.monotonic() - t0
+    assert 1.5 <= waited < 15, waited  # it waited for the budget, then gave up
+    assert err.value.errno is not None and "no serving target" in str(err.value), err.value
+    os.environ["STRIPEFS_RETRY_FOR"] = "0.5"  # the environment sets the default budget
+    try:
+        with h.client() as c:
+            t0 = time.monotonic()
+            with pytest.raises(OSError):
+                with c.open("/b/f", "r+b") as f:
+                    f.write(b"y" * 1000)
+            assert time.monotonic() - t0 < 10
+    finally:
+        del os.environ["STRIPEFS_RETRY_FOR"]
+    h.up()
+    with h.client() as c:
+        wait_all_serving(c, 2)
+        assert c.read_bytes("/b/f") == b"x" * 1000  # the failed write changed nothing
