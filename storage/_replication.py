@@ -256,6 +256,11 @@ class Replicator:
                 continue
             sources = [t for t, st in members if st == "serving" and t != self.server_id]
             if not sources:
+                if len(ids) > 1:
+                    # Its other members are offline or syncing too: nobody here has what we
+                    # missed, so we are not caught up. Reporting SyncDone now would make us
+                    # serve old bytes, and a peer returning later would copy them from us.
+                    raise StripefsError(ErrorCode.UNAVAILABLE, f"chain {chain} has no serving replica to copy from")
                 continue
             remote = await self.list_chunks(sources[0], chain)
             local = {(i, x): (v, d) for i, x, v, _n, d in held.get(chain, [])}

@@ -144,3 +144,42 @@ def test_a_chain_without_a_serving_target_fails_clearly_after_the_budget(make_cl
     with h.client() as c:
         wait_all_serving(c, 2)
         assert c.read_bytes("/b/f") == b"x" * 1000  # the failed write changed nothing
+
+
+@pytest.mark.slow
+def test_a_syncing_server_with_no_source_does_not_serve_until_one_returns(make_cluster) -> None:
+    """A returning server whose only serving peer dies before it copied anything must stay
+    ``syncing`` (it lacks the writes it missed), not report its resync done and serve old
+    bytes; and the peer, once back, must not take those old bytes for its own."""
+    h = make_cluster(servers=2, replicas=2)
+    old, new = os.urandom(TEST_CHUNK * 4), os.urandom(TEST_CHUNK * 4)
+    with h.client() as c:
+        c.write_bytes("/f", old)
+        first, second = sorted(s.server_id for s in c.status().servers)
+    os.kill(server_pid(h, first), signal.SIGKILL)
+    with h.client() as c:
+        _wait_state(c, first, "offline")
+        with c.open("/f", "r+b") as f:  # lands on the second server only
+            f.write(new)
+    second_pid = server_pid(h, second)
+    os.kill(second_pid, signal.SIGSTOP)  # the returning server's first listing hangs on it
+    try:
+        h.up()
+        with h.client() as c:
+            _wait_state(c, first, "syncing", poll=0.05)
+    finally:
+        os.kill(second_pid, signal.SIGKILL)
+    with h.client() as c:
+        _wait_state(c, second, "offline")
+        time.sleep(4.0)  # longer than a resync's shortest run: it must not have finished
+        states = {s.server_id: s.state for s in c.status().servers}
+        assert states[first] == "syncing", states
+    restarter = threading.Timer(1.0, h.up)
+    restarter.start()
+    try:
+        with h.client() as c:
+            assert c.read_bytes("/f") == new  # waits for a serving replica, then the acknowledged bytes
+            wait_all_serving(c, 2)
+            assert c.read_bytes("/f") == new
+    finally:
+        restarter.join()

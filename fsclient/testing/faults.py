@@ -1,0 +1,329 @@
+"""Fault schedules against a local cluster, with writers and readers recording a history.
+
+:func:`run_schedule` starts a :class:`~fsclient.testing.LocalCluster` (R = 2 or
+3), writes the initial content of a few files, starts writer and reader
+*processes* (each with its own client) that log every operation
+(:mod:`.history`), and plays a seeded :class:`Schedule` of faults:
+
+* ``kill``: SIGKILL a storage server, ``restart`` it later (``up`` starts only
+  dead processes; it returns ``syncing``);
+* ``pause``: SIGSTOP a storage server for longer than the failure timeout (to
+  the others it is partitioned away: declared offline), then SIGCONT;
+* ``add``: :func:`add_server` (chains move to the newcomer while traffic runs).
+
+Faults come one at a time (a server is back before the next fault), but the next
+may strike while a returned server is still syncing: a chain of two then has no
+serving target until the struck server returns, which clients ride out. So no
+operation may fail. Afterwards every server runs again, the cluster heals, and
+the checker verifies the history, the final bytes, and that every replica of
+every chunk has the same version and digest (asked of the storage servers).
+
+Run one schedule: ``python -m fsclient.testing.faults --seed 3 [--replicas 2]``;
+many: ``python -m bench.fault_soak --seeds 50``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c
+
+from wire import ErrorCode, StripefsError, messages as m
+
+from ..core import Client
+from ._cluster import LocalCluster
+from .history import Op, Verdict, check, load
+
+__all__ = ["Event", "Schedule", "Outcome", "run_schedule", "replica_mismatches"]
+
+CHUNK = 256 * 1024
+SLOT = 96 * 1024  # slots straddle chunk boundaries (256 KiB chunks): a slot write is two pieces
+SLOTS = 16  # per file: 1.5 MiB, 6 chunks over as many chains
+FILES = 3
+OFFLINE_AFTER = 5.0  # the metadata service's failure timeout
+
+
+@dataclass(frozen=True)
+class Event:
+    at: float  # seconds after the traffic started
+    action: str  # kill, restart, pause, resume, add
+    server: int = 0  # index into the live servers (kill, pause); the victim is remembered for the pair
+
+
+@dataclass
+class Schedule:
+    """A seeded list of faults, one at a time: each struck server is back before the next fault."""
+
+    seed: int
+    replicas: int
+    events: list[Event] = field(default_factory=list)
+
+    @classmethod
+    def generate(cls, seed: int, replicas: int = 2, duration: float = 20.0, *, add: bool = True) -> "Schedule":
+        rng = random.Random(seed)
+        events: list[Event] = []
+        t = rng.uniform(0.5, 2.0)
+        added = not add
+        while t < duration:
+            kind = rng.choice(["kill", "pause"] + ([] if added else ["add"]))
+            if kind == "add":
+                events.append(Event(t, "add"))
+                added = True
+                t += rng.uniform(1.0, 4.0)
+                continue
+            victim = rng.randrange(1 << 16)
+            # Down for less than detection (back before anyone noticed), or for longer.
+            down = rng.choice([rng.uniform(0.5, 3.0), rng.uniform(OFFLINE_AFTER + 1.0, OFFLINE_AFTER + 4.0)])
+            events.append(Event(t, kind, victim))
+            events.append(Event(t + down, "restart" if kind == "kill" else "resume", victim))
+            t += down + rng.uniform(0.2, 3.0)  # the next fault may catch a returned server syncing
+        return cls(seed, replicas, events)
+
+    def describe(self) -> str:
+        return ", ".join(f"{e.at:.1f}s {e.action}" + (f"#{e.server % 100}" if e.action not in ("add",) else "")
+                         for e in self.events)
+
+
+@dataclass
+class Outcome:
+    seed: int
+    schedule: str
+    verdict: Verdict
+    replicas_differ: list[str]
+    root: str
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict.ok and not self.replicas_differ
+
+    def report(self) -> str:
+        lines = [f"seed {self.seed}: {'ok' if self.ok else 'FAILED'}: {self.verdict.summary()}",
+                 f"  schedule: {self.schedule}"]
+        lines += [f"  violation: {x}" for x in self.verdict.violations[:10]]
+        lines += [f"  replicas differ: {x}" for x in self.replicas_differ[:10]]
+        return "\n".join(lines)
+
+
+# -- the workload ---------------------------------------------------------------------------
+# The checker's registers: byte ranges cut at slot and at chunk boundaries. A chunk write is
+# atomic on each replica, a write of several chunks is not: a read racing it may return
+# some pieces old and some new, so each piece is judged on its own.
+_CUTS = sorted(set(range(0, SLOTS * SLOT + 1, SLOT)) | set(range(0, SLOTS * SLOT + 1, CHUNK)))
+UNITS = list(zip(_CUTS, _CUTS[1:]))
+
+
+def _units_in(lo: int, hi: int) -> list[int]:
+    return [u for u, (a, b) in enumerate(UNITS) if lo <= a and b <= hi]
+
+
+def _bytes(seed: str, n: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def _worker(spec: dict[str, Any]) -> None:
+    """A writer or a reader process: random slots until the stop file appears."""
+    rng = random.Random(spec["seed"])
+    who, stop, deadline = spec["who"], spec["stop"], time.monotonic() + spec["max_seconds"]
+    with Client(spec["cluster"]) as c, open(spec["log"], "a", buffering=1) as log:
+        attrs = [c.stat(p) for p in spec["paths"]]
+        seq = 0
+        while not os.path.exists(stop) and time.monotonic() < deadline:
+            f = rng.randrange(len(attrs))
+            s = rng.randrange(SLOTS)
+            n = min(rng.choice([1, 1, 2]), SLOTS - s)
+            attr = attrs[f]
+            t0 = time.monotonic()
+            err: str | None = None
+            lo, hi = s * SLOT, (s + n) * SLOT
+            if spec["role"] == "writer":
+                seq += 1
+                data = _bytes(f"{who}-{seq}", hi - lo)
+                try:
+                    c.write_from(attr.ino, attr.layout, lo, memoryview(data))
+                except OSError as exc:
+                    err = f"{type(exc).__name__}: {exc}"
+                t1 = time.monotonic()
+                for u in _units_in(lo, hi):
+                    a, b = UNITS[u]
+                    log.write(Op("w", who, (f, u), crc32c.crc32c(data[a - lo:b - lo]), t0, t1, err is None, err).to_json()
+                              + "\n")
+            else:
+                buf = bytearray(hi - lo)
+                try:
+                    c.read_into(attr.ino, attr.layout, attr.size, lo, memoryview(buf))
+                except OSError as exc:
+                    err = f"{type(exc).__name__}: {exc}"
+                t1 = time.monotonic()
+                for u in _units_in(lo, hi):
+                    a, b = UNITS[u]
+                    crc = None if err else crc32c.crc32c(memoryview(buf)[a - lo:b - lo])
+                    log.write(Op("r", who, (f, u), crc, t0, t1, err is None, err).to_json() + "\n")
+            time.sleep(rng.uniform(0.0, 0.02))
+
+
+def _spawn_worker(spec: dict[str, Any]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "fsclient.testing.faults", "--worker", json.dumps(spec)],
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+# -- the cluster side ---------------------------------------------------------------------
+
+def _servers(c: Client) -> list[Any]:
+    return sorted(c.status().servers, key=lambda s: s.server_id)
+
+
+def wait_healthy(c: Client, count: int, timeout: float = 120.0) -> None:
+    """Every one of ``count`` servers serving, and no chain move in flight."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = c.status()
+        if len(st.servers) == count and all(s.state == "serving" for s in st.servers):
+            routing = c.routing(refresh=True)
+            if all(len(ms) == routing.replicas and all(state == "serving" for _, state in ms)
+                   for ms in routing.members.values()):
+                return
+        time.sleep(0.3)
+    raise StripefsError(ErrorCode.TIMEOUT, f"the cluster did not heal within {timeout:.0f}s: {c.status().servers}")
+
+
+def replica_mismatches(c: Client) -> list[str]:
+    """Chunks whose replicas differ in version or digest, asked of each chain's members."""
+    routing = c.routing(refresh=True)
+    out = []
+    for chain, members in sorted(routing.members.items()):
+        copies = {}
+        for sid, _state in members:
+            listing: dict[tuple[int, int], tuple[int, int | None]] = {}
+            after = None
+            while True:
+                reply = c.call_storage(sid, m.ListChunks(chain=chain, after=after, limit=4096))
+                for k, e in enumerate(reply.chunks):
+                    listing[(int(e[0]), int(e[1]))] = (int(e[2]), None if reply.digests is None else int(reply.digests[k]))
+                if not reply.more or not reply.chunks:
+                    break
+                after = [int(reply.chunks[-1][0]), int(reply.chunks[-1][1])]
+            copies[sid] = listing
+        keys = set().union(*copies.values()) if copies else set()
+        for key in sorted(keys):
+            seen = {sid: lst.get(key) for sid, lst in copies.items()}
+            if len(set(seen.values())) > 1:
+                out.append(f"chain {chain} chunk {key}: {seen}")
+    return out
+
+
+def run_schedule(seed: int, *, replicas: int = 2, servers: int | None = None, duration: float = 20.0,
+                 writers: int = 2, readers: int = 2, root: str | None = None, add: bool = True) -> Outcome:
+    """Play one seeded schedule and judge it (see the module docstring)."""
+    schedule = Schedule.generate(seed, replicas, duration, add=add)
+    root = root or tempfile.mkdtemp(prefix=f"stripefs-faults-{seed}-")
+    servers = servers or replicas + 1
+    h = LocalCluster.start(os.path.join(root, "cluster"), servers=servers, replicas=replicas, chunk_size=CHUNK,
+                           gc_grace=2.0)
+    procs: list[subprocess.Popen] = []
+    stopped: set[int] = set()
+    try:
+        logs, paths = [], [f"/h/f{i}" for i in range(FILES)]
+        init: list[Op] = []
+        with h.client() as c:
+            c.mkdir("/h")
+            for f, p in enumerate(paths):
+                data = _bytes(f"init-{seed}-{f}", SLOTS * SLOT)
+                t0 = time.monotonic()
+                c.write_bytes(p, data)
+                init += [Op("i", "init", (f, u), crc32c.crc32c(data[a:b]), t0, time.monotonic(), True)
+                         for u, (a, b) in enumerate(UNITS)]
+        stop = os.path.join(root, "stop")
+        for k in range(writers + readers):
+            role = "writer" if k < writers else "reader"
+            log_path = os.path.join(root, f"{role}{k}.jsonl")
+            logs.append(log_path)
+            procs.append(_spawn_worker({"who": f"{role[0]}{k}", "role": role, "seed": f"{seed}-{k}", "cluster": h.file,
+                                        "paths": paths, "log": log_path, "stop": stop,
+                                        "max_seconds": duration + 120}))
+        _play(h, schedule, stopped)
+        with open(stop, "w"):
+            pass
+        for p in procs:
+            try:
+                p.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        with h.client() as c:
+            wait_healthy(c, len(h.data["servers"]))
+            final = {}
+            for f, p in enumerate(paths):
+                data = c.read_bytes(p)
+                for u, (a, b) in enumerate(UNITS):
+                    final[(f, u)] = crc32c.crc32c(data[a:b])
+            differ = replica_mismatches(c)
+        verdict = check(init + load(logs), final, expect_no_errors=True)
+        return Outcome(seed, schedule.describe(), verdict, differ, root)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for pid in stopped:
+            _signal(pid, signal.SIGCONT)
+        h.down()
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _play(h: LocalCluster, schedule: Schedule, stopped: set[int]) -> None:
+    start = time.monotonic()
+    struck: dict[int, int] = {}  # event victim key -> pid
+    with h.client() as c:
+        for e in schedule.events:
+            time.sleep(max(0.0, start + e.at - time.monotonic()))
+            if e.action == "add":
+                h.add_server()
+            elif e.action in ("kill", "pause"):
+                live = [s for s in _servers(c) if s.state != "offline"]
+                victim = live[e.server % len(live)]
+                struck[e.server] = victim.pid
+                if e.action == "kill":
+                    _signal(victim.pid, signal.SIGKILL)
+                else:
+                    _signal(victim.pid, signal.SIGSTOP)
+                    stopped.add(victim.pid)
+            elif e.action == "resume":
+                pid = struck.pop(e.server)
+                _signal(pid, signal.SIGCONT)
+                stopped.discard(pid)
+            elif e.action == "restart":
+                struck.pop(e.server, None)
+                h.up()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fsclient.testing.faults", description=__doc__.split("\n\n")[0])
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--duration", type=float, default=20.0)
+    args = p.parse_args(argv)
+    if args.worker:
+        _worker(json.loads(args.worker))
+        return 0
+    outcome = run_schedule(args.seed, replicas=args.replicas, duration=args.duration)
+    print(outcome.report())
+    return 0 if outcome.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
