@@ -136,6 +136,10 @@ class Membership:
         self.stale: set[int] = set()
         self.leaving: dict[int, int] = {}  # chain -> server that leaves it once the newcomer synced
         self.drops: list[tuple[int, int]] = []  # (server, chain): chunks to delete on a server that left
+        # chain -> its last serving target, when that one went offline with no other member
+        # serving (the others were syncing or offline): it alone holds everything the chain
+        # acknowledged, so once back it serves that chain even while it resyncs its others.
+        self.lastsrv: dict[int, int] = {}
         try:
             with open(path) as f:
                 raw = json.load(f)
@@ -145,6 +149,7 @@ class Membership:
             self.table = {int(c): [int(t) for t in ts] for c, ts in raw.get("table", [])}
             self.leaving = {int(c): int(t) for c, t in raw.get("leaving", [])}
             self.drops = [(int(t), int(c)) for t, c in raw.get("drops", [])]
+            self.lastsrv = {int(c): int(t) for c, t in raw.get("lastsrv", [])}
             self.tokens = {int(sid): str(h) for sid, h in raw.get("tokens", [])}
             now = self.clock()
             for s in raw.get("servers", []):
@@ -166,6 +171,7 @@ class Membership:
                        "table": [[c, ts] for c, ts in sorted(self.table.items())],
                        "leaving": [[c, t] for c, t in sorted(self.leaving.items())],
                        "drops": [list(d) for d in self.drops],
+                       "lastsrv": [[c, t] for c, t in sorted(self.lastsrv.items())],
                        "tokens": [[sid, h] for sid, h in sorted(self.tokens.items())],
                        "servers": [s.to_wire() for s in self.servers.values()]}, f)
             f.flush()
@@ -201,7 +207,20 @@ class Membership:
             self.version += 1
             if changes["state"] == "serving":
                 self.stale.discard(sid)
+                # It holds every chain of its own now: no chain of it needs a last serving target.
+                self.lastsrv = {c: t for c, t in self.lastsrv.items() if t != sid and sid not in self.table.get(c, ())}
+            elif changes["state"] == "offline" and old.state == "serving":
+                for c, ts in self.table.items():
+                    if sid in ts and not any(self._serves(c, t) for t in ts if t != sid):
+                        self.lastsrv[c] = sid
             self.save()  # a restarted metadata service must know who missed writes
+
+    def _serves(self, chain: int, sid: int) -> bool:
+        """Does ``sid`` serve ``chain``: serving, or syncing as the chain's last serving target?"""
+        info = self.servers.get(sid)
+        if info is None:
+            return False
+        return info.state == "serving" or (info.state == "syncing" and self.lastsrv.get(chain) == sid)
 
     def _peers_serving(self, sid: int) -> bool:
         """Does some other replica of one of ``sid``'s chains still serve?"""
@@ -427,11 +446,13 @@ class Membership:
         return [c.as_status(now) for _, c in sorted(self.pending.items())]
 
     def routing(self) -> Routing:
-        def state(t: int) -> str:
+        def state(c: int, t: int) -> str:
             info = self.servers.get(t)
-            return info.state if info is not None else "offline"
+            if info is None:
+                return "offline"
+            return "serving" if self._serves(c, t) else info.state
 
-        members = {c: tuple((t, state(t)) for t in ts) for c, ts in self.table.items()}
+        members = {c: tuple((t, state(c, t)) for t in ts) for c, ts in self.table.items()}
         chains = {c: tuple(t for t, st in ms if st == "serving") for c, ms in members.items()}
         return Routing(self.version, chains, dict(self.servers), members, self.replicas)
 

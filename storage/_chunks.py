@@ -332,44 +332,51 @@ class ChunkStore:
         """
         if offset < 0 or length < 0 or offset + length > MAX_CHUNK:
             raise StripefsError(ErrorCode.INVALID, "read range outside a chunk")
-        try:
-            fd = os.open(self.path(ino, index), os.O_RDONLY)
-        except FileNotFoundError:
-            if self.is_removed(ino):
-                raise self._stale(ino) from None
-            return -1, 0, 0, None, 0, []  # a hole
-        try:
-            with self._lock(ino, index):
-                meta = self._load(ino, index, fd)
-                assert meta is not None
-                st = os.fstat(fd)
-                if st.st_mtime_ns != meta.mtime_ns:  # changed behind our back: trust nothing
-                    self._meta.pop((ino, index), None)
-                    meta = self._load(ino, index, fd)
-                    assert meta is not None
-                n = max(0, min(length, meta.length - offset))
-                if n == 0:
-                    os.close(fd)
-                    return -1, 0, 0, None, meta.length, []
-                first, last = offset // BLOCK, (offset + n - 1) // BLOCK
-                mask = ((1 << (last + 1)) - 1) ^ ((1 << first) - 1)
-                if meta.verified & mask == mask:
-                    crcs = self._segment_crcs(meta, offset, n, lambda s, e: os.pread(fd, e - s, HEADER_SIZE + s))
-                    return fd, HEADER_SIZE + offset, n, None, meta.length, crcs
-                bstart = first * BLOCK
-                raw = os.pread(fd, min((last + 1) * BLOCK, meta.length) - bstart, HEADER_SIZE + bstart)
-                view = memoryview(raw)
-                for b in range(first, last + 1):
-                    s, e = b * BLOCK - bstart, min((b + 1) * BLOCK, meta.length) - bstart
-                    if _crc(view[s:e]) != meta.crcs[b]:
-                        raise StripefsError(ErrorCode.CHECKSUM, f"chunk {ino}:{index} block {b} fails its checksum")
-                meta.verified |= mask
-                crcs = self._segment_crcs(meta, offset, n, lambda s, e: view[s - bstart : e - bstart])
+        with self._lock(ino, index):
+            # Opened under the lock: a copy-on-write rename between the open and the lock would
+            # leave fd on the old file, and reloading the header from it would cache the old
+            # meta for the new file (its CRCs then fail reads, and the next write builds on it).
+            try:
+                fd = os.open(self.path(ino, index), os.O_RDONLY)
+            except FileNotFoundError:
+                if self.is_removed(ino):
+                    raise self._stale(ino) from None
+                return -1, 0, 0, None, 0, []  # a hole
+            try:
+                return self._open_read_locked(ino, index, offset, length, fd)
+            except BaseException:
+                os.close(fd)
+                raise
+
+    def _open_read_locked(self, ino: int, index: int, offset: int, length: int,
+                          fd: int) -> tuple[int, int, int, bytes | None, int, list[int]]:
+        meta = self._load(ino, index, fd)
+        assert meta is not None
+        st = os.fstat(fd)
+        if st.st_mtime_ns != meta.mtime_ns:  # changed behind our back: trust nothing
+            self._meta.pop((ino, index), None)
+            meta = self._load(ino, index, fd)
+            assert meta is not None
+        n = max(0, min(length, meta.length - offset))
+        if n == 0:
             os.close(fd)
-            return -1, 0, n, raw[offset - bstart : offset - bstart + n], meta.length, crcs
-        except BaseException:
-            os.close(fd)
-            raise
+            return -1, 0, 0, None, meta.length, []
+        first, last = offset // BLOCK, (offset + n - 1) // BLOCK
+        mask = ((1 << (last + 1)) - 1) ^ ((1 << first) - 1)
+        if meta.verified & mask == mask:
+            crcs = self._segment_crcs(meta, offset, n, lambda s, e: os.pread(fd, e - s, HEADER_SIZE + s))
+            return fd, HEADER_SIZE + offset, n, None, meta.length, crcs
+        bstart = first * BLOCK
+        raw = os.pread(fd, min((last + 1) * BLOCK, meta.length) - bstart, HEADER_SIZE + bstart)
+        view = memoryview(raw)
+        for b in range(first, last + 1):
+            s, e = b * BLOCK - bstart, min((b + 1) * BLOCK, meta.length) - bstart
+            if _crc(view[s:e]) != meta.crcs[b]:
+                raise StripefsError(ErrorCode.CHECKSUM, f"chunk {ino}:{index} block {b} fails its checksum")
+        meta.verified |= mask
+        crcs = self._segment_crcs(meta, offset, n, lambda s, e: view[s - bstart : e - bstart])
+        os.close(fd)
+        return -1, 0, n, raw[offset - bstart : offset - bstart + n], meta.length, crcs
 
     @staticmethod
     def _segment_crcs(meta: "ChunkMeta", offset: int, n: int, read: Any) -> list[int]:

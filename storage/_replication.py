@@ -252,8 +252,8 @@ class Replicator:
         held = await trio.to_thread.run_sync(self.store.chunks_by_chain)  # one walk per pass
         for chain, members in sorted(routing.members.items()):
             ids = [t for t, _ in members]
-            if self.server_id not in ids:
-                continue
+            if self.server_id not in ids or dict(members)[self.server_id] == "serving":
+                continue  # not ours, or we serve it (its last serving target): nothing to copy
             sources = [t for t, st in members if st == "serving" and t != self.server_id]
             if not sources:
                 if len(ids) > 1:
