@@ -229,6 +229,16 @@ class Membership:
             for ts in self.table.values() if sid in ts for t in ts
         )
 
+    def _behind(self, sid: int) -> bool:
+        """May ``sid``, returning, lack acknowledged writes? Then it must resync before serving.
+
+        Yes if it missed writes before a restart of this service, if another replica of
+        one of its chains kept serving, or if one of its chains lost its last serving
+        target to another server (which alone has that chain's latest writes).
+        """
+        return (sid in self.stale or self._peers_serving(sid)
+                or any(self.lastsrv.get(c, sid) != sid for c, ts in self.table.items() if sid in ts))
+
     def _in_table(self, sid: int) -> bool:
         return any(sid in ts for ts in self.table.values())
 
@@ -294,7 +304,7 @@ class Membership:
         cand = self.pending.pop(sid)
         now = self.clock()
         old = self.servers.get(sid)
-        behind = sid in self.stale or self._peers_serving(sid)
+        behind = self._behind(sid)
         state = "syncing" if old is not None and self.frozen and self.replicas > 1 and behind else "serving"
         if any(sid in ts for c, ts in self.table.items() if c in self.leaving and self.leaving[c] != sid):
             state = "syncing"  # a newcomer that restarted before it finished copying
@@ -333,7 +343,7 @@ class Membership:
         now = self.clock()
         state = old.state
         if state == "offline":  # it was declared dead and may have missed writes
-            behind = sid in self.stale or self._peers_serving(sid)
+            behind = self._behind(sid)
             state = "syncing" if self.replicas > 1 and behind else "serving"
             if state == "serving" and self.frozen and not self._in_table(sid):
                 state = "joining"

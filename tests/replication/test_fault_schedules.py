@@ -1,0 +1,37 @@
+"""Seeded fault schedules judged by the history checker (issue 14): a few in ``make test``,
+many in ``python -m bench.fault_soak``.
+
+Each plays kill -9, SIGSTOP pauses past the failure timeout, restarts and an
+``add-server`` one at a time against writer and reader processes; no operation
+may fail, every acknowledged write must be readable, no read may return bytes
+never written or older than an acknowledged write, and every chunk's replicas
+must agree once the cluster healed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fsclient.testing.faults import Schedule, run_schedule
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed,replicas", [(1, 2), (4, 3), (7, 2)])
+def test_seeded_schedule(seed: int, replicas: int, tmp_path) -> None:
+    outcome = run_schedule(seed, replicas=replicas, duration=12.0, root=str(tmp_path))
+    assert outcome.verdict.reads > 0 and outcome.verdict.acked_writes > 0
+    assert outcome.ok, outcome.report()
+
+
+def test_schedules_are_seeded_and_one_fault_at_a_time() -> None:
+    a, b = Schedule.generate(5, 2, 30.0), Schedule.generate(5, 2, 30.0)
+    assert a == b and a != Schedule.generate(6, 2, 30.0)
+    down = None
+    for e in a.events:
+        if e.action in ("kill", "pause"):
+            assert down is None, a.describe()  # the previous fault ended first
+            down = e.server
+        elif e.action in ("restart", "resume"):
+            assert down == e.server
+            down = None
+    assert sum(e.action == "add" for e in a.events) <= 1
