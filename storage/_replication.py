@@ -82,13 +82,18 @@ class Replicator:
         # (in flight, or its forward failed). Reads of them go to the chain's last serving
         # target, which holds only what the chain has (see StorageService.handle).
         self.dirty: dict[tuple[int, int], int] = {}
+        # When the metadata service last answered us (trio clock), and so confirmed our view
+        # of the chain table: see StorageService.handle (reads after a long silence).
+        self.heard = -float("inf")
 
     # -- routing ----------------------------------------------------------------------------
     async def refresh(self, at_least: int = 0) -> Routing:
         async with self._refresh_lock:
             if self.routing is None or self.routing.version < at_least or at_least == -1:
+                asked = trio.current_time()
                 reply, _ = await control_call(self.meta, m.GetRouting())
                 self.routing = reply.routing
+                self.heard = max(self.heard, asked)
         assert self.routing is not None
         return self.routing
 
@@ -127,6 +132,12 @@ class Replicator:
         if self.server_id not in order:
             raise StripefsError(ErrorCode.STALE_ROUTING, f"server {self.server_id} is not serving chain {msg.chain}")
         pos = order.index(self.server_id)
+        if msg.version is not None and pos == 0:
+            # We head this chain: a forwarded write comes from a former head that still routes
+            # by an old table (paused past the failure timeout, say). Taking it would ack to
+            # its client bytes this chain's later writes never saw.
+            raise StripefsError(ErrorCode.STALE_ROUTING, f"server {self.server_id} heads chain {msg.chain}: "
+                                                         "a forwarded write comes from a stale head")
         if msg.version is None:  # from a client: only the head takes those
             if pos != 0:
                 raise StripefsError(ErrorCode.STALE_ROUTING, f"server {self.server_id} is not the head of chain {msg.chain}")

@@ -35,6 +35,10 @@ from ._replication import Replicator, control_call
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 1.0
+# A server that has not heard from the metadata service for this long (it was paused, or cut
+# off) may have been declared offline meanwhile (after 5 s) and left out of writes: before it
+# answers a read it asks for the chain table again. Below the failure timeout by a margin.
+READ_LEASE = 3.0
 # While the metadata service checks a registration (a connect-back, milliseconds) the
 # server asks again this often, for up to PENDING_FAST_POLLS times, so startup stays fast.
 PENDING_POLL = 0.05
@@ -93,6 +97,8 @@ class StorageService(Service):
                 self.pool.put(payload)
             await conn.send(head, reply.to_header())
         elif isinstance(msg, m.ReadChunk):
+            if msg.chain and trio.current_time() - self.repl.heard > READ_LEASE:
+                await self.repl.refresh(-1)  # unreachable: UNAVAILABLE, the client reads elsewhere
             routing = self.repl.routing
             if msg.chain and routing is not None and self.server_id not in routing.chains.get(msg.chain, (self.server_id,)):
                 # We left this chain (or are not serving it yet): never answer with a hole.
@@ -247,6 +253,7 @@ async def _register_and_heartbeat(service: StorageService, meta: TrioConnection,
     polls = 0
     while True:
         pending = False
+        asked = trio.current_time()
         try:
             info = await service.info()
             reply: m.RegisterServerReply | m.HeartbeatReply
@@ -274,6 +281,8 @@ async def _register_and_heartbeat(service: StorageService, meta: TrioConnection,
                 repl = service.repl
                 if repl.routing is None or repl.routing.version != reply.routing_version:
                     await repl.refresh(-1)
+                else:  # the metadata service confirmed the table we route by
+                    repl.heard = max(repl.heard, asked)
                 if reply.state == "syncing" and not repl.syncing:
                     nursery.start_soon(repl.resync)
                 admitted.set()

@@ -183,3 +183,75 @@ def test_a_syncing_server_with_no_source_does_not_serve_until_one_returns(make_c
             assert c.read_bytes("/f") == new
     finally:
         restarter.join()
+
+
+@pytest.mark.slow
+def test_a_head_paused_past_the_failure_timeout_cannot_ack_a_write_the_chain_lacks(make_cluster) -> None:
+    """A head stopped with a client's write queued is replaced; when it resumes, its stale
+    forward must not be acknowledged by the new head (which never applied those bytes),
+    and reads from it must not return what the chain overwrote meanwhile."""
+    h = make_cluster(servers=2, replicas=2)
+    base = os.urandom(TEST_CHUNK)
+    with h.client() as c:
+        c.mkdir("/z")
+        c.set_layout("/z", stripe=1)
+        c.write_bytes("/z/f", base)
+        attr = c.stat("/z/f")
+        head = c.routing(refresh=True).chains[attr.layout.chains[0]][0]
+    head_pid = server_pid(h, head)
+    first, second = os.urandom(4096), os.urandom(4096)
+    c1 = h.client()
+    c1.routing(refresh=True)
+    c1.read_bytes("/z/f", 0, 10)  # connections to both servers exist
+    errors: list[BaseException] = []
+    os.kill(head_pid, signal.SIGSTOP)
+    try:
+        def zombie_write() -> None:
+            try:
+                c1.write_from(attr.ino, attr.layout, 0, memoryview(first))
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        t = threading.Thread(target=zombie_write)
+        t.start()
+        with h.client() as c2:
+            _wait_state(c2, head, "offline")
+            c2.write_from(attr.ino, attr.layout, 8192, memoryview(second))  # the new head takes it
+    finally:
+        os.kill(head_pid, signal.SIGCONT)
+    t.join(60)
+    c1.close()
+    assert not errors, errors  # ridden out: retried at the new head
+    with h.client() as c:
+        wait_all_serving(c, 2)
+        for _ in range(4):  # reads spread over both replicas
+            assert c.read_bytes("/z/f") == first + base[4096:8192] + second + base[12288:]
+
+
+@pytest.mark.slow
+def test_a_replica_paused_past_the_failure_timeout_does_not_serve_old_bytes(make_cluster) -> None:
+    """A reader that still routes by the old table asks the resumed replica first: it must
+    not answer with bytes the chain overwrote while it was away."""
+    h = make_cluster(servers=2, replicas=2)
+    old, new = os.urandom(TEST_CHUNK * 4), os.urandom(TEST_CHUNK * 4)
+    with h.client() as c:
+        c.mkdir("/p")
+        c.set_layout("/p", stripe=1)
+        c.write_bytes("/p/f", old)
+        attr = c.stat("/p/f")
+        paused = c.routing(refresh=True).chains[attr.layout.chains[0]][0]
+    reader = h.client()
+    try:
+        assert reader.read_bytes("/p/f") == old  # its routing (both replicas serving) is cached
+        pid = server_pid(h, paused)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with h.client() as c:
+                _wait_state(c, paused, "offline")
+                c.write_from(attr.ino, attr.layout, 0, memoryview(new))
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert reader.read_into(attr.ino, attr.layout, len(new), 0, memoryview(buf := bytearray(len(new)))) == len(new)
+        assert bytes(buf) == new
+    finally:
+        reader.close()
