@@ -152,7 +152,10 @@ class ReadRing:
             instead of reading zeros (3FS ``HF3FS_IOR_FORBID_READ_HOLES``).
         retries: resubmissions of a piece whose server was unavailable, after a
             routing refresh (a restarted server moves to a new port); each goes
-            to the next replica of the chain.
+            to the next replica of the chain. None (the default): the native
+            client's budget instead -- retried for ``retry_for`` seconds after the
+            piece first failed (a chain with no serving target while a server
+            returns), as :meth:`Client.read_into <fsclient.Client.read_into>` does.
 
     Caveats:
         * One thread drives a ring; several rings may share a client.
@@ -167,7 +170,7 @@ class ReadRing:
     """
 
     def __init__(self, client: "Client", entries: int = 1024, *, max_inflight: int = 256,
-                 forbid_holes: bool = False, retries: int = 2):
+                 forbid_holes: bool = False, retries: int | None = None):
         if entries < 1 or max_inflight < 1:
             raise StripefsError(ErrorCode.INVALID, "entries and max_inflight must be >= 1")
         self.client = client
@@ -175,6 +178,7 @@ class ReadRing:
         self.max_inflight = max_inflight
         self.forbid_holes = forbid_holes
         self.retries = retries
+        self._since: dict[tuple[int, int, int, int], float] = {}  # piece -> when it first failed
         self.pid = os.getpid()
         self._slots = [_Read() for _ in range(entries)]
         self._free = deque(range(entries))
@@ -416,7 +420,8 @@ class ReadRing:
                 retry, self._retry = self._retry, []
                 refresh, self._refresh = self._refresh, False
             if refresh:
-                time.sleep(RETRY_DELAY)
+                # Back off with the attempts, up to a second: a chain may wait for a server to return.
+                time.sleep(min(RETRY_DELAY * max(p[6] for p in retry), 1.0))
                 try:
                     self.client.routing(refresh=True)
                 except StripefsError:
@@ -489,7 +494,7 @@ class ReadRing:
                     # The native client's failover (fsclient/core/_core.py): a bad checksum is read
                     # from the next replica at once; an unavailable server after a routing refresh.
                     again = code == ErrorCode.CHECKSUM and attempt + 1 < replicas
-                    if again or (code in RETRYABLE and attempt < self.retries):
+                    if again or (code in RETRYABLE and self._may_retry((i, gen, index, pos), attempt)):
                         self._retry.append((i, gen, index, coff, k, pos, attempt + 1))
                         self._refresh = self._refresh or not again
                         self._cv.notify()
@@ -509,6 +514,15 @@ class ReadRing:
             if s.pending == 0:
                 self._done.append(i)
             self._cv.notify()
+
+    def _may_retry(self, key: tuple[int, int, int, int], attempt: int) -> bool:
+        """Within the retry budget: ``retries`` attempts, or by default the client's ``retry_for``."""
+        if self.retries is not None:
+            return attempt < self.retries
+        now = time.monotonic()
+        if len(self._since) > 4 * self.entries:  # pieces that finished since: forget them
+            self._since = {k: t for k, t in self._since.items() if now - t <= 2 * self.client.retry_for}
+        return now - self._since.setdefault(key, now) <= self.client.retry_for
 
     def _zero(self, view: memoryview) -> None:
         """Fill ``view`` with zeros from one shared zero buffer, grown to the largest hole seen.

@@ -508,6 +508,11 @@ class Client:
         """
         return self._core.routing(refresh)
 
+    @property
+    def retry_for(self) -> float:
+        """Seconds a failing chunk request keeps retrying (``retry_for=``, ``$STRIPEFS_RETRY_FOR``, 30)."""
+        return self._core.retry_for
+
     def read_target(self, ino: int, layout: Layout, index: int, attempt: int = 0) -> int:
         """The storage server to read chunk ``index`` of inode ``ino`` from: the native read policy.
 
