@@ -227,7 +227,7 @@ def failures(root: str, args: argparse.Namespace, src: mmap.mmap, src2: mmap.mma
             os.kill(server(c, victim).pid, signal.SIGKILL)
             t_kill = now()
             t_off = wait_state(c, victim, "offline", 30)
-            deadline = now() + 30  # RETRY_FOR is 20 s: a write must have resumed by then
+            deadline = now() + 40  # the client retry budget is 30 s: a write must have resumed by then
             while now() < deadline and not any(s >= t_kill and ok for s, _e, _n, ok in wr.log):
                 time.sleep(0.05)
             time.sleep(args.settle)
