@@ -38,13 +38,14 @@ from typing import Any
 
 import crc32c
 
-from wire import ErrorCode, StripefsError, messages as m
+from wire import ErrorCode, StripefsError
+from wire import messages as m
 
 from ..core import Client
 from ._cluster import LocalCluster
 from .history import Op, Verdict, check, load
 
-__all__ = ["Event", "Schedule", "Outcome", "run_schedule", "replica_mismatches"]
+__all__ = ["Event", "Outcome", "Schedule", "replica_mismatches", "run_schedule"]
 
 CHUNK = 256 * 1024
 SLOT = 96 * 1024  # slots straddle chunk boundaries (256 KiB chunks): a slot write is two pieces
@@ -69,7 +70,7 @@ class Schedule:
     events: list[Event] = field(default_factory=list)
 
     @classmethod
-    def generate(cls, seed: int, replicas: int = 2, duration: float = 20.0, *, add: bool = True) -> "Schedule":
+    def generate(cls, seed: int, replicas: int = 2, duration: float = 20.0, *, add: bool = True) -> Schedule:
         rng = random.Random(seed)
         events: list[Event] = []
         t = rng.uniform(0.5, 2.0)
@@ -142,6 +143,7 @@ def _worker(spec: dict[str, Any]) -> None:
             s = rng.randrange(SLOTS)
             n = min(rng.choice([1, 1, 2]), SLOTS - s)
             attr = attrs[f]
+            assert attr.layout is not None  # regular files have one
             t0 = time.monotonic()
             err: str | None = None
             lo, hi = s * SLOT, (s + n) * SLOT
@@ -253,11 +255,11 @@ def run_schedule(seed: int, *, replicas: int = 2, servers: int | None = None, du
         _play(h, schedule, stopped)
         with open(stop, "w"):
             pass
-        for p in procs:
+        for proc in procs:
             try:
-                p.wait(timeout=90)
+                proc.wait(timeout=90)
             except subprocess.TimeoutExpired:
-                p.kill()
+                proc.kill()
         with h.client() as c:
             wait_healthy(c, len(h.data["servers"]))
             final = {}
@@ -269,9 +271,9 @@ def run_schedule(seed: int, *, replicas: int = 2, servers: int | None = None, du
         verdict = check(init + load(logs), final, expect_no_errors=True)
         return Outcome(seed, schedule.describe(), verdict, differ, root)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
         for pid in stopped:
             _signal(pid, signal.SIGCONT)
         h.down()

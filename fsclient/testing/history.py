@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
-__all__ = ["Op", "load", "check", "Verdict"]
+__all__ = ["Op", "Verdict", "check", "load"]
 
 Slot = tuple[int, int]  # (file, region)
 
@@ -57,7 +58,7 @@ class Op:
     err: str | None = None
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> "Op":
+    def from_json(cls, raw: dict[str, Any]) -> Op:
         return cls(raw["k"], str(raw["who"]), (int(raw["f"]), int(raw["s"])),
                    None if raw.get("crc") is None else int(raw["crc"]), float(raw["t0"]), float(raw["t1"]),
                    bool(raw["ok"]), raw.get("err"))

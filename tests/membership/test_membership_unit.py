@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from metadata._server import OFFLINE_AFTER, Membership
 from tests.membership.test_chain_moves import Clock, _beat, _join
