@@ -97,6 +97,21 @@ class Replicator:
         assert self.routing is not None
         return self.routing
 
+    async def confirm(self, lease: float) -> None:
+        """Ask for the chain table unless the metadata service answered within ``lease`` seconds.
+
+        Reads that arrive together after a silence share one call.
+        """
+        if trio.current_time() - self.heard <= lease:
+            return
+        async with self._refresh_lock:
+            if trio.current_time() - self.heard <= lease:
+                return  # another read asked meanwhile
+            asked = trio.current_time()
+            reply, _ = await control_call(self.meta, m.GetRouting())
+            self.routing = reply.routing
+            self.heard = max(self.heard, asked)
+
     # -- peers ------------------------------------------------------------------------------
     async def call_peer(self, sid: int, msg: Message[R], payload: bytes = b"") -> tuple[R, bytes | bytearray]:
         routing = self.routing or await self.refresh()

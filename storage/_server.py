@@ -97,8 +97,8 @@ class StorageService(Service):
                 self.pool.put(payload)
             await conn.send(head, reply.to_header())
         elif isinstance(msg, m.ReadChunk):
-            if msg.chain and trio.current_time() - self.repl.heard > READ_LEASE:
-                await self.repl.refresh(-1)  # unreachable: UNAVAILABLE, the client reads elsewhere
+            if msg.chain:
+                await self.repl.confirm(READ_LEASE)  # unreachable: UNAVAILABLE, the client reads elsewhere
             routing = self.repl.routing
             if msg.chain and routing is not None and self.server_id not in routing.chains.get(msg.chain, (self.server_id,)):
                 # We left this chain (or are not serving it yet): never answer with a hole.
