@@ -155,7 +155,7 @@ def test_bad_requests_get_typed_errors(cluster, client: Client, testdir: str) ->
 
 def test_dead_server_gives_clear_error_and_others_keep_serving(make_cluster) -> None:
     h = make_cluster(servers=2)
-    with h.client() as c:
+    with h.client(retry_for=5.0) as c:  # a chain with no serving target is waited for this long
         c.set_layout("/", stripe=1)
         c.write_bytes("/a", b"a" * 100)
         c.write_bytes("/b", b"b" * 100)

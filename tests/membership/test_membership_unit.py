@@ -96,7 +96,7 @@ events = st.lists(st.tuples(st.sampled_from(["die", "return", "sync", "write"]),
                   min_size=1, max_size=40)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(servers=st.integers(2, 4), replicas=st.integers(2, 3), steps=events)
 def test_a_serving_target_holds_every_acknowledged_write(tmp_path_factory, servers: int, replicas: int,
                                                          steps: list[tuple[str, int]]) -> None:
