@@ -186,13 +186,14 @@ def test_bad_input(cluster, sdir):
     assert staging.latest("stripefs://no/such", cluster=cluster.file) is None
 
 
-def test_store_unreachable_then_mover_resumes(make_cluster, sdir):
+def test_store_unreachable_then_mover_resumes(make_cluster, sdir, monkeypatch):
+    monkeypatch.setenv("STRIPEFS_RETRY_FOR", "3")  # clients wait this long for a chain to be served again
     c = make_cluster(servers=2)
     url = "stripefs://ck/step-1"
     c.client().makedirs("/ck")
     for s in c.data["servers"]:  # every storage server gone: the data path is unreachable
         os.kill(s["pid"], signal.SIGKILL)
-    opts = MoverOptions(cluster=c.file, retries=0)  # each attempt already takes the core ~20 s to give up
+    opts = MoverOptions(cluster=c.file, retries=0)  # each attempt already waits out the core's retry budget
     h = staging.save({"w": torch.randn(20_000)}, url, staging_dir=sdir, cluster=c.file, options=opts,
                      background_mover=False)
     with pytest.raises(OSError):
