@@ -5,7 +5,10 @@
 * :mod:`._postgres` -- a private PostgreSQL server for ``--metadata-store postgresql``
   (:class:`LocalPostgres`);
 * :mod:`.differential` -- the write-path exerciser: seeded operation sequences applied
-  to a local file and to a stripefs route at once, compared byte for byte.
+  to a local file and to a stripefs route at once, compared byte for byte;
+* :mod:`.faults` and :mod:`.history` -- seeded fault schedules (kill -9, pauses,
+  restarts, add-server) against writer and reader processes that record every
+  operation, and the checker that judges that history (``bench.fault_soak``).
 """
 
 from ._cluster import LocalCluster, add_server, down, read_cluster, up
