@@ -210,10 +210,14 @@ class Membership:
                 # It holds every chain of its own now: no chain of it needs a last serving target.
                 self.lastsrv = {c: t for c, t in self.lastsrv.items() if t != sid and sid not in self.table.get(c, ())}
             elif changes["state"] == "offline" and old.state == "serving":
-                for c, ts in self.table.items():
-                    if sid in ts and not any(self._serves(c, t) for t in ts if t != sid):
-                        self.lastsrv[c] = sid
+                self._note_last_serving(sid)
             self.save()  # a restarted metadata service must know who missed writes
+
+    def _note_last_serving(self, sid: int) -> None:
+        """``sid`` stops serving: it is the last serving target of its chains nobody else serves."""
+        for c, ts in self.table.items():
+            if sid in ts and not any(self._serves(c, t) for t in ts if t != sid):
+                self.lastsrv[c] = sid
 
     def _serves(self, chain: int, sid: int) -> bool:
         """Does ``sid`` serve ``chain``: serving, or syncing as the chain's last serving target?"""
@@ -304,6 +308,9 @@ class Membership:
         cand = self.pending.pop(sid)
         now = self.clock()
         old = self.servers.get(sid)
+        if old is not None and old.state == "serving":
+            # Restarted faster than failure detection: it stopped serving all the same.
+            self._note_last_serving(sid)
         behind = self._behind(sid)
         state = "syncing" if old is not None and self.frozen and self.replicas > 1 and behind else "serving"
         if any(sid in ts for c, ts in self.table.items() if c in self.leaving and self.leaving[c] != sid):

@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from metadata._server import OFFLINE_AFTER, Membership
-from tests.membership.test_chain_moves import Clock, _beat, _join
+from tests.membership.test_chain_moves import Clock, _beat, _join, _token
+from wire import messages as m
 
 
 def _cluster(tmp: Path, servers: int, replicas: int) -> tuple[Membership, Clock, dict[int, int]]:
@@ -83,6 +84,24 @@ def test_the_last_serving_target_serves_its_chain_while_it_resyncs_the_others(tm
     assert set(_states(mb).values()) == {"serving"} and not mb.lastsrv
 
 
+def _bounce(mb: Membership, sid: int, port: int) -> str:
+    """A restart faster than failure detection: the server registers again and is admitted."""
+    got, _ = mb.register(m.RegisterServer(host="127.0.0.1", port=port, root=f"/srv/{port}", capacity=1 << 30, used=0,
+                                          pid=999, token=_token(port % 256), server_id=sid))
+    assert got == sid
+    return mb.admit(sid)
+
+
+def test_a_quick_restart_of_a_chains_only_serving_target_keeps_it_serving_that_chain(tmp_path: Path) -> None:
+    mb, clock, ports = _cluster(tmp_path, 3, 2)
+    a, b, c = sorted(ports)
+    chain_ab = next(ch for ch, ts in mb.table.items() if set(ts) == {a, b})
+    _die(mb, clock, ports, a)
+    _beat(mb, a, ports[a])  # a resyncs: b alone serves chain ab
+    assert _bounce(mb, b, ports[b]) == "syncing"  # b restarted before anyone noticed; c served its other chain
+    assert mb.routing().chains[chain_ab] == (b,)  # else a and b would each wait for the other
+
+
 def _die(mb: Membership, clock: Clock, ports: dict[int, int], sid: int, alive: set[int] | None = None) -> None:
     clock.t += OFFLINE_AFTER + 1
     for other in alive if alive is not None else set(ports) - {sid}:
@@ -92,7 +111,7 @@ def _die(mb: Membership, clock: Clock, ports: dict[int, int], sid: int, alive: s
     assert mb.servers[sid].state == "offline"
 
 
-events = st.lists(st.tuples(st.sampled_from(["die", "return", "sync", "write"]), st.integers(0, 100)),
+events = st.lists(st.tuples(st.sampled_from(["die", "return", "bounce", "sync", "write"]), st.integers(0, 100)),
                   min_size=1, max_size=40)
 
 
@@ -116,6 +135,8 @@ def test_a_serving_target_holds_every_acknowledged_write(tmp_path_factory, serve
         elif kind == "return" and sid in dead:
             dead.discard(sid)
             _beat(mb, sid, ports[sid])
+        elif kind == "bounce" and sid not in dead:
+            _bounce(mb, sid, ports[sid])  # it kept everything: a restart between two writes
         elif kind == "sync" and sid not in dead and mb.servers[sid].state == "syncing":
             routing = mb.routing()
             mine = [ch for ch, ts in mb.table.items() if sid in ts]
