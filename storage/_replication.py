@@ -147,6 +147,12 @@ class Replicator:
         if self.server_id not in order:
             raise StripefsError(ErrorCode.STALE_ROUTING, f"server {self.server_id} is not serving chain {msg.chain}")
         pos = order.index(self.server_id)
+        if msg.version is not None and msg.routing_version < routing.version:
+            # The sender forwards by an older chain table than ours: its order may lack a member
+            # that joined since (a newcomer, a returning server), which would then never get
+            # this write although the chain acknowledges it. It refreshes and the client retries.
+            raise StripefsError(ErrorCode.STALE_ROUTING, f"a write for chain {msg.chain} forwarded by an older "
+                                                         f"chain table ({msg.routing_version} < {routing.version})")
         if msg.version is not None and pos == 0:
             # We head this chain: a forwarded write comes from a former head that still routes
             # by an old table (paused past the failure timeout, say). Taking it would ack to
@@ -300,12 +306,16 @@ class Replicator:
                 if behind or (digest is not None and have != (version, digest)):
                     try:
                         async with self.chunk_lock((ino, index)):
-                            if await trio.to_thread.run_sync(self._changed, ino, index, have):
-                                # A write forwarded since the walk: it came down the chain (which
-                                # checks it), nothing to copy. Not counted, so that a pass under a
-                                # steady stream of writes still copies nothing and the resync ends.
-                                self.sync_progress["done"] += 1
-                                continue
+                            now = await trio.to_thread.run_sync(self._current, ino, index)
+                            if now != have:
+                                # A write forwarded since the walk. At least as new as the listing:
+                                # nothing to copy, and not counted, so that a pass under a steady
+                                # stream of writes copies nothing and the resync ends. Still behind
+                                # (it came by a table from before the listing): copy over it.
+                                if now is not None and (now[0] > version or (now[0] == version and digest in (None, now[1]))):
+                                    self.sync_progress["done"] += 1
+                                    continue
+                                have = now
                             await self.copy_chunk(sources[0], ino, index, expect=have or (-1, 0))
                     except StripefsError as exc:
                         if exc.code not in (ErrorCode.NOT_FOUND, ErrorCode.STALE_FILE):
@@ -319,13 +329,13 @@ class Replicator:
                     removed += 1
         return copied, removed
 
-    def _changed(self, ino: int, index: int, seen: tuple[int, int | None] | None) -> bool:
-        """Is our copy of a chunk no longer the ``(version, digest)`` the pass walked?"""
+    def _current(self, ino: int, index: int) -> tuple[int, int | None] | None:
+        """Our copy's ``(version, digest)`` now (None: none, or an unreadable header)."""
         try:
             cur = self.store.stat(ino, index)
         except StripefsError:
-            return False  # unreadable header: the copy replaces it
-        return (None if cur is None else (cur.version, cur.digest)) != seen
+            return None  # the copy replaces it
+        return None if cur is None else (cur.version, cur.digest)
 
     def _older_than(self, key: tuple[int, int], t: float) -> bool:
         try:
