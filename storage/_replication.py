@@ -41,6 +41,10 @@ R = TypeVar("R", bound=ReplyMessage)
 POOL_PER_PEER = 8
 LIST_PAGE = 8192  # chunks per ListChunks reply: ~50 bytes each, far below the frame limit
 SETTLE = 3.0  # seconds: > 2 heartbeats, so every peer routes by the table that includes us
+# Seconds without an answer from the metadata service after which this server may have been
+# declared offline (the failure timeout is 5 s) and left out of writes: reads ask for the
+# chain table first, and a resync in progress starts over.
+SILENCE = 3.0
 
 
 async def control_call(conn: TrioConnection, msg: Message[R], payload: bytes = b"") -> tuple[R, bytes | bytearray]:
@@ -85,6 +89,7 @@ class Replicator:
         # When the metadata service last answered us (trio clock), and so confirmed our view
         # of the chain table: see StorageService.handle (reads after a long silence).
         self.heard = -float("inf")
+        self.silences = 0  # how often it went that long without an answer (paused, cut off)
 
     # -- routing ----------------------------------------------------------------------------
     async def refresh(self, at_least: int = 0) -> Routing:
@@ -93,11 +98,17 @@ class Replicator:
                 asked = trio.current_time()
                 reply, _ = await control_call(self.meta, m.GetRouting())
                 self.routing = reply.routing
-                self.heard = max(self.heard, asked)
+                self.note_heard(asked)
         assert self.routing is not None
         return self.routing
 
-    async def confirm(self, lease: float) -> None:
+    def note_heard(self, asked: float) -> None:
+        """The metadata service answered a request sent at ``asked`` (trio clock)."""
+        if asked - self.heard > SILENCE:
+            self.silences += 1
+        self.heard = max(self.heard, asked)
+
+    async def confirm(self, lease: float = SILENCE) -> None:
         """Ask for the chain table unless the metadata service answered within ``lease`` seconds.
 
         Reads that arrive together after a silence share one call.
@@ -110,7 +121,7 @@ class Replicator:
             asked = trio.current_time()
             reply, _ = await control_call(self.meta, m.GetRouting())
             self.routing = reply.routing
-            self.heard = max(self.heard, asked)
+            self.note_heard(asked)
 
     # -- peers ------------------------------------------------------------------------------
     async def call_peer(self, sid: int, msg: Message[R], payload: bytes = b"") -> tuple[R, bytes | bytearray]:
@@ -267,12 +278,17 @@ class Replicator:
         # is forwarded to us, and such a pass listed everything applied before.
         started = time.time()
         total_copied = total_removed = settled = 0
+        silences = self.silences
         while True:
+            if self.silences != silences:
+                # We were silent long enough to be declared offline (paused): writes went on
+                # without us, and what earlier passes compared is stale. Start over.
+                silences, started, settled = self.silences, time.time(), 0
             settled += time.time() - started >= SETTLE
             copied, removed = await self._resync_pass(started)
             total_copied += copied
             total_removed += removed
-            if (copied == 0 and time.time() - started >= SETTLE) or settled >= 2:
+            if ((copied == 0 and time.time() - started >= SETTLE) or settled >= 2) and self.silences == silences:
                 break
             await trio.sleep(0.2)
         log.info("resync done: %d chunks copied, %d removed", total_copied, total_removed)

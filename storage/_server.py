@@ -35,10 +35,6 @@ from ._replication import Replicator, control_call
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 1.0
-# A server that has not heard from the metadata service for this long (it was paused, or cut
-# off) may have been declared offline meanwhile (after 5 s) and left out of writes: before it
-# answers a read it asks for the chain table again. Below the failure timeout by a margin.
-READ_LEASE = 3.0
 # While the metadata service checks a registration (a connect-back, milliseconds) the
 # server asks again this often, for up to PENDING_FAST_POLLS times, so startup stays fast.
 PENDING_POLL = 0.05
@@ -98,7 +94,7 @@ class StorageService(Service):
             await conn.send(head, reply.to_header())
         elif isinstance(msg, m.ReadChunk):
             if msg.chain:
-                await self.repl.confirm(READ_LEASE)  # unreachable: UNAVAILABLE, the client reads elsewhere
+                await self.repl.confirm()  # after a silence; unreachable: UNAVAILABLE, the client reads elsewhere
             routing = self.repl.routing
             if msg.chain and routing is not None and self.server_id not in routing.chains.get(msg.chain, (self.server_id,)):
                 # We left this chain (or are not serving it yet): never answer with a hole.
@@ -282,7 +278,7 @@ async def _register_and_heartbeat(service: StorageService, meta: TrioConnection,
                 if repl.routing is None or repl.routing.version != reply.routing_version:
                     await repl.refresh(-1)
                 else:  # the metadata service confirmed the table we route by
-                    repl.heard = max(repl.heard, asked)
+                    repl.note_heard(asked)
                 if reply.state == "syncing" and not repl.syncing:
                     nursery.start_soon(repl.resync)
                 admitted.set()
