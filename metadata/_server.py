@@ -30,7 +30,8 @@ from typing import Any, Callable
 import trio
 
 from rpc import ReplayCache, ServerConn, Service, TrioPool, serve_rpc
-from wire import ErrorCode, FrameHead, Message, ReplyMessage, Routing, ServerInfo, StripefsError, messages as m
+from wire import ErrorCode, FrameHead, Message, ReplyMessage, Routing, ServerInfo, StripefsError, role_credential
+from wire import messages as m
 
 from ._admission import MAX_SERVER_ID, NOT_YET, connect_back, same_token, token_hash, validate
 from ._leases import Leases
@@ -470,7 +471,8 @@ class MetadataService(Service):
         self._jobs_ready = trio.Event()
         self.replay = ReplayCache()
         self._running: dict[tuple[bytes, int], trio.Event] = {}  # mutations being applied, by replay key
-        self.storage = TrioPool(secret, keep=1)  # calls to storage servers run one at a time
+        # Calls to storage servers run one at a time, as a server of the cluster (GC, DropChain).
+        self.storage = TrioPool(role_credential(secret, "server"), keep=1, role="server")
         self.gc_wakeup = trio.Event()
         self.admission_wakeup = trio.Event()
         self.verifying = trio.CapacityLimiter(MAX_VERIFYING)
