@@ -271,6 +271,10 @@ async def _register_and_heartbeat(service: StorageService, meta: TrioConnection,
                 ))
             if reply.state == "pending":
                 pending = True
+            elif reply.state == "removed":
+                log.warning("this storage server was removed from the cluster (stripefs remove-server): stopping")
+                nursery.cancel_scope.cancel()
+                return
             else:
                 repl = service.repl
                 if repl.routing is None or repl.routing.version != reply.routing_version:

@@ -1,6 +1,6 @@
 """The ``stripefs`` command line.
 
-Cluster: ``up``, ``down``, ``status``. Files: ``ls stat cat put get cp mv rm mkdir``
+Cluster: ``up``, ``down``, ``status``, ``add-server``, ``remove-server``. Files: ``ls stat cat put get cp mv rm mkdir``
 (paths inside the file system; the ``stripefs://`` prefix is optional).
 Checkpoints: ``ckpt verify URL``.
 Other commands (``mount``, ``umount``, ``mover``, ``bench``) are provided by
@@ -71,6 +71,72 @@ def cmd_add_server(a: argparse.Namespace) -> int:
     return 0
 
 
+def _server_config(a: argparse.Namespace) -> Any:
+    """The servers' credential (ROOT/server.json): administration is not a client's to do."""
+    from fsclient.core import ClusterConfig, find_cluster
+
+    if a.root:
+        return ClusterConfig.from_file(os.path.join(a.root, testing.SERVER_FILE))
+    cfg = find_cluster(a.cluster)
+    if cfg.role == "server":
+        return cfg
+    beside = os.path.join(os.path.dirname(cfg.path), testing.SERVER_FILE) if cfg.path else ""
+    if beside and os.path.exists(beside):
+        return ClusterConfig.from_file(beside)
+    raise StripefsError(ErrorCode.ACCESS, "this needs the servers' credential, which a client's cluster.json does not "
+                                          "hold: pass --root DIR of the cluster (DIR/server.json) or --cluster DIR/server.json")
+
+
+def _what_is_stored(c: Client, sid: int) -> str:
+    from wire import messages as m
+
+    try:
+        info = c.call_storage(sid, m.TargetInfo(), timeout=5.0)
+    except StripefsError as exc:
+        return f"its chunk count is unknown (server unreachable: {exc.message})"
+    return f"it holds {info.chunks} chunks, {_human(info.used)}"
+
+
+def cmd_remove_server(a: argparse.Namespace) -> int:
+    """Drain a storage server (R >= 2) and remove it for good; with R = 1 only with --force."""
+    from wire import messages as m
+
+    cfg = _server_config(a)
+    with Client(cfg) as c:
+        known = {s.server_id: s for s in c.status().servers}
+        if a.id not in known:
+            raise StripefsError(ErrorCode.NOT_FOUND, f"no storage server {a.id} in this cluster "
+                                                     f"(servers: {', '.join(map(str, sorted(known))) or 'none'})")
+        stored = _what_is_stored(c, a.id) if known[a.id].state not in ("removed", "pending") else ""
+        try:
+            reply = c.call(m.RemoveServer(server_id=a.id, force=a.force))
+        except StripefsError as exc:
+            if exc.code == ErrorCode.PERMISSION:
+                print(f"stripefs remove-server: {exc.message}; {stored}", file=sys.stderr)
+                return 1
+            raise
+        if reply.lost:
+            print(f"server {a.id} removed; chains lost: {', '.join(map(str, reply.lost))} ({stored}): the files "
+                  "striped over them cannot be read", file=sys.stderr)
+        deadline = time.monotonic() + a.timeout
+        state = reply.state
+        while state == "draining" and not a.no_wait:
+            if time.monotonic() > deadline:
+                raise StripefsError(ErrorCode.TIMEOUT, f"server {a.id} still draining after {a.timeout:.0f}s "
+                                                       "(it goes on; watch `stripefs status`)")
+            time.sleep(0.5)
+            st = c.status()
+            info = next(s for s in st.servers if s.server_id == a.id)
+            state = "removed" if info.state == "removed" else "draining"
+            left = [ch["chain_id"] for ch in st.chains if a.id in ch["targets"]]
+            print(f"draining server {a.id}: chains left {left}", file=sys.stderr)
+        info = known[a.id]
+        if state == "removed" and cfg.path:
+            testing.mark_removed(os.path.dirname(cfg.path), info.host, info.port)  # `up` never restarts it
+    print(f"server {a.id}: {state}")
+    return 0
+
+
 def cmd_down(a: argparse.Namespace) -> int:
     n = testing.down(a.root)
     print(f"stopped {n} processes", file=sys.stderr)
@@ -93,6 +159,9 @@ def cmd_status(a: argparse.Namespace) -> int:
     print(f"{'id':>3} {'address':<22} {'state':<8} {'pid':>7} {'used':>12} {'capacity':>12}")
     for s in st.servers:
         print(f"{s.server_id:>3} {s.host + ':' + str(s.port):<22} {s.state:<8} {s.pid:>7} {_human(s.used):>12} {_human(s.capacity):>12}")
+    removed = [s.server_id for s in st.servers if s.state == "removed"]
+    if removed:
+        print(f"    removed for good: {', '.join(map(str, removed))}")
     for p in md.get("pending", []):  # registrations the metadata service has not admitted (yet)
         print(f"    pending {p['server_id']} ({p['host']}:{p['port']}, {p['waiting']}s): {p['reason']}")
     def chain(c: dict[str, Any]) -> str:
@@ -295,6 +364,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--postgres-url", help="postgresql://user:password@host:port/db for --metadata-store postgresql")
     sp = add("add-server", cmd_add_server, "Add a storage server to the running cluster under --root (rebalances)", cluster=False)
     sp.add_argument("--root", required=True)
+    sp = add("remove-server", cmd_remove_server, "Drain a storage server onto the others and remove it for good")
+    sp.add_argument("id", type=int, help="the server id (stripefs status)")
+    sp.add_argument("--root", help="the cluster directory (its server.json holds the servers' credential)")
+    sp.add_argument("--force", action="store_true", help="remove it even when chains only it serves are lost")
+    sp.add_argument("--no-wait", action="store_true", help="return while it drains")
+    sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the drain")
     sp = add("down", cmd_down, "Stop the local cluster under --root", cluster=False)
     sp.add_argument("--root", required=True)
     sp = add("scrub", cmd_scrub, "Verify every chunk's checksums on every server and repair bad replicas")

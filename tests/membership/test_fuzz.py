@@ -11,7 +11,6 @@ cluster reads and writes.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import socket
@@ -20,6 +19,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 import wire
+from fsclient import Client
 from fsclient.testing import LocalCluster
 from wire import StripefsError
 from wire import messages as m
@@ -111,7 +111,7 @@ def _frame(rng: random.Random, v: dict[str, Callable[[], Any]], real: list[dict[
 
 def test_membership_fuzz_changes_nothing(fuzzed: LocalCluster) -> None:
     rng = random.Random(SEED)
-    with fuzzed.client() as c:
+    with Client(os.path.join(fuzzed.root, "server.json")) as c:  # as a server: the frames reach the service
         st = c.status()
         before = (st.routing_version, sorted((s.server_id, s.host, s.port, s.state) for s in st.servers),
                   [(ch["chain_id"], ch["targets"]) for ch in st.chains])
@@ -146,7 +146,7 @@ RAW_CONNECTIONS = 150
 def _authenticated(addr: tuple[str, int], secret: str) -> tuple[socket.socket, wire.ClientConnection]:
     """A raw socket past the handshake (the machine decides every byte of it)."""
     sock = socket.create_connection(addr, timeout=5)
-    machine = wire.ClientConnection(secret, os.urandom(16))
+    machine = wire.ClientConnection(secret, os.urandom(16), role="server")
     while machine.state is not wire.ConnState.READY:
         event = machine.next_event()
         out = machine.data_to_send()
@@ -178,7 +178,7 @@ def _junk(rng: random.Random, machine: wire.ClientConnection | None) -> bytes:
 def test_raw_garbage_before_and_after_authentication(fuzzed: LocalCluster) -> None:
     rng = random.Random(SEED + 1)
     conf = fuzzed.data
-    secret = json.load(open(fuzzed.file))["secret"]
+    secret = wire.role_credential(fuzzed.data["secret"], "server")
     targets = [(conf["metadata"]["host"], conf["metadata"]["port"])] + [(s["host"], s["port"]) for s in conf["servers"]]
     with fuzzed.client() as c:
         st = c.status()
