@@ -71,16 +71,19 @@ def cmd_add_server(a: argparse.Namespace) -> int:
     return 0
 
 
+SERVER_FILE = "server.json"  # beside a local cluster's cluster.json: the cluster secret (``stripefs up``)
+
+
 def _server_config(a: argparse.Namespace) -> Any:
     """The servers' credential (ROOT/server.json): administration is not a client's to do."""
     from fsclient.core import ClusterConfig, find_cluster
 
     if a.root:
-        return ClusterConfig.from_file(os.path.join(a.root, testing.SERVER_FILE))
+        return ClusterConfig.from_file(os.path.join(a.root, SERVER_FILE))
     cfg = find_cluster(a.cluster)
     if cfg.role == "server":
         return cfg
-    beside = os.path.join(os.path.dirname(cfg.path), testing.SERVER_FILE) if cfg.path else ""
+    beside = os.path.join(os.path.dirname(cfg.path), SERVER_FILE) if cfg.path else ""
     if beside and os.path.exists(beside):
         return ClusterConfig.from_file(beside)
     raise StripefsError(ErrorCode.ACCESS, "this needs the servers' credential, which a client's cluster.json does not "
