@@ -55,7 +55,7 @@ from ._events import (
     ResponseReceived,
 )
 from ._frames import FLAG_ERROR, FLAG_RESPONSE, NEED_DATA, PREFIX, FrameDecoder, FrameHead, _NeedData, encode_prefix
-from ._messages import Authenticate, Challenge, Message, decode_message
+from ._messages import MESSAGES, Authenticate, Challenge, Message, decode_message
 
 __all__ = ["ConnState", "ClientConnection", "ServerConnection"]
 
@@ -74,6 +74,11 @@ class ConnState(enum.Enum):
 
 def _protocol(msg: str) -> StripefsError:
     return StripefsError(ErrorCode.PROTOCOL, msg)
+
+
+def _server_only(name: str) -> StripefsError:
+    return StripefsError(ErrorCode.ACCESS, f"{name} is accepted only from servers of the cluster; "
+                                           "this connection authenticated as a client")
 
 
 class _Machine:
@@ -376,14 +381,16 @@ class ServerConnection(_Machine):
             return self._authenticate(head)
         if head.is_response or head.is_error:
             raise self._fail(_protocol("client sent a response frame"))
+        cls = MESSAGES.get(head.msg_type)
+        if cls is not None and cls.SERVER_ONLY and self.peer_role != "server":
+            # Before its fields are decoded: a client learns nothing about what they should be.
+            return self._discard(BadRequest(head.req_id, _server_only(cls.__name__), head.payload_len, head))
         try:
             msg = decode_message(head.msg_type, head.header)
         except StripefsError as exc:
             return self._discard(BadRequest(head.req_id, exc, head.payload_len, head))
         if self.peer_role != "server" and msg.needs_server_role():
-            refused = StripefsError(ErrorCode.ACCESS, f"{type(msg).__name__} is accepted only from servers of the "
-                                                      "cluster; this connection authenticated as a client")
-            return self._discard(BadRequest(head.req_id, refused, head.payload_len, head))
+            return self._discard(BadRequest(head.req_id, _server_only(type(msg).__name__), head.payload_len, head))
         return RequestReceived(head.req_id, msg, head.payload_len, head)
 
     def _authenticate(self, head: FrameHead) -> Event:
