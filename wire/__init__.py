@@ -5,7 +5,15 @@ Nothing in this package touches a socket (sans-IO, in the style of h11). Transpo
 """
 
 from . import _messages as messages
-from ._auth import ROLES, check_proof, client_proof, new_nonce, new_secret, role_credential, server_proof
+from ._auth import (
+    ROLES,
+    check_proof,
+    client_proof,
+    new_nonce,
+    new_secret,
+    role_credential,
+    server_proof,
+)
 from ._checksums import CRC_BLOCK, check_segments, segments
 from ._connection import ClientConnection, ConnState, ServerConnection
 from ._errors import ErrorCode, StripefsError, error_from_oserror

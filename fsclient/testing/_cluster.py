@@ -147,7 +147,7 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
         return _restart_dead_servers(root, old)
     existing = sorted(int(d.split("-")[1]) for d in os.listdir(root) if d.startswith("storage-") and d.split("-")[1].isdigit())
     count = max(servers, len(existing))
-    cluster = {
+    cluster: dict[str, Any] = {
         "cluster_id": (old or {}).get("cluster_id") or secrets.token_hex(8),
         "secret": (old or {}).get("secret") or new_secret(),
         "root": root,

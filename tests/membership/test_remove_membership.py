@@ -106,7 +106,7 @@ def test_two_servers_two_replicas_drain_shrinks_chains(tmp_path: Path) -> None:
 
 
 def test_single_replica_refused_unless_forced(tmp_path: Path) -> None:
-    mb, clock, ports = _cluster(tmp_path, 2, replicas=1)
+    mb, _clock, _ports = _cluster(tmp_path, 2, replicas=1)
     chains = sorted(c for c, ts in mb.table.items() if 2 in ts)
     table, version = {c: list(ts) for c, ts in mb.table.items()}, mb.version
     with pytest.raises(StripefsError) as info:
