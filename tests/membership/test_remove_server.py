@@ -3,8 +3,8 @@
 R=2 over three servers: the removed server's chain slots move to the others (resync),
 it is marked ``removed``, stops, and every byte stays readable with it gone; it is
 never started or admitted again. R=1: refused, naming the chains and what they
-hold, unless --force, which removes it and reports the lost chains. An unknown id
-gets a clear error.
+hold, unless --force, which removes it and reports the lost chains. An unknown id,
+and a client's cluster.json (no server credential), get clear errors.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_drain_with_two_replicas_keeps_every_byte_after_the_server_is_gone(three
             assert info.value.errno == 1 and "removed" in info.value.message  # EPERM
 
 
-def test_single_replica_is_refused_unless_forced_and_the_loss_is_named(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_single_replica_is_refused_unless_forced_and_errors_are_clear(tmp_path_factory: pytest.TempPathFactory) -> None:
     h = LocalCluster.start(str(tmp_path_factory.mktemp("remove1")), servers=2, chunk_size=TEST_CHUNK, gc_grace=1.0)
     try:
         with h.client() as c:
@@ -91,6 +91,14 @@ def test_single_replica_is_refused_unless_forced_and_the_loss_is_named(tmp_path_
             victim = st.servers[1].server_id
             chains = [ch["chain_id"] for ch in st.chains if victim in ch["targets"]]
             before = (st.routing_version, [(ch["chain_id"], ch["targets"]) for ch in st.chains])
+        r = _cli("remove-server", "99", "--root", h.root)
+        assert r.returncode == 1 and "no storage server 99" in r.stderr, r.stderr
+        # A client's cluster.json copied elsewhere has no servers' credential to act with.
+        elsewhere = os.path.join(h.root, "logs", "client-copy.json")
+        with open(h.file) as src, open(elsewhere, "w") as dst:
+            dst.write(src.read())
+        r = _cli("remove-server", str(victim), "--cluster", elsewhere)
+        assert r.returncode == 1 and "servers' credential" in r.stderr, r.stderr
         r = _cli("remove-server", str(victim), "--root", h.root)
         assert r.returncode == 1
         assert "would lose chains " + ", ".join(map(str, chains)) in r.stderr, r.stderr
@@ -105,20 +113,5 @@ def test_single_replica_is_refused_unless_forced_and_the_loss_is_named(tmp_path_
             st = c.status()
             assert {s.server_id: s.state for s in st.servers}[victim] == "removed"
             assert not any(victim in ch["targets"] for ch in st.chains)
-    finally:
-        h.down()
-
-
-def test_unknown_id_and_client_credential_get_clear_errors(tmp_path_factory: pytest.TempPathFactory) -> None:
-    h = LocalCluster.start(str(tmp_path_factory.mktemp("remove2")), servers=1, chunk_size=TEST_CHUNK)
-    try:
-        r = _cli("remove-server", "99", "--root", h.root)
-        assert r.returncode == 1 and "no storage server 99" in r.stderr, r.stderr
-        # A client's cluster.json copied elsewhere has no servers' credential to act with.
-        elsewhere = os.path.join(h.root, "logs", "client-copy.json")
-        with open(h.file) as src, open(elsewhere, "w") as dst:
-            dst.write(src.read())
-        r = _cli("remove-server", "1", "--cluster", elsewhere)
-        assert r.returncode == 1 and "servers' credential" in r.stderr, r.stderr
     finally:
         h.down()
