@@ -16,6 +16,7 @@ import errno
 import json
 import os
 import socket
+import time
 from typing import Any, Callable, Iterator
 
 import crc32c
@@ -174,3 +175,75 @@ def test_cluster_directory_from_before_roles_starts_and_is_upgraded(tmp_path: An
             assert info.value.code == ErrorCode.ACCESS
     finally:
         h.down()
+
+
+class _Impostor:
+    """A 'storage server' built from what a client holds (the client credential), on a thread.
+
+    It answers ``TargetInfo`` exactly as the registered server would; only the
+    server credential is missing.
+    """
+
+    def __init__(self, credential: str, root: str):
+        import threading
+
+        import trio
+
+        from rpc import Service, serve_rpc
+
+        self.server_id: int | None = None
+        impostor = self
+
+        class Answers(Service):
+            role = "storage"
+
+            async def handle(self, conn: Any, head: Any, msg: Any, payload: Any) -> None:
+                await conn.send(head, m.TargetInfoReply(server_id=impostor.server_id, capacity=1 << 40, free=1 << 40,
+                                                        used=0, chunks=0, root=root, syncing=False,
+                                                        sync_progress={}).to_header())
+
+        ready = threading.Event()
+
+        async def main() -> None:
+            self.token = trio.lowlevel.current_trio_token()
+            with trio.CancelScope() as self.scope:
+                async with trio.open_nursery() as nursery:
+                    self.address = await nursery.start(lambda task_status: serve_rpc(
+                        Answers(), "127.0.0.1", 0, secret=credential, task_status=task_status))
+                    ready.set()
+
+        self._trio = trio
+        self.thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+        self.thread.start()
+        assert ready.wait(10)
+
+    def stop(self) -> None:
+        self._trio.from_thread.run_sync(self.scope.cancel, trio_token=self.token)
+        self.thread.join(10)
+
+
+def test_connect_back_needs_the_server_credential(pair: LocalCluster) -> None:
+    """A registration pointing at a server that holds only the client credential stays pending."""
+    raw = json.load(open(pair.file))
+    impostor = _Impostor(raw["client_secret"], "/srv/impostor")
+    try:
+        with Client(os.path.join(pair.root, "server.json")) as c:
+            before = _snapshot(c)
+            reply = c.call(m.RegisterServer(host="127.0.0.1", port=impostor.address[1], root="/srv/impostor",
+                                            capacity=1 << 40, used=0, pid=4243, token=os.urandom(32).hex()))
+            impostor.server_id = reply.server_id
+            assert reply.state == "pending"
+            deadline = time.monotonic() + 5
+            reason = ""
+            while time.monotonic() < deadline:
+                pending = {p["server_id"]: p for p in c.status().metadata.get("pending", [])}
+                reason = pending[reply.server_id]["reason"]
+                if "not a storage server of this cluster" in reason:
+                    break
+                time.sleep(0.1)
+            assert "not a storage server of this cluster" in reason, reason
+            version, servers, chains = _snapshot(c)
+            assert (version, chains) == (before[0], before[2])  # no chain moved, nothing admitted
+            assert [s for s in servers if s[3] != "pending"] == before[1]
+    finally:
+        impostor.stop()
