@@ -158,13 +158,26 @@ def authenticated(addr: tuple[str, int], credential: str, role: str = "server") 
     return sock, machine
 
 
-def junk(rng: random.Random) -> bytes:
+# Server-only requests that a *valid* random header could turn into a real removal
+# (RemoveChunks{ino}, DropChain{chain}, RemoveServer{server_id}): sent only where the
+# server role refuses them, never over a server-role connection.
+DESTRUCTIVE = (42, 50, 51)
+
+
+def junk(rng: random.Random, role: str | None = None) -> bytes:
     """Garbage, a frame cut short, a frame claiming an oversized header or payload, or a random
-    membership frame (well-formed or not) -- the last three only mean something after the handshake."""
+    membership frame (well-formed or not) -- the last three only mean something after the handshake.
+
+    ``role``: the connection's (None before the handshake); a server-role connection never
+    gets a :data:`DESTRUCTIVE` message type.
+    """
     roll = rng.random()
     if roll < 0.25:
         return os.urandom(rng.randint(1, 300))
-    msg_type = rng.choice([28, 29, 48, 45, 3, 42, 50, 51, rng.randint(0, 65535)])
+    types = [28, 29, 48, 45, 3, rng.randint(0, 65535)] + ([] if role == "server" else list(DESTRUCTIVE))
+    msg_type = rng.choice(types)
+    while role == "server" and msg_type in DESTRUCTIVE:
+        msg_type = rng.randint(0, 65535)
     header = {rng.choice(["host", "port", "root", "server_id", "token", "chain", "ino", "x"]): rng.choice(
         [1, -1, 2 ** 63 - 1, "127.0.0.1", "", None, b"\x00", [1], {"a": 1}]) for _ in range(rng.randint(0, 6))}
     frame = wire.encode_frame(msg_type, rng.randint(1, 2 ** 63), header)
@@ -198,6 +211,7 @@ class Fuzz:
         self.answers: dict[str, int] = {}
         self.refused_client = 0  # server-only frames from a client, each refused with ACCESS
         self.raw = 0  # raw connections (garbage before or after the handshake)
+        self.unreachable: list[str] = []  # connections a server refused: it stopped listening
         self.frames = 0
 
     def _tally(self, key: str) -> None:
@@ -242,15 +256,19 @@ class Fuzz:
                                                                              if not s.get("removed")]
         for i in range(n):
             addr = targets[(self.raw + i) % len(targets)]
-            if self.rng.random() < 0.5:
-                sock = socket.create_connection(addr, timeout=5)
-            else:
-                role = self.rng.choice(["server", "client"])
-                sock, _ = authenticated(addr, wire.role_credential(conf["secret"], role), role)
+            role = None if self.rng.random() < 0.5 else self.rng.choice(["server", "client"])
+            try:
+                if role is None:
+                    sock = socket.create_connection(addr, timeout=5)
+                else:
+                    sock, _ = authenticated(addr, wire.role_credential(conf["secret"], role), role)
+            except ConnectionRefusedError:
+                self.unreachable.append(f"{addr[0]}:{addr[1]}")
+                continue
             with sock:
                 try:
                     for _ in range(self.rng.randint(1, 4)):
-                        sock.sendall(junk(self.rng))
+                        sock.sendall(junk(self.rng, role))
                         self.frames += 1
                     sock.shutdown(socket.SHUT_WR)
                     while sock.recv(65536):  # the server answers or closes; it never hangs
@@ -271,6 +289,7 @@ class Fuzz:
             except ProcessLookupError:
                 alive = False
         checks["processes alive"] = alive
+        checks["every server accepted connections"] = not self.unreachable
         checks["no fuzzed frame admitted a server"] = not any(k.startswith("ok:") and k != "ok:pending"
                                                               for k in self.answers)
         with self.cluster.client() as c:
