@@ -738,8 +738,9 @@ class WriteChunk(Message[WriteChunkReply]):
 
     def needs_server_role(self) -> bool:
         # A write carrying a version is a replica forwarding along its chain: applied as
-        # is, below the head. Clients write to the head only, without one.
-        return self.version is not None or self.digest is not None
+        # is, below the head. One naming no chain is stored as is by any server, outside
+        # chain replication. Clients write to a chain's head only, without a version.
+        return self.version is not None or self.digest is not None or self.chain == 0
 
 
 @message(41)

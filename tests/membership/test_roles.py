@@ -76,6 +76,9 @@ SERVER_ONLY: list[tuple[str, str, Callable[[Client, Any], m.Message]]] = [
     ("WriteChunk(version)", "tail", lambda c, a: m.WriteChunk(
         ino=a.ino, index=0, offset=0, crc=0, chunk_size=a.layout.chunk_size, chain=a.layout.chain_of(0),
         routing_version=c.routing().version, version=1 << 40)),
+    # Naming no chain: a server would store it as is, outside chain replication.
+    ("WriteChunk(no chain)", "tail", lambda c, a: m.WriteChunk(
+        ino=a.ino, index=0, offset=0, crc=0, chunk_size=a.layout.chunk_size)),
 ]
 
 

@@ -386,7 +386,7 @@ def test_bad_request_is_reported_and_the_stream_goes_on() -> None:
 
 def test_payload_must_be_moved_before_the_next_event() -> None:
     _, server = ready()
-    write = m.WriteChunk(ino=1, index=0, offset=0, crc=0, chunk_size=1 << 20)
+    write = m.WriteChunk(ino=1, index=0, offset=0, crc=0, chunk_size=1 << 20, chain=1)
     server.receive_data(encode_frame(40, 1, write.to_header(), b"abc") + encode_frame(3, 2, {}))
     ev = server.next_event()
     assert ev.payload_len == 3
@@ -469,7 +469,7 @@ def _conversation() -> tuple[bytes, bytes, list[int]]:
     drain(client)
     ids = []
     for i in range(6):
-        req, prefix = client.send_request(m.WriteChunk(ino=1, index=i, offset=0, crc=0, chunk_size=1 << 20), i * 7)
+        req, prefix = client.send_request(m.WriteChunk(ino=1, index=i, offset=0, crc=0, chunk_size=1 << 20, chain=1), i * 7)
         to_server += prefix + bytes([i]) * (i * 7)
         ids.append(req)
     for i in (5, 0, 3, 1, 4, 2):
@@ -504,7 +504,7 @@ def test_random_chunkings_give_the_same_events(cuts: list[int]) -> None:
         proof_len = 28 + len(PROOF_HEADER)
         got += run(client, rest[:proof_len], sizes)
         for i in range(6):
-            client.send_request(m.WriteChunk(ino=1, index=i, offset=0, crc=0, chunk_size=1 << 20), i * 7)
+            client.send_request(m.WriteChunk(ino=1, index=i, offset=0, crc=0, chunk_size=1 << 20, chain=1), i * 7)
         client.cancel(ids[1])
         return got + run(client, rest[proof_len:], sizes)
 
