@@ -90,14 +90,24 @@ def _server_config(a: argparse.Namespace) -> Any:
                                           "hold: pass --root DIR of the cluster (DIR/server.json) or --cluster DIR/server.json")
 
 
-def _what_is_stored(c: Client, sid: int) -> str:
+def _what_is_lost(c: Client, sid: int, chains: list[int]) -> str:
+    """Chunks and bytes server ``sid`` holds of ``chains`` (ListChunks, paged; a server's request)."""
     from wire import messages as m
 
+    count = size = 0
     try:
-        info = c.call_storage(sid, m.TargetInfo(), timeout=5.0)
+        for chain in chains:
+            after = None
+            while True:
+                page = c.call_storage(sid, m.ListChunks(chain=chain, after=after, limit=8192), timeout=30.0)
+                count += len(page.chunks)
+                size += sum(int(e[3]) for e in page.chunks)
+                if not page.more or not page.chunks:
+                    break
+                after = page.chunks[-1][:2]
     except StripefsError as exc:
-        return f"its chunk count is unknown (server unreachable: {exc.message})"
-    return f"it holds {info.chunks} chunks, {_human(info.used)}"
+        return f"chunk count unknown (server {sid} unreachable: {exc.message})"
+    return f"{count} chunks, {_human(size)} held only by server {sid}"
 
 
 def cmd_remove_server(a: argparse.Namespace) -> int:
@@ -110,16 +120,19 @@ def cmd_remove_server(a: argparse.Namespace) -> int:
         if a.id not in known:
             raise StripefsError(ErrorCode.NOT_FOUND, f"no storage server {a.id} in this cluster "
                                                      f"(servers: {', '.join(map(str, sorted(known))) or 'none'})")
-        stored = _what_is_stored(c, a.id) if known[a.id].state not in ("removed", "pending") else ""
+        at_risk = [ch["chain_id"] for ch in c.status().chains if a.id in ch["targets"]
+                   and not any(t != a.id and st == "serving" for t, st in zip(ch["targets"], ch["states"]))]
+        # Counted before the request: once removed, the server may stop answering.
+        lost_data = _what_is_lost(c, a.id, at_risk) if at_risk and known[a.id].state != "removed" else ""
         try:
             reply = c.call(m.RemoveServer(server_id=a.id, force=a.force))
         except StripefsError as exc:
             if exc.code == ErrorCode.PERMISSION:
-                print(f"stripefs remove-server: {exc.message}; {stored}", file=sys.stderr)
+                print(f"stripefs remove-server: {exc.message}; {lost_data}", file=sys.stderr)
                 return 1
             raise
         if reply.lost:
-            print(f"server {a.id} removed; chains lost: {', '.join(map(str, reply.lost))} ({stored}): the files "
+            print(f"server {a.id} removed; chains lost: {', '.join(map(str, reply.lost))} ({lost_data}): the files "
                   "striped over them cannot be read", file=sys.stderr)
         deadline = time.monotonic() + a.timeout
         state = reply.state

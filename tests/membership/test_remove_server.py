@@ -87,6 +87,7 @@ def test_single_replica_is_refused_unless_forced_and_errors_are_clear(tmp_path_f
     try:
         with h.client() as c:
             c.write_bytes("/one", os.urandom(4 * TEST_CHUNK))
+            attr = c.stat("/one")
             st = c.status()
             victim = st.servers[1].server_id
             chains = [ch["chain_id"] for ch in st.chains if victim in ch["targets"]]
@@ -102,7 +103,10 @@ def test_single_replica_is_refused_unless_forced_and_errors_are_clear(tmp_path_f
         r = _cli("remove-server", str(victim), "--root", h.root)
         assert r.returncode == 1
         assert "would lose chains " + ", ".join(map(str, chains)) in r.stderr, r.stderr
-        assert "chunks" in r.stderr and "--force" in r.stderr
+        # Exactly what would be lost: the chunks and bytes of /one on the victim's chains.
+        held = sum(1 for i in range(4) if attr.layout.chain_of(i) in chains)
+        assert f"{held} chunks, " in r.stderr and f"held only by server {victim}" in r.stderr, r.stderr
+        assert "--force" in r.stderr
         with h.client() as c:
             st = c.status()
             assert (st.routing_version, [(ch["chain_id"], ch["targets"]) for ch in st.chains]) == before
