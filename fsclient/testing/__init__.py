@@ -11,7 +11,7 @@
   operation, and the checker that judges that history (``bench.fault_soak``).
 """
 
-from ._cluster import LocalCluster, add_server, down, read_cluster, up
+from ._cluster import LocalCluster, add_server, down, mark_removed, read_cluster, up
 from ._postgres import LocalPostgres, postgres_bin
 
-__all__ = ["LocalCluster", "up", "down", "add_server", "read_cluster", "LocalPostgres", "postgres_bin"]
+__all__ = ["LocalCluster", "up", "down", "add_server", "read_cluster", "mark_removed", "LocalPostgres", "postgres_bin"]

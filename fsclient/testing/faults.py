@@ -42,7 +42,7 @@ from wire import ErrorCode, StripefsError
 from wire import messages as m
 
 from ..core import Client
-from ._cluster import LocalCluster
+from ._cluster import SERVER_FILE, LocalCluster
 from .history import Op, Verdict, check, load
 
 __all__ = ["Event", "Outcome", "Schedule", "replica_mismatches", "run_schedule"]
@@ -199,7 +199,10 @@ def wait_healthy(c: Client, count: int, timeout: float = 120.0) -> None:
 
 
 def replica_mismatches(c: Client) -> list[str]:
-    """Chunks whose replicas differ in version or digest, asked of each chain's members."""
+    """Chunks whose replicas differ in version or digest, asked of each chain's members.
+
+    ``c`` must hold the servers' credential (``ROOT/server.json``): ``ListChunks`` is server-only.
+    """
     routing = c.routing(refresh=True)
     out = []
     for chain, members in sorted(routing.members.items()):
@@ -267,7 +270,8 @@ def run_schedule(seed: int, *, replicas: int = 2, servers: int | None = None, du
                 data = c.read_bytes(p)
                 for u, (a, b) in enumerate(UNITS):
                     final[(f, u)] = crc32c.crc32c(data[a:b])
-            differ = replica_mismatches(c)
+        with Client(os.path.join(h.root, SERVER_FILE)) as sc:  # ListChunks is for servers only
+            differ = replica_mismatches(sc)
         verdict = check(init + load(logs), final, expect_no_errors=True)
         return Outcome(seed, schedule.describe(), verdict, differ, root)
     finally:

@@ -284,7 +284,10 @@ def test_a_write_forwarded_by_an_older_chain_table_is_refused(make_cluster) -> N
         data = b"b" * 4096
         msg = m.WriteChunk(ino=attr.ino, index=0, offset=0, crc=crc32c.crc32c(data), chunk_size=attr.layout.chunk_size,
                            chain=chain, routing_version=routing.version - 1, version=2, digest=0)
+    with Client(os.path.join(h.root, "server.json")) as sc:  # forwarded writes come from servers only
+        sc.routing(refresh=True)
         with pytest.raises(StripefsError) as err:
-            c.data_connection(tail).submit(msg, payload=data).result(30)
-        assert err.value.code == ErrorCode.STALE_ROUTING
+            sc.data_connection(tail).submit(msg, payload=data).result(30)
+    assert err.value.code == ErrorCode.STALE_ROUTING
+    with h.client() as c:
         assert c.read_bytes("/f") == b"a" * 4096
