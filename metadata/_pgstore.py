@@ -22,7 +22,9 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from ._store import _SCHEMA, SqlTxn, Store, Txn
+from wire._errors import ErrorCode, StripefsError
+
+from ._store import _SCHEMA, SCHEMA_VERSION, SqlTxn, Store, Txn, check_schema_version
 
 __all__ = ["PostgresStore", "PG_SCHEMA"]
 
@@ -33,6 +35,17 @@ PG_SCHEMA = _SCHEMA.replace("INTEGER", "BIGINT").replace("BLOB", "BYTEA")
 # byte order of name (BYTEA compares bytewise, as SQLite's BLOB does).
 
 _RETRY_SQLSTATES = frozenset({"40001", "40P01"})  # serialization failure, deadlock
+
+
+def _where(url: str) -> str:
+    """``host:port/db`` of a URL, never its password (the message goes to logs)."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        info = conninfo_to_dict(url)
+    except Exception:  # noqa: BLE001 - a malformed URL: say so without echoing it
+        return "(unparsable URL)"
+    return f"{info.get('host', 'localhost')}:{info.get('port', 5432)}/{info.get('dbname', '')}"
 
 
 class PostgresStore(Store):
@@ -48,18 +61,45 @@ class PostgresStore(Store):
 
         self._psycopg = psycopg
         self.url = url
-        self._conn = psycopg.connect(url, autocommit=True, connect_timeout=int(connect_timeout))
-        with self._conn.transaction():
-            # Several services may start at once: one of them creates the tables.
-            self._conn.execute("SELECT pg_advisory_xact_lock(7400131)")
-            self._conn.execute(PG_SCHEMA)
+        self._timeout = int(connect_timeout)
+        try:
+            self._conn = psycopg.connect(url, autocommit=True, connect_timeout=int(connect_timeout))
+        except psycopg.Error as exc:
+            raise StripefsError(ErrorCode.UNAVAILABLE, f"cannot connect to PostgreSQL at {_where(url)}: "
+                                f"{str(exc).strip()}") from exc
+        try:
+            self._init_schema()
+        except BaseException:
+            self._conn.close()
+            raise
         self._open = False
         self._batching = False
 
+    def _init_schema(self) -> None:
+        """Create or check the tables in one transaction: all of them or none."""
+        where = f"PostgreSQL database at {_where(self.url)}"
+        with self._conn.transaction():
+            # Several services may start at once: one of them creates the tables.
+            self._conn.execute("SELECT pg_advisory_xact_lock(7400131)")
+            found = None
+            if self._conn.execute("SELECT to_regclass('meta')").fetchone()[0] is not None:
+                row = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+                found = row[0] if row else None
+            check_schema_version(found, where)
+            self._conn.execute(PG_SCHEMA)
+            self._conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', %s) "
+                               "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
+
     def _begin(self) -> None:
+        if self._conn.broken or self._conn.closed:
+            # The server restarted (or the network dropped us): a new session. What the old
+            # one had not committed is gone, and its caller was told so.
+            self._conn = self._psycopg.connect(self.url, autocommit=True, connect_timeout=self._timeout)
         self._conn.execute("BEGIN ISOLATION LEVEL SERIALIZABLE")
 
     def _end(self, ok: bool) -> None:
+        if self._conn.broken:
+            return  # nothing to end: the session is gone
         if self._conn.info.transaction_status != self._psycopg.pq.TransactionStatus.IDLE:
             self._conn.execute("COMMIT" if ok else "ROLLBACK")
 
