@@ -10,14 +10,14 @@ import os
 
 import trio
 
+from ._metalink import parse_addresses
 from ._server import serve_storage
 
 
 async def _main(args: argparse.Namespace, secret: str, cluster_id: str) -> None:
-    host, _, port = args.metadata.rpartition(":")
     async with trio.open_nursery() as nursery:
         addr = await nursery.start(functools.partial(
-            serve_storage, args.root, secret=secret, metadata=(host, int(port)), host=args.host, port=args.port,
+            serve_storage, args.root, secret=secret, metadata=parse_addresses(args.metadata), host=args.host, port=args.port,
             cluster_id=cluster_id,
         ))
         if args.ready:
@@ -31,7 +31,7 @@ async def _main(args: argparse.Namespace, secret: str, cluster_id: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m storage")
     p.add_argument("--root", required=True, help="target directory holding the chunks")
-    p.add_argument("--metadata", required=True, help="host:port of the metadata service")
+    p.add_argument("--metadata", required=True, help="host:port of the metadata service (several: comma-separated)")
     p.add_argument("--cluster", required=True, help="cluster.json or secret file holding the secret")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)

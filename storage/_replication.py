@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, TypeVar
 
 import trio
 
@@ -34,6 +34,9 @@ from rpc import TrioConnection, TrioPool
 from wire import ErrorCode, Message, ReplyMessage, Routing, StripefsError, messages as m
 
 from ._chunks import ChunkStore, VersionGap
+
+if TYPE_CHECKING:
+    from ._metalink import MetadataLink
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", bound=ReplyMessage)
@@ -43,7 +46,7 @@ LIST_PAGE = 8192  # chunks per ListChunks reply: ~50 bytes each, far below the f
 SETTLE = 3.0  # seconds: > 2 heartbeats, so every peer routes by the table that includes us
 
 
-async def control_call(conn: TrioConnection, msg: Message[R], payload: bytes = b"") -> tuple[R, bytes | bytearray]:
+async def control_call(conn: "TrioConnection | MetadataLink", msg: Message[R], payload: bytes = b"") -> tuple[R, bytes | bytearray]:
     """One call over a trio control connection, its reply decoded and checked.
 
     The transport hands the response header up as a plain map; the caller
@@ -66,7 +69,7 @@ async def control_call(conn: TrioConnection, msg: Message[R], payload: bytes = b
 
 
 class Replicator:
-    def __init__(self, store: ChunkStore, secret: str, meta: TrioConnection):
+    def __init__(self, store: ChunkStore, secret: str, meta: "TrioConnection | MetadataLink"):
         self.store = store
         self.secret = secret
         self.meta = meta

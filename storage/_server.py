@@ -26,10 +26,11 @@ from typing import Any
 
 import trio
 
-from rpc import BufferPool, ServerConn, Service, ThreadReply, TrioConnection, serve_rpc
+from rpc import BufferPool, ServerConn, Service, ThreadReply, serve_rpc
 from wire import ErrorCode, FrameHead, Message, StripefsError, messages as m
 
 from ._chunks import ChunkStore
+from ._metalink import MetadataLink
 from ._replication import Replicator, control_call
 
 log = logging.getLogger(__name__)
@@ -236,7 +237,7 @@ def _identity_token(ident: dict[str, Any]) -> bool:
     return True
 
 
-async def _register_and_heartbeat(service: StorageService, meta: TrioConnection, host: str, port: int, root: str,
+async def _register_and_heartbeat(service: StorageService, meta: MetadataLink, host: str, port: int, root: str,
                                   admitted: trio.Event, nursery: trio.Nursery) -> None:
     ident = await trio.to_thread.run_sync(_load_identity, root)
     if _identity_token(ident):  # on disk before it is ever sent: the id it earns is bound to it
@@ -292,7 +293,7 @@ async def serve_storage(
     root: str,
     *,
     secret: str,
-    metadata: tuple[str, int],
+    metadata: tuple[str, int] | list[tuple[str, int]],
     host: str = "127.0.0.1",
     port: int = 0,
     cluster_id: str = "",
@@ -305,8 +306,9 @@ async def serve_storage(
     """
     os.makedirs(root, exist_ok=True)
     store = await trio.to_thread.run_sync(ChunkStore, root)
-    meta_conn = TrioConnection(metadata, secret)
-    service = StorageService(store, Replicator(store, secret, TrioConnection(metadata, secret)))
+    addresses = [metadata] if isinstance(metadata, tuple) else list(metadata)  # type: ignore[list-item]
+    meta_conn = MetadataLink(addresses, secret)  # heartbeats find the leading metadata service
+    service = StorageService(store, Replicator(store, secret, MetadataLink(addresses, secret)))  # type: ignore[arg-type]
     async with trio.open_nursery() as nursery:
         address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id))
         admitted = trio.Event()

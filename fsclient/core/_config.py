@@ -2,6 +2,9 @@
 
 A cluster is named by a path to its ``cluster.json`` or by ``host:port`` of the
 metadata service (the secret then comes from ``secret=`` or ``STRIPEFS_SECRET``).
+With several metadata services the file lists them all (``metadata_services``) and
+``host:port,host:port`` names them all; ``metadata`` stays the first one, so files
+and tools from before keep working.
 """
 
 from __future__ import annotations
@@ -22,6 +25,12 @@ class ClusterConfig:
     secret: str
     cluster_id: str = ""
     path: str | None = None  # the cluster.json it came from
+    services: tuple[tuple[str, int], ...] = ()  # every metadata service, ``metadata`` first
+
+    @property
+    def addresses(self) -> tuple[tuple[str, int], ...]:
+        """Every metadata service's address (just ``metadata`` for a single service)."""
+        return self.services or (self.metadata,)
 
     @classmethod
     def from_file(cls, path: str) -> "ClusterConfig":
@@ -34,7 +43,9 @@ class ClusterConfig:
             raise StripefsError(ErrorCode.INVALID, f"cannot read cluster file {path}: {exc}") from exc
         try:
             host, port = raw["metadata"]["host"], int(raw["metadata"]["port"])
-            return cls((host, port), str(raw["secret"]), str(raw.get("cluster_id", "")), os.path.abspath(path))
+            services = tuple((str(s["host"]), int(s["port"])) for s in raw.get("metadata_services") or [])
+            return cls((host, port), str(raw["secret"]), str(raw.get("cluster_id", "")), os.path.abspath(path),
+                       services if len(services) > 1 else ())
         except (KeyError, TypeError, ValueError) as exc:
             raise StripefsError(ErrorCode.INVALID, f"cluster file {path} lacks metadata address or secret") from exc
 
@@ -59,13 +70,16 @@ def _parse(spec: str, secret: str | None) -> ClusterConfig:
         spec = os.path.join(spec, "cluster.json")
     if os.path.exists(spec) or spec.endswith(".json"):
         return ClusterConfig.from_file(spec)
-    host, sep, port = spec.rpartition(":")
-    if not sep or not port.isdigit():
-        raise StripefsError(ErrorCode.INVALID, f"cluster must be a cluster.json path or host:port, got {spec!r}")
+    addresses = []
+    for part in spec.split(","):
+        host, sep, port = part.strip().rpartition(":")
+        if not sep or not port.isdigit():
+            raise StripefsError(ErrorCode.INVALID, f"cluster must be a cluster.json path or host:port, got {spec!r}")
+        addresses.append((host or "127.0.0.1", int(port)))
     secret = secret or os.environ.get("STRIPEFS_SECRET")
     if not secret:
         raise StripefsError(ErrorCode.AUTH, f"cluster {spec} given as host:port needs a secret (secret= or STRIPEFS_SECRET)")
-    return ClusterConfig((host or "127.0.0.1", int(port)), secret)
+    return ClusterConfig(addresses[0], secret, services=tuple(addresses) if len(addresses) > 1 else ())
 
 
 def find_cluster(cluster: "str | os.PathLike[str] | ClusterConfig | None" = None, secret: str | None = None) -> ClusterConfig:
