@@ -164,17 +164,17 @@ class Leadership:
         while True:
             began = trio.current_time()
             row: LockRow | None = None
-            why = ""
+            why, taken = "", False
             try:
                 row = await self.run(self.leases.acquire, LEADER_KEY, self.owner, ttl_ns)
             except StripefsError as exc:
-                why = exc.message
+                why, taken = exc.message, exc.code == ErrorCode.WOULD_BLOCK  # another service holds it
             try:
                 if row is not None:
                     self.lease_until = began + TTL - RENEW  # a margin for the round trip
                     if not self.leading or row.token != self.token:
                         await self.take_over(row.token)
-                elif self.leading and trio.current_time() > self.lease_until:
+                elif self.leading and (taken or trio.current_time() > self.lease_until):
                     await self.step_down(why or "lease expired")
                 elif not self.leading:
                     await self.refresh_view()

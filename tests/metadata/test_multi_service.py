@@ -1,0 +1,251 @@
+"""Several metadata services on one store (issue 18): membership in the store, one
+leader at a time, retries that fail over without applying twice, bad stores refused.
+
+Services run in-process (``serve_metadata`` in a trio nursery) and are spoken to
+over real loopback connections; the PostgreSQL tests use a private server and a
+fresh schema each, and skip when the server binaries are missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import os
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import trio
+
+from metadata._leader import RENEW, TTL
+from metadata._server import Membership, open_store, serve_metadata
+from metadata._store import SCHEMA_VERSION, SqliteStore
+from rpc import TrioConnection
+from wire import ErrorCode, StripefsError, messages as m
+
+SECRET = "multi-service-test-secret-0123456789"
+_schemas = itertools.count()
+
+
+@pytest.fixture
+def pg_schema(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A URL whose search_path is a fresh, empty schema of the session's PostgreSQL."""
+    import psycopg
+
+    url = request.getfixturevalue("pg_url")
+    schema = f"ms{os.getpid()}_{next(_schemas)}"
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+    yield f"{url}?options=-csearch_path%3D{schema}"
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+async def _call(conn: TrioConnection, msg: Any) -> Any:
+    header, _ = await conn.call(msg)
+    return m.decode_reply(msg, header)
+
+
+async def _start(nursery: trio.Nursery, state: Path, url: str | None) -> tuple[tuple[str, int], trio.CancelScope]:
+    """One metadata service in its own cancel scope (cancelling it is its death)."""
+    scope = trio.CancelScope()
+
+    async def run(task_status: trio.TaskStatus[tuple[str, int]]) -> None:
+        with scope:
+            await serve_metadata(str(state), secret=SECRET, store_url=url, task_status=task_status)
+
+    return await nursery.start(run), scope
+
+
+def _legacy_servers_json(path: Path) -> dict[str, Any]:
+    """A ``servers.json`` as versions before the membership table wrote it."""
+    mb = Membership(str(path), replicas=1)
+    sid, _ = mb.register(m.RegisterServer(host="127.0.0.1", port=9, root="/srv/a", capacity=1 << 30, used=0, pid=1,
+                                          token="ab" * 32))
+    mb.admit(sid)
+    mb.freeze()
+    return json.loads(path.read_text())
+
+
+# -- membership in the store -------------------------------------------------------------------
+
+def test_servers_json_imported_once_then_read_from_the_store(tmp_path: Path) -> None:
+    legacy = _legacy_servers_json(tmp_path / "servers.json")
+
+    async def main() -> None:
+        for attempt in range(2):  # the second start reads the row, not the (renamed) file
+            async with trio.open_nursery() as nursery:
+                address, _ = await _start(nursery, tmp_path, None)
+                routing = (await _call(TrioConnection(address, SECRET), m.GetRouting())).routing
+                assert routing.version == legacy["version"] + 1 + attempt  # every restart: a new version
+                assert sorted(routing.servers) == [1]
+                assert {c: list(ts) for c, ts in routing.members.items()} == {
+                    c: [(t, "serving") for t in ts] for c, ts in legacy["table"]}
+                nursery.cancel_scope.cancel()
+            assert not (tmp_path / "servers.json").exists()
+            assert (tmp_path / "servers.json.imported").exists()
+
+    trio.run(main)
+    row = sqlite3.connect(tmp_path / "meta.db").execute("SELECT version, doc FROM membership").fetchone()
+    assert json.loads(row[1])["frozen"] is True and json.loads(row[1])["tokens"] == legacy["tokens"]
+
+
+# -- bad stores ------------------------------------------------------------------------------
+
+def test_sqlite_of_another_schema_version_is_refused_untouched(tmp_path: Path) -> None:
+    SqliteStore(tmp_path / "meta.db").close()
+    db = sqlite3.connect(tmp_path / "meta.db", isolation_level=None)
+    db.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    db.execute("DROP TABLE replies")
+    with pytest.raises(StripefsError) as err:
+        SqliteStore(tmp_path / "meta.db")
+    assert err.value.code == ErrorCode.INVALID and "version 99" in err.value.message
+    assert f"reads version {SCHEMA_VERSION}" in err.value.message
+    tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert "replies" not in tables  # nothing created or migrated
+
+
+def test_unknown_store_url_is_invalid(tmp_path: Path) -> None:
+    with pytest.raises(StripefsError) as err:
+        open_store(str(tmp_path), "mysql://127.0.0.1/x")
+    assert err.value.code == ErrorCode.INVALID
+
+
+def test_unreachable_postgres_is_a_clear_error_without_the_password(pg_url: str) -> None:
+    from metadata._pgstore import PostgresStore
+
+    with pytest.raises(StripefsError) as err:
+        PostgresStore("postgresql://someone:hunter2secret@127.0.0.1:1/nodb", connect_timeout=2)
+    assert err.value.code == ErrorCode.UNAVAILABLE
+    assert "127.0.0.1:1/nodb" in err.value.message and "hunter2secret" not in err.value.message
+
+
+def test_postgres_of_another_schema_version_is_refused_untouched(pg_schema: str) -> None:
+    import psycopg
+
+    from metadata._pgstore import PostgresStore
+
+    with psycopg.connect(pg_schema, autocommit=True) as conn:
+        conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        conn.execute("INSERT INTO meta VALUES ('schema_version', '7')")
+    with pytest.raises(StripefsError) as err:
+        PostgresStore(pg_schema)
+    assert err.value.code == ErrorCode.INVALID and "version 7" in err.value.message
+    with psycopg.connect(pg_schema, autocommit=True) as conn:
+        assert conn.execute("SELECT to_regclass('inodes')").fetchone()[0] is None  # never half-initialised
+
+
+# -- several services -------------------------------------------------------------------------
+
+def test_one_leader_then_takeover_when_it_dies(tmp_path: Path, pg_schema: str) -> None:
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            services = [await _start(nursery, tmp_path / f"s{i}", pg_schema) for i in range(3)]
+            conns = [TrioConnection(a, SECRET) for a, _ in services]
+            leads = [(await _call(c, m.ClusterStatus())).metadata["leader"] for c in conns]
+            assert leads.count(True) == 1
+            leader = leads.index(True)
+            # Leader-only messages are refused elsewhere, with UNAVAILABLE (callers move on).
+            with pytest.raises(StripefsError) as err:
+                await _call(conns[(leader + 1) % 3], m.Heartbeat(server_id=1, capacity=1, used=0, chunks=0,
+                                                                 token="ab" * 32))
+            assert err.value.code == ErrorCode.UNAVAILABLE
+            before = (await _call(conns[(leader + 1) % 3], m.GetRouting())).routing.version
+            services[leader][1].cancel()  # the leader is gone (its lease stays until it expires)
+            t0 = time.monotonic()
+            rest = [c for i, c in enumerate(conns) if i != leader]
+            while True:
+                leads = [(await _call(c, m.ClusterStatus())).metadata["leader"] for c in rest]
+                if any(leads):
+                    break
+                assert time.monotonic() - t0 < TTL + 3 * RENEW, "no takeover"
+                await trio.sleep(0.1)
+            assert leads.count(True) == 1
+            # The new leader published a new routing version; followers read it from the store.
+            after = (await _call(rest[leads.index(False)], m.GetRouting())).routing.version
+            assert after > before
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_retried_mutation_reaching_another_service_is_not_applied_twice(tmp_path: Path, pg_schema: str) -> None:
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            (a, _), (b, _) = [await _start(nursery, tmp_path / f"s{i}", pg_schema) for i in range(2)]
+            client = os.urandom(16)
+            # Same client id, both connections' first request: the same request id, as a
+            # client failing over from a to b sends it.
+            first = await _call(TrioConnection(a, SECRET, client_id=client), m.Mkdir(parent=1, name="d", mode=0o755))
+            again = await _call(TrioConnection(b, SECRET, client_id=client), m.Mkdir(parent=1, name="d", mode=0o755))
+            assert again.attr.ino == first.attr.ino  # answered, not EEXIST
+            # Another client's mkdir of the same name is a new request: EEXIST.
+            with pytest.raises(StripefsError) as err:
+                await _call(TrioConnection(b, SECRET), m.Mkdir(parent=1, name="d", mode=0o755))
+            assert err.value.code == ErrorCode.EXISTS
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_leader_whose_lease_another_holds_steps_down(tmp_path: Path, pg_schema: str) -> None:
+    """As if the leader had paused past its TTL and another service had taken the lease."""
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            (a, _), (b, _) = [await _start(nursery, tmp_path / f"s{i}", pg_schema) for i in range(2)]
+            ca, cb = TrioConnection(a, SECRET), TrioConnection(b, SECRET)
+            assert (await _call(ca, m.ClusterStatus())).metadata["leader"]  # the first one started leads
+            from metadata._store import LockRow
+
+            store = open_store(str(tmp_path), pg_schema)
+            try:
+                with store.transaction() as txn:
+                    held = txn.get_lock("metadata-leader")
+                    assert held is not None and held.owner == f"{a[0]}:{a[1]}".encode()
+                    txn.put_lock(LockRow(held.key, f"{b[0]}:{b[1]}".encode(), held.token + 1,
+                                         time.time_ns() + int(TTL * 1e9)))
+            finally:
+                store.close()
+            deadline = time.monotonic() + 3 * RENEW + 1
+            while (await _call(ca, m.ClusterStatus())).metadata["leader"] or \
+                    not (await _call(cb, m.ClusterStatus())).metadata["leader"]:
+                assert time.monotonic() < deadline, "the lease's holder does not lead alone"
+                await trio.sleep(0.1)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_metadata_services_above_one_need_postgresql(tmp_path: Path) -> None:
+    from fsclient.testing import up
+
+    with pytest.raises(StripefsError) as err:
+        up(str(tmp_path / "c"), servers=1, metadata_services=2)
+    assert err.value.code == ErrorCode.INVALID and "postgresql" in err.value.message
+    assert not (tmp_path / "c" / "cluster.json").exists()  # nothing started, nothing written
+
+
+def test_membership_write_is_fenced_by_the_lease_token(tmp_path: Path) -> None:
+    from metadata._leader import LEADER_KEY, Leadership
+    from metadata._store import LockRow
+
+    store = SqliteStore(tmp_path / "meta.db")
+    lead = Leadership(store, None, lambda doc, restarted: Membership(None, doc=doc, restarted=restarted))  # type: ignore[arg-type]
+    lead.owner = b"service-a:1"
+    with pytest.raises(StripefsError) as err:  # no lease at all
+        lead._write(2, "{}", 1)
+    assert err.value.code == ErrorCode.UNAVAILABLE
+    with store.transaction() as txn:
+        txn.put_lock(LockRow(LEADER_KEY, lead.owner, 3, time.time_ns() + 10**10))
+    lead._write(2, '{"version": 2}', 3)
+    for owner, token, expires in ((lead.owner, 4, 10**10), (b"service-b:2", 3, 10**10), (lead.owner, 3, -1)):
+        with store.transaction() as txn:  # a newer holder, another holder, or an expired lease
+            txn.put_lock(LockRow(LEADER_KEY, owner, token, time.time_ns() + expires))
+        with pytest.raises(StripefsError):
+            lead._write(5, '{"version": 5}', 3)
+    with store.transaction() as txn:
+        assert txn.get_membership() == (2, '{"version": 2}')
+    store.close()
