@@ -98,8 +98,10 @@ class PostgresStore(Store):
         self._conn.execute("BEGIN ISOLATION LEVEL SERIALIZABLE")
 
     def _end(self, ok: bool) -> None:
-        if self._conn.broken:
-            return  # nothing to end: the session is gone
+        if self._conn.broken:  # the session is gone, and with it the open transaction
+            if ok:
+                raise StripefsError(ErrorCode.IO, "lost the PostgreSQL connection before the commit")
+            return
         if self._conn.info.transaction_status != self._psycopg.pq.TransactionStatus.IDLE:
             self._conn.execute("COMMIT" if ok else "ROLLBACK")
 

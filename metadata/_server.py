@@ -563,6 +563,8 @@ class MetadataService(Service):
         self._jobs_ready.set()
         await job.done.wait()
         if job.exc is not None:
+            if not isinstance(job.exc, StripefsError):  # the store itself failed (PostgreSQL went away)
+                raise StripefsError(ErrorCode.IO, f"metadata store failed: {job.exc}") from job.exc
             raise job.exc
         return job.result
 
@@ -602,7 +604,7 @@ class MetadataService(Service):
                     time.sleep(random.uniform(0, 0.002 * 2 ** attempt))  # worker thread: spread the rerun
                     continue
                 for job in jobs:
-                    if job.exc is None:
+                    if job.exc is None or not isinstance(job.exc, StripefsError):
                         job.result = None
                         job.exc = StripefsError(ErrorCode.IO, f"metadata commit failed: {exc}")
                 return

@@ -249,3 +249,154 @@ def test_membership_write_is_fenced_by_the_lease_token(tmp_path: Path) -> None:
     with store.transaction() as txn:
         assert txn.get_membership() == (2, '{"version": 2}')
     store.close()
+
+
+# -- faults, with real processes (``stripefs up --metadata-services 3``) -------------------------
+
+class Workload:
+    """Clients creating small files in a loop; a history of what was acknowledged, and when."""
+
+    def __init__(self, cluster_file: str, clients: int = 2) -> None:
+        import threading
+
+        from fsclient import Client
+
+        self.acked: list[tuple[str, bytes]] = []
+        self.failures: list[tuple[float, str]] = []
+        self.times: list[list[float]] = [[] for _ in range(clients)]
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.clients = [Client(cluster_file) for _ in range(clients)]
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+        for i, c in enumerate(self.clients):
+            c.mkdir(f"/w{i}", exist_ok=True)
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i: int) -> None:
+        fs = self.clients[i]
+        for n in itertools.count():
+            if self.stop.is_set():
+                return
+            path, data = f"/w{i}/f{n}", os.urandom(64) + str(n).encode()
+            try:
+                fs.write_bytes(path, data, exclusive=True)
+            except OSError as exc:
+                with self.lock:
+                    self.failures.append((time.monotonic(), f"{path}: {exc}"))
+                time.sleep(0.05)
+                continue
+            with self.lock:
+                self.acked.append((path, data))
+                self.times[i].append(time.monotonic())
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+        for c in self.clients:
+            c.close()
+
+    def acked_since(self, t: float) -> int:
+        return sum(1 for ts in self.times for x in ts if x > t)
+
+
+def _service_status(cluster: Any) -> list[dict[str, Any]]:
+    from fsclient import Client
+
+    out = []
+    for s in cluster.data["metadata_services"]:
+        with Client(f"{s['host']}:{s['port']}", secret=cluster.data["secret"]) as c:
+            out.append({**s, "leader": c.status().metadata["leader"]})
+    return out
+
+
+def _check_history(cluster: Any, acked: list[tuple[str, bytes]]) -> None:
+    with cluster.client() as fs:
+        for path, data in acked:
+            assert fs.read_bytes(path) == data, f"acknowledged {path} lost or changed"
+
+
+@pytest.fixture(scope="module")
+def pg_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from fsclient.testing import LocalCluster, postgres_bin
+
+    if postgres_bin("initdb") is None:
+        pytest.skip("PostgreSQL server binaries are not installed (apt-get install postgresql)")
+    root = tmp_path_factory.mktemp("pgmulti")
+    with LocalCluster.start(str(root), servers=2, metadata_store="postgresql", metadata_services=3,
+                            chunk_size=64 << 10, gc_grace=1.0) as cluster:
+        yield cluster
+
+
+def test_kill_9_the_leading_metadata_service_under_two_clients(pg_cluster: Any) -> None:
+    import signal
+
+    work = Workload(pg_cluster.file)
+    try:
+        time.sleep(1.5)
+        leader = next(s for s in _service_status(pg_cluster) if s["leader"])
+        os.kill(leader["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        deadline = killed + 20
+        while work.acked_since(killed + TTL + RENEW) < 20:  # both clients, after the takeover too
+            assert time.monotonic() < deadline, f"clients did not continue: {work.failures[-3:]}"
+            time.sleep(0.2)
+    finally:
+        work.finish()
+    assert all(work.acked_since(killed) > 0 for _ in work.times)
+    # Failing over is transparent: no operation failed (requests to the dead one moved on).
+    assert work.failures == []
+    for ts in work.times:  # each client's longest pause stays within seconds
+        after = [t for t in ts if t > killed - 1]
+        assert max(b - a for a, b in zip(after, after[1:])) < 10
+    statuses = [s for s in _service_status_alive(pg_cluster, leader["pid"])]
+    assert [s["leader"] for s in statuses].count(True) == 1
+    _check_history(pg_cluster, work.acked)
+    # A new storage-side view: the cluster still serves every server.
+    with pg_cluster.client() as fs:
+        assert {s.state for s in fs.status().servers} == {"serving"}
+    pg_cluster.up()  # restart the killed service for the next test
+
+
+def _service_status_alive(cluster: Any, dead_pid: int) -> list[dict[str, Any]]:
+    from fsclient import Client
+
+    out = []
+    for s in cluster.data["metadata_services"]:
+        if s["pid"] == dead_pid:
+            continue
+        with Client(f"{s['host']}:{s['port']}", secret=cluster.data["secret"]) as c:
+            out.append({**s, "leader": c.status().metadata["leader"]})
+    return out
+
+
+def test_postgres_restart_under_load(pg_cluster: Any) -> None:
+    from fsclient.testing import LocalPostgres
+
+    pg = LocalPostgres(pg_cluster.root)
+    work = Workload(pg_cluster.file)
+    try:
+        time.sleep(1.0)
+        pg.stop()
+        stopped = time.monotonic()
+        time.sleep(2.0)
+        with pg_cluster.client() as fs:
+            with pytest.raises(OSError) as err:
+                fs.mkdir("/while-down")
+        pg.start()
+        restarted = time.monotonic()
+        deadline = restarted + 30
+        while work.acked_since(restarted) < 20:
+            assert time.monotonic() < deadline, f"no recovery: {work.failures[-3:]}"
+            time.sleep(0.2)
+    finally:
+        work.finish()
+    # While it was down: errors naming the reason, never a hang or a wrong answer.
+    import errno
+
+    assert err.value.errno == errno.EIO, err.value
+    assert "connect" in str(err.value), err.value  # the reason: the store's connection
+    down = [msg for t, msg in work.failures if stopped <= t]
+    assert down, "no operation failed while PostgreSQL was down"
+    _check_history(pg_cluster, work.acked)
