@@ -973,6 +973,19 @@ def open_store(state_dir: str, store_url: str | None = None) -> Store:
     return SqliteStore(os.path.join(state_dir, "meta.db"))
 
 
+def _open_namespace(store: Store, chunk_size: int, max_stripe: int) -> Namespace:
+    """The namespace on ``store``; services starting together on a new database race to
+    create the root directory, and the losers (a serialization failure) try again."""
+    for attempt in range(MAX_BATCH_RETRIES + 1):
+        try:
+            return Namespace(store, default_chunk_size=chunk_size, max_stripe=max_stripe)
+        except Exception as exc:
+            if not store.retryable(exc) or attempt == MAX_BATCH_RETRIES:
+                raise
+            time.sleep(random.uniform(0, 0.01 * 2 ** attempt))
+    raise AssertionError("unreachable")
+
+
 async def serve_metadata(
     state_dir: str,
     *,
@@ -998,7 +1011,7 @@ async def serve_metadata(
     """
     os.makedirs(state_dir, exist_ok=True)
     store = await trio.to_thread.run_sync(open_store, state_dir, store_url)
-    ns = await trio.to_thread.run_sync(lambda: Namespace(store, default_chunk_size=chunk_size, max_stripe=max_stripe))
+    ns = await trio.to_thread.run_sync(_open_namespace, store, chunk_size, max_stripe)
 
     def members(doc: str | None, restarted: bool) -> Membership:
         return Membership(None, replicas, admit_after=admit_after, doc=doc, restarted=restarted)
