@@ -63,20 +63,23 @@ def _client(cluster_file: str, index: int, seconds: float, barrier: Any, out: An
 
 def measure(store: str, services: int, clients: int, seconds: float) -> dict[str, Any]:
     """Start a cluster, run ``clients`` processes against it, stop it; one result row."""
-    from fsclient.testing import LocalCluster
+    from fsclient.testing import LocalCluster, LocalPostgres, down
 
     root = tempfile.mkdtemp(prefix="stripefs-mdscale-")
     try:
-        with LocalCluster.start(root, servers=1, metadata_store=store, metadata_services=services) as cluster:
-            ctx = mp.get_context("spawn")  # clean processes: no inherited client threads
-            barrier, out = ctx.Barrier(clients), ctx.Queue()
-            procs = [ctx.Process(target=_client, args=(cluster.file, i, seconds, barrier, out)) for i in range(clients)]
-            for p in procs:
-                p.start()
-            results = [out.get(timeout=seconds * 2 + 120) for _ in procs]
-            for p in procs:
-                p.join(30)
+        cluster = LocalCluster.start(root, servers=1, metadata_store=store, metadata_services=services)
+        ctx = mp.get_context("spawn")  # clean processes: no inherited client threads
+        barrier, out = ctx.Barrier(clients), ctx.Queue()
+        procs = [ctx.Process(target=_client, args=(cluster.file, i, seconds, barrier, out)) for i in range(clients)]
+        for p in procs:
+            p.start()
+        results = [out.get(timeout=seconds * 2 + 120) for _ in procs]
+        for p in procs:
+            p.join(30)
     finally:
+        if os.path.exists(os.path.join(root, "cluster.json")):
+            down(root)
+        LocalPostgres(root).destroy()  # its data directory may live outside root (as root: /var/tmp)
         shutil.rmtree(root, ignore_errors=True)
     creates, stats = sum(r[0] for r in results), sum(r[1] for r in results)
     return {"store": store, "services": services, "clients": clients, "seconds": seconds,

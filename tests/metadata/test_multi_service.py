@@ -323,10 +323,15 @@ def pg_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     if postgres_bin("initdb") is None:
         pytest.skip("PostgreSQL server binaries are not installed (apt-get install postgresql)")
+    from fsclient.testing import LocalPostgres
+
     root = tmp_path_factory.mktemp("pgmulti")
-    with LocalCluster.start(str(root), servers=2, metadata_store="postgresql", metadata_services=3,
-                            chunk_size=64 << 10, gc_grace=1.0) as cluster:
-        yield cluster
+    try:
+        with LocalCluster.start(str(root), servers=2, metadata_store="postgresql", metadata_services=3,
+                                chunk_size=64 << 10, gc_grace=1.0) as cluster:
+            yield cluster
+    finally:
+        LocalPostgres(str(root)).destroy()  # as root its data lives under /var/tmp, not the test's directory
 
 
 def test_kill_9_the_leading_metadata_service_under_two_clients(pg_cluster: Any) -> None:
