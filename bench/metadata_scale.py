@@ -48,7 +48,8 @@ def _client(cluster_file: str, index: int, seconds: float, barrier: Any, out: An
         d = f"/bench-{os.getpid()}-{index}"
         parent = fs.mkdir(d).ino
         barrier.wait()
-        names, end = [], time.monotonic() + seconds
+        names: list[str] = []
+        end = time.monotonic() + seconds
         while time.monotonic() < end:
             name = f"f{len(names)}"
             fs.call(m.Create(parent=parent, name=name, mode=0o100644, exclusive=True))

@@ -29,7 +29,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 
@@ -40,7 +41,7 @@ from ._store import LockRow, Store
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Leadership", "LEADER_KEY", "TTL", "RENEW"]
+__all__ = ["LEADER_KEY", "RENEW", "TTL", "Leadership"]
 
 LEADER_KEY = "metadata-leader"
 TTL = 4.0  # seconds a lease lasts without renewal

@@ -82,7 +82,7 @@ class PostgresStore(Store):
             # Several services may start at once: one of them creates the tables.
             self._conn.execute("SELECT pg_advisory_xact_lock(7400131)")
             found = None
-            if self._conn.execute("SELECT to_regclass('meta')").fetchone()[0] is not None:
+            if (self._conn.execute("SELECT to_regclass('meta')").fetchone() or (None,))[0] is not None:
                 row = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
                 found = row[0] if row else None
             check_schema_version(found, where)

@@ -946,6 +946,7 @@ class MetadataService(Service):
             await trio.sleep(GC_INTERVAL)
 
     async def background(self) -> None:
+        forgot = trio.current_time()
         while True:
             with trio.move_on_after(GC_INTERVAL):
                 await self.gc_wakeup.wait()
@@ -956,8 +957,9 @@ class MetadataService(Service):
                 await self.collect()
                 await self.drop_moved_chains()
                 await self.lead.persist()
-                if self.shared and random.random() < GC_INTERVAL / 60:  # about once a minute
+                if self.shared and trio.current_time() - forgot > 60:  # old replies, once a minute
                     await self._store_call(self._forget_replies)
+                    forgot = trio.current_time()
             except Exception:  # never let GC take the service down
                 log.exception("garbage collection pass failed")
 

@@ -9,7 +9,8 @@ TIMEOUT, trying each address once per call.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from rpc import TrioConnection
 from wire import ErrorCode, Message, StripefsError

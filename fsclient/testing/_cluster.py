@@ -134,7 +134,7 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
         return _restart_dead_servers(root, old)
     existing = sorted(int(d.split("-")[1]) for d in os.listdir(root) if d.startswith("storage-") and d.split("-")[1].isdigit())
     count = max(servers, len(existing))
-    cluster = {
+    cluster: dict[str, Any] = {
         "cluster_id": (old or {}).get("cluster_id") or secrets.token_hex(8),
         "secret": (old or {}).get("secret") or new_secret(),
         "root": root,
@@ -185,10 +185,10 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
             h, _, p = addr.rpartition(":")
             cluster["servers"].append({"root": sroot, "host": h, "port": int(p), "pid": sp.pid})
     except BaseException:
-        for p in procs:
-            p.kill()
+        for started in procs:
+            started.kill()
         raise
-    cluster["pids"] = [p.pid for p in procs]
+    cluster["pids"] = [started.pid for started in procs]
     _write_cluster(root, cluster)
     remember_cluster(path)
     return cluster

@@ -8,14 +8,14 @@ fresh schema each, and skip when the server binaries are missing.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import os
 import sqlite3
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import trio
@@ -24,7 +24,8 @@ from metadata._leader import RENEW, TTL
 from metadata._server import Membership, open_store, serve_metadata
 from metadata._store import SCHEMA_VERSION, SqliteStore
 from rpc import TrioConnection
-from wire import ErrorCode, StripefsError, messages as m
+from wire import ErrorCode, StripefsError
+from wire import messages as m
 
 SECRET = "multi-service-test-secret-0123456789"
 _schemas = itertools.count()
@@ -354,7 +355,7 @@ def test_kill_9_the_leading_metadata_service_under_two_clients(pg_cluster: Any) 
     assert work.failures == []
     for ts in work.times:  # each client's longest pause stays within seconds
         after = [t for t in ts if t > killed - 1]
-        assert max(b - a for a, b in zip(after, after[1:])) < 10
+        assert max(b - a for a, b in itertools.pairwise(after)) < 10
     statuses = [s for s in _service_status_alive(pg_cluster, leader["pid"])]
     assert [s["leader"] for s in statuses].count(True) == 1
     _check_history(pg_cluster, work.acked)
@@ -386,9 +387,8 @@ def test_postgres_restart_under_load(pg_cluster: Any) -> None:
         pg.stop()
         stopped = time.monotonic()
         time.sleep(2.0)
-        with pg_cluster.client() as fs:
-            with pytest.raises(OSError) as err:
-                fs.mkdir("/while-down")
+        with pg_cluster.client() as fs, pytest.raises(OSError) as err:
+            fs.mkdir("/while-down")
         pg.start()
         restarted = time.monotonic()
         deadline = restarted + 30
