@@ -58,10 +58,15 @@ class PostgresStore(Store):
 
     def __init__(self, url: str, *, connect_timeout: float = 10.0) -> None:
         import psycopg
+        from psycopg.conninfo import conninfo_to_dict
 
         self._psycopg = psycopg
         self.url = url
         self._timeout = int(connect_timeout)
+        try:
+            conninfo_to_dict(url)
+        except psycopg.ProgrammingError as exc:  # not a connection string libpq accepts
+            raise StripefsError(ErrorCode.INVALID, f"malformed PostgreSQL URL: {str(exc).strip()}") from exc
         try:
             self._conn = psycopg.connect(url, autocommit=True, connect_timeout=int(connect_timeout))
         except psycopg.Error as exc:
