@@ -104,9 +104,7 @@ class Namespace:
 
     @staticmethod
     def _counter(txn: Txn, key: str) -> int:
-        value = int(txn.get_meta(key) or "1")
-        txn.put_meta(key, str(value + 1))
-        return value
+        return txn.allocate(key)
 
     def _touch_dir(self, txn: Txn, ino: int, now: int, nlink_delta: int = 0) -> None:
         """A directory's entries changed: bump mtime/ctime (and nlink for subdirs)."""

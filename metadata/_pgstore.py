@@ -35,6 +35,18 @@ PG_SCHEMA = _SCHEMA.replace("INTEGER", "BIGINT").replace("BLOB", "BYTEA")
 # byte order of name (BYTEA compares bytewise, as SQLite's BLOB does).
 
 _RETRY_SQLSTATES = frozenset({"40001", "40P01"})  # serialization failure, deadlock
+# Counters taken from sequences: every create takes an inode number, and as a row of
+# ``meta`` that number would make any two creates on different services conflict.
+_SEQUENCES = ("next_ino", "next_garbage")
+
+
+class PgTxn(SqlTxn):
+    """:class:`SqlTxn` with counters from PostgreSQL sequences (never rolled back: gaps)."""
+
+    def allocate(self, key: str) -> int:
+        if key not in _SEQUENCES:
+            return super().allocate(key)
+        return int(self._q(f"SELECT nextval('{key}_seq')").fetchone()[0])
 
 
 def _where(url: str) -> str:
@@ -92,6 +104,15 @@ class PostgresStore(Store):
                 found = row[0] if row else None
             check_schema_version(found, where)
             self._conn.execute(PG_SCHEMA)
+            for key in _SEQUENCES:
+                # Start past what the meta row handed out (a database from before the
+                # sequences), and past the root's inode number (1) in a new one; later
+                # opens leave a sequence that is already ahead alone.
+                self._conn.execute(f"CREATE SEQUENCE IF NOT EXISTS {key}_seq")
+                self._conn.execute(
+                    f"SELECT setval('{key}_seq', GREATEST(COALESCE((SELECT value::bigint FROM meta WHERE key = %s), 2), "
+                    f"(SELECT CASE WHEN is_called THEN last_value + 1 ELSE last_value END FROM {key}_seq)), false)",
+                    (key,))
             self._conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', %s) "
                                "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
 
@@ -136,7 +157,7 @@ class PostgresStore(Store):
             if self._batching:
                 self._conn.execute("SAVEPOINT op")
                 try:
-                    yield SqlTxn(self._conn.cursor(), paramstyle="format")
+                    yield PgTxn(self._conn.cursor(), paramstyle="format")
                 except BaseException as exc:
                     if not self.retryable(exc):  # a lost race aborts the whole batch
                         self._conn.execute("ROLLBACK TO SAVEPOINT op")
@@ -146,7 +167,7 @@ class PostgresStore(Store):
                 return
             self._begin()
             try:
-                yield SqlTxn(self._conn.cursor(), paramstyle="format")
+                yield PgTxn(self._conn.cursor(), paramstyle="format")
             except BaseException:
                 self._end(False)
                 raise

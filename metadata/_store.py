@@ -173,6 +173,15 @@ class Txn(abc.ABC):
 
         ``delete_inode`` removes an inode's extended attributes with it."""
 
+    def allocate(self, key: str) -> int:
+        """The next number of counter ``key`` (inode numbers, garbage ids): unique, and
+        larger than any this store handed out before. Kept in ``meta`` by default; a
+        store shared by several services may hand numbers out without making every
+        transaction that takes one conflict with the others (a sequence, with gaps)."""
+        value = int(self.get_meta(key) or "1")
+        self.put_meta(key, str(value + 1))
+        return value
+
     @abc.abstractmethod
     def get_membership(self) -> tuple[int, str] | None:
         """``(routing version, JSON document)`` of the membership row, if written."""

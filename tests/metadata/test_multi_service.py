@@ -434,3 +434,24 @@ def test_up_with_an_unreachable_database_fails_clearly(tmp_path: Path) -> None:
     assert "cannot connect to PostgreSQL at 127.0.0.1:1/nodb" in err.value.message
     assert "hunter2secret" not in err.value.message
     assert read_cluster(str(tmp_path / "c"))["pids"] == []  # nothing left running
+
+
+def test_postgres_inode_numbers_continue_past_an_older_database(pg_schema: str) -> None:
+    """Inode numbers come from a sequence (no conflicts between services); a database
+    from before it continues where its ``meta`` counter stopped, and never goes back."""
+    import psycopg
+
+    from metadata._namespace import Namespace
+    from metadata._pgstore import PostgresStore
+
+    PostgresStore(pg_schema).close()
+    with psycopg.connect(pg_schema, autocommit=True) as conn:  # as an older version left it
+        conn.execute("DROP SEQUENCE next_ino_seq")
+        conn.execute("INSERT INTO meta VALUES ('next_ino', '1000') ON CONFLICT (key) DO UPDATE SET value = '1000'")
+    seen = []
+    for _ in range(2):
+        store = PostgresStore(pg_schema)
+        ns = Namespace(store)
+        seen.append(ns.mkdir(1, f"d{len(seen)}", 0o755, 0, 0).ino)
+        store.close()
+    assert seen[0] >= 1000 and seen[1] > seen[0]
