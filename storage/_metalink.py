@@ -38,13 +38,14 @@ class MetadataLink:
 
     Args:
         addresses: the metadata services (one or more).
-        secret: the cluster secret.
+        secret: the credential of ``role``.
+        role: what the connections authenticate as.
     """
 
-    def __init__(self, addresses: Sequence[tuple[str, int]], secret: str) -> None:
+    def __init__(self, addresses: Sequence[tuple[str, int]], secret: str, *, role: str = "client") -> None:
         if not addresses:
             raise StripefsError(ErrorCode.INVALID, "no metadata address")
-        self.conns = [TrioConnection(tuple(a), secret) for a in addresses]  # type: ignore[arg-type]
+        self.conns = [TrioConnection(tuple(a), secret, role=role) for a in addresses]  # type: ignore[arg-type]
         self.current = 0
 
     @property

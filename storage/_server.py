@@ -27,7 +27,8 @@ from typing import Any
 import trio
 
 from rpc import BufferPool, ServerConn, Service, ThreadReply, serve_rpc
-from wire import ErrorCode, FrameHead, Message, StripefsError, messages as m
+from wire import ErrorCode, FrameHead, Message, StripefsError, role_credential
+from wire import messages as m
 
 from ._chunks import ChunkStore
 from ._metalink import MetadataLink
@@ -271,6 +272,10 @@ async def _register_and_heartbeat(service: StorageService, meta: MetadataLink, h
                 ))
             if reply.state == "pending":
                 pending = True
+            elif reply.state == "removed":
+                log.warning("this storage server was removed from the cluster (stripefs remove-server): stopping")
+                nursery.cancel_scope.cancel()
+                return
             else:
                 repl = service.repl
                 if repl.routing is None or repl.routing.version != reply.routing_version:
@@ -306,9 +311,10 @@ async def serve_storage(
     """
     os.makedirs(root, exist_ok=True)
     store = await trio.to_thread.run_sync(ChunkStore, root)
+    credential = role_credential(secret, "server")  # every call this server makes is as a server
     addresses = [metadata] if isinstance(metadata, tuple) else list(metadata)  # type: ignore[list-item]
-    meta_conn = MetadataLink(addresses, secret)  # heartbeats find the leading metadata service
-    service = StorageService(store, Replicator(store, secret, MetadataLink(addresses, secret)))  # type: ignore[arg-type]
+    meta_conn = MetadataLink(addresses, credential, role="server")  # heartbeats find the leading metadata service
+    service = StorageService(store, Replicator(store, secret, MetadataLink(addresses, credential, role="server")))  # type: ignore[arg-type]
     async with trio.open_nursery() as nursery:
         address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id))
         admitted = trio.Event()

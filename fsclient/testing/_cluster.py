@@ -10,7 +10,8 @@ and :class:`LocalCluster` is the handle tests and benchmarks hold::
 
 Everything lives under ``ROOT``::
 
-    ROOT/cluster.json      addresses, pids, auth secret (mode 0600)
+    ROOT/cluster.json      addresses, pids, the client credential (mode 0600): what clients read
+    ROOT/server.json       the same plus the cluster secret (mode 0600): what servers read
     ROOT/meta/             metadata database (meta.db; servers.json of older versions, imported)
     ROOT/storage-N/        one storage target per server (chunks/, target.json)
     ROOT/logs/*.log        server logs
@@ -30,26 +31,40 @@ import sys
 import time
 from typing import Any
 
-from wire import ErrorCode, StripefsError, new_secret
+from wire import ErrorCode, StripefsError, new_secret, role_credential
 
 from ..core import Client, pid_alive, remember_cluster
 
-__all__ = ["LocalCluster", "up", "down", "add_server", "read_cluster"]
+__all__ = ["LocalCluster", "up", "down", "add_server", "read_cluster", "mark_removed"]
 
 READY_TIMEOUT = 30.0
 MAX_METADATA_SERVICES = 16
 
 
+SERVER_FILE = "server.json"
+
+
 def read_cluster(root: str) -> dict[str, Any] | None:
+    """cluster.json's content with the cluster ``secret`` (from server.json, or from a
+    cluster.json written before roles, which held it; the next write upgrades it)."""
     try:
         with open(os.path.join(root, "cluster.json")) as f:
-            return json.load(f)
+            data = json.load(f)
     except FileNotFoundError:
         return None
+    if "secret" not in data:
+        try:
+            with open(os.path.join(root, SERVER_FILE)) as f:
+                server = json.load(f)
+            data["secret"] = server["secret"]
+            if "metadata_store_url" in server:
+                data["metadata_store_url"] = server["metadata_store_url"]
+        except (FileNotFoundError, KeyError):
+            pass
+    return data
 
 
-def _write_cluster(root: str, data: dict[str, Any]) -> str:
-    path = os.path.join(root, "cluster.json")
+def _write_json(path: str, data: dict[str, Any]) -> None:
     tmp = path + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -58,6 +73,16 @@ def _write_cluster(root: str, data: dict[str, Any]) -> str:
         os.fsync(f.fileno())
     os.chmod(tmp, 0o600)
     os.replace(tmp, path)
+
+
+def _write_cluster(root: str, data: dict[str, Any]) -> str:
+    """Write server.json (with the cluster secret) and cluster.json (the client credential only)."""
+    secret = data["secret"]
+    _write_json(os.path.join(root, SERVER_FILE), {**data, "role": "server"})
+    # The database URL carries its password: servers need it, clients do not.
+    client = {k: v for k, v in data.items() if k not in ("secret", "role", "metadata_store_url")}
+    path = os.path.join(root, "cluster.json")
+    _write_json(path, {**client, "client_secret": role_credential(secret, "client")})
     return path
 
 
@@ -159,6 +184,7 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
             cluster["private_postgres"] = bool((old or {}).get("private_postgres"))
         cluster["metadata_store_url"] = url
     path = _write_cluster(root, cluster)  # secret must be on disk (0600) before servers read it
+    spath = os.path.join(root, SERVER_FILE)  # what the servers read: the cluster secret
     procs: list[subprocess.Popen] = []
     try:
         old_ports = [int(s.get("port", 0)) for s in _services(old or {})]
@@ -175,12 +201,19 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
             cluster["metadata_services"].append({"host": host, "port": int(mport), "pid": proc.pid})
         cluster["metadata"] = cluster["metadata_services"][0]
         maddr = _metadata_arg(cluster)
-        starting = []
+        starting: list[tuple[int, Any, str, str, Any]] = []
+        before = (old or {}).get("servers", [])
         for i in range(count):
-            sp, sready, slog = _start_server(root, i, maddr, path)
+            if i < len(before) and before[i].get("removed"):
+                starting.append((i, None, "", "", before[i]))  # removed for good: never started again
+                continue
+            sp, sready, slog = _start_server(root, i, maddr, spath)
             procs.append(sp)
             starting.append((i, sp, sready, slog, os.path.join(root, f"storage-{i}")))
         for i, sp, sready, slog, sroot in starting:
+            if sp is None:
+                cluster["servers"].append(sroot)
+                continue
             addr = _wait_ready(sp, sready, f"storage server {i}", slog)
             h, _, p = addr.rpartition(":")
             cluster["servers"].append({"root": sroot, "host": h, "port": int(p), "pid": sp.pid})
@@ -214,7 +247,7 @@ def _spawn_metadata(root: str, cluster: dict[str, Any], i: int, port: int) -> tu
     if os.path.exists(ready):
         os.unlink(ready)
     log_path = os.path.join(root, "logs", f"metadata{suffix}.log")
-    proc = _spawn(["-m", "metadata", "--state", os.path.join(root, "meta"), "--cluster", os.path.join(root, "cluster.json"),
+    proc = _spawn(["-m", "metadata", "--state", os.path.join(root, "meta"), "--cluster", os.path.join(root, SERVER_FILE),
                    "--port", str(port), "--chunk-size", str(cluster.get("chunk_size", 4 << 20)),
                    "--stripe", str(cluster.get("stripe", 16)), "--gc-grace", str(cluster.get("gc_grace", 30.0)),
                    "--replicas", str(cluster.get("replicas", 1)), "--ready", ready], log_path)
@@ -246,6 +279,7 @@ def _start_server(root: str, i: int, maddr: str, cluster_file: str) -> tuple[sub
 
 def _restart_metadata(root: str, cluster: dict[str, Any]) -> None:
     """Start dead metadata services again on their old ports; running storage servers re-register."""
+    _write_cluster(root, cluster)  # a cluster.json from before roles: server.json first
     services = _services(cluster)
     for i, old in enumerate(services):
         if pid_alive(old.get("pid", -1)):
@@ -264,17 +298,17 @@ def _restart_metadata(root: str, cluster: dict[str, Any]) -> None:
 
 def _restart_dead_servers(root: str, cluster: dict[str, Any]) -> dict[str, Any]:
     """The metadata service runs but some storage servers died: start just those again."""
-    path = os.path.join(root, "cluster.json")
+    _write_cluster(root, cluster)  # a cluster.json from before roles: server.json first
     maddr = _metadata_arg(cluster)
     for i, s in enumerate(cluster["servers"]):
-        if pid_alive(s["pid"]):
+        if pid_alive(s["pid"]) or s.get("removed"):
             continue
-        sp, sready, slog = _start_server(root, i, maddr, path)
+        sp, sready, slog = _start_server(root, i, maddr, os.path.join(root, SERVER_FILE))
         addr = _wait_ready(sp, sready, f"storage server {i}", slog)
         h, _, p = addr.rpartition(":")
         cluster["servers"][i] = {"root": s["root"], "host": h, "port": int(p), "pid": sp.pid}
     cluster["pids"] = [s["pid"] for s in _services(cluster)] + [s["pid"] for s in cluster["servers"]]
-    _write_cluster(root, cluster)
+    path = _write_cluster(root, cluster)
     remember_cluster(path)
     return cluster
 
@@ -290,16 +324,31 @@ def add_server(root: str) -> dict[str, Any]:
     cluster = read_cluster(root)
     if not cluster or not any(pid_alive(m.get("pid", -1)) for m in _services(cluster)):
         raise StripefsError(ErrorCode.UNAVAILABLE, f"no running cluster under {root} (stripefs up first)")
-    path = os.path.join(root, "cluster.json")
+    _write_cluster(root, cluster)  # a cluster.json from before roles: server.json first
     i = len(cluster["servers"])
     maddr = _metadata_arg(cluster)
-    sp, sready, slog = _start_server(root, i, maddr, path)
+    sp, sready, slog = _start_server(root, i, maddr, os.path.join(root, SERVER_FILE))
     addr = _wait_ready(sp, sready, f"storage server {i}", slog)
     h, _, p = addr.rpartition(":")
     cluster["servers"].append({"root": os.path.join(root, f"storage-{i}"), "host": h, "port": int(p), "pid": sp.pid})
     cluster["pids"].append(sp.pid)
     _write_cluster(root, cluster)
     return cluster
+
+
+def mark_removed(root: str, host: str, port: int) -> bool:
+    """Record that the server at ``host:port`` was removed (``stripefs remove-server``), so
+    ``up`` never starts it again. Returns whether it was one of this cluster's servers."""
+    root = os.path.abspath(root)
+    cluster = read_cluster(root)
+    if not cluster or "secret" not in cluster:
+        return False
+    for s in cluster.get("servers", []):
+        if (s.get("host"), s.get("port")) == (host, port):
+            s["removed"] = True
+            _write_cluster(root, cluster)
+            return True
+    return False
 
 
 def down(root: str, timeout: float = 10.0) -> int:

@@ -28,6 +28,8 @@ from wire import ErrorCode, StripefsError
 from wire import messages as m
 
 SECRET = "multi-service-test-secret-0123456789"
+CLIENT = role_credential(SECRET, "client")  # what clients hold
+SERVER = role_credential(SECRET, "server")  # what storage servers hold
 _schemas = itertools.count()
 
 
@@ -80,7 +82,7 @@ def test_servers_json_imported_once_then_read_from_the_store(tmp_path: Path) -> 
         for attempt in range(2):  # the second start reads the row, not the (renamed) file
             async with trio.open_nursery() as nursery:
                 address, _ = await _start(nursery, tmp_path, None)
-                routing = (await _call(TrioConnection(address, SECRET), m.GetRouting())).routing
+                routing = (await _call(TrioConnection(address, CLIENT), m.GetRouting())).routing
                 assert routing.version == legacy["version"] + 1 + attempt  # every restart: a new version
                 assert sorted(routing.servers) == [1]
                 assert {c: list(ts) for c, ts in routing.members.items()} == {
@@ -145,14 +147,14 @@ def test_one_leader_then_takeover_when_it_dies(tmp_path: Path, pg_schema: str) -
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             services = [await _start(nursery, tmp_path / f"s{i}", pg_schema) for i in range(3)]
-            conns = [TrioConnection(a, SECRET) for a, _ in services]
+            conns = [TrioConnection(a, CLIENT) for a, _ in services]
             leads = [(await _call(c, m.ClusterStatus())).metadata["leader"] for c in conns]
             assert leads.count(True) == 1
             leader = leads.index(True)
             # Leader-only messages are refused elsewhere, with UNAVAILABLE (callers move on).
             with pytest.raises(StripefsError) as err:
-                await _call(conns[(leader + 1) % 3], m.Heartbeat(server_id=1, capacity=1, used=0, chunks=0,
-                                                                 token="ab" * 32))
+                follower = TrioConnection(services[(leader + 1) % 3][0], SERVER, role="server")
+                await _call(follower, m.Heartbeat(server_id=1, capacity=1, used=0, chunks=0, token="ab" * 32))
             assert err.value.code == ErrorCode.UNAVAILABLE
             before = (await _call(conns[(leader + 1) % 3], m.GetRouting())).routing.version
             services[leader][1].cancel()  # the leader is gone (its lease stays until it expires)
@@ -180,12 +182,12 @@ def test_a_retried_mutation_reaching_another_service_is_not_applied_twice(tmp_pa
             client = os.urandom(16)
             # Same client id, both connections' first request: the same request id, as a
             # client failing over from a to b sends it.
-            first = await _call(TrioConnection(a, SECRET, client_id=client), m.Mkdir(parent=1, name="d", mode=0o755))
-            again = await _call(TrioConnection(b, SECRET, client_id=client), m.Mkdir(parent=1, name="d", mode=0o755))
+            first = await _call(TrioConnection(a, CLIENT, client_id=client), m.Mkdir(parent=1, name="d", mode=0o755))
+            again = await _call(TrioConnection(b, CLIENT, client_id=client), m.Mkdir(parent=1, name="d", mode=0o755))
             assert again.attr.ino == first.attr.ino  # answered, not EEXIST
             # Another client's mkdir of the same name is a new request: EEXIST.
             with pytest.raises(StripefsError) as err:
-                await _call(TrioConnection(b, SECRET), m.Mkdir(parent=1, name="d", mode=0o755))
+                await _call(TrioConnection(b, CLIENT), m.Mkdir(parent=1, name="d", mode=0o755))
             assert err.value.code == ErrorCode.EXISTS
             nursery.cancel_scope.cancel()
 
@@ -197,7 +199,7 @@ def test_a_leader_whose_lease_another_holds_steps_down(tmp_path: Path, pg_schema
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             (a, _), (b, _) = [await _start(nursery, tmp_path / f"s{i}", pg_schema) for i in range(2)]
-            ca, cb = TrioConnection(a, SECRET), TrioConnection(b, SECRET)
+            ca, cb = TrioConnection(a, SECRET), TrioConnection(b, CLIENT)
             assert (await _call(ca, m.ClusterStatus())).metadata["leader"]  # the first one started leads
             from metadata._store import LockRow
 
@@ -307,7 +309,7 @@ def _service_status(cluster: Any) -> list[dict[str, Any]]:
 
     out = []
     for s in cluster.data["metadata_services"]:
-        with Client(f"{s['host']}:{s['port']}", secret=cluster.data["secret"]) as c:
+        with Client(f"{s['host']}:{s['port']}", secret=role_credential(cluster.data["secret"], "client")) as c:
             out.append({**s, "leader": c.status().metadata["leader"]})
     return out
 
@@ -367,7 +369,7 @@ def test_kill_9_the_leading_metadata_service_under_two_clients(pg_cluster: Any) 
     leader_now = next(s for s in _service_status_alive(pg_cluster, leader["pid"]) if s["leader"])
     from fsclient import Client
 
-    with Client(f"{leader_now['host']}:{leader_now['port']}", secret=pg_cluster.data["secret"]) as fs:
+    with Client(f"{leader_now['host']}:{leader_now['port']}", secret=role_credential(pg_cluster.data["secret"], "client")) as fs:
         assert {s.state for s in fs.status().servers} == {"serving"}
     pg_cluster.up()  # restart the killed service for the next test
 
@@ -379,7 +381,7 @@ def _service_status_alive(cluster: Any, dead_pid: int) -> list[dict[str, Any]]:
     for s in cluster.data["metadata_services"]:
         if s["pid"] == dead_pid:
             continue
-        with Client(f"{s['host']}:{s['port']}", secret=cluster.data["secret"]) as c:
+        with Client(f"{s['host']}:{s['port']}", secret=role_credential(cluster.data["secret"], "client")) as c:
             out.append({**s, "leader": c.status().metadata["leader"]})
     return out
 
