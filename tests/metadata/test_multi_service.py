@@ -24,7 +24,7 @@ from metadata._leader import RENEW, TTL
 from metadata._server import Membership, open_store, serve_metadata
 from metadata._store import SCHEMA_VERSION, SqliteStore
 from rpc import TrioConnection
-from wire import ErrorCode, StripefsError
+from wire import ErrorCode, StripefsError, role_credential
 from wire import messages as m
 
 SECRET = "multi-service-test-secret-0123456789"
@@ -199,7 +199,7 @@ def test_a_leader_whose_lease_another_holds_steps_down(tmp_path: Path, pg_schema
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             (a, _), (b, _) = [await _start(nursery, tmp_path / f"s{i}", pg_schema) for i in range(2)]
-            ca, cb = TrioConnection(a, SECRET), TrioConnection(b, CLIENT)
+            ca, cb = TrioConnection(a, CLIENT), TrioConnection(b, CLIENT)
             assert (await _call(ca, m.ClusterStatus())).metadata["leader"]  # the first one started leads
             from metadata._store import LockRow
 
