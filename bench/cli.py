@@ -3,6 +3,7 @@
     stripefs bench [--quick] [--json FILE] [--plot FILE.png] [--sweep] [--peers]
                    [--cluster C] [--clients N...] [--servers M...] [--routes R...]
                    [--workloads W...] [--size SIZE] [--block SIZE] [--duration S]
+                   [--dataset-files N] [--small-files N] [--no-drop-caches]
 
 Starts a local cluster (or uses ``--cluster``), runs every workload on every route with N
 client processes, measures the machine's floors in the same run, prints a summary table and
@@ -21,14 +22,15 @@ from typing import Any
 
 from ._orchestrate import BenchConfig, run_bench
 from ._routes import PEERS, ROUTES
-from ._workloads import WORKLOADS
+from ._tasks import WORKLOADS
 from .floors import parse_size
 
 __all__ = ["main", "build_config", "exit_status"]
 
-QUICK = dict(size=32 << 20, block=8 << 20, duration=0.7, files=100, shards=2)
+QUICK = dict(size=32 << 20, block=8 << 20, duration=0.7, files=100, shards=2, dl_files=400,
+             sw_files=60)
 SWEEP_CLIENTS, SWEEP_SERVERS = [1, 2, 4, 8], [1, 2, 4]
-SWEEP_WORKLOADS = ["seq_write", "seq_read", "rand_read_1m"]
+SWEEP_WORKLOADS = ["seq_write", "seq_read", "rand_read_1m", "dataloader", "small_writes"]
 
 
 def _size(text: str) -> int:
@@ -45,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", metavar="FILE", help="write results as JSON")
     ap.add_argument("--plot", metavar="FILE.png", help="write a throughput/latency plot")
     ap.add_argument("--sweep", action="store_true",
-                    help=f"clients {SWEEP_CLIENTS} x servers {SWEEP_SERVERS}")
+                    help=f"clients {SWEEP_CLIENTS} x servers {SWEEP_SERVERS}, workloads "
+                         f"{' '.join(SWEEP_WORKLOADS)}")
     ap.add_argument("--peers", action="store_true", help=f"also run {', '.join(PEERS)}")
     ap.add_argument("--cluster", help="use this cluster (cluster.json or host:port) instead "
                                       "of starting one")
@@ -59,6 +62,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--block", type=_size, help="I/O size of sequential workloads (16M)")
     ap.add_argument("--duration", type=float, help="seconds per random-read workload")
     ap.add_argument("--files", type=int, help="files per client in the metadata workload")
+    ap.add_argument("--dataset-files", type=int, dest="dl_files",
+                    help="files in the dataloader dataset (default 20000, quick 400)")
+    ap.add_argument("--small-files", type=int, dest="sw_files",
+                    help="files per client in small_writes (default 1000, quick 60)")
+    ap.add_argument("--no-drop-caches", action="store_true",
+                    help="do not drop the kernel page cache before reads (clients evict "
+                         "their own files instead)")
     ap.add_argument("--chunk-size", type=_size, default=4 << 20, help="cluster chunk size")
     ap.add_argument("--no-floors", action="store_true", help="skip the floor measurements")
     ap.add_argument("--workdir", help="scratch directory (default: the system temp dir)")
@@ -76,18 +86,19 @@ def build_config(a: argparse.Namespace) -> BenchConfig:
     cfg.servers = a.servers or cfg.servers
     cfg.workloads = a.workloads or cfg.workloads or list(WORKLOADS)
     cfg.routes = a.routes or (cfg.routes + (PEERS if a.peers else []))
-    for name in ("size", "block", "duration", "files"):
+    for name in ("size", "block", "duration", "files", "dl_files", "sw_files"):
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))
     cfg.chunk_size, cfg.cluster, cfg.workdir = a.chunk_size, a.cluster, a.workdir
     cfg.floors = not a.no_floors
+    cfg.drop_caches = not a.no_drop_caches
     if min(cfg.clients) < 1 or min(cfg.servers) < 1:
         raise ValueError("--clients and --servers must be >= 1")
     if cfg.block < 4096 or cfg.block % 4096 or cfg.size < 4096 or cfg.size % 4096:
         raise ValueError("--size and --block must be positive multiples of 4 KiB")
     cfg.block = min(cfg.block, cfg.size)
-    if cfg.duration <= 0 or cfg.files < 1:
-        raise ValueError("--duration must be > 0 and --files >= 1")
+    if cfg.duration <= 0 or cfg.files < 1 or cfg.dl_files < 1 or cfg.sw_files < 1:
+        raise ValueError("--duration must be > 0, --files, --dataset-files and --small-files >= 1")
     return cfg
 
 

@@ -1,0 +1,203 @@
+"""Markdown tables from a ``stripefs bench --json`` file: one side-by-side table per workload.
+
+    python -m bench.tables out.json [--clients N] [--servers M] > tables.md
+    python -m bench.tables sweep.json --sweep      # seed workloads across client counts
+
+Each table has one row per route (stripefs routes, the local disk, the peers) with the
+workload's headline figure, its latency, and the ratios that make runs on noisy machines
+comparable: to the best peer of the same run (``× best peer``), to the loopback socket
+floor (``× floor_socket``) and to the local disk (``× local_disk``) of the same run.
+Records marked invalid (faster than the socket floor: a cache) are shown struck out.
+
+Caveats:
+    * Ratios compare records with the same client count; a route run with several server
+      counts shows its first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Callable
+
+__all__ = ["HEADLINE", "headline", "best_peer", "add_peer_ratios", "markdown_tables", "sweep_table",
+           "main"]
+
+PEERS = ("glusterfs", "moosefs", "s3fs")
+ORDER = ("native", "fsspec", "fuse", "zerocopy", "local_disk", *PEERS)
+
+
+def _gbps(r: dict[str, Any]) -> float:
+    return float(r["gbps"])
+
+
+def _ops(r: dict[str, Any]) -> float:
+    return float(r.get("ops_per_s", 0.0))
+
+
+def _inv_p99_ratio(r: dict[str, Any]) -> float:
+    # lower interference is better: invert so that "higher is better" holds for every figure
+    return 1.0 / r["p99_ratio"] if r.get("p99_ratio") else 0.0
+
+
+# workload -> (column title, figure, how to show it); every figure: higher is better
+HEADLINE: dict[str, tuple[str, Callable[[dict[str, Any]], float], Callable[[dict[str, Any]], str]]] = {
+    "dataloader": ("files/s (GB/s)", _ops, lambda r: f"{_ops(r):,.0f} ({r['gbps']:.3f})"),
+    "small_writes": ("files/s (GB/s)", _ops, lambda r: f"{_ops(r):,.0f} ({r['gbps']:.3f})"),
+    "burst_interference": ("p99 during / alone (burst GB/s)", _inv_p99_ratio,
+                           lambda r: f"{r.get('p99_ratio', float('nan')):.2f} "
+                                     f"({r.get('burst_gbps', float('nan')):.3f})"),
+    "rand_read_4k": ("ops/s", _ops, lambda r: f"{_ops(r):,.0f}"),
+    "rand_read_4k_cached": ("ops/s", _ops, lambda r: f"{_ops(r):,.0f}"),
+    "meta_create": ("ops/s", _ops, lambda r: f"{_ops(r):,.0f}"),
+    "meta_stat": ("ops/s", _ops, lambda r: f"{_ops(r):,.0f}"),
+    "meta_readdir": ("ops/s", _ops, lambda r: f"{_ops(r):,.1f}"),
+    "meta_unlink": ("ops/s", _ops, lambda r: f"{_ops(r):,.0f}"),
+}
+_DEFAULT = ("GB/s", _gbps, lambda r: f"{r['gbps']:.3f}")
+SKIP = {"transfer", "burst_alone", "burst_write"}  # shown inside other tables or as floors
+
+
+def headline(r: dict[str, Any]) -> float:
+    """The record's headline figure (higher is better)."""
+    return HEADLINE.get(r["workload"], _DEFAULT)[1](r)
+
+
+def best_peer(recs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The peer record with the best headline figure (valid records only)."""
+    peers = [r for r in recs if r["path"] in PEERS and "invalid" not in r]
+    return max(peers, key=headline, default=None)
+
+
+def add_peer_ratios(results: list[dict[str, Any]]) -> None:
+    """``vs_best_peer`` and ``vs_local_disk`` on every record (headline figures, same clients)."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in results:
+        if not r["path"].startswith("floor_"):
+            groups.setdefault((r["workload"], r.get("pool_clients", r["clients"])), []).append(r)
+    for recs in groups.values():
+        peers = [headline(r) for r in recs if r["path"] in PEERS and "invalid" not in r]
+        disk = [headline(r) for r in recs if r["path"] == "local_disk"]
+        for r in recs:
+            if peers and max(peers) > 0:
+                r["vs_best_peer"] = headline(r) / max(peers)
+            if disk and disk[0] > 0:
+                r["vs_local_disk"] = headline(r) / disk[0]
+
+
+def _ratio(a: float, b: float | None) -> str:
+    return f"{a / b:.2f}" if b else "-"
+
+
+def _pick(results: list[dict[str, Any]], clients: int | None,
+          servers: int | None) -> dict[str, list[dict[str, Any]]]:
+    """Records by workload, one per route (its first server count unless ``servers``)."""
+    by: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in results:
+        if r["workload"] in SKIP or r["path"].startswith("floor_"):
+            continue
+        if clients is not None and r.get("pool_clients", r["clients"]) != clients:
+            continue
+        if servers is not None and r["path"] not in PEERS and r["path"] != "local_disk" \
+                and r["servers"] != servers:
+            continue
+        by.setdefault(r["workload"], {}).setdefault(r["path"], r)
+    rank = {p: i for i, p in enumerate(ORDER)}
+    return {w: sorted(rs.values(), key=lambda r: rank.get(r["path"], 99)) for w, rs in by.items()}
+
+
+def _floor(results: list[dict[str, Any]], clients: int) -> float | None:
+    fl = [r["gbps"] for r in results if r["path"] == "floor_socket" and r["clients"] == clients]
+    return max(fl) if fl else None
+
+
+def markdown_tables(report: dict[str, Any], clients: int | None = None,
+                    servers: int | None = None) -> str:
+    """All tables as one markdown string (``clients``: default the run's first count)."""
+    results = report["results"]
+    if clients is None:
+        counts = [r.get("pool_clients", r["clients"]) for r in results
+                  if not r["path"].startswith("floor_")]
+        clients = counts[0] if counts else 1
+    floor = _floor(results, clients)
+    h = report.get("header", {})
+    out = [f"clients: {clients}; floor_socket: "
+           f"{f'{floor:.2f} GB/s' if floor else 'not measured'}; cold reads: "
+           f"{h.get('cold_reads', '?')}; command: `{' '.join(h.get('command', []))}`", ""]
+    for workload, recs in _pick(results, clients, servers).items():
+        title, figure, show = HEADLINE.get(workload, _DEFAULT)
+        peer = best_peer(recs)
+        disk = next((r for r in recs if r["path"] == "local_disk"), None)
+        out += [f"#### {workload}" + (f" (best peer: {peer['path']})" if peer else ""), "",
+                f"| route | {title} | p50 / p99 ms | × best peer | × floor_socket | × local_disk |",
+                "|---|---|---|---|---|---|"]
+        for r in recs:
+            cell = show(r)
+            if "invalid" in r:
+                cell = f"~~{cell}~~ (invalid: above floor_socket)"
+            lat = (f"{r['latency_p50_ms']:.2f} / {r['latency_p99_ms']:.2f}"
+                   if "latency_p50_ms" in r else "-")
+            vs_floor = (_ratio(r["gbps"], floor) if r.get("bytes") and workload != "burst_interference"
+                        else "-")
+            out.append(f"| {r['path']} | {cell} | {lat} | "
+                       f"{_ratio(figure(r), figure(peer) if peer else None)} | {vs_floor} | "
+                       f"{_ratio(figure(r), figure(disk) if disk else None)} |")
+        out.append("")
+    skipped = report.get("skipped", [])
+    if skipped:
+        out.append("Skipped: " + "; ".join(
+            f"{s['path']}{' ' + s['workload'] if 'workload' in s else ''} ({s['reason']})"
+            for s in skipped))
+    return "\n".join(out) + "\n"
+
+
+def sweep_table(report: dict[str, Any], workloads: tuple[str, ...] = ("dataloader", "small_writes"),
+                servers: int | None = None) -> str:
+    """Headline figure per route and client count, with the CPU cost per operation."""
+    results = report["results"]
+    counts = sorted({r.get("pool_clients", r["clients"]) for r in results
+                     if r["workload"] in workloads})
+    out = []
+    for workload in workloads:
+        title, figure, show = HEADLINE.get(workload, _DEFAULT)
+        rows: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
+        for r in results:
+            if r["workload"] != workload or (servers is not None and r["servers"] != servers):
+                continue
+            rows.setdefault((r["path"], r["servers"]), {})[r.get("pool_clients", r["clients"])] = r
+        if not rows:
+            continue
+        out += [f"#### {workload}: {title} by client processes (CPU ms per file)", "",
+                "| route | servers | " + " | ".join(f"c={c}" for c in counts) + " |",
+                "|---|---|" + "---|" * len(counts)]
+        for (path, srv), by_c in sorted(rows.items()):
+            cells = []
+            for c in counts:
+                r = by_c.get(c)
+                cells.append("-" if r is None else show(r) + (
+                    f" ({r['cpu_ms_per_op']:.2f})" if "cpu_ms_per_op" in r else ""))
+            out.append(f"| {path} | {srv} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.tables", description=__doc__.split("\n")[0])
+    ap.add_argument("json", help="a stripefs bench --json file")
+    ap.add_argument("--clients", type=int, help="client count to tabulate (default: the first)")
+    ap.add_argument("--servers", type=int, help="stripefs server count (default: the first)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="one table per seed workload across client counts instead")
+    a = ap.parse_args(argv)
+    with open(a.json) as f:
+        report = json.load(f)
+    if a.sweep:
+        sys.stdout.write(sweep_table(report, servers=a.servers))
+    else:
+        sys.stdout.write(markdown_tables(report, a.clients, a.servers))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
