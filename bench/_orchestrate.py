@@ -46,7 +46,10 @@ from ._workloads import PartResult
 
 __all__ = ["BenchConfig", "run_bench", "aggregate", "drop_caches", "cpu_seconds"]
 
-QUANTILES = [i / 20 for i in range(21)]  # stored per record: enough to draw a latency CDF
+QUANTILES = [i / 20 for i in range(21)]
+# Random reads need a file larger than any window a client keeps: the native client and our
+# FUSE daemon hold two readahead windows of at most 32 MiB each (fsclient's MAX_WINDOW).
+RAND_MIN = 2 * 2 * (32 << 20)  # stored per record: enough to draw a latency CDF
 
 
 @dataclass
@@ -71,6 +74,7 @@ class BenchConfig:
     dl_files: int = 20000
     sw_files: int = 1000
     drop_caches: bool = True  # False: clients evict their own files (no global side effect)
+    rand_size: int | None = None  # random-read file per client; None: max(size, RAND_MIN)
 
 
 def _quantile(sorted_lat: list[float], q: float) -> float:
@@ -199,6 +203,7 @@ def _run_route(route: Route, spec: dict[str, Any], clients: int, servers: int,
             task = {"workload": w, "size": cfg.size, "block": cfg.block,
                     "duration": cfg.duration, "files": cfg.files, "shards": cfg.shards,
                     "dl_files": cfg.dl_files, "sw_files": cfg.sw_files,
+                    "rand_size": cfg.rand_size or max(cfg.size, RAND_MIN),
                     "tag": f"{w}-{clients}c-{seq[0]}"}
             display.begin(f"{route.name:<10} {w:<13} c={clients} s={servers}",
                           _expected_bytes(w, clients, cfg))

@@ -15,7 +15,8 @@ seq_read           each client reads its own file back (written first if missing
 shared_write       all clients write disjoint ``size`` regions of one file ``shared/data``
 shared_read        all clients read their region of the shared file
 rand_read_4k/64k/  random aligned reads of 4 KiB / 64 KiB / 1 MiB from the client's own
-1m                 file for ``duration`` seconds (dataloader sampling)
+1m                 file ``rand/cI`` of ``rand_size`` bytes (at least twice the largest
+                   client readahead window) for ``duration`` seconds (dataloader sampling)
 checkpoint         all clients at once write ``shards`` files each (total ``size``), fsync,
                    rename into place (the atomic-commit pattern)
 metadata           mdtest-style: create, stat, readdir, unlink ``files`` empty files
@@ -178,16 +179,17 @@ def _write_own(s: Session, ctx: ClientContext, path: str, size: int, block: int,
         w.close()
 
 
-def _ensure_seq(s: Session, ctx: ClientContext, task: dict[str, Any]) -> str:
-    """The client's own sequential file, written untimed if an earlier run did not leave it."""
-    path = f"seq/c{ctx.index}"
-    s.makedirs("seq")
+def _ensure_seq(s: Session, ctx: ClientContext, task: dict[str, Any], kind: str = "seq") -> str:
+    """The client's own file (``seq``: ``size`` bytes; ``rand``: ``rand_size`` bytes), written
+    untimed if an earlier task did not leave it."""
+    path, size = f"{kind}/c{ctx.index}", task["rand_size" if kind == "rand" else "size"]
+    s.makedirs(kind)
     try:
-        if s.size(path) == task["size"]:
+        if s.size(path) == size:
             return path
     except FileNotFoundError:
         pass
-    _write_own(s, ctx, path, task["size"], task["block"], PartResult())
+    _write_own(s, ctx, path, size, task["block"], PartResult())
     return path
 
 
@@ -283,18 +285,21 @@ def _random_reads(r: Reader, ctx: ClientContext, fid: int, size: int, req: int,
                   until: Callable[[PartResult], bool], part: PartResult) -> None:
     """Aligned random reads of ``req`` bytes until ``until(part)`` says stop.
 
-    A read never starts where the previous one ended (unless the file has fewer than three
-    slots): such a pair looks sequential to a client and turns on its readahead, after which
-    "random" reads are served from the window -- what ``seq_read`` measures, not this.
+    A read never starts where the previous one ended, nor at offset 0 (unless the file has
+    fewer than four slots): such reads look like the start or the continuation of a
+    sequential scan to a client (the native client, our FUSE daemon) and turn on its
+    readahead, after which "random" reads are served from the window -- what ``seq_read``
+    measures, not this.
     """
     buf = aligned(req)
     rng = np.random.default_rng(1000 + ctx.index)
     slots = max(1, size // req)
+    first = 1 if slots > 3 else 0
     after = -1  # the slot that would continue the previous read
     while not until(part):
-        slot = int(rng.integers(0, slots))
+        slot = int(rng.integers(first, slots))
         while slot == after and slots > 2:
-            slot = int(rng.integers(0, slots))
+            slot = int(rng.integers(first, slots))
         after = slot + 1
         off = slot * req
         want = min(req, size - off)
@@ -312,16 +317,18 @@ def _random_reads(r: Reader, ctx: ClientContext, fid: int, size: int, req: int,
 
 def _rand_read(name: str, req: int, warm: bool = False) -> Callable[..., dict[str, PartResult]]:
     def run(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, PartResult]:
-        path, part = _ensure_seq(s, ctx, task), PartResult()
-        if warm:  # the point of *_cached: the whole file was just read
+        path, part = _ensure_seq(s, ctx, task, "rand"), PartResult()
+        size = task["rand_size"]
+        if warm:  # the point of *_cached: the file was just read (its first ``size`` bytes)
             _read(s.open_read(path), ctx, file_id(path), task["size"], task["block"],
                   PartResult(), aligned(task["block"]), close=True)
+            size = task["size"]
         r = s.open_read(path, direct=not warm)
         try:
             ctx.wait()
             part.t0 = clock()
             end, cap = part.t0 + task["duration"], task.get("max_ops", 1 << 40)
-            _random_reads(r, ctx, file_id(path), task["size"], req,
+            _random_reads(r, ctx, file_id(path), size, req,
                           lambda p: p.ops >= cap or clock() >= end, part)
             part.t1 = clock()
         finally:
@@ -415,13 +422,13 @@ def mixed(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, Par
     reader = ctx.index < ctx.clients - writers
     part = PartResult()
     if reader:
-        path = _ensure_seq(s, ctx, task)
+        path = _ensure_seq(s, ctx, task, "rand")
         r = s.open_read(path, direct=True)
         try:
             ctx.wait()
             part.t0 = clock()
             end = part.t0 + ctx.timeout
-            _random_reads(r, ctx, file_id(path), task["size"], 1 << 20,
+            _random_reads(r, ctx, file_id(path), task["rand_size"], 1 << 20,
                           lambda p: ctx.writers_done.value >= writers or clock() >= end, part)
             part.t1 = clock()
         finally:
@@ -471,9 +478,13 @@ def _prepare_seq(s: Session, task: dict[str, Any], ctx: ClientContext) -> None:
     evict(s, [_ensure_seq(s, ctx, task)], task)
 
 
+def _prepare_rand(s: Session, task: dict[str, Any], ctx: ClientContext) -> None:
+    evict(s, [_ensure_seq(s, ctx, task, "rand")], task)
+
+
 def _prepare_mixed(s: Session, task: dict[str, Any], ctx: ClientContext) -> None:
     if ctx.index < ctx.clients - ctx.clients // 2:  # the readers
-        _prepare_seq(s, task, ctx)
+        _prepare_rand(s, task, ctx)
 
 
 def _prepare_shared(s: Session, task: dict[str, Any], ctx: ClientContext) -> None:
@@ -491,6 +502,6 @@ def _prepare_shared(s: Session, task: dict[str, Any], ctx: ClientContext) -> Non
 
 # what each cold read workload needs written before the caches are dropped
 CLASSIC_PREPARE: dict[str, Callable[[Session, dict[str, Any], ClientContext], None]] = {
-    "seq_read": _prepare_seq, "shared_read": _prepare_shared, "rand_read_4k": _prepare_seq,
-    "rand_read_64k": _prepare_seq, "rand_read_1m": _prepare_seq, "mixed": _prepare_mixed,
+    "seq_read": _prepare_seq, "shared_read": _prepare_shared, "rand_read_4k": _prepare_rand,
+    "rand_read_64k": _prepare_rand, "rand_read_1m": _prepare_rand, "mixed": _prepare_mixed,
 }

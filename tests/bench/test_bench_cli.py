@@ -34,7 +34,8 @@ def report(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     cfg = BenchConfig(clients=[CLIENTS], routes=ROUTES, workloads=list(WORKLOADS), size=SIZE,
                       block=BLOCK, duration=0.2, files=8, shards=2, cluster=cluster.file,
                       workdir=str(tmp_path_factory.mktemp("bench")), floors=False, timeout=120,
-                      dl_files=DL_FILES, sw_files=SW_FILES, drop_caches=False)
+                      dl_files=DL_FILES, sw_files=SW_FILES, drop_caches=False,
+                      rand_size=2 * MiB)
     return run_bench(cfg)
 
 

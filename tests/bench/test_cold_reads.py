@@ -48,7 +48,9 @@ def test_random_reads_never_continue_the_previous_read(slots: int) -> None:
     part = PartResult()
     _random_reads(reader, ctx, fid, slots * req, req, lambda p: p.ops >= 400, part)
     offs = reader.offsets
-    assert len(offs) == 400 and len(set(offs)) == slots  # every slot is still sampled
+    # a read at 0 starts a sequential scan for a client's heuristics: never, given the room
+    first = 1 if slots > 3 else 0
+    assert len(offs) == 400 and set(offs) == {k * req for k in range(first, slots)}
     assert not [a for a, b in zip(offs, offs[1:]) if b == a + req]  # never sequential
 
 
