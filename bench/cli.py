@@ -1,6 +1,6 @@
 """``stripefs bench``: the multi-client throughput benchmark.
 
-    stripefs bench [--quick] [--json FILE] [--plot FILE.png] [--sweep] [--peers]
+    stripefs bench [--quick] [--json FILE] [--plot FILE.png] [--tables FILE.md] [--sweep] [--peers]
                    [--cluster C] [--clients N...] [--servers M...] [--routes R...]
                    [--workloads W...] [--size SIZE] [--block SIZE] [--duration S]
                    [--dataset-files N] [--small-files N] [--no-drop-caches]
@@ -45,7 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true",
                     help="small sizes and short durations (CI smoke; under two minutes)")
     ap.add_argument("--json", metavar="FILE", help="write results as JSON")
-    ap.add_argument("--plot", metavar="FILE.png", help="write a throughput/latency plot")
+    ap.add_argument("--plot", metavar="FILE.png", help="write a throughput/latency/ratio plot")
+    ap.add_argument("--tables", metavar="FILE.md",
+                    help="write markdown tables: one per workload, side by side, as ratios to "
+                         "the best peer and to the floors (and, with several client counts, "
+                         "the seed workloads across them)")
     ap.add_argument("--sweep", action="store_true",
                     help=f"clients {SWEEP_CLIENTS} x servers {SWEEP_SERVERS}, workloads "
                          f"{' '.join(SWEEP_WORKLOADS)}")
@@ -127,6 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         write_json(report, a.json)
     if a.plot:
         plot(report, a.plot)
+    if a.tables:
+        from .tables import markdown_tables, sweep_table
+
+        text = markdown_tables(report)
+        if len(cfg.clients) > 1 or len(cfg.servers) > 1:
+            text += "\n" + sweep_table(report)
+        with open(a.tables, "w") as f:
+            f.write(text)
     return exit_status(report)
 
 
