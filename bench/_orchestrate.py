@@ -41,7 +41,7 @@ from ._routes import PEERS, Route, RouteSkipped, RunEnv, make_route
 from ._seed import dataset_sizes
 from ._tasks import PREPARE, record_names
 from ._validity import check_validity
-from .tables import add_peer_ratios
+from ._ratios import add_peer_ratios
 from ._workloads import PartResult
 
 __all__ = ["BenchConfig", "run_bench", "aggregate", "drop_caches", "cpu_seconds"]

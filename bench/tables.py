@@ -19,72 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Callable
+from typing import Any
+
+from ._ratios import DEFAULT, HEADLINE, ORDER, PEERS, SKIP, add_peer_ratios, best_peer, headline
 
 __all__ = ["HEADLINE", "headline", "best_peer", "add_peer_ratios", "markdown_tables", "sweep_table",
            "main"]
-
-PEERS = ("glusterfs", "moosefs", "s3fs")
-ORDER = ("native", "fsspec", "fuse", "zerocopy", "local_disk", *PEERS)
-
-
-def _gbps(r: dict[str, Any]) -> float:
-    return float(r["gbps"])
-
-
-def _ops(r: dict[str, Any]) -> float:
-    return float(r.get("ops_per_s", 0.0))
-
-
-def _inv_p99_ratio(r: dict[str, Any]) -> float:
-    # lower interference is better: invert so that "higher is better" holds for every figure
-    return 1.0 / r["p99_ratio"] if r.get("p99_ratio") else 0.0
-
-
-# workload -> (column title, figure, how to show it); every figure: higher is better
-HEADLINE: dict[str, tuple[str, Callable[[dict[str, Any]], float], Callable[[dict[str, Any]], str]]] = {
-    "dataloader": ("files/s (GB/s)", _ops, lambda r: f"{_ops(r):,.0f} ({r['gbps']:.3f})"),
-    "small_writes": ("files/s (GB/s)", _ops, lambda r: f"{_ops(r):,.0f} ({r['gbps']:.3f})"),
-    "burst_interference": ("p99 during / alone (burst GB/s)", _inv_p99_ratio,
-                           lambda r: f"{r.get('p99_ratio', float('nan')):.2f} "
-                                     f"({r.get('burst_gbps', float('nan')):.3f})"),
-    "rand_read_4k": ("ops/s", _ops, lambda r: f"{_ops(r):,.0f}"),
-    "rand_read_4k_cached": ("ops/s", _ops, lambda r: f"{_ops(r):,.0f}"),
-    "meta_create": ("ops/s", _ops, lambda r: f"{_ops(r):,.0f}"),
-    "meta_stat": ("ops/s", _ops, lambda r: f"{_ops(r):,.0f}"),
-    "meta_readdir": ("ops/s", _ops, lambda r: f"{_ops(r):,.1f}"),
-    "meta_unlink": ("ops/s", _ops, lambda r: f"{_ops(r):,.0f}"),
-}
-_DEFAULT = ("GB/s", _gbps, lambda r: f"{r['gbps']:.3f}")
-SKIP = {"transfer", "burst_alone", "burst_write"}  # shown inside other tables or as floors
-
-
-def headline(r: dict[str, Any]) -> float:
-    """The record's headline figure (higher is better)."""
-    return HEADLINE.get(r["workload"], _DEFAULT)[1](r)
-
-
-def best_peer(recs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The peer record with the best headline figure (valid records only)."""
-    peers = [r for r in recs if r["path"] in PEERS and "invalid" not in r]
-    return max(peers, key=headline, default=None)
-
-
-def add_peer_ratios(results: list[dict[str, Any]]) -> None:
-    """``vs_best_peer`` and ``vs_local_disk`` on every record (headline figures, same clients)."""
-    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for r in results:
-        if not r["path"].startswith("floor_"):
-            groups.setdefault((r["workload"], r.get("pool_clients", r["clients"])), []).append(r)
-    for recs in groups.values():
-        peers = [headline(r) for r in recs if r["path"] in PEERS and "invalid" not in r]
-        disk = [headline(r) for r in recs if r["path"] == "local_disk"]
-        for r in recs:
-            if peers and max(peers) > 0:
-                r["vs_best_peer"] = headline(r) / max(peers)
-            if disk and disk[0] > 0:
-                r["vs_local_disk"] = headline(r) / disk[0]
-
 
 def _ratio(a: float, b: float | None) -> str:
     return f"{a / b:.2f}" if b else "-"
@@ -126,7 +66,7 @@ def markdown_tables(report: dict[str, Any], clients: int | None = None,
            f"{f'{floor:.2f} GB/s' if floor else 'not measured'}; cold reads: "
            f"{h.get('cold_reads', '?')}; command: `{' '.join(h.get('command', []))}`", ""]
     for workload, recs in _pick(results, clients, servers).items():
-        title, figure, show = HEADLINE.get(workload, _DEFAULT)
+        title, figure, show = HEADLINE.get(workload, DEFAULT)
         peer = best_peer(recs)
         disk = next((r for r in recs if r["path"] == "local_disk"), None)
         out += [f"#### {workload}" + (f" (best peer: {peer['path']})" if peer else ""), "",
@@ -160,7 +100,7 @@ def sweep_table(report: dict[str, Any], workloads: tuple[str, ...] = ("dataloade
                      if r["workload"] in workloads})
     out = []
     for workload in workloads:
-        title, figure, show = HEADLINE.get(workload, _DEFAULT)
+        title, figure, show = HEADLINE.get(workload, DEFAULT)
         rows: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
         for r in results:
             if r["workload"] != workload or (servers is not None and r["servers"] != servers):
