@@ -18,8 +18,9 @@ Caveats:
       (``bench._validity``); records above it are listed in ``invalid``.
     * ``cpu_s`` on a record is the CPU time (user + system) of the processes of the run that
       served it -- the client processes, the storage and metadata servers of a cluster the
-      benchmark started or was given, the FUSE daemon -- over the whole task; peers' daemons
-      are not counted.
+      benchmark started or was given, the FUSE daemon -- over the task (its untimed clean-up
+      excluded); ``cpu_servers_s`` the servers' and daemon's share. Peers' daemons are not
+      counted.
     * Everything the run writes lives in a scratch directory (and ``/bench-RUNID`` inside an
       existing cluster) that is removed at the end.
 """
@@ -39,7 +40,7 @@ from . import floors
 from ._pool import ClientPool, WorkloadError, WorkloadSkipped
 from ._routes import PEERS, Route, RouteSkipped, RunEnv, make_route
 from ._seed import dataset_sizes
-from ._tasks import PREPARE, record_names
+from ._tasks import CLEANUP, PREPARE, record_names
 from ._validity import check_validity
 from ._ratios import add_peer_ratios
 from ._workloads import PartResult
@@ -49,7 +50,8 @@ __all__ = ["BenchConfig", "run_bench", "aggregate", "drop_caches", "cpu_seconds"
 QUANTILES = [i / 20 for i in range(21)]
 # Random reads need a file larger than any window a client keeps: the native client and our
 # FUSE daemon hold two readahead windows of at most 32 MiB each (fsclient's MAX_WINDOW).
-RAND_MIN = 2 * 2 * (32 << 20)  # stored per record: enough to draw a latency CDF
+RAND_MIN = 2 * 2 * (32 << 20)
+FLOOR_MIN_BYTES = 256 << 20  # stored per record: enough to draw a latency CDF
 
 
 @dataclass
@@ -197,7 +199,8 @@ def _run_route(route: Route, spec: dict[str, Any], clients: int, servers: int,
                                          f"{str(exc).strip().splitlines()[-1]}"})
         return
     try:
-        pids = [p.pid for p in pool.procs] + server_pids + route.pids()
+        clients_pids = [p.pid for p in pool.procs]
+        serving = server_pids + route.pids()
         for w in cfg.workloads:
             seq[0] += 1
             task = {"workload": w, "size": cfg.size, "block": cfg.block,
@@ -213,9 +216,12 @@ def _run_route(route: Route, spec: dict[str, Any], clients: int, servers: int,
                     pool.run({**task, "prepare": True, "evict": evict})
                     if not evict:
                         drop_caches()
-                cpu0 = cpu_seconds(pids)
+                cpu0 = (cpu_seconds(clients_pids), cpu_seconds(serving))
                 per_client = pool.run(task, display.advance)
-                cpu = cpu_seconds(pids) - cpu0
+                cpu_c = cpu_seconds(clients_pids) - cpu0[0]
+                cpu_s = cpu_seconds(serving) - cpu0[1]
+                if w in CLEANUP:  # untimed, and not counted in the task's CPU
+                    pool.run({**task, "cleanup": True})
             except WorkloadSkipped as exc:
                 out["skipped"].append({"path": route.name, "workload": w, "clients": clients,
                                        "servers": servers, "reason": str(exc)})
@@ -231,9 +237,11 @@ def _run_route(route: Route, spec: dict[str, Any], clients: int, servers: int,
             for r in recs:
                 r.update(pool_clients=clients, block=cfg.block)
             if len(recs) == 1:  # the task's CPU belongs to its one record
-                recs[0]["cpu_s"] = round(cpu, 3)
-                if recs[0]["ops"]:
-                    recs[0]["cpu_ms_per_op"] = round(cpu / recs[0]["ops"] * 1e3, 4)
+                r = recs[0]
+                r.update(cpu_s=round(cpu_c + cpu_s, 3), cpu_servers_s=round(cpu_s, 3))
+                if r["ops"]:
+                    r["cpu_ms_per_op"] = round((cpu_c + cpu_s) / r["ops"] * 1e3, 4)
+                    r["cpu_servers_ms_per_op"] = round(cpu_s / r["ops"] * 1e3, 4)
             _burst_ratios(recs)
             out["results"].extend(recs)
             display.end(recs)
@@ -242,7 +250,9 @@ def _run_route(route: Route, spec: dict[str, Any], clients: int, servers: int,
 
 
 def _floor_records(cfg: BenchConfig, clients: int, servers: int, workdir: str) -> list[dict[str, Any]]:
-    total = max(clients * cfg.size, 1 << 20)
+    # A floor is a steady state: a few MiB measure connection set-up, not the socket, and a
+    # record of a tiny run would be judged against a floor far below the real one.
+    total = max(clients * cfg.size, FLOOR_MIN_BYTES)
     r = floors.floor_socket(total, streams=max(servers, clients), processes=clients,
                             directory=workdir, timeout=cfg.timeout)
     return [{"workload": "transfer", "path": "floor_socket", "clients": clients,

@@ -32,7 +32,7 @@ from ._sessions import Session
 from ._workloads import (ClientContext, PartResult, aligned, check_size, checkpoint_files, clock,
                          evict, read_back, write_range)
 
-__all__ = ["SEED", "SEED_PREPARE", "dataset_sizes", "dataset_path", "prepare_dataset"]
+__all__ = ["SEED", "SEED_PREPARE", "SEED_CLEANUP", "dataset_sizes", "dataset_path", "prepare_dataset"]
 
 DATASET_SEED, ORDER_SEED, SMALL_SEED = 20260101, 7, 100
 MIN_FILE, MAX_FILE = 64 << 10, 256 << 10
@@ -139,9 +139,14 @@ def small_writes(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[s
         check_size(s, paths[k], int(sizes[k]))
         part.verified += read_back(s, ctx, paths[k], file_id(paths[k]), int(sizes[k]),
                                    ctx.pattern.block)
-    for path in paths:  # untimed: keep repeated runs' footprint bounded
-        s.unlink(path)
     return {"small_writes": part}
+
+
+def _small_writes_cleanup(s: Session, task: dict[str, Any], ctx: ClientContext) -> None:
+    """Remove what ``small_writes`` wrote (keeps repeated runs' footprint bounded)."""
+    d = f"small/{task['tag']}/c{ctx.index}"
+    for name in s.listdir(d):
+        s.unlink(f"{d}/{name}")
 
 
 def burst_interference(s: Session, task: dict[str, Any],
@@ -201,3 +206,4 @@ def _burst_writer(s: Session, task: dict[str, Any], ctx: ClientContext,
 SEED = {"dataloader": dataloader, "small_writes": small_writes,
         "burst_interference": burst_interference}
 SEED_PREPARE = {"dataloader": prepare_dataset, "burst_interference": prepare_dataset}
+SEED_CLEANUP = {"small_writes": _small_writes_cleanup}

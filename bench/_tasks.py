@@ -2,21 +2,24 @@
 
 ``WORKLOADS`` maps a workload name to its function (``bench._workloads`` for the classic
 ones, ``bench._seed`` for the seed workloads); ``PREPARE`` holds, for each cold read
-workload, what must be written before the benchmark process drops the caches.
+workload, what must be written before the benchmark process drops the caches; ``CLEANUP``
+what a workload leaves behind, removed in a call of its own (so that its CPU is not counted
+as the workload's).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._seed import SEED, SEED_PREPARE
+from ._seed import SEED, SEED_CLEANUP, SEED_PREPARE
 from ._sessions import Session
 from ._workloads import CLASSIC, CLASSIC_PREPARE, ClientContext, PartResult
 
-__all__ = ["WORKLOADS", "PREPARE", "run_workload", "record_names"]
+__all__ = ["WORKLOADS", "PREPARE", "CLEANUP", "run_workload", "record_names"]
 
 WORKLOADS = {**CLASSIC, **SEED}
 PREPARE = {**CLASSIC_PREPARE, **SEED_PREPARE}
+CLEANUP = dict(SEED_CLEANUP)
 
 _PARTS = {"metadata": ["meta_create", "meta_stat", "meta_readdir", "meta_unlink"],
           "mixed": ["mixed_read", "mixed_write"],
@@ -29,12 +32,16 @@ def record_names(workload: str) -> list[str]:
 
 
 def run_workload(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, PartResult]:
-    """Run ``task['workload']`` in this client (only its preparation when ``task['prepare']``).
+    """Run ``task['workload']`` in this client (only its preparation when ``task['prepare']``,
+    only its clean-up when ``task['cleanup']``).
 
     Raises:
         KeyError: an unknown workload.
     """
     if task.get("prepare"):
         PREPARE[task["workload"]](s, task, ctx)
+        return {}
+    if task.get("cleanup"):
+        CLEANUP[task["workload"]](s, task, ctx)
         return {}
     return WORKLOADS[task["workload"]](s, task, ctx)

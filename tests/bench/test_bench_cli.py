@@ -117,7 +117,11 @@ def test_dataloader_reads_every_file_once(report: dict[str, Any]) -> None:
         assert rec["bytes"] == int(sizes.sum())
         assert rec["latency_p50_ms"] <= rec["latency_p99_ms"]
         assert rec["verified_bytes"] >= sizes[0]  # at least one file compared byte for byte
-        assert rec["cpu_s"] >= 0 and "cpu_ms_per_op" in rec
+        assert 0 <= rec["cpu_servers_s"] <= rec["cpu_s"] and "cpu_ms_per_op" in rec
+        if path == "native":  # the storage servers did the serving
+            assert rec["cpu_servers_s"] > 0
+        if path == "local_disk":
+            assert rec["cpu_servers_s"] == 0
 
 
 def test_small_writes_counts_files_and_bytes(report: dict[str, Any]) -> None:
