@@ -51,7 +51,8 @@ QUANTILES = [i / 20 for i in range(21)]
 # Random reads need a file larger than any window a client keeps: the native client and our
 # FUSE daemon hold two readahead windows of at most 32 MiB each (fsclient's MAX_WINDOW).
 RAND_MIN = 2 * 2 * (32 << 20)
-FLOOR_MIN_BYTES = 256 << 20  # stored per record: enough to draw a latency CDF
+FLOOR_MIN_BYTES = 256 << 20
+FLOOR_SAMPLES = 2  # per measurement; the runner measures before and after the routes  # stored per record: enough to draw a latency CDF
 
 
 @dataclass
@@ -249,15 +250,29 @@ def _run_route(route: Route, spec: dict[str, Any], clients: int, servers: int,
         pool.close()
 
 
-def _floor_records(cfg: BenchConfig, clients: int, servers: int, workdir: str) -> list[dict[str, Any]]:
+def _measure_floor(cfg: BenchConfig, clients: int, servers: int, workdir: str,
+                   rec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Measure ``floor_socket`` ``FLOOR_SAMPLES`` times; keep the best in ``rec`` (new or given).
+
+    The floor is what no route can beat, so the best sample is the floor: on a machine that
+    other work loads, one sample taken during a spike would make honest records look like
+    caches. The runner samples before and after the routes of every client count.
+    """
     # A floor is a steady state: a few MiB measure connection set-up, not the socket, and a
     # record of a tiny run would be judged against a floor far below the real one.
     total = max(clients * cfg.size, FLOOR_MIN_BYTES)
-    r = floors.floor_socket(total, streams=max(servers, clients), processes=clients,
-                            directory=workdir, timeout=cfg.timeout)
-    return [{"workload": "transfer", "path": "floor_socket", "clients": clients,
-             "servers": servers, "bytes": r["bytes"], "seconds": r["seconds"], "gbps": r["gbps"],
-             "streams": r["streams"], "verified_bytes": r.get("crc_checked_bytes", 0)}]
+    if rec is None:
+        rec = {"workload": "transfer", "path": "floor_socket", "clients": clients,
+               "servers": servers, "bytes": 0, "seconds": 0.0, "gbps": 0.0,
+               "streams": max(servers, clients), "verified_bytes": 0, "samples_gbps": []}
+    for _ in range(FLOOR_SAMPLES):
+        r = floors.floor_socket(total, streams=max(servers, clients), processes=clients,
+                                directory=workdir, timeout=cfg.timeout)
+        rec["samples_gbps"].append(round(r["gbps"], 3))
+        rec["verified_bytes"] += r.get("crc_checked_bytes", 0)
+        if r["gbps"] > rec["gbps"]:
+            rec.update(bytes=r["bytes"], seconds=r["seconds"], gbps=r["gbps"])
+    return rec
 
 
 def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
@@ -305,15 +320,20 @@ def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
             started = _start_routes(ours + (others if k == 0 else []), env, out["skipped"], display)
             try:
                 for clients in cfg.clients:
+                    floor = None
                     if cfg.floors:
                         display.begin(f"floor_socket c={clients} s={servers}", None)
-                        recs = _floor_records(cfg, clients, servers, workdir)
-                        out["results"].extend(recs)
-                        display.end(recs)
+                        floor = _measure_floor(cfg, clients, servers, workdir)
+                        out["results"].append(floor)
+                        display.end([floor])
                     for route, spec in started:
                         ours_pids = cluster_pids(cluster_file) if route.servers is None else []
                         _run_route(route, spec, clients, servers, cfg, out, display, seq,
                                    ours_pids)
+                    if floor is not None:  # the load may have changed while the routes ran
+                        display.begin(f"floor_socket again c={clients} s={servers}", None)
+                        _measure_floor(cfg, clients, servers, workdir, floor)
+                        display.end([floor])
             finally:
                 for route, _ in started:
                     route.stop()

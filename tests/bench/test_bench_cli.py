@@ -200,6 +200,11 @@ def test_cli_json_and_plot(cluster: Any, tmp_path: Path, capsys: pytest.CaptureF
         assert FIXED <= r.keys()
     [rd] = [r for r in rep["results"] if r["path"] == "native" and r["workload"] == "seq_read"]
     assert rd["bytes"] == 2 * MiB and rd["vs_floor_socket"] > 0
+    [floor] = [r for r in rep["results"] if r["path"] == "floor_socket"]
+    assert len(floor["samples_gbps"]) == 4  # two before the routes, two after: the best counts
+    assert round(floor["gbps"], 3) == max(floor["samples_gbps"])
+    assert floor["bytes"] >= 256 * MiB  # a steady state, not connection set-up
+    assert rep["invalid"] == [] and rep["header"]["validity"].startswith("checked")
     assert png.stat().st_size > 10_000
     assert "seq_read" in capsys.readouterr().out
     assert not any(p.name.startswith("stripefs-bench-") for p in tmp_path.iterdir())
