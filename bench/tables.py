@@ -23,6 +23,8 @@ from typing import Any
 
 from ._ratios import DEFAULT, HEADLINE, ORDER, PEERS, SKIP, add_peer_ratios, best_peer, headline
 
+SEED_FIRST = ("dataloader", "small_writes", "burst_interference")  # the tables open with these
+
 __all__ = ["HEADLINE", "headline", "best_peer", "add_peer_ratios", "markdown_tables", "sweep_table",
            "main"]
 
@@ -44,7 +46,8 @@ def _pick(results: list[dict[str, Any]], clients: int | None,
             continue
         by.setdefault(r["workload"], {}).setdefault(r["path"], r)
     rank = {p: i for i, p in enumerate(ORDER)}
-    return {w: sorted(rs.values(), key=lambda r: rank.get(r["path"], 99)) for w, rs in by.items()}
+    first = [w for w in SEED_FIRST if w in by] + [w for w in by if w not in SEED_FIRST]
+    return {w: sorted(by[w].values(), key=lambda r: rank.get(r["path"], 99)) for w in first}
 
 
 def _floor(results: list[dict[str, Any]], clients: int) -> float | None:
