@@ -31,6 +31,7 @@ QUICK = dict(size=32 << 20, block=8 << 20, duration=0.7, files=100, shards=2, dl
              sw_files=60)
 SWEEP_CLIENTS, SWEEP_SERVERS = [1, 2, 4, 8], [1, 2, 4]
 SWEEP_WORKLOADS = ["seq_write", "seq_read", "rand_read_1m", "dataloader", "small_writes"]
+SWEEP_DATASET_FILES, SWEEP_SMALL_FILES = 2000, 200
 
 
 def _size(text: str) -> int:
@@ -67,9 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--duration", type=float, help="seconds per random-read workload")
     ap.add_argument("--files", type=int, help="files per client in the metadata workload")
     ap.add_argument("--dataset-files", type=int, dest="dl_files",
-                    help="files in the dataloader dataset (default 20000, quick 400)")
+                    help="files in the dataloader dataset (default 20000, quick 400, "
+                         "sweep 2000)")
     ap.add_argument("--small-files", type=int, dest="sw_files",
-                    help="files per client in small_writes (default 1000, quick 60)")
+                    help="files per client in small_writes (default 1000, quick 60, sweep 200)")
     ap.add_argument("--no-drop-caches", action="store_true",
                     help="do not drop the kernel page cache before reads (clients evict "
                          "their own files instead)")
@@ -86,6 +88,8 @@ def build_config(a: argparse.Namespace) -> BenchConfig:
     if a.sweep:
         cfg.clients, cfg.servers = list(SWEEP_CLIENTS), list(SWEEP_SERVERS)
         cfg.workloads = list(SWEEP_WORKLOADS)
+        if not a.quick:  # 12 shapes x every route: a smaller dataset keeps it to an hour or so
+            cfg.dl_files, cfg.sw_files = SWEEP_DATASET_FILES, SWEEP_SMALL_FILES
     cfg.clients = a.clients or cfg.clients
     cfg.servers = a.servers or cfg.servers
     cfg.workloads = a.workloads or cfg.workloads or list(WORKLOADS)
