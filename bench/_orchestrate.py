@@ -38,21 +38,21 @@ from typing import Any
 
 from . import floors
 from ._pool import ClientPool, WorkloadError, WorkloadSkipped
+from ._ratios import add_peer_ratios
 from ._routes import PEERS, Route, RouteSkipped, RunEnv, make_route
 from ._seed import dataset_sizes
 from ._tasks import CLEANUP, PREPARE, record_names
 from ._validity import check_validity
-from ._ratios import add_peer_ratios
 from ._workloads import PartResult
 
 __all__ = ["BenchConfig", "run_bench", "aggregate", "drop_caches", "cpu_seconds"]
 
-QUANTILES = [i / 20 for i in range(21)]
+QUANTILES = [i / 20 for i in range(21)]  # stored per record: enough to draw a latency CDF
 # Random reads need a file larger than any window a client keeps: the native client and our
 # FUSE daemon hold two readahead windows of at most 32 MiB each (fsclient's MAX_WINDOW).
 RAND_MIN = 2 * 2 * (32 << 20)
 FLOOR_MIN_BYTES = 256 << 20
-FLOOR_SAMPLES = 2  # per measurement; the runner measures before and after the routes  # stored per record: enough to draw a latency CDF
+FLOOR_SAMPLES = 2  # per measurement; the runner measures before and after the routes
 
 
 @dataclass

@@ -22,9 +22,9 @@ checkpoint         all clients at once write ``shards`` files each (total ``size
 metadata           mdtest-style: create, stat, readdir, unlink ``files`` empty files
 mixed              half the clients run random 1 MiB reads while the rest write a
                    checkpoint burst ("training with background traffic")
-seq_read_cached    ``seq_read`` after an untimed read of the same file: a warm cache is
-rand_read_4k_      the point (page cache, readahead windows); never compared with the
-cached            socket floor
+seq_read_cached    ``seq_read`` / ``rand_read_4k`` right after an untimed read of the same
+(rand_read_4k_     bytes: a warm cache is the point (page cache, server cache); never
+cached)            judged against the socket floor
 =================  =====================================================================
 
 The seed workloads (``dataloader``, ``small_writes``, ``burst_interference``) live in
@@ -34,8 +34,8 @@ Cold reads. Read workloads run in two calls: ``prepare(...)`` writes what the ti
 needs (untimed), then the benchmark process drops the kernel page cache (or, without root,
 every client evicts its files with ``posix_fadvise``), then the timed read runs. Random reads
 open files with ``direct=True`` (``O_DIRECT`` on POSIX routes, no client cache on fsspec), and
-never start where the previous read ended, so a client's sequential readahead never serves a
-random read: every random read is a round trip to the file system.
+never start at offset 0 or where the previous read ended, so a client's sequential readahead
+never serves a random read: every random read is a round trip to the file system.
 
 Every read is checked against the pattern (page stamps always, every byte for a sample), and
 every write workload reads a sample back after the timed section, so a fast-but-wrong route
@@ -103,8 +103,8 @@ def aligned(n: int) -> memoryview:
     return memoryview(buf)[:n]
 
 
-def write_range(w: Writer, ctx: ClientContext, fid: int, size: int, block: int, part: PartResult,
-           base: int = 0, positional: bool = False) -> None:
+def write_range(w: Writer, ctx: ClientContext, fid: int, size: int, block: int,
+                part: PartResult, base: int = 0, positional: bool = False) -> None:
     """Write ``size`` pattern bytes at file offset ``base`` in ``block`` pieces."""
     for off in range(0, size, block):
         view = ctx.pattern.stamped(fid, base + off, min(block, size - off))
