@@ -188,8 +188,8 @@ def test_cli_json_and_plot(cluster: Any, tmp_path: Path, capsys: pytest.CaptureF
     out, png = tmp_path / "out.json", tmp_path / "out.png"
     rc = main(["bench", "--cluster", cluster.file, "--clients", "2", "--size", "1M",
                "--block", "256K", "--routes", "native", "--workloads", "seq_write", "seq_read",
-               "--json", str(out), "--plot", str(png), "--no-progress",
-               "--workdir", str(tmp_path)])
+               "--json", str(out), "--plot", str(png), "--no-progress", "--no-drop-caches",
+               "--tables", str(tmp_path / "out.md"), "--workdir", str(tmp_path)])
     assert rc == 0
     rep = json.loads(out.read_text())
     assert {"machine", "config", "command", "stripefs", "duration_s"} <= rep["header"].keys()
@@ -205,9 +205,19 @@ def test_cli_json_and_plot(cluster: Any, tmp_path: Path, capsys: pytest.CaptureF
     assert round(floor["gbps"], 3) == max(floor["samples_gbps"])
     assert floor["bytes"] >= 256 * MiB  # a steady state, not connection set-up
     assert rep["invalid"] == [] and rep["header"]["validity"].startswith("checked")
+    assert rep["header"]["cold_reads"].startswith("posix_fadvise")  # --no-drop-caches
+    tables = (tmp_path / "out.md").read_text()
+    assert "#### seq_read" in tables and "| native |" in tables
     assert png.stat().st_size > 10_000
     assert "seq_read" in capsys.readouterr().out
     assert not any(p.name.startswith("stripefs-bench-") for p in tmp_path.iterdir())
+
+
+def test_drop_caches_needs_root() -> None:
+    from bench._orchestrate import drop_caches
+
+    can = os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
+    assert drop_caches() is can
 
 
 @pytest.mark.parametrize("args", [["--size", "1000"], ["--clients", "0"], ["--size", "lots"],
