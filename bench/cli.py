@@ -44,7 +44,7 @@ def _size(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="stripefs bench", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="small sizes and short durations (CI smoke; under two minutes)")
+                    help="small sizes and short durations (smoke test; about three minutes on 2 cores)")
     ap.add_argument("--json", metavar="FILE", help="write results as JSON")
     ap.add_argument("--plot", metavar="FILE.png", help="write a throughput/latency/ratio plot")
     ap.add_argument("--tables", metavar="FILE.md",
