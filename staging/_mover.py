@@ -186,12 +186,17 @@ class SnapshotViews:
 
 @dataclass
 class Uploader:
-    """Uploads one checkpoint; ``buffers`` (the snapshot, while lent) skips re-reading local files."""
+    """Uploads one checkpoint; ``buffers`` (the snapshot, while lent) skips re-reading local files.
+
+    ``manifest`` (the manifest's bytes) is for a checkpoint with no local copy (``keep_local=0``);
+    otherwise the commit reads the staged manifest.
+    """
 
     journal: Journal
     row: CkptRow
     options: MoverOptions = field(default_factory=MoverOptions)
     buffers: SnapshotViews | None = None
+    manifest: bytes | None = None
     on_progress: Callable[[int], None] | None = None
     uploaded: int = 0  # bytes sent by this uploader (tests check resume skips done bytes)
 
@@ -331,8 +336,10 @@ class Uploader:
                     local.close()
 
     def _commit(self, client: Client, final: str, partial: str) -> None:
-        with open(os.path.join(self.row.local_dir, MANIFEST), "rb") as fh:
-            raw = fh.read()
+        raw = self.manifest
+        if raw is None:
+            with open(os.path.join(self.row.local_dir, MANIFEST), "rb") as fh:
+                raw = fh.read()
         client.write_bytes(posixpath.join(partial, MANIFEST), raw)
         _apply_umask(client, posixpath.join(partial, MANIFEST), 0o666)
         fault_point("before_rename")

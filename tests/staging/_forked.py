@@ -43,12 +43,13 @@ def state_for(step: int) -> dict[str, Any]:
     }
 
 
-def save_step(sdir: str, url: str, step: int, cluster: str, upload: bool) -> None:
+def save_step(sdir: str, url: str, step: int, cluster: str, upload: bool, keep_local: int = 1) -> None:
     """Save ``state_for(step)`` as the sweep's trainer does; returns once globally (or, without
-    ``upload``, locally) durable, when the standalone mover can take the checkpoint."""
+    ``upload``, locally) durable, when the standalone mover can take the checkpoint.
+    ``keep_local=0`` streams the upload from memory and writes nothing locally."""
     staging._save.CHECK_CHUNK = CHUNK  # only ever in a forked child: the test process keeps 4 MiB
     h = staging.save(state_for(step), url, staging_dir=sdir, cluster=cluster, upload=upload, background_mover=False,
-                     keep_local=1, shard_bytes=SHARD,
+                     keep_local=keep_local, shard_bytes=SHARD,
                      options=staging.MoverOptions(cluster=cluster, piece=PIECE, concurrency=1))
     h.wait(120, durable="global" if upload else "local")
 
