@@ -7,6 +7,7 @@ whole-file CRC32Cs: what the mover does before it commits, and ``staging.verify`
 
 from __future__ import annotations
 
+import mmap
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable
@@ -64,14 +65,17 @@ def file_problems(client: Any, root: str, files: list[FileRow], *, checksums: bo
 def _checksum_problem(client: Any, root: str, f: FileRow) -> str | None:
     """Read ``f`` back and compare its CRC32Cs; the reason it fails, or None."""
     block = max(f.chunk, READ_BLOCK // f.chunk * f.chunk)  # whole checksum chunks per read
-    buf = memoryview(bytearray(min(block, max(f.size, 1))))
+    # Page-aligned: the kernel copies into a buffer 16 bytes off a page (a bytearray) ~6x slower.
+    mem = mmap.mmap(-1, min(block, max(f.size, 1)))
+    buf = memoryview(mem)
     total, off = 0, 0
     with client.open(posixpath.join(root, f.name), "rb") as sf:
         while off < f.size:
             want = min(len(buf), f.size - off)
             got = 0
             while got < want:
-                n = sf.readinto(buf[got:want])
+                # Every chunk of the block at once, straight into the buffer (no readahead copy).
+                n = client.read_into(sf.ino, sf.layout, sf.size, off + got, buf[got:want])
                 if not n:
                     return f"ends at {off + got} bytes, {f.size} recorded"
                 got += n

@@ -19,8 +19,7 @@ import staging
 from staging import MoverOptions
 from staging._journal import Journal
 
-from ._forked import run_forked, save_step, state_for
-from .test_staging_sweep import assert_same, check_latest, mover
+from staging._sweep import assert_same, check_latest, mover_pass, run_forked, save_step, state_for
 
 
 @pytest.fixture
@@ -81,16 +80,16 @@ def test_keep_local_0_trainer_killed(cluster, client, testdir, tmp_path, kill_at
     assert rc == -signal.SIGKILL, text
     cid = Journal(sdir).checkpoints()[-1].id
     assert not [f for f in _local_files(sdir) if cid in f], "keep_local=0 wrote a local file"
-    rc, text = mover(cluster, sdir, out)
+    rc, text = mover_pass(cluster.file, sdir, out)
     assert rc == 0, text
     row = Journal(sdir).checkpoints()[-1]
     if kill_at.startswith("after_rename"):
         assert row.state == "committed", (row.state, row.error)
-        check_latest(cluster, testdir, 2, f"keep_local=0 killed at {kill_at}")
+        check_latest(cluster.file, testdir, 2, f"keep_local=0 killed at {kill_at}")
     else:
         assert row.state == "abandoned", (row.state, row.error)
         assert "keep_local=0" in (row.error or ""), row.error
-        check_latest(cluster, testdir, 1, f"keep_local=0 killed at {kill_at}")
+        check_latest(cluster.file, testdir, 1, f"keep_local=0 killed at {kill_at}")
     assert not [n for n in client.listdir(testdir) if n.startswith(".")], "partial upload left"
     assert_same(staging.load(staging.latest(f"stripefs:/{testdir}", cluster=cluster.file), cluster=cluster.file,
                              prefer_local=False), state_for(2 if row.state == "committed" else 1))
