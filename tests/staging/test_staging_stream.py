@@ -93,3 +93,23 @@ def test_keep_local_0_trainer_killed(cluster, client, testdir, tmp_path, kill_at
     assert not [n for n in client.listdir(testdir) if n.startswith(".")], "partial upload left"
     assert_same(staging.load(staging.latest(f"stripefs:/{testdir}", cluster=cluster.file), cluster=cluster.file,
                              prefer_local=False), state_for(2 if row.state == "committed" else 1))
+
+
+def test_stored_checksums_check_every_replica(make_cluster):
+    """The check a keep_local=0 upload gets instead of a read-back: every replica's stored CRC32Cs."""
+    from staging._journal import FileRow
+    from staging._verify import stored_problem
+
+    c = make_cluster(servers=3, replicas=2)
+    client = c.client()
+    data = bytearray(os.urandom((3 << 20) + 12345))  # several chunks, the last one short
+    client.write_bytes("/f.bin", bytes(data))
+    row = FileRow("f.bin", len(data), 0, 4 << 20, [], len(data))
+    assert stored_problem(client, "/", row, memoryview(data)) is None
+    data[(1 << 20) + 7] ^= 1  # the bytes in memory differ from what the servers stored
+    assert "CRC32C" in stored_problem(client, "/", row, memoryview(data))
+    data[(1 << 20) + 7] ^= 1
+    client.truncate("/f.bin", len(data) - 1)
+    assert "committed size" in stored_problem(client, "/", row, memoryview(data))
+    assert stored_problem(client, "/", FileRow("nope.bin", 1, 0, 4 << 20, [], 1), memoryview(b"x")) == "missing"
+    client.close()
