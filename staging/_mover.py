@@ -190,15 +190,16 @@ class SnapshotViews:
 class Uploader:
     """Uploads one checkpoint; ``buffers`` (the snapshot, while lent) skips re-reading local files.
 
-    ``manifest`` (the manifest's bytes) is for a checkpoint with no local copy (``keep_local=0``);
-    otherwise the commit reads the staged manifest.
+    ``manifest`` (returns the manifest's bytes; called at the commit, so it may wait for them)
+    is for a checkpoint with no local copy (``keep_local=0``); otherwise the commit reads the
+    staged manifest.
     """
 
     journal: Journal
     row: CkptRow
     options: MoverOptions = field(default_factory=MoverOptions)
     buffers: SnapshotViews | None = None
-    manifest: bytes | None = None
+    manifest: Callable[[], bytes] | None = None
     on_progress: Callable[[int], None] | None = None
     uploaded: int = 0  # bytes sent by this uploader (tests check resume skips done bytes)
 
@@ -354,8 +355,9 @@ class Uploader:
                     local.close()
 
     def _commit(self, client: Client, final: str, partial: str) -> None:
-        raw = self.manifest
-        if raw is None:
+        if self.manifest is not None:
+            raw = self.manifest()
+        else:
             with open(os.path.join(self.row.local_dir, MANIFEST), "rb") as fh:
                 raw = fh.read()
         client.write_bytes(posixpath.join(partial, MANIFEST), raw)

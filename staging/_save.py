@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import crc32c
@@ -234,19 +234,25 @@ def _background(h: SaveHandle, journal: Journal, row: CkptRow, plan: Any, buf: A
             POOL.release(buf)
 
     try:
-        t = time.monotonic()
-        stored, records, raw_manifest = _serialize(plan, buf, compress, row)
         streaming = row.keep_local == 0
-        row.state = "streaming" if streaming else "writing"
-        journal.begin(row, [FileRow(r["name"], r["size"], r["crc32c"], r["chunk"], r["chunk_crc32c"], 0) for r in records])
-        h.timings["serialize"] = time.monotonic() - t
-        fault_point("after_begin")
-        # The upload streams from memory (the snapshot, or the compressed bytes) from the start.
-        lent = SnapshotViews(stored) if upload else None
-        if streaming:
-            _stream(h, journal, row, options, lent, raw_manifest)  # type: ignore[arg-type]
+        if streaming and compress is None:
+            _stream_raw(h, journal, row, plan, buf, options)
         else:
-            _write_and_upload(h, journal, row, options, lent, records, stored, raw_manifest, release)
+            t = time.monotonic()
+            stored, records, raw_manifest = _serialize(plan, buf, compress, row)
+            row.state = "streaming" if streaming else "writing"
+            journal.begin(row, [FileRow(r["name"], r["size"], r["crc32c"], r["chunk"], r["chunk_crc32c"], 0)
+                                for r in records])
+            h.timings["serialize"] = time.monotonic() - t
+            fault_point("after_begin")
+            # The upload streams from memory (the snapshot, or the compressed bytes) from the start.
+            lent = SnapshotViews(stored) if upload else None
+            if streaming:
+                failed = _stream(h, journal, row, options, lent, lambda: raw_manifest)  # type: ignore[arg-type]
+                if failed is not None:
+                    raise failed
+            else:
+                _write_and_upload(h, journal, row, options, lent, records, stored, raw_manifest, release)
         if upload:
             # Retention first: when wait() returns, older steps are already trimmed.
             apply_retention(journal, journal.get(row.id) or row, options)
@@ -268,46 +274,92 @@ def _serialize(plan: Any, buf: Any, compress: str | None, row: CkptRow) -> tuple
         ``(stored bytes per file, file records, manifest bytes)``; raw files are views of
         the snapshot buffer, nothing is copied.
     """
-    views = [buf.view[o : o + s] for o, s in zip(buf.file_offsets, plan.file_sizes)]
-    for e in plan.tensors:
-        if e.base is not None:
-            continue  # a view: its bytes are those of the storage entry it names
-        base = buf.file_offsets[e.file] + e.offset
-        e.crc = crc32c.crc32c(buf.view[base : base + e.nbytes])
-    stored, records = [], []
-    for i, v in enumerate(views):
-        data, rec = _encode_file(v, compress)
-        rec["name"] = f"data-{i:05d}.bin"
-        stored.append(data)
-        records.append(rec)
+    views = _file_views(plan, buf)
+    # Files are checksummed (or compressed) on another thread while this one checksums the
+    # tensors: crc32c releases the GIL, so the two passes take both cores.
+    with ThreadPoolExecutor(1) as pool:
+        encoded = pool.submit(lambda: [_encode_file(v, compress) for v in views])
+        for e in plan.tensors:
+            if e.base is not None:
+                continue  # a view: its bytes are those of the storage entry it names
+            base = buf.file_offsets[e.file] + e.offset
+            e.crc = crc32c.crc32c(buf.view[base : base + e.nbytes])
+        stored, records = [], []
+        for i, (data, rec) in enumerate(encoded.result()):
+            rec["name"] = _file_name(i)
+            stored.append(data)
+            records.append(rec)
     manifest = {"format": FORMAT, "version": plan.version, "id": row.id, "kind": "state_dict", "step": row.step,
                 "created": row.created, "url": row.url, "files": records,
                 "tensors": [e.index_record() for e in plan.tensors], "tree": plan.tree}
     return stored, records, manifest_bytes(manifest)
 
 
+def _file_views(plan: Any, buf: Any) -> list[memoryview]:
+    """Each data file's bytes: a slice of the snapshot buffer, laid out as the file is."""
+    return [buf.view[o : o + s] for o, s in zip(buf.file_offsets, plan.file_sizes)]
+
+
+def _file_name(i: int) -> str:
+    return f"data-{i:05d}.bin"
+
+
+def _stream_raw(h: SaveHandle, journal: Journal, row: CkptRow, plan: Any, buf: Any, options: MoverOptions) -> None:
+    """``keep_local=0``, uncompressed: the upload starts at once and the checksums and the
+    manifest are computed while it runs (the commit waits for the manifest).
+
+    The journal records the files' sizes only: nothing but this process can resume a
+    streaming save, and the CRC32Cs reach the store in the manifest.
+    """
+    views = _file_views(plan, buf)
+    row.state = "streaming"
+    journal.begin(row, [FileRow(_file_name(i), len(v), 0, CHECK_CHUNK, [], 0) for i, v in enumerate(views)])
+    fault_point("after_begin")
+    serialized: Future = Future()
+    box: dict[str, BaseException | None] = {}
+
+    def upload() -> None:
+        box["error"] = _stream(h, journal, row, options, SnapshotViews(views), lambda: serialized.result()[2])
+
+    uploader = threading.Thread(target=upload, daemon=True, name="stripefs-upload")
+    uploader.start()
+    t = time.monotonic()
+    try:
+        serialized.set_result(_serialize(plan, buf, None, row))
+    except BaseException as exc:
+        serialized.set_exception(exc)  # the commit raises it: nothing is committed without a manifest
+    h.timings["serialize"] = time.monotonic() - t
+    uploader.join()
+    if box.get("error") is not None:
+        raise box["error"]  # type: ignore[misc]
+
+
 def _stream(h: SaveHandle, journal: Journal, row: CkptRow, options: MoverOptions, lent: SnapshotViews,
-            raw_manifest: bytes) -> None:
+            manifest: Callable[[], bytes]) -> BaseException | None:
     """``keep_local=0``: upload straight from memory and commit; nothing is written locally.
 
     The journal row stays ``streaming`` until the commit: retries within this process resume
     from the journaled offsets (the bytes are still in memory), but a crash of the process
     before the commit loses the step — the mover then abandons it (see ``Mover``).
 
-    Raises:
-        the upload's error; the row is then ``failed`` and its partial upload removed (no copy
-        is left to resume from once this process lets go of the snapshot).
+    Returns:
+        None once committed, else the upload's error: the row is then ``failed`` and its partial
+        upload removed (no copy is left to resume from once this process lets go of the snapshot).
     """
     log.info("checkpoint %s: keep_local=0, streaming from memory; a crash of this process before the commit "
              "loses this step", row.url)
     box: dict[str, Any] = {}
-    _upload(h, journal, row, options, lent, None, box, raw_manifest)
+    try:
+        _upload(h, journal, row, options, lent, None, box, manifest)
+    finally:
+        lent.revoke()  # the pieces in flight are settled: the buffer may go back to the pool
     if "error" in box:
         exc = box["error"]
         journal.set_state(row.id, "failed", f"keep_local=0 upload failed, no local copy to resume from: "
                                             f"{type(exc).__name__}: {exc}")
         _remove_partial(options, row)
-        raise exc
+        return exc
+    return None
 
 
 def _write_and_upload(h: SaveHandle, journal: Journal, row: CkptRow, options: MoverOptions,
@@ -353,7 +405,8 @@ def _remove_partial(options: MoverOptions, row: CkptRow) -> None:
 
 
 def _upload(h: SaveHandle, journal: Journal, row: CkptRow, options: MoverOptions, views: SnapshotViews | None,
-            local_ok: threading.Event | None, box: dict[str, Any], manifest: bytes | None = None) -> None:
+            local_ok: threading.Event | None, box: dict[str, Any],
+            manifest: Callable[[], bytes] | None = None) -> None:
     def wait_local() -> None:
         local_ok.wait()  # type: ignore[union-attr]
         if not h.locally_durable:
