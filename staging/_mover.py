@@ -14,8 +14,8 @@ Upload of one checkpoint (idempotent, resumable):
 3. each file, once uploaded, is checked in the store (committed size and,
    unless ``MoverOptions.verify`` is off, every CRC32C: read back, overlapping
    the other files' uploads — or, while its bytes are still in memory, compared
-   with every replica's stored block CRC32Cs, no read-back); a file that fails is sent again from its start,
-   once;
+   with every replica's stored block CRC32Cs, no read-back); a file that fails
+   is sent again from its start, once;
 4. the manifest is written last, then the directory is renamed to its final
    name with ``noreplace`` — one atomic metadata transaction, so readers see
    either nothing or the whole step.

@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 import crc32c
 
-from wire import CRC_BLOCK, StripefsError, messages as m
+from wire import CRC_BLOCK, messages as m
 
 from ._journal import FileRow
 
@@ -111,6 +111,14 @@ def stored_problem(client: Any, root: str, f: FileRow, data: memoryview) -> str 
     Raises:
         OSError: the metadata service could not be asked (a replica that cannot is a problem).
     """
+    reason = _stored_problem(client, root, f, data, refresh=False)
+    if reason is not None and reason != "missing":
+        # A replica may have moved since the routing was read (failover, resync): ask again.
+        reason = _stored_problem(client, root, f, data, refresh=True)
+    return reason
+
+
+def _stored_problem(client: Any, root: str, f: FileRow, data: memoryview, refresh: bool) -> str | None:
     try:
         attr = client.stat(posixpath.join(root, f.name))
     except FileNotFoundError:
@@ -118,7 +126,7 @@ def stored_problem(client: Any, root: str, f: FileRow, data: memoryview) -> str 
     if attr.size != f.size or len(data) != f.size:
         return f"committed size is {attr.size} bytes, {f.size} recorded"
     cs = attr.layout.chunk_size
-    chains = client.routing().chains
+    chains = client.routing(refresh=refresh).chains
     jobs = []
     for index in range(-(-f.size // cs)):
         chunk = data[index * cs : min((index + 1) * cs, f.size)]
@@ -132,7 +140,7 @@ def stored_problem(client: Any, root: str, f: FileRow, data: memoryview) -> str 
         index, server, n, want = job
         try:
             got = client.call_storage(server, m.StatChunk(ino=attr.ino, index=index))
-        except StripefsError as exc:
+        except OSError as exc:  # StripefsError (NOT_FOUND: the chunk is missing), or unreachable
             return f"chunk {index} on server {server}: {exc}"
         if got.length != n or list(got.crcs) != want:
             return f"chunk {index} on server {server}: stored {got.length} bytes whose CRC32Cs differ from the upload's"
