@@ -229,15 +229,20 @@ def load_bench(sd: dict[str, Any], args: Any, client: Client, sdir: str, scratch
     from bench.floors import floor_socket
 
     size = nbytes(sd)
-    floor = [floor_socket(size, streams=4, directory=scratch)["seconds"] for _ in range(args.repeat)]
+    floor: list[float] = []
+    remote: list[float] = []
+    noverify: list[float] = []
+    for _ in range(args.repeat):  # interleaved: each load is compared with a floor measured next to it
+        floor.append(floor_socket(size, streams=4, directory=scratch)["seconds"])
+        remote.append(timed(lambda: staging.load(last, cluster=args.cluster, prefer_local=False)))
+        noverify.append(timed(lambda: staging.load(last, cluster=args.cluster, prefer_local=False, verify=False)))
     rec("load", "floor_socket", statistics.median(floor))
-    remote = [timed(lambda: staging.load(last, cluster=args.cluster, prefer_local=False)) for _ in range(args.repeat)]
     rec("load", "staging_remote", statistics.median(remote))
-    noverify = [timed(lambda: staging.load(last, cluster=args.cluster, prefer_local=False, verify=False))
-                for _ in range(args.repeat)]
     rec("load", "staging_remote_noverify", statistics.median(noverify))
-    print(f"{'':24s} load from the store: {statistics.median(floor) / statistics.median(remote):.2f}x the socket "
-          f"floor ({statistics.median(floor) / statistics.median(noverify):.2f}x without CRC checks)", flush=True)
+    ratio = statistics.median(f / r for f, r in zip(floor, remote))
+    ratio_nv = statistics.median(f / r for f, r in zip(floor, noverify))
+    print(f"{'':24s} load from the store: {ratio:.2f}x the socket floor ({ratio_nv:.2f}x without CRC checks; "
+          "median of per-round ratios)", flush=True)
     rec("load", "staging_local", median(lambda: timed(lambda: staging.load(last, cluster=args.cluster,
                                                                            staging_dir=sdir)), args.repeat))
     local_pt = os.path.join(scratch, "local.pt")
