@@ -21,6 +21,7 @@ Caveats:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 import secrets
@@ -160,6 +161,14 @@ class Namespace:
     @property
     def store(self) -> Store:
         return self._store
+
+    def reading(self, store: Store) -> "Namespace":
+        """The same namespace over ``store`` (e.g. ``self.store.reader()``), for read
+        operations only: ``getattr``, ``lookup``, ``resolve``, ``readdir``, ``readlink``,
+        the xattr reads, ``get_layout``, ``garbage``, ``counts``."""
+        other = copy.copy(self)
+        other._store = store
+        return other
 
     def getattr(self, ino: int) -> Attr:
         with self._store.transaction() as txn:
