@@ -560,6 +560,28 @@ class MetadataService(Service):
             if msg.truncate and not created:
                 await self.truncate_chunks(attr, 0)
             return m.CreateReply(attr, created)
+        if isinstance(msg, m.CreatePath):
+            self.members.freeze()
+            chains = self.members.chain_ids()
+
+            def create_path() -> tuple[Any, bool]:  # resolve and create in one batch slot
+                parent, name = ns.parent_of(msg.path)
+                return ns.create(parent, name, msg.mode, msg.uid, msg.gid, chains=chains,
+                                 exclusive=msg.exclusive, truncate=msg.truncate)
+
+            attr, created = await self._ns(create_path)
+            if msg.truncate and not created:
+                await self.truncate_chunks(attr, 0)
+            return m.CreateReply(attr, created)
+        if isinstance(msg, m.UnlinkPath):
+            attr = await self._ns(lambda: ns.unlink(*ns.parent_of(msg.path)))
+            self._garbage_added()
+            return m.AttrReply(attr)
+        if isinstance(msg, m.StatMany):
+            found = await self._read(Namespace.resolve_many, list(msg.paths), msg.follow)
+            attrs = [a for a in found if not isinstance(a, StripefsError)]
+            failed = [i for i, a in enumerate(found) if isinstance(a, StripefsError)]
+            return m.StatManyReply(attrs, failed, [int(found[i].code) for i in failed])
         if isinstance(msg, m.Mkdir):
             return m.AttrReply(await self._ns(ns.mkdir, msg.parent, msg.name, msg.mode, msg.uid, msg.gid))
         if isinstance(msg, m.Symlink):
