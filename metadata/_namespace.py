@@ -44,6 +44,8 @@ MAX_READDIR = 10_000
 # Paths per StatMany: 200 paths of 4 KiB, or 200 attributes with 4 KiB symlink targets, fit in
 # one frame header (1 MiB).
 MAX_STAT_MANY = 200
+# Names per ListNames page: 2000 names of 255 bytes fit in one frame header.
+MAX_LIST_NAMES = 2000
 XATTR_CREATE, XATTR_REPLACE = 1, 2  # setxattr(2) flags
 _NODE_TYPES = frozenset({stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK, stat.S_IFREG})
 
@@ -306,6 +308,30 @@ class Namespace:
                 attrs = [self._inode(txn, e.ino) for e in rows]
                 rows = [DirEntry(e.name, e.ino, a.mode, a) for e, a in zip(rows, attrs)]
         return rows, more
+
+    def list_names(self, path: str, after: str = "", limit: int = 1000) -> tuple[list[str], bool]:
+        """One page of the names in the directory ``path`` resolves to, in name order.
+
+        Args:
+            after: continue after this name.
+            limit: page size, capped at ``MAX_LIST_NAMES``.
+
+        Returns:
+            ``(names, more)``.
+
+        Raises:
+            StripefsError: as :meth:`resolve`; ENOTDIR if it is not a directory.
+        """
+        if limit < 1:
+            raise _err(ErrorCode.INVALID, "listing limit must be positive")
+        limit = min(limit, MAX_LIST_NAMES)
+        self._check_path(path)
+        with self._store.transaction() as txn:
+            d = self._walk(txn, path, True)
+            if not d.is_dir:
+                raise _err(ErrorCode.NOT_DIR, f"not a directory: {path!r}")
+            rows = txn.list_dentries(d.ino, after, limit + 1)
+        return [e.name for e in rows[:limit]], len(rows) > limit
 
     # ------------------------------------------------------------------ creation
 

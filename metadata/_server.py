@@ -582,6 +582,9 @@ class MetadataService(Service):
             attrs = [a for a in found if not isinstance(a, StripefsError)]
             failed = [i for i, a in enumerate(found) if isinstance(a, StripefsError)]
             return m.StatManyReply(attrs, failed, [int(found[i].code) for i in failed])
+        if isinstance(msg, m.ListNames):
+            names, more = await self._read(Namespace.list_names, msg.path, msg.after, msg.limit)
+            return m.NamesReply(names, bool(more))
         if isinstance(msg, m.Mkdir):
             return m.AttrReply(await self._ns(ns.mkdir, msg.parent, msg.name, msg.mode, msg.uid, msg.gid))
         if isinstance(msg, m.Symlink):

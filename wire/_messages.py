@@ -846,3 +846,20 @@ class StatMany(Message[StatManyReply]):
 
     paths: list[str]
     follow: bool = True
+
+
+@reply
+class NamesReply(ReplyMessage):
+    names: list[str]  # in name (UTF-8 byte) order
+    more: bool  # another page follows (ask again with after=<last name>)
+
+
+@message(63)
+class ListNames(Message[NamesReply]):
+    """The names in the directory ``path`` resolves to (symlinks followed), one page
+    of at most 2000: what ``listdir`` needs, in one round trip and without a
+    per-entry record to build on either side."""
+
+    path: str
+    after: str = ""
+    limit: int = 1000

@@ -230,7 +230,17 @@ class Client:
             after = entries[-1].name
 
     def listdir(self, path: str = "/") -> list[str]:
-        return [e.name for e in self.scandir(path, attrs=False)]
+        """Names in a directory, in name order (one round trip per 2000 names)."""
+        p = normpath(path)
+        names: list[str] = []
+        while True:
+            reply = self._wrap(lambda: self._core.call(m.ListNames(path=p, after=names[-1] if names else "",
+                                                                   limit=2000)), p)
+            if not all(type(n) is str for n in reply.names):
+                raise StripefsError(ErrorCode.PROTOCOL, "ListNames: a name is not text")
+            names.extend(reply.names)
+            if not reply.more or not reply.names:
+                return names
 
     def mkdir(self, path: str, mode: int = 0o777, *, exist_ok: bool = False) -> Attr:
         """Make a directory with ``mode`` minus the process umask, as ``os.mkdir``."""

@@ -78,3 +78,23 @@ def test_create_by_path_through_a_symlinked_directory(client, testdir: str) -> N
     assert client.read_bytes(f"{testdir}/real/f") == b"via link"
     client.remove(f"{testdir}/alias/f")
     assert client.listdir(f"{testdir}/real") == []
+
+
+def test_listdir_pages_names_in_order(client, testdir: str) -> None:
+    names = sorted(f"n{k:05d}" for k in range(2105))  # more than one page of 2000
+    for n in names[:5]:
+        client.write_bytes(f"{testdir}/{n}", b"")
+    assert client.listdir(testdir) == names[:5]
+    for n in names[5:]:
+        client.mkdir(f"{testdir}/{n}")
+    assert client.listdir(testdir) == names
+    assert client.listdir(testdir + "/") == names
+    client.symlink(testdir, f"{testdir}/../{testdir.rsplit('/', 1)[1]}-alias")
+    assert client.listdir(f"{testdir}-alias") == names  # a symlink to a directory is followed
+    with pytest.raises(NotADirectoryError):
+        client.listdir(f"{testdir}/{names[0]}")
+    with pytest.raises(FileNotFoundError) as info:
+        client.listdir(f"{testdir}/missing")
+    assert info.value.filename == f"{testdir}/missing"
+    page = client.call(m.ListNames(path=testdir, after=names[10], limit=3))
+    assert page.names == names[11:14] and page.more
