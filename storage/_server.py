@@ -26,7 +26,7 @@ from typing import Any
 
 import trio
 
-from rpc import BufferPool, ServerConn, Service, ThreadReply, TrioConnection, serve_rpc
+from rpc import PAYLOAD_BUDGET, BufferPool, ServerConn, Service, ThreadReply, TrioConnection, serve_rpc
 from wire import ErrorCode, FrameHead, Message, StripefsError, messages as m
 
 from ._chunks import ChunkStore
@@ -296,19 +296,25 @@ async def serve_storage(
     host: str = "127.0.0.1",
     port: int = 0,
     cluster_id: str = "",
+    payload_budget: int = PAYLOAD_BUDGET,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the target in ``root`` until cancelled.
 
     Reports ``(host, port)`` through ``task_status`` once it is listening *and*
     admitted by the metadata service, so callers can use it at once.
+
+    Args:
+        payload_budget: write payload bytes held at once, over all connections;
+            beyond it, connections wait before receiving more (``rpc.ByteBudget``).
     """
     os.makedirs(root, exist_ok=True)
     store = await trio.to_thread.run_sync(ChunkStore, root)
     meta_conn = TrioConnection(metadata, secret)
     service = StorageService(store, Replicator(store, secret, TrioConnection(metadata, secret)))
     async with trio.open_nursery() as nursery:
-        address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id))
+        address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id,
+                                                         payload_budget=payload_budget))
         admitted = trio.Event()
         nursery.start_soon(_register_and_heartbeat, service, meta_conn, address[0], address[1], store.root, admitted, nursery)
         await admitted.wait()

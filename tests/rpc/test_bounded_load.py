@@ -3,18 +3,20 @@ server-wide byte budget bounds the payload bytes held at once."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import socket
 import subprocess
 import sys
 import textwrap
 import time
+from typing import Any
 
 import pytest
 import trio
 
 import rpc
-from rpc._server import ByteBudget
+from rpc import ByteBudget
 from wire import messages as m
 
 _SERVER = textwrap.dedent("""
@@ -115,3 +117,76 @@ def test_byte_budget_waits_and_admits_in_order() -> None:
 def test_byte_budget_refuses_nothing_it_cannot_hold() -> None:
     with pytest.raises(ValueError):
         ByteBudget(0)
+
+
+def _pattern(i: int, n: int) -> bytes:
+    return (i.to_bytes(2, "little") + b"stripefs-bounded-load") * (n // 23 + 1)
+
+
+def _writer(cluster_file: str, i: int, n: int, q: Any) -> None:
+    import fsclient
+
+    try:
+        with fsclient.Client(cluster_file) as c:
+            c.write_bytes(f"/load/w{i}", _pattern(i, n)[:n])
+        q.put((i, "ok"))  # acknowledged: the close committed the length
+    except Exception as exc:  # reported, so the test shows what a client saw
+        q.put((i, repr(exc)))
+
+
+def _rss_peak_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+@pytest.mark.slow
+def test_64_client_processes_writing_to_one_storage_server(tmp_path) -> None:
+    from fsclient.testing import LocalCluster
+
+    clients, size, budget = 64, 512 * 1024, 4 << 20
+    cluster = LocalCluster.start(str(tmp_path / "c"), servers=1, chunk_size=256 * 1024)
+    # The same server again, with a small budget (a restart keeps its identity and chain).
+    first = cluster.data["servers"][0]
+    os.kill(first["pid"], 9)
+    while os.path.exists(f"/proc/{first['pid']}") and open(f"/proc/{first['pid']}/stat").read().split()[2] != "Z":
+        time.sleep(0.05)
+    sroot = first["root"]
+    ready = str(tmp_path / "ready")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "storage", "--root", sroot, "--metadata",
+         f"{cluster.data['metadata']['host']}:{cluster.data['metadata']['port']}", "--cluster", cluster.file,
+         "--ready", ready, "--payload-budget", str(budget)],
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "storage.log", "w"))
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(ready):
+            assert server.poll() is None and time.monotonic() < deadline, "storage server did not start"
+            time.sleep(0.1)
+        with cluster.client() as c:
+            c.makedirs("/load")
+            c.write_bytes("/load/warm", b"x" * size)  # the server's steady state before the flood
+        base = _rss_peak_kib(server.pid)
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["fsclient"])  # 64 children forked ready, not 64 imports
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_writer, args=(cluster.file, i, size, q)) for i in range(clients)]
+        for p in procs:
+            p.start()
+        results = dict(q.get(timeout=240) for _ in procs)
+        for p in procs:
+            p.join(30)
+        assert server.poll() is None, "the storage server died under load"
+        assert results == {i: "ok" for i in range(clients)}
+        assert all(p.exitcode == 0 for p in procs)
+        growth = (_rss_peak_kib(server.pid) - base) * 1024
+        print(f"storage server peak memory growth: {growth >> 20} MiB")
+        # The budget bounds payload buffers; the rest is per-connection state (128 connections).
+        assert growth < budget + (48 << 20), f"server memory grew by {growth >> 20} MiB"
+        with cluster.client() as c:
+            for i in range(clients):
+                assert c.read_bytes(f"/load/w{i}") == _pattern(i, size)[:size], f"client {i}'s bytes"
+    finally:
+        server.kill()
+        server.wait(10)
+        cluster.down()
