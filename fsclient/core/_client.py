@@ -30,6 +30,7 @@ from rpc import BufferPool, Connection
 from wire import Attr, DirEntry, ErrorCode, Layout, Message, ReplyMessage, Routing, StripefsError, messages as m
 
 from ._config import ClusterConfig, find_cluster
+from ._acall import acall
 from ._core import ClientCore
 from . import _lease
 from ._file import StripeFile, mode_flags
@@ -649,8 +650,9 @@ class AsyncClient:
         return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs), limiter=self.limiter)
 
     async def call(self, msg: Message[R]) -> R:
-        """:meth:`Client.call` on a worker thread: the typed reply of a metadata request."""
-        return await self.run(self.sync.call, msg)
+        """:meth:`Client.call`: the typed reply of a metadata request, awaited on the
+        loop (no worker thread per request; see ``_acall.py``)."""
+        return await acall(self.sync._core, msg)
 
     async def attr(self, msg: Message[m.AttrReply]) -> Attr:
         """A metadata request answered with attributes (``GetAttr``, ``Lookup``, ``Mkdir``, ...): its ``attr``."""
