@@ -106,13 +106,13 @@ def ping_latency(cluster_file: str, n: int) -> dict[str, float]:
 
 # -- metadata phases ------------------------------------------------------------------------------
 
-def _meta_client(cluster_file: str, index: int, files: int, barrier: Any, q: Any) -> None:
+def _meta_client(cluster_file: str, index: int, files: int, barrier: Any, q: Any, attr_timeout: float = 0.0) -> None:
     import fsclient
 
     d = f"/ops/c{index}"
     names = [f"{d}/f{k:06d}" for k in range(files)]
     out: dict[str, Any] = {}
-    with fsclient.Client(cluster_file) as c:
+    with fsclient.Client(cluster_file, attr_timeout=attr_timeout) as c:
         c.makedirs(d)
         ops = {
             "create": lambda p: c.open(p, "wb").close(),
@@ -144,11 +144,13 @@ def _proc_cpu(pid: int) -> float:
         return 0.0
 
 
-def metadata_phases(cluster_file: str, server_pids: list[int], clients: int, files: int) -> dict[str, Any]:
+def metadata_phases(cluster_file: str, server_pids: list[int], clients: int, files: int,
+                    attr_timeout: float = 0.0) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(clients + 1)
     q = ctx.Queue()
-    procs = [ctx.Process(target=_meta_client, args=(cluster_file, i, files, barrier, q)) for i in range(clients)]
+    procs = [ctx.Process(target=_meta_client, args=(cluster_file, i, files, barrier, q, attr_timeout))
+             for i in range(clients)]
     for p in procs:
         p.start()
     server_cpu = {}
@@ -201,13 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--files", type=int, default=500)
     p.add_argument("--servers", type=int, default=2)
     p.add_argument("--reads", type=int, default=2000)
+    p.add_argument("--attr-timeout", type=float, default=0.0, help="Client(attr_timeout=...) of the metadata clients")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import fsclient
     from fsclient import testing
 
     root = tempfile.mkdtemp(prefix="stripefs-ops-")
-    results: dict[str, Any] = {"clients": args.clients, "files": args.files, "servers": args.servers}
+    results: dict[str, Any] = {"clients": args.clients, "files": args.files, "servers": args.servers,
+                               "attr_timeout": args.attr_timeout}
     try:
         floor = echo_floor(args.reads)
         results["echo_floor"] = floor
@@ -221,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         results["pings"] = pings
         for k, v in pings.items():
             print(f"{k.removesuffix('_p50_us')} p50: {v:.0f} us ({v / floor['p50_us']:.2f}x echo)", flush=True)
-        meta = metadata_phases(cfile, pids, args.clients, args.files)
+        meta = metadata_phases(cfile, pids, args.clients, args.files, args.attr_timeout)
         results["metadata"] = meta
         for phase, r in meta.items():
             print(f"{phase:8s} {r['ops_per_s']:8.0f} ops/s  p50 {r['p50_us']:6.0f} us "

@@ -54,20 +54,29 @@ async def _result(fut: "Future[Reply]", timeout: float) -> Reply:
 
 async def acall(core: "ClientCore", msg: Message[R], timeout: float = 60.0) -> R:
     """:meth:`ClientCore.call` for trio code: same retries (same request id), same errors."""
-    req_id = next(core._ids)
-    deadline = time.monotonic() + timeout
-    delay = RETRY_DELAY
-    while True:
-        try:
-            conn = core._meta.live_one("metadata", core.config.metadata) if core.pid == os.getpid() else None
-            if conn is None:  # connect (and handshake) off the loop; a forked child starts afresh there
-                conn = await trio.to_thread.run_sync(core._meta_conn)
-            left = max(deadline - time.monotonic(), 0.001)
-            header = (await _result(conn.submit(msg, req_id=req_id), left)).header
-            break
-        except StripefsError as exc:
-            if exc.code not in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT) or time.monotonic() + delay > deadline:
-                raise
-            await trio.sleep(delay)
-            delay = min(delay * 2, 2.0)
-    return m.decode_reply(msg, header)
+    watch = core.attrs if msg.MUTATES else None
+    if watch is not None:
+        watch.begin(msg)
+    reply: Any = None
+    try:
+        req_id = next(core._ids)
+        deadline = time.monotonic() + timeout
+        delay = RETRY_DELAY
+        while True:
+            try:
+                conn = core._meta.live_one("metadata", core.config.metadata) if core.pid == os.getpid() else None
+                if conn is None:  # connect (and handshake) off the loop; a forked child starts afresh there
+                    conn = await trio.to_thread.run_sync(core._meta_conn)
+                left = max(deadline - time.monotonic(), 0.001)
+                header = (await _result(conn.submit(msg, req_id=req_id), left)).header
+                break
+            except StripefsError as exc:
+                if exc.code not in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT) or time.monotonic() + delay > deadline:
+                    raise
+                await trio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        reply = m.decode_reply(msg, header)
+        return reply
+    finally:
+        if watch is not None:
+            watch.done(msg, reply if reply is not None else StripefsError(ErrorCode.IO, "failed"))

@@ -31,6 +31,7 @@ from wire import Attr, DirEntry, ErrorCode, Layout, Message, ReplyMessage, Routi
 
 from ._config import ClusterConfig, find_cluster
 from ._acall import acall
+from ._attrcache import AttrCache
 from ._core import ClientCore
 from . import _lease
 from ._file import StripeFile, mode_flags
@@ -101,12 +102,20 @@ class Client:
             None to use ``STRIPEFS_CLUSTER`` / the last ``stripefs up``.
         conns_per_server: pipelined connections per storage server.
         max_inflight: chunk requests in flight per read/write call.
+        attr_timeout: seconds ``stat`` (and ``exists``, ``isdir``, ``isfile``) may answer
+            from this client's cache; 0 (the default) asks the metadata service every
+            time. This client's own changes show at once; another client's after at most
+            this long, or at ``open`` (close-to-open).
     """
 
     def __init__(self, cluster: "str | os.PathLike[str] | ClusterConfig | None" = None, *, secret: str | None = None,
-                 conns_per_server: int = 2, max_inflight: int = 32):
+                 conns_per_server: int = 2, max_inflight: int = 32, attr_timeout: float = 0.0):
         self.config = find_cluster(cluster, secret)
         self._core = ClientCore(self.config, conns_per_server=conns_per_server, max_inflight=max_inflight)
+        if attr_timeout < 0:
+            raise StripefsError(ErrorCode.INVALID, "attr_timeout must not be negative")
+        if attr_timeout > 0:
+            self._core.attrs = AttrCache(attr_timeout)
         self._session = os.urandom(16)  # owner of this client's leases
         self._leases: weakref.WeakSet[Lease] = weakref.WeakSet()
 
@@ -143,10 +152,24 @@ class Client:
     # -- lookups ------------------------------------------------------------------------
     def stat(self, path: str, *, follow: bool = True) -> Attr:
         p = normpath(path)
+        cache = self._core.attrs if follow else None
+        if cache is not None:
+            hit = cache.get(p)
+            if hit is not None:
+                return hit
+        return self._fresh_stat(p, follow)
+
+    def _fresh_stat(self, p: str, follow: bool = True) -> Attr:
+        """``stat`` from the metadata service (what ``open`` uses: close-to-open)."""
+        cache = self._core.attrs if follow else None
+        started = cache.mutations if cache is not None else 0
         try:
-            return self._core.attr(m.Resolve(path=p, follow=follow))
+            attr = self._core.attr(m.Resolve(path=p, follow=follow))
         except StripefsError as exc:
             raise StripefsError(exc.code, exc.message, p) from None
+        if cache is not None:
+            cache.put(p, attr, started)
+        return attr
 
     def stat_many(self, paths: "Sequence[str]", *, follow: bool = True) -> list[Attr | StripefsError]:
         """Attributes of many paths in few round trips (200 paths per request).
@@ -290,7 +313,7 @@ class Client:
             attr = reply.attr
         else:
             p = normpath(path)
-            attr = self.stat(p)
+            attr = self._fresh_stat(p)  # close-to-open: never a cached length
         if attr.is_dir:
             raise StripefsError(ErrorCode.IS_DIR, "is a directory", p)
         f = self.open_inode(attr, name=p, readable=flags["read"], writable=flags["write"], append=flags["append"])
