@@ -35,6 +35,7 @@ from wire import (
     Message,
     ResponseReceived,
     StripefsError,
+    role_credential,
 )
 from wire import (
     messages as m,
@@ -155,8 +156,8 @@ async def connect_back(secret: str, host: str, port: int, server_id: int, root: 
                        timeout: float = CONNECT_BACK_TIMEOUT) -> str | None:
     """Check that ``host:port`` is a storage server of this cluster answering as ``server_id`` in ``root``.
 
-    The handshake is the cluster's own (both sides prove the secret; the server
-    must announce the ``storage`` role), then ``TargetInfo`` must name the same
+    The handshake is the cluster's own with the server credential (both sides
+    prove it; the server must announce the ``storage`` role), then ``TargetInfo`` must name the same
     server id and data directory.
 
     Returns:
@@ -168,7 +169,10 @@ async def connect_back(secret: str, host: str, port: int, server_id: int, root: 
         with trio.fail_after(timeout):
             stream = await trio.open_tcp_stream(host, port)
             async with stream:
-                machine = ClientConnection(secret, os.urandom(16), expect_role="storage")
+                # As a server of the cluster: the peer must prove the server credential,
+                # which no client holds, so a client cannot stand in for a storage server.
+                machine = ClientConnection(role_credential(secret, "server"), os.urandom(16), expect_role="storage",
+                                           role="server")
                 info = await _exchange(stream, machine, m.TargetInfo())
     except trio.TooSlowError:
         return f"no answer from {address} within {timeout:g}s"

@@ -31,7 +31,8 @@ from typing import Any, Callable
 import trio
 
 from rpc import ReplayCache, ServerConn, Service, TrioPool, serve_rpc
-from wire import ErrorCode, FrameHead, Message, ReplyMessage, Routing, ServerInfo, StripefsError, messages as m
+from wire import ErrorCode, FrameHead, Message, ReplyMessage, Routing, ServerInfo, StripefsError, role_credential
+from wire import messages as m
 
 from ._admission import MAX_SERVER_ID, NOT_YET, connect_back, same_token, token_hash, validate
 from ._leases import Leases
@@ -138,6 +139,7 @@ class Membership:
         self.stale: set[int] = set()
         self.leaving: dict[int, int] = {}  # chain -> server that leaves it once the newcomer synced
         self.drops: list[tuple[int, int]] = []  # (server, chain): chunks to delete on a server that left
+        self.draining: set[int] = set()  # servers being removed: their chain slots move away (remove)
         try:
             with open(path) as f:
                 raw = json.load(f)
@@ -148,6 +150,7 @@ class Membership:
             self.leaving = {int(c): int(t) for c, t in raw.get("leaving", [])}
             self.drops = [(int(t), int(c)) for t, c in raw.get("drops", [])]
             self.tokens = {int(sid): str(h) for sid, h in raw.get("tokens", [])}
+            self.draining = {int(sid) for sid in raw.get("draining", [])}
             now = self.clock()
             for s in raw.get("servers", []):
                 info = ServerInfo.from_wire(s)
@@ -169,6 +172,7 @@ class Membership:
                        "leaving": [[c, t] for c, t in sorted(self.leaving.items())],
                        "drops": [list(d) for d in self.drops],
                        "tokens": [[sid, h] for sid, h in sorted(self.tokens.items())],
+                       "draining": sorted(self.draining),
                        "servers": [s.to_wire() for s in self.servers.values()]}, f)
             f.flush()
             os.fsync(f.fileno())
@@ -184,7 +188,7 @@ class Membership:
     def _rebuild(self) -> None:
         if self.frozen:
             return
-        ids = sorted(self.servers)
+        ids = sorted(s for s, info in self.servers.items() if info.state != "removed")
         r = min(self.replicas, len(ids))
         count = len(ids) * CHAINS_PER_SERVER
         self.table = {i + 1: [ids[(i + k) % len(ids)] for k in range(r)] for i in range(count)}
@@ -245,6 +249,8 @@ class Membership:
         recorded = self.tokens.get(sid)
         if recorded is not None and not same_token(recorded, msg.token):
             raise StripefsError(ErrorCode.PERMISSION, f"storage server {sid} belongs to another data directory")
+        if sid in self.servers and self.servers[sid].state == "removed":
+            raise StripefsError(ErrorCode.PERMISSION, f"storage server {sid} was removed from the cluster for good")
         now = self.clock()
         old = self.pending.get(sid)
         if old is not None and old.token_hash != th:
@@ -313,6 +319,8 @@ class Membership:
         if old is None:
             raise StripefsError(ErrorCode.NOT_FOUND, f"unknown storage server {sid}")
         self._check_token(sid, msg.token)
+        if old.state == "removed":
+            return "removed"  # it stops (storage._server); it never takes a slot again
         now = self.clock()
         state = old.state
         if state == "offline":  # it was declared dead and may have missed writes
@@ -346,6 +354,100 @@ class Membership:
             self.last_move = now
             self._set(sid, state="syncing" if moved else "serving")
             return sid
+        return self._drain_step(now)
+
+    def remove(self, sid: int, force: bool = False) -> tuple[str, list[int], list[int]]:
+        """Take storage server ``sid`` out of the cluster for good (``stripefs remove-server``).
+
+        When every chain of ``sid`` has another serving replica it is *drained*:
+        :meth:`place` moves its chain slots to other serving servers one server at a
+        time (the newcomer resyncs, then ``sid`` leaves the chain as a donor does on
+        ``add-server``); once it holds no slot it is ``removed``. A chain with no other
+        serving replica would be lost: refused unless ``force``, which removes ``sid``
+        from every chain at once. A removed server may never register again.
+
+        Returns:
+            ``(state, its chains, chains lost)``: state is ``draining`` or ``removed``.
+
+        Raises:
+            StripefsError: NOT_FOUND for an unknown server; PERMISSION naming the
+            chains that would be lost, without ``force``.
+        """
+        info = self.servers.get(sid)
+        if info is None:
+            raise StripefsError(ErrorCode.NOT_FOUND, f"no storage server {sid} in this cluster")
+        if info.state == "removed":
+            return "removed", [], []
+        chains = sorted(c for c, ts in self.table.items() if sid in ts)
+        lost = [c for c in chains if not any(t != sid and self._state(t) == "serving" for t in self.table[c])]
+        if not self.frozen:
+            lost = []  # no file names a chain yet: nothing is stored
+        if lost and not force:
+            raise StripefsError(ErrorCode.PERMISSION, f"removing storage server {sid} would lose chains "
+                                f"{', '.join(map(str, lost))}: no other replica serves them (--force to remove anyway)")
+        if force or not self.frozen or not chains:
+            for c in chains:
+                self.table[c].remove(sid)
+                self.leaving.pop(c, None)  # a move it donated to or joined is moot now
+            self.draining.discard(sid)
+            self._set(sid, state="removed")
+            self._rebuild()
+            self.save()
+            log.warning("storage server %d removed%s", sid, f"; chains lost: {lost}" if lost else "")
+            return "removed", chains, lost
+        self.draining.add(sid)
+        self.save()
+        log.info("storage server %d draining: chains %s move to other servers", sid, chains)
+        return "draining", chains, []
+
+    def _state(self, sid: int) -> str:
+        info = self.servers.get(sid)
+        return "offline" if info is None else info.state
+
+    def _drain_step(self, now: float) -> int | None:
+        """Move a draining server's chain slots to one other serving server (or finish it).
+
+        One newcomer at a time, like :meth:`place`: the newcomer is ``syncing`` until it
+        reports SyncDone, so every chain it already serves must keep another serving target.
+        """
+        for sid in sorted(self.draining):
+            chains = [c for c, ts in sorted(self.table.items()) if sid in ts]
+            if not chains:
+                self.draining.discard(sid)
+                self._set(sid, state="removed")
+                log.info("storage server %d drained and removed", sid)
+                return sid
+            slots: dict[int, int] = {s: 0 for s, i in self.servers.items()
+                                     if i.state == "serving" and s not in self.draining}
+            for ts in self.table.values():
+                for t in ts:
+                    if t in slots:
+                        slots[t] += 1
+            for new in sorted(slots, key=lambda s: (slots[s], s)):
+                safe = all(any(t != new and self._state(t) == "serving" for t in ts)
+                           for ts in self.table.values() if new in ts)
+                moved = [c for c in chains if new not in self.table[c]]
+                if not safe or not moved:
+                    continue
+                for c in moved:
+                    self.table[c].append(new)
+                    self.leaving[c] = sid
+                    log.info("chain %d: server %d joins, draining server %d will leave", c, new, sid)
+                self.last_move = now
+                self._set(new, state="syncing")
+                return new
+            # No server can take these slots (every serving one is in the chain already): the
+            # chain keeps fewer replicas; its other serving members hold every acknowledged byte.
+            shrunk = [c for c in chains if any(t != sid and self._state(t) == "serving" for t in self.table[c])]
+            for c in shrunk:
+                self.table[c].remove(sid)
+                self.drops.append((sid, c))
+                log.warning("chain %d: no server can replace draining server %d; it keeps %d replicas",
+                            c, sid, len(self.table[c]))
+            if shrunk:
+                self.version += 1
+                self.save()
+                return sid
         return None
 
     def _plan_migration(self, new: int) -> bool:
@@ -356,7 +458,7 @@ class Membership:
         newcomer has caught up, then leaves the chain and deletes its copy. File
         layouts never change: chains keep their ids, only their targets move.
         """
-        slots = {s: 0 for s in self.servers if s != new}
+        slots = {s: 0 for s in self.servers if s != new and self.servers[s].state != "removed" and s not in self.draining}
         for ts in self.table.values():
             for t in ts:
                 slots[t] = slots.get(t, 0) + 1
@@ -415,7 +517,7 @@ class Membership:
         """Declare silent servers offline, forget silent registrations, start due chain moves."""
         now = self.clock()
         for sid, s in list(self.servers.items()):
-            if s.state != "offline" and now - s.last_seen > OFFLINE_AFTER:
+            if s.state not in ("offline", "removed") and now - s.last_seen > OFFLINE_AFTER:
                 log.warning("storage server %d (%s:%d) is offline", sid, s.host, s.port)
                 self._set(sid, state="offline")
         for sid, cand in list(self.pending.items()):
@@ -467,7 +569,8 @@ class MetadataService(Service):
         self._gc_due = 0.0  # monotonic time before which a wake-up finds no removal due
         self.replay = ReplayCache()
         self._running: dict[tuple[bytes, int], trio.Event] = {}  # mutations being applied, by replay key
-        self.storage = TrioPool(secret, keep=1)  # calls to storage servers run one at a time
+        # Calls to storage servers run one at a time, as a server of the cluster (GC, DropChain).
+        self.storage = TrioPool(role_credential(secret, "server"), keep=1, role="server")
         self.gc_wakeup = trio.Event()
         self.admission_wakeup = trio.Event()
         self.verifying = trio.CapacityLimiter(MAX_VERIFYING)
@@ -656,7 +759,13 @@ class MetadataService(Service):
             return m.HeartbeatReply(state, self.members.version)
         if isinstance(msg, m.SyncDone):
             self.members.sync_done(msg)
+            self.members.place()  # a drain goes on with its next server at once
             return m.SyncDoneReply(self.members.version)
+        if isinstance(msg, m.RemoveServer):
+            state, chains, lost = self.members.remove(msg.server_id, msg.force)
+            if state == "draining":
+                self.members.place()
+            return m.RemoveServerReply(state, chains, lost, self.members.version)
         if isinstance(msg, m.Ping):
             return m.EmptyReply()
         raise StripefsError(ErrorCode.NOT_SUPPORTED, f"{type(msg).__name__} is not a metadata request")
@@ -696,7 +805,7 @@ class MetadataService(Service):
     # -- background work -------------------------------------------------------------------
     def _address(self, server_id: int) -> tuple[str, int] | None:
         info = self.members.servers.get(server_id)
-        return None if info is None else (info.host, info.port)
+        return None if info is None or info.state == "removed" else (info.host, info.port)
 
     async def _call_storage(self, server_id: int, msg: Message) -> bool:
         """One call to a storage server; False when the server no longer exists."""

@@ -113,10 +113,11 @@ class Connection:
         expect_role: str | None = None,
         ids: "itertools.count[int] | None" = None,
         send_thread: bool = False,
+        role: str = "client",
     ):
         self.address = address
         self.pid = os.getpid()
-        self._machine = ClientConnection(secret, client_id, expect_role, ids=ids)
+        self._machine = ClientConnection(secret, client_id, expect_role, role=role, ids=ids)
         self._pending: dict[int, _Pending] = {}
         self._plock = threading.Lock()
         self._send_lock = threading.Lock()

@@ -146,18 +146,20 @@ class ConnectionPool:
     """Shared, pipelined blocking connections: ``per_server`` per key, used round-robin.
 
     Args:
-        secret: the cluster secret.
+        secret: the credential of ``role`` (``wire.role_credential``).
         client_id: the id every connection presents.
         per_server: connections per key (requests spread over them).
         expect_role: refuse servers of any other role.
         ids: request-id counter shared by every connection (retries keep their id
             across reconnects, for the metadata service's replay cache).
         send_thread: give each connection a sender thread (see :class:`~rpc.Connection`).
+        role: what the connections authenticate as ("client", or "server").
     """
 
     def __init__(self, secret: str, client_id: bytes, *, per_server: int = 1, expect_role: str | None = None,
-                 ids: "Iterator[int] | None" = None, send_thread: bool = False):
+                 ids: "Iterator[int] | None" = None, send_thread: bool = False, role: str = "client"):
         self.secret = secret
+        self.role = role
         self.client_id = client_id
         self.per_server = per_server
         self.expect_role = expect_role
@@ -186,7 +188,8 @@ class ConnectionPool:
                 conns = self._cache.live(key, address)
                 while len(conns) < self.per_server:
                     conn = Connection(address, self.secret, self.client_id, expect_role=self.expect_role,
-                                      ids=self.ids, send_thread=self.send_thread)  # type: ignore[arg-type]
+                                      ids=self.ids, send_thread=self.send_thread,  # type: ignore[arg-type]
+                                      role=self.role)
                     self._cache.add(key, address, conn)
                     conns = self._cache.live(key, address)
         return conns[next(self._rr) % len(conns)]
@@ -208,13 +211,15 @@ class TrioPool:
     """Leased trio connections: one caller per connection, up to ``keep`` idle per key.
 
     Args:
-        secret: the cluster secret.
+        secret: the credential of ``role`` (``wire.role_credential``).
         client_id: the id every connection presents (random per connection by default).
         keep: idle connections kept per key; more are opened while callers need them.
+        role: what the connections authenticate as ("server" between servers).
     """
 
-    def __init__(self, secret: str, *, client_id: bytes | None = None, keep: int = 8):
+    def __init__(self, secret: str, *, client_id: bytes | None = None, keep: int = 8, role: str = "client"):
         self.secret = secret
+        self.role = role
         self.client_id = client_id
         self.keep = keep
         self._cache: _KeyedCache[TrioConnection] = _KeyedCache()
@@ -222,7 +227,8 @@ class TrioPool:
     @asynccontextmanager
     async def connection(self, key: Hashable, address: Address) -> AsyncIterator[TrioConnection]:
         """Lease a connection to ``key`` at ``address`` for the body of the ``async with``."""
-        conn = self._cache.take(key, address) or TrioConnection(address, self.secret, client_id=self.client_id)
+        conn = self._cache.take(key, address) or TrioConnection(address, self.secret, client_id=self.client_id,
+                                                                   role=self.role)
         try:
             yield conn
         finally:

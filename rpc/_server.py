@@ -80,6 +80,11 @@ class ServerConn:
         """The authenticated peer's client id (b"" before the handshake)."""
         return self.machine.client_id
 
+    @property
+    def peer_role(self) -> str:
+        """What the peer authenticated as: "client" or "server" ("" before the handshake)."""
+        return self.machine.peer_role
+
     async def _fill(self, n: int) -> None:
         # Read only a little past the end of the next header when a payload may follow,
         # so the payload goes straight from the socket into its destination buffer.

@@ -38,13 +38,15 @@ class TrioConnection:
 
     Args:
         address: ``(host, port)``.
-        secret: the cluster secret.
+        secret: the credential of ``role`` (``wire.role_credential``).
         client_id: the id presented to the server (random by default).
+        role: what the connection authenticates as; servers of the cluster use "server".
     """
 
-    def __init__(self, address: tuple[str, int], secret: str, *, client_id: bytes | None = None):
+    def __init__(self, address: tuple[str, int], secret: str, *, client_id: bytes | None = None, role: str = "client"):
         self.address = address
         self.secret = secret
+        self.role = role
         self.client_id = client_id or os.urandom(16)
         self._sock: trio.socket.SocketType | None = None
         self._machine: ClientConnection | None = None
@@ -69,7 +71,7 @@ class TrioConnection:
         try:
             with trio.fail_after(CONNECT_TIMEOUT):
                 await sock.connect(self.address)
-            self._sock, self._machine = sock, ClientConnection(self.secret, self.client_id)
+            self._sock, self._machine = sock, ClientConnection(self.secret, self.client_id, role=self.role)
             event = await self._event()
             if not isinstance(event, HandshakeComplete):  # pragma: no cover - the machine allows nothing else
                 raise StripefsError(ErrorCode.PROTOCOL, f"unexpected {type(event).__name__} during the handshake")

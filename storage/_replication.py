@@ -31,7 +31,8 @@ from typing import Any, AsyncIterator, TypeVar
 import trio
 
 from rpc import TrioConnection, TrioPool
-from wire import ErrorCode, Message, ReplyMessage, Routing, StripefsError, messages as m
+from wire import ErrorCode, Message, ReplyMessage, Routing, StripefsError, role_credential
+from wire import messages as m
 
 from ._chunks import ChunkStore, VersionGap
 
@@ -73,7 +74,8 @@ class Replicator:
         self.server_id: int | None = None
         self.token = ""  # this root's identity token (target.json), sent with SyncDone
         self.routing: Routing | None = None
-        self.peers = TrioPool(secret, keep=POOL_PER_PEER)  # forwarding runs many calls to a peer at once
+        # Forwarding runs many calls to a peer at once, as a server of the cluster.
+        self.peers = TrioPool(role_credential(secret, "server"), keep=POOL_PER_PEER, role="server")
         self._locks: dict[tuple[int, int], tuple[trio.Lock, int]] = {}
         self._refresh_lock = trio.Lock()
         self.syncing = False

@@ -27,7 +27,8 @@ from typing import Any
 import trio
 
 from rpc import PAYLOAD_BUDGET, BufferPool, ServerConn, Service, ThreadReply, TrioConnection, serve_rpc
-from wire import ErrorCode, FrameHead, Message, StripefsError, messages as m
+from wire import ErrorCode, FrameHead, Message, StripefsError, role_credential
+from wire import messages as m
 
 from ._chunks import ChunkStore
 from ._replication import Replicator, control_call
@@ -270,6 +271,10 @@ async def _register_and_heartbeat(service: StorageService, meta: TrioConnection,
                 ))
             if reply.state == "pending":
                 pending = True
+            elif reply.state == "removed":
+                log.warning("this storage server was removed from the cluster (stripefs remove-server): stopping")
+                nursery.cancel_scope.cancel()
+                return
             else:
                 repl = service.repl
                 if repl.routing is None or repl.routing.version != reply.routing_version:
@@ -310,8 +315,9 @@ async def serve_storage(
     """
     os.makedirs(root, exist_ok=True)
     store = await trio.to_thread.run_sync(ChunkStore, root)
-    meta_conn = TrioConnection(metadata, secret)
-    service = StorageService(store, Replicator(store, secret, TrioConnection(metadata, secret)))
+    credential = role_credential(secret, "server")  # every call this server makes is as a server
+    meta_conn = TrioConnection(metadata, credential, role="server")
+    service = StorageService(store, Replicator(store, secret, TrioConnection(metadata, credential, role="server")))
     async with trio.open_nursery() as nursery:
         address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id,
                                                          payload_budget=payload_budget))

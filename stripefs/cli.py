@@ -1,6 +1,6 @@
 """The ``stripefs`` command line.
 
-Cluster: ``up``, ``down``, ``status``. Files: ``ls stat cat put get cp mv rm mkdir``
+Cluster: ``up``, ``down``, ``status``, ``add-server``, ``remove-server``. Files: ``ls stat cat put get cp mv rm mkdir``
 (paths inside the file system; the ``stripefs://`` prefix is optional).
 Checkpoints: ``ckpt verify URL``.
 Other commands (``mount``, ``umount``, ``mover``, ``bench``) are provided by
@@ -71,6 +71,88 @@ def cmd_add_server(a: argparse.Namespace) -> int:
     return 0
 
 
+SERVER_FILE = "server.json"  # beside a local cluster's cluster.json: the cluster secret (``stripefs up``)
+
+
+def _server_config(a: argparse.Namespace) -> Any:
+    """The servers' credential (ROOT/server.json): administration is not a client's to do."""
+    from fsclient.core import ClusterConfig, find_cluster
+
+    if a.root:
+        return ClusterConfig.from_file(os.path.join(a.root, SERVER_FILE))
+    cfg = find_cluster(a.cluster)
+    if cfg.role == "server":
+        return cfg
+    beside = os.path.join(os.path.dirname(cfg.path), SERVER_FILE) if cfg.path else ""
+    if beside and os.path.exists(beside):
+        return ClusterConfig.from_file(beside)
+    raise StripefsError(ErrorCode.ACCESS, "this needs the servers' credential, which a client's cluster.json does not "
+                                          "hold: pass --root DIR of the cluster (DIR/server.json) or --cluster DIR/server.json")
+
+
+def _what_is_lost(c: Client, sid: int, chains: list[int]) -> str:
+    """Chunks and bytes server ``sid`` holds of ``chains`` (ListChunks, paged; a server's request)."""
+    from wire import messages as m
+
+    count = size = 0
+    try:
+        for chain in chains:
+            after = None
+            while True:
+                page = c.call_storage(sid, m.ListChunks(chain=chain, after=after, limit=8192), timeout=30.0)
+                count += len(page.chunks)
+                size += sum(int(e[3]) for e in page.chunks)
+                if not page.more or not page.chunks:
+                    break
+                after = page.chunks[-1][:2]
+    except StripefsError as exc:
+        return f"chunk count unknown (server {sid} unreachable: {exc.message})"
+    return f"{count} chunks, {_human(size)} held only by server {sid}"
+
+
+def cmd_remove_server(a: argparse.Namespace) -> int:
+    """Drain a storage server (R >= 2) and remove it for good; with R = 1 only with --force."""
+    from wire import messages as m
+
+    cfg = _server_config(a)
+    with Client(cfg) as c:
+        known = {s.server_id: s for s in c.status().servers}
+        if a.id not in known:
+            raise StripefsError(ErrorCode.NOT_FOUND, f"no storage server {a.id} in this cluster "
+                                                     f"(servers: {', '.join(map(str, sorted(known))) or 'none'})")
+        at_risk = [ch["chain_id"] for ch in c.status().chains if a.id in ch["targets"]
+                   and not any(t != a.id and st == "serving" for t, st in zip(ch["targets"], ch["states"]))]
+        # Counted before the request: once removed, the server may stop answering.
+        lost_data = _what_is_lost(c, a.id, at_risk) if at_risk and known[a.id].state != "removed" else ""
+        try:
+            reply = c.call(m.RemoveServer(server_id=a.id, force=a.force))
+        except StripefsError as exc:
+            if exc.code == ErrorCode.PERMISSION:
+                print(f"stripefs remove-server: {exc.message}; {lost_data}", file=sys.stderr)
+                return 1
+            raise
+        if reply.lost:
+            print(f"server {a.id} removed; chains lost: {', '.join(map(str, reply.lost))} ({lost_data}): the files "
+                  "striped over them cannot be read", file=sys.stderr)
+        deadline = time.monotonic() + a.timeout
+        state = reply.state
+        while state == "draining" and not a.no_wait:
+            if time.monotonic() > deadline:
+                raise StripefsError(ErrorCode.TIMEOUT, f"server {a.id} still draining after {a.timeout:.0f}s "
+                                                       "(it goes on; watch `stripefs status`)")
+            time.sleep(0.5)
+            st = c.status()
+            info = next(s for s in st.servers if s.server_id == a.id)
+            state = "removed" if info.state == "removed" else "draining"
+            left = [ch["chain_id"] for ch in st.chains if a.id in ch["targets"]]
+            print(f"draining server {a.id}: chains left {left}", file=sys.stderr)
+        info = known[a.id]
+        if state == "removed" and cfg.path:
+            testing.mark_removed(os.path.dirname(cfg.path), info.host, info.port)  # `up` never restarts it
+    print(f"server {a.id}: {state}")
+    return 0
+
+
 def cmd_down(a: argparse.Namespace) -> int:
     n = testing.down(a.root)
     print(f"stopped {n} processes", file=sys.stderr)
@@ -93,6 +175,9 @@ def cmd_status(a: argparse.Namespace) -> int:
     print(f"{'id':>3} {'address':<22} {'state':<8} {'pid':>7} {'used':>12} {'capacity':>12}")
     for s in st.servers:
         print(f"{s.server_id:>3} {s.host + ':' + str(s.port):<22} {s.state:<8} {s.pid:>7} {_human(s.used):>12} {_human(s.capacity):>12}")
+    removed = [s.server_id for s in st.servers if s.state == "removed"]
+    if removed:
+        print(f"    removed for good: {', '.join(map(str, removed))}")
     for p in md.get("pending", []):  # registrations the metadata service has not admitted (yet)
         print(f"    pending {p['server_id']} ({p['host']}:{p['port']}, {p['waiting']}s): {p['reason']}")
     def chain(c: dict[str, Any]) -> str:
@@ -295,6 +380,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--postgres-url", help="postgresql://user:password@host:port/db for --metadata-store postgresql")
     sp = add("add-server", cmd_add_server, "Add a storage server to the running cluster under --root (rebalances)", cluster=False)
     sp.add_argument("--root", required=True)
+    sp = add("remove-server", cmd_remove_server, "Drain a storage server onto the others and remove it for good")
+    sp.add_argument("id", type=int, help="the server id (stripefs status)")
+    sp.add_argument("--root", help="the cluster directory (its server.json holds the servers' credential)")
+    sp.add_argument("--force", action="store_true", help="remove it even when chains only it serves are lost")
+    sp.add_argument("--no-wait", action="store_true", help="return while it drains")
+    sp.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the drain")
     sp = add("down", cmd_down, "Stop the local cluster under --root", cluster=False)
     sp.add_argument("--root", required=True)
     sp = add("scrub", cmd_scrub, "Verify every chunk's checksums on every server and repair bad replicas")

@@ -11,7 +11,7 @@ import importlib
 import pytest
 
 PUBLIC: dict[str, set[str]] = {
-    'wire': {'CRC_BLOCK', 'check_segments', 'segments', 'Attr', 'BadRequest', 'check_proof', 'ClientConnection', 'ConnectionClosed', 'ConnState', 'ErrorReceived', 'Event', 'HandshakeComplete', 'RequestReceived', 'ResponseCancelled', 'ResponseReceived', 'ServerConnection', 'client_proof', 'decode_message', 'decode_reply', 'DirEntry', 'encode_frame', 'encode_prefix', 'error_from_oserror', 'ErrorCode', 'FLAG_ERROR', 'FLAG_RESPONSE', 'Frame', 'FrameDecoder', 'FrameHead', 'Layout', 'MAGIC', 'MAX_CHUNK', 'MAX_FILE_SIZE', 'MAX_HEADER', 'MAX_NAME', 'MAX_PATH', 'MAX_PAYLOAD', 'MAX_STRIPE', 'Message', 'messages', 'MESSAGES', 'MIN_CHUNK', 'NEED_DATA', 'new_nonce', 'new_secret', 'PREFIX', 'ReplyMessage', 'Routing', 'server_proof', 'ServerInfo', 'StripefsError', 'validate_name', 'VERSION'},
+    'wire': {'CRC_BLOCK', 'check_segments', 'segments', 'Attr', 'BadRequest', 'check_proof', 'ClientConnection', 'ConnectionClosed', 'ConnState', 'ErrorReceived', 'Event', 'HandshakeComplete', 'RequestReceived', 'ResponseCancelled', 'ResponseReceived', 'ServerConnection', 'client_proof', 'decode_message', 'decode_reply', 'DirEntry', 'encode_frame', 'encode_prefix', 'error_from_oserror', 'ErrorCode', 'FLAG_ERROR', 'FLAG_RESPONSE', 'Frame', 'FrameDecoder', 'FrameHead', 'Layout', 'MAGIC', 'MAX_CHUNK', 'MAX_FILE_SIZE', 'MAX_HEADER', 'MAX_NAME', 'MAX_PATH', 'MAX_PAYLOAD', 'MAX_STRIPE', 'Message', 'messages', 'MESSAGES', 'MIN_CHUNK', 'NEED_DATA', 'new_nonce', 'new_secret', 'PREFIX', 'ROLES', 'role_credential', 'ReplyMessage', 'Routing', 'server_proof', 'ServerInfo', 'StripefsError', 'validate_name', 'VERSION'},
     'rpc': {'abandon', 'ByteBudget', 'PAYLOAD_BUDGET', 'aligned', 'BufferPool', 'Connection', 'ConnectionPool', 'ReplayCache', 'ThreadReply', 'TrioPool', 'Reply', 'serve_rpc', 'ServerConn', 'Service', 'TrioConnection', 'tune_socket', 'unavailable'},
     'metadata': {'MemoryStore', 'MetadataService', 'Namespace', 'RENAME_EXCHANGE', 'RENAME_NOREPLACE', 'serve_metadata', 'SqliteStore'},
     'storage': {'BLOCK', 'ChunkMeta', 'ChunkStore', 'HEADER_SIZE', 'serve_storage', 'StorageService'},
@@ -21,7 +21,7 @@ PUBLIC: dict[str, set[str]] = {
     'fsclient.fsspec': {'StripeFileSystem', 'StripeFsFile'},
     'fsclient.batchread': {'Completion', 'MOUNT_STATE_DIR', 'mount_state_path', 'MountedFile', 'read_batch', 'ReadRing', 'RegisteredFile', 'resolve_mounted', 'SharedBuffer'},
     'fsclient.batchread.dataset': {'Batch', 'collate_batch', 'IndexDataset', 'loader', 'RecordDataset'},
-    'fsclient.testing': {'LocalPostgres', 'postgres_bin', 'add_server', 'down', 'LocalCluster', 'read_cluster', 'up'},
+    'fsclient.testing': {'LocalPostgres', 'postgres_bin', 'add_server', 'down', 'LocalCluster', 'mark_removed', 'read_cluster', 'up'},
     'fsclient.testing.differential': {'Divergence', 'LocalRoute', 'MountRoute', 'NativeRoute', 'parse_seeds', 'replay', 'Route', 'run_seed'},
     'staging': {'CheckpointConflict', 'ChecksumError', 'default_staging_dir', 'latest', 'load', 'Mover', 'MoverOptions', 'read_manifest', 'save', 'SaveHandle', 'StagedStorageReader', 'StagedStorageWriter', 'verify'},
     'bench': {'aggregate', 'BenchConfig', 'run_bench'},

@@ -5,7 +5,15 @@ Nothing in this package touches a socket (sans-IO, in the style of h11). Transpo
 """
 
 from . import _messages as messages
-from ._auth import check_proof, client_proof, new_nonce, new_secret, server_proof
+from ._auth import (
+    ROLES,
+    check_proof,
+    client_proof,
+    new_nonce,
+    new_secret,
+    role_credential,
+    server_proof,
+)
 from ._checksums import CRC_BLOCK, check_segments, segments
 from ._connection import ClientConnection, ConnState, ServerConnection
 from ._errors import ErrorCode, StripefsError, error_from_oserror
@@ -52,7 +60,7 @@ from ._types import (
 
 __all__ = [
     "CRC_BLOCK", "check_segments", "segments",
-    "messages", "check_proof", "client_proof", "new_nonce", "new_secret", "server_proof",
+    "messages", "ROLES", "check_proof", "client_proof", "new_nonce", "new_secret", "role_credential", "server_proof",
     "ClientConnection", "ConnState", "ServerConnection",
     "BadRequest", "ConnectionClosed", "ErrorReceived", "Event", "HandshakeComplete", "RequestReceived",
     "ResponseCancelled", "ResponseReceived",

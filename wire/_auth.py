@@ -1,11 +1,18 @@
-"""Challenge-response authentication with the cluster secret (never sent on the wire).
+"""Challenge-response authentication with role credentials (never sent on the wire).
+
+A cluster has one secret, kept by its servers only. Each peer role has its own
+credential derived from it (:func:`role_credential`): ``client`` (what a
+cluster.json hands to applications) and ``server`` (storage servers and the
+metadata service talking to each other). The derivation is one-way, so a
+client cannot compute the server credential from its own.
 
 On connect the server sends :class:`~wire.Challenge` with a fresh 32-byte
-nonce. The client answers :class:`~wire.Authenticate` with its own nonce and
-``HMAC-SHA256(secret, b"client" + server_nonce + client_nonce)``; the server
-checks it and answers with ``HMAC-SHA256(secret, b"server" + client_nonce +
-server_nonce)``, so the client knows the server holds the secret too (mutual).
-Fresh nonces on both sides make a recorded exchange useless for replay.
+nonce. The peer answers :class:`~wire.Authenticate` with the role it claims,
+its own nonce and ``HMAC-SHA256(credential, b"client" + server_nonce +
+client_nonce)``, keyed with that role's credential; the server checks it and
+answers with ``HMAC-SHA256(credential, b"server" + client_nonce +
+server_nonce)``, so the peer knows the server holds that credential too
+(mutual). Fresh nonces on both sides make a recorded exchange useless for replay.
 """
 
 from __future__ import annotations
@@ -14,9 +21,12 @@ import hashlib
 import hmac
 import secrets
 
-__all__ = ["NONCE_LEN", "new_nonce", "new_secret", "client_proof", "server_proof", "check_proof"]
+__all__ = ["NONCE_LEN", "ROLES", "new_nonce", "new_secret", "role_credential", "client_proof", "server_proof",
+           "check_proof"]
 
 NONCE_LEN = 32
+# The roles a peer may claim in Authenticate: an application, or a server of the cluster.
+ROLES = ("client", "server")
 
 
 def new_nonce() -> bytes:
@@ -26,6 +36,17 @@ def new_nonce() -> bytes:
 def new_secret() -> str:
     """A new cluster secret (hex text, as stored in cluster.json)."""
     return secrets.token_hex(32)
+
+
+def role_credential(secret: str, role: str) -> str:
+    """The credential of ``role`` derived from the cluster secret (hex text).
+
+    Raises:
+        ValueError: an unknown role.
+    """
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r} (expected one of {', '.join(ROLES)})")
+    return hmac.new(secret.encode(), b"stripefs-role:" + role.encode(), hashlib.sha256).hexdigest()
 
 
 def _mac(secret: str | bytes, label: bytes, a: bytes, b: bytes) -> bytes:

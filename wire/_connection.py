@@ -25,6 +25,12 @@ States::
     both:    any -> ERROR (a protocol or auth failure; the connection must close)
              any -> CLOSED (EOF fed)
 
+Roles: the connecting side authenticates as a ``client`` or a ``server`` of the
+cluster with that role's credential (``wire._auth``). The server machine refuses
+requests that need the server role (``Message.needs_server_role``: membership,
+sync, chunk management, forwarded writes) from a client connection itself, with
+an ACCESS error: the service never sees them.
+
 The machines are not thread-safe; a transport that sends from several threads
 serialises its calls (``rpc._client.Connection`` holds one lock around them).
 """
@@ -32,6 +38,7 @@ serialises its calls (``rpc._client.Connection`` holds one lock around them).
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 from typing import Any, Iterator
 
@@ -48,7 +55,7 @@ from ._events import (
     ResponseReceived,
 )
 from ._frames import FLAG_ERROR, FLAG_RESPONSE, NEED_DATA, PREFIX, FrameDecoder, FrameHead, _NeedData, encode_prefix
-from ._messages import Authenticate, Challenge, Message, decode_message
+from ._messages import MESSAGES, Authenticate, Challenge, Message, decode_message
 
 __all__ = ["ConnState", "ClientConnection", "ServerConnection"]
 
@@ -67,6 +74,11 @@ class ConnState(enum.Enum):
 
 def _protocol(msg: str) -> StripefsError:
     return StripefsError(ErrorCode.PROTOCOL, msg)
+
+
+def _server_only(name: str) -> StripefsError:
+    return StripefsError(ErrorCode.ACCESS, f"{name} is accepted only from servers of the cluster; "
+                                           "this connection authenticated as a client")
 
 
 class _Machine:
@@ -185,18 +197,23 @@ class ClientConnection(_Machine):
     """The client side of one connection.
 
     Args:
-        secret: the cluster secret.
+        secret: the credential of ``role`` (``wire.role_credential``; a cluster.json
+            holds the client's).
         client_id: this client's id (16 bytes, stable per process).
         expect_role: refuse a server announcing any other role.
+        role: the role to authenticate as: "client", or "server" for servers of the cluster.
         nonce: the client nonce (tests pin it for exact bytes; fresh by default).
         ids: where request ids come from (a client shares one counter over
             reconnects, so a retried request keeps its id for the replay cache).
     """
 
     def __init__(self, secret: str | bytes, client_id: bytes, expect_role: str | None = None, *,
-                 nonce: bytes | None = None, ids: Iterator[int] | None = None):
+                 role: str = "client", nonce: bytes | None = None, ids: Iterator[int] | None = None):
         super().__init__(ConnState.AWAIT_CHALLENGE)
+        if role not in auth.ROLES:
+            raise ValueError(f"unknown role {role!r}")
         self._secret = secret
+        self.peer_role = role  # ours, as the server will know it
         self.client_id = client_id
         self.expect_role = expect_role
         self._nonce = nonce if nonce is not None else auth.new_nonce()
@@ -264,7 +281,7 @@ class ClientConnection(_Machine):
                 return self._response(head)
             self._handshake(head)
             if self.state is ConnState.READY:
-                return HandshakeComplete(self.role, self.client_id)
+                return HandshakeComplete(self.role, self.client_id, self.peer_role)
 
     def _handshake(self, head: FrameHead) -> None:
         if head.payload_len:
@@ -281,7 +298,7 @@ class ClientConnection(_Machine):
                 raise self._fail(_protocol(f"expected a {self.expect_role} server, found {challenge.role}"))
             self.role, self._server_nonce = challenge.role, challenge.nonce
             proof = auth.client_proof(self._secret, challenge.nonce, self._nonce)
-            msg = Authenticate(client_id=self.client_id, nonce=self._nonce, proof=proof)
+            msg = Authenticate(client_id=self.client_id, nonce=self._nonce, proof=proof, role=self.peer_role)
             self._out += encode_prefix(msg.MSG_ID, 0, msg.to_header())
             self.state = ConnState.AWAIT_PROOF
             return
@@ -292,7 +309,7 @@ class ClientConnection(_Machine):
             raise self._fail(StripefsError.from_wire(head.header))
         expected = auth.server_proof(self._secret, self._server_nonce, self._nonce)
         if not auth.check_proof(expected, head.header.get("proof")):
-            raise self._fail(StripefsError(ErrorCode.AUTH, "server failed to prove it knows the cluster secret"))
+            raise self._fail(StripefsError(ErrorCode.AUTH, f"server failed to prove it knows the {self.peer_role} credential"))
         self.state = ConnState.READY
 
     def _response(self, head: FrameHead) -> Event:
@@ -311,23 +328,30 @@ class ClientConnection(_Machine):
         return ResponseReceived(head.req_id, head.header, head.payload_len)
 
 
+@functools.lru_cache(maxsize=8)
+def _credentials(secret: str) -> dict[str, str]:
+    """Every role's credential (a server derives them once per secret, not per connection)."""
+    return {role: auth.role_credential(secret, role) for role in auth.ROLES}
+
+
 class ServerConnection(_Machine):
     """The server side of one connection.
 
     Args:
-        secret: the cluster secret.
+        secret: the cluster secret: every role's credential is derived from it.
         role: what this server is ("metadata", "storage"); announced in the challenge.
         cluster_id: announced in the challenge.
         nonce: the server nonce (tests pin it for exact bytes; fresh by default).
     """
 
-    def __init__(self, secret: str | bytes, role: str, cluster_id: str = "", *, nonce: bytes | None = None):
+    def __init__(self, secret: str, role: str, cluster_id: str = "", *, nonce: bytes | None = None):
         super().__init__(ConnState.CHALLENGE)
-        self._secret = secret
+        self._credentials = _credentials(secret)
         self.role = role
         self.cluster_id = cluster_id
         self._nonce = nonce if nonce is not None else auth.new_nonce()
         self.client_id = b""  # the peer's, once authenticated
+        self.peer_role = ""  # "client" or "server", once authenticated
         self._authenticated = False
 
     def start(self) -> bytes:
@@ -357,10 +381,16 @@ class ServerConnection(_Machine):
             return self._authenticate(head)
         if head.is_response or head.is_error:
             raise self._fail(_protocol("client sent a response frame"))
+        cls = MESSAGES.get(head.msg_type)
+        if cls is not None and cls.SERVER_ONLY and self.peer_role != "server":
+            # Before its fields are decoded: a client learns nothing about what they should be.
+            return self._discard(BadRequest(head.req_id, _server_only(cls.__name__), head.payload_len, head))
         try:
             msg = decode_message(head.msg_type, head.header)
         except StripefsError as exc:
             return self._discard(BadRequest(head.req_id, exc, head.payload_len, head))
+        if self.peer_role != "server" and msg.needs_server_role():
+            return self._discard(BadRequest(head.req_id, _server_only(type(msg).__name__), head.payload_len, head))
         return RequestReceived(head.req_id, msg, head.payload_len, head)
 
     def _authenticate(self, head: FrameHead) -> Event:
@@ -369,18 +399,22 @@ class ServerConnection(_Machine):
                 raise StripefsError(ErrorCode.AUTH, "authenticate first")
             msg = decode_message(head.msg_type, head.header)
             assert isinstance(msg, Authenticate)
-            if not auth.check_proof(auth.client_proof(self._secret, self._nonce, msg.nonce), msg.proof):
-                raise StripefsError(ErrorCode.AUTH, "authentication failed: wrong cluster secret")
+            credential = self._credentials.get(msg.role)
+            if credential is None:
+                raise StripefsError(ErrorCode.AUTH, f"authentication failed: unknown role {msg.role[:40]!r}")
+            if not auth.check_proof(auth.client_proof(credential, self._nonce, msg.nonce), msg.proof):
+                raise StripefsError(ErrorCode.AUTH, f"authentication failed: wrong cluster secret for the {msg.role} role")
         except StripefsError as exc:
             self._out += encode_prefix(head.msg_type, head.req_id, exc.to_wire(), 0, FLAG_RESPONSE | FLAG_ERROR)
             raise self._fail(exc) from None
         self.discard_payload()  # an Authenticate has no payload; never let one desync the stream
         self.client_id = msg.client_id
-        proof = auth.server_proof(self._secret, self._nonce, msg.nonce)
+        self.peer_role = msg.role
+        proof = auth.server_proof(credential, self._nonce, msg.nonce)
         self._out += encode_prefix(head.msg_type, head.req_id, {"proof": proof}, 0, FLAG_RESPONSE)
         self.state = ConnState.READY
         self._authenticated = True
-        return HandshakeComplete(self.role, self.client_id)
+        return HandshakeComplete(self.role, self.client_id, self.peer_role)
 
     def send_response(self, head: FrameHead, header: dict[str, Any], payload_len: int = 0) -> bytes:
         """Prefix + header of the answer to ``head``; the transport sends ``payload_len`` bytes after it.

@@ -39,11 +39,14 @@ class HandshakeComplete(Event):
     """The challenge-response exchange succeeded; requests may flow.
 
     ``role`` is the server's role ("metadata", "storage", ...); ``client_id`` is
-    the client's id (its own on the client side, the peer's on the server side).
+    the client's id (its own on the client side, the peer's on the server side);
+    ``peer_role`` is the role the connecting side authenticated as ("client" or
+    "server", see ``wire._auth``).
     """
 
     role: str
     client_id: bytes
+    peer_role: str = "client"
 
 
 @dataclass(frozen=True, slots=True)

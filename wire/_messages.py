@@ -162,12 +162,19 @@ class Message(Generic[R]):
 
     MSG_ID: ClassVar[int]
     MUTATES: ClassVar[bool] = False  # replayed responses are cached for retried mutations
+    # Only a peer that authenticated with the server credential may send it (membership,
+    # sync and chunk management); a client connection gets ACCESS and nothing happens.
+    SERVER_ONLY: ClassVar[bool] = False
     # The reply type (the class's type argument); None only for the server's Challenge,
     # which is never answered with a response of its own.
     Reply: ClassVar[type[ReplyMessage] | None]
 
     def to_header(self) -> dict[str, Any]:
         return encode_fields(self)
+
+    def needs_server_role(self) -> bool:
+        """Must the sender have authenticated as a server? (:attr:`SERVER_ONLY`, or a field says so.)"""
+        return self.SERVER_ONLY
 
 
 def encode_fields(msg: object) -> dict[str, Any]:
@@ -202,11 +209,13 @@ def _check(name: str, value: Any, tp: Any) -> Any:
 
 
 @typing.dataclass_transform(frozen_default=True)
-def message(msg_id: int, *, mutates: bool = False, answered: bool = True) -> Callable[[type[T]], type[T]]:
+def message(msg_id: int, *, mutates: bool = False, answered: bool = True,
+            server_only: bool = False) -> Callable[[type[T]], type[T]]:
     """Class decorator: make a frozen dataclass and register it under ``msg_id``.
 
     The class must name its reply type as ``Message[ReplyType]``; ``answered=False``
-    is for the one message that gets no response (the server's Challenge).
+    is for the one message that gets no response (the server's Challenge);
+    ``server_only`` for messages only servers of the cluster may send.
     """
 
     def wrap(cls: type[T]) -> type[T]:
@@ -222,6 +231,7 @@ def message(msg_id: int, *, mutates: bool = False, answered: bool = True) -> Cal
         cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
         cls.MSG_ID = msg_id
         cls.MUTATES = mutates
+        cls.SERVER_ONLY = server_only
         cls.Reply = reply_cls
         cls._hints = typing.get_type_hints(cls)  # type: ignore[attr-defined]
         MESSAGES[msg_id] = cls
@@ -417,6 +427,14 @@ class FetchChunkReply(ReplyMessage):
 
 
 @reply
+class RemoveServerReply(ReplyMessage):
+    state: str  # "draining" (slots still moving) | "removed"
+    chains: list[int]  # the server's chains when asked (moving, or with --force lost)
+    lost: list[int]  # chains left without any target (force only)
+    routing_version: int
+
+
+@reply
 class XattrReply(ReplyMessage):
     value: bytes
 
@@ -460,7 +478,8 @@ class Challenge(Message):
 class Authenticate(Message[AuthenticateReply]):
     client_id: bytes  # 16 random bytes, stable per client process
     nonce: bytes
-    proof: bytes  # HMAC-SHA256(secret, "client" | server nonce | client nonce)
+    proof: bytes  # HMAC-SHA256(credential of ``role``, "client" | server nonce | client nonce)
+    role: str = "client"  # "client" (applications) or "server" (servers of the cluster)
 
 
 @message(3)
@@ -601,7 +620,7 @@ class ClusterStatus(Message[ClusterStatusReply]):
     pass
 
 
-@message(28, mutates=True)
+@message(28, mutates=True, server_only=True)
 class RegisterServer(Message[RegisterServerReply]):
     host: str
     port: int
@@ -616,7 +635,7 @@ class RegisterServer(Message[RegisterServerReply]):
     token: str = ""
 
 
-@message(29)
+@message(29, server_only=True)
 class Heartbeat(Message[HeartbeatReply]):
     server_id: int
     capacity: int = 0
@@ -717,6 +736,12 @@ class WriteChunk(Message[WriteChunkReply]):
     # than acknowledging bytes the chain does not hold.
     digest: int | None = None
 
+    def needs_server_role(self) -> bool:
+        # A write carrying a version is a replica forwarding along its chain: applied as
+        # is, below the head. One naming no chain is stored as is by any server, outside
+        # chain replication. Clients write to a chain's head only, without a version.
+        return self.version is not None or self.digest is not None or self.chain == 0
+
 
 @message(41)
 class ReadChunk(Message[ReadChunkReply]):
@@ -730,7 +755,7 @@ class ReadChunk(Message[ReadChunkReply]):
     routing_version: int = 0  # the sender's routing version: a server behind it refreshes first
 
 
-@message(42, mutates=True)
+@message(42, mutates=True, server_only=True)
 class RemoveChunks(Message[RemovedReply]):
     """Remove every chunk of ``ino`` with index >= ``from_index`` (GC, truncate).
 
@@ -744,7 +769,7 @@ class RemoveChunks(Message[RemovedReply]):
     forget: bool = False
 
 
-@message(43, mutates=True)
+@message(43, mutates=True, server_only=True)
 class TruncateChunk(Message[EmptyReply]):
     ino: int
     index: int
@@ -762,7 +787,7 @@ class TargetInfo(Message[TargetInfoReply]):
     pass
 
 
-@message(46)
+@message(46, server_only=True)
 class ListChunks(Message[ListChunksReply]):
     """Chunks of one chain held by a storage server (resync compares versions and digests).
 
@@ -776,7 +801,7 @@ class ListChunks(Message[ListChunksReply]):
     limit: int = 0
 
 
-@message(47)
+@message(47, server_only=True)
 class FetchChunk(Message[FetchChunkReply]):
     """A whole chunk, verified, with its version (payload), for a replica to copy."""
 
@@ -784,7 +809,7 @@ class FetchChunk(Message[FetchChunkReply]):
     index: int
 
 
-@message(48)
+@message(48, server_only=True)
 class SyncDone(Message[SyncDoneReply]):
     """Storage -> metadata: this server has caught up with its chains."""
 
@@ -799,11 +824,25 @@ class Scrub(Message[ScrubReply]):
     repair: bool = True
 
 
-@message(50, mutates=True)
+@message(50, mutates=True, server_only=True)
 class DropChain(Message[RemovedReply]):
     """Metadata -> storage: this server left ``chain`` (its data moved): delete its chunks."""
 
     chain: int
+
+
+@message(51, mutates=True, server_only=True)
+class RemoveServer(Message[RemoveServerReply]):
+    """Admin -> metadata: take a storage server out of the cluster for good.
+
+    With every chain of the server served by another replica it is drained: each
+    of its chain slots moves to another serving server (resync), then it is
+    ``removed``. A chain that only it serves would be lost: refused (PERMISSION,
+    naming the chains) unless ``force``, which removes it at once.
+    """
+
+    server_id: int
+    force: bool = False
 
 
 # --- path-addressed and batched metadata requests (60-69) ---------------------------------

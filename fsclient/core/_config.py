@@ -1,7 +1,16 @@
 """Finding the cluster: ``cluster=`` argument, ``STRIPEFS_CLUSTER``, then the last ``stripefs up``.
 
 A cluster is named by a path to its ``cluster.json`` or by ``host:port`` of the
-metadata service (the secret then comes from ``secret=`` or ``STRIPEFS_SECRET``).
+metadata service (the client credential then comes from ``secret=`` or
+``STRIPEFS_SECRET``).
+
+Credentials: a ``cluster.json`` holds the *client* credential
+(``client_secret``), derived one-way from the cluster secret, so its holders
+cannot authenticate as servers. A file written before roles existed holds the
+cluster secret itself (``secret``): the client credential is derived from it.
+The servers' file (``server.json`` beside it, ``"role": "server"``) holds the
+cluster secret; reading it gives a configuration that authenticates as a server
+(administration: ``stripefs remove-server``).
 """
 
 from __future__ import annotations
@@ -11,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from wire import ErrorCode, StripefsError
+from wire import ErrorCode, StripefsError, role_credential
 
 __all__ = ["ClusterConfig", "find_cluster", "default_state_file", "remember_cluster"]
 
@@ -19,12 +28,19 @@ __all__ = ["ClusterConfig", "find_cluster", "default_state_file", "remember_clus
 @dataclass(frozen=True)
 class ClusterConfig:
     metadata: tuple[str, int]
-    secret: str
+    secret: str  # the credential of ``role`` (wire.role_credential)
     cluster_id: str = ""
     path: str | None = None  # the cluster.json it came from
+    role: str = "client"  # what connections authenticate as
 
     @classmethod
     def from_file(cls, path: str) -> "ClusterConfig":
+        """Read a cluster.json (client), an older one holding the cluster secret, or the servers' file.
+
+        Raises:
+            StripefsError: NOT_FOUND for a missing file; INVALID for one without a
+                metadata address or a credential.
+        """
         try:
             with open(path) as f:
                 raw: dict[str, Any] = json.load(f)
@@ -34,9 +50,14 @@ class ClusterConfig:
             raise StripefsError(ErrorCode.INVALID, f"cannot read cluster file {path}: {exc}") from exc
         try:
             host, port = raw["metadata"]["host"], int(raw["metadata"]["port"])
-            return cls((host, port), str(raw["secret"]), str(raw.get("cluster_id", "")), os.path.abspath(path))
+            role = "server" if raw.get("role") == "server" else "client"
+            if "client_secret" in raw and role == "client":
+                credential = str(raw["client_secret"])
+            else:  # the cluster secret itself (the servers' file, or a cluster.json from before roles)
+                credential = role_credential(str(raw["secret"]), role)
+            return cls((host, port), credential, str(raw.get("cluster_id", "")), os.path.abspath(path), role)
         except (KeyError, TypeError, ValueError) as exc:
-            raise StripefsError(ErrorCode.INVALID, f"cluster file {path} lacks metadata address or secret") from exc
+            raise StripefsError(ErrorCode.INVALID, f"cluster file {path} lacks metadata address or credential") from exc
 
 
 def default_state_file() -> str:
@@ -64,7 +85,8 @@ def _parse(spec: str, secret: str | None) -> ClusterConfig:
         raise StripefsError(ErrorCode.INVALID, f"cluster must be a cluster.json path or host:port, got {spec!r}")
     secret = secret or os.environ.get("STRIPEFS_SECRET")
     if not secret:
-        raise StripefsError(ErrorCode.AUTH, f"cluster {spec} given as host:port needs a secret (secret= or STRIPEFS_SECRET)")
+        raise StripefsError(ErrorCode.AUTH, f"cluster {spec} given as host:port needs the client credential "
+                                            "(cluster.json's client_secret, as secret= or STRIPEFS_SECRET)")
     return ClusterConfig((host or "127.0.0.1", int(port)), secret)
 
 

@@ -124,10 +124,10 @@ class ClientCore:
         self._lock = threading.RLock()
         # Pools forget the parent's sockets in a forked child on their own; new ones here
         # also carry the child's new client id.
-        secret = self.config.secret
-        self._meta = ConnectionPool(secret, self.client_id, expect_role="metadata", ids=self._ids)
+        secret, role = self.config.secret, self.config.role
+        self._meta = ConnectionPool(secret, self.client_id, expect_role="metadata", ids=self._ids, role=role)
         self._data = ConnectionPool(secret, self.client_id, per_server=self.conns_per_server,
-                                    expect_role="storage", send_thread=True)
+                                    expect_role="storage", send_thread=True, role=role)
         self._routing: Routing | None = None
         self._order = WriteOrder()  # overlapping writes in flight go out in program order
 

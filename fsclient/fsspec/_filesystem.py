@@ -60,7 +60,7 @@ class StripeFileSystem(AbstractFileSystem):
     Args:
         cluster: a ``cluster.json`` path or ``host:port``; None: ``STRIPEFS_CLUSTER``,
             then the last ``stripefs up``.
-        secret: the cluster secret when ``cluster`` is ``host:port``.
+        secret: the client credential (cluster.json's ``client_secret``) when ``cluster`` is ``host:port``.
         conns_per_server, max_inflight: passed to :class:`fsclient.Client`.
         auto_mkdir: writes create missing parent directories (default True).
         max_gap: ``cat_ranges`` merges ranges of one file closer than this (bytes).

@@ -8,7 +8,7 @@
   to a local file and to a stripefs route at once, compared byte for byte.
 """
 
-from ._cluster import LocalCluster, add_server, down, read_cluster, up
+from ._cluster import LocalCluster, add_server, down, mark_removed, read_cluster, up
 from ._postgres import LocalPostgres, postgres_bin
 
-__all__ = ["LocalCluster", "up", "down", "add_server", "read_cluster", "LocalPostgres", "postgres_bin"]
+__all__ = ["LocalCluster", "up", "down", "add_server", "read_cluster", "mark_removed", "LocalPostgres", "postgres_bin"]

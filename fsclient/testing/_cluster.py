@@ -10,7 +10,8 @@ and :class:`LocalCluster` is the handle tests and benchmarks hold::
 
 Everything lives under ``ROOT``::
 
-    ROOT/cluster.json      addresses, pids, auth secret (mode 0600)
+    ROOT/cluster.json      addresses, pids, the client credential (mode 0600): what clients read
+    ROOT/server.json       the same plus the cluster secret (mode 0600): what servers read
     ROOT/meta/             metadata database (meta.db, servers.json)
     ROOT/storage-N/        one storage target per server (chunks/, target.json)
     ROOT/logs/*.log        server logs
@@ -30,25 +31,36 @@ import sys
 import time
 from typing import Any
 
-from wire import ErrorCode, StripefsError, new_secret
+from wire import ErrorCode, StripefsError, new_secret, role_credential
 
 from ..core import Client, pid_alive, remember_cluster
 
-__all__ = ["LocalCluster", "up", "down", "add_server", "read_cluster"]
+__all__ = ["LocalCluster", "up", "down", "add_server", "read_cluster", "mark_removed"]
 
 READY_TIMEOUT = 30.0
 
 
+SERVER_FILE = "server.json"
+
+
 def read_cluster(root: str) -> dict[str, Any] | None:
+    """cluster.json's content with the cluster ``secret`` (from server.json, or from a
+    cluster.json written before roles, which held it; the next write upgrades it)."""
     try:
         with open(os.path.join(root, "cluster.json")) as f:
-            return json.load(f)
+            data = json.load(f)
     except FileNotFoundError:
         return None
+    if "secret" not in data:
+        try:
+            with open(os.path.join(root, SERVER_FILE)) as f:
+                data["secret"] = json.load(f)["secret"]
+        except (FileNotFoundError, KeyError):
+            pass
+    return data
 
 
-def _write_cluster(root: str, data: dict[str, Any]) -> str:
-    path = os.path.join(root, "cluster.json")
+def _write_json(path: str, data: dict[str, Any]) -> None:
     tmp = path + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -57,6 +69,15 @@ def _write_cluster(root: str, data: dict[str, Any]) -> str:
         os.fsync(f.fileno())
     os.chmod(tmp, 0o600)
     os.replace(tmp, path)
+
+
+def _write_cluster(root: str, data: dict[str, Any]) -> str:
+    """Write server.json (with the cluster secret) and cluster.json (the client credential only)."""
+    secret = data["secret"]
+    _write_json(os.path.join(root, SERVER_FILE), {**data, "role": "server"})
+    client = {k: v for k, v in data.items() if k not in ("secret", "role")}
+    path = os.path.join(root, "cluster.json")
+    _write_json(path, {**client, "client_secret": role_credential(secret, "client")})
     return path
 
 
@@ -126,7 +147,7 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
         return _restart_dead_servers(root, old)
     existing = sorted(int(d.split("-")[1]) for d in os.listdir(root) if d.startswith("storage-") and d.split("-")[1].isdigit())
     count = max(servers, len(existing))
-    cluster = {
+    cluster: dict[str, Any] = {
         "cluster_id": (old or {}).get("cluster_id") or secrets.token_hex(8),
         "secret": (old or {}).get("secret") or new_secret(),
         "root": root,
@@ -148,6 +169,7 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
             cluster["private_postgres"] = bool((old or {}).get("private_postgres"))
         cluster["metadata_store_url"] = url
     path = _write_cluster(root, cluster)  # secret must be on disk (0600) before servers read it
+    spath = os.path.join(root, SERVER_FILE)  # what the servers read: the cluster secret
     procs: list[subprocess.Popen] = []
     try:
         old_port = int((old or {}).get("metadata", {}).get("port", 0))
@@ -156,19 +178,26 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
         if os.path.exists(ready):
             os.unlink(ready)
         log_path = os.path.join(root, "logs", "metadata.log")
-        proc = _spawn(["-m", "metadata", "--state", os.path.join(root, "meta"), "--cluster", path, "--port", str(port),
+        proc = _spawn(["-m", "metadata", "--state", os.path.join(root, "meta"), "--cluster", spath, "--port", str(port),
                        "--chunk-size", str(chunk_size), "--stripe", str(stripe), "--gc-grace", str(gc_grace),
                        "--replicas", str(replicas), "--ready", ready], log_path)
         procs.append(proc)
         maddr = _wait_ready(proc, ready, "metadata service", log_path)
         host, _, mport = maddr.rpartition(":")
         cluster["metadata"] = {"host": host, "port": int(mport), "pid": proc.pid}
-        starting = []
+        starting: list[tuple[int, Any, str, str, Any]] = []
+        before = (old or {}).get("servers", [])
         for i in range(count):
-            sp, sready, slog = _start_server(root, i, maddr, path)
+            if i < len(before) and before[i].get("removed"):
+                starting.append((i, None, "", "", before[i]))  # removed for good: never started again
+                continue
+            sp, sready, slog = _start_server(root, i, maddr, spath)
             procs.append(sp)
             starting.append((i, sp, sready, slog, os.path.join(root, f"storage-{i}")))
         for i, sp, sready, slog, sroot in starting:
+            if sp is None:
+                cluster["servers"].append(sroot)
+                continue
             addr = _wait_ready(sp, sready, f"storage server {i}", slog)
             h, _, p = addr.rpartition(":")
             cluster["servers"].append({"root": sroot, "host": h, "port": int(p), "pid": sp.pid})
@@ -207,7 +236,8 @@ def _start_server(root: str, i: int, maddr: str, cluster_file: str) -> tuple[sub
 
 def _restart_metadata(root: str, cluster: dict[str, Any]) -> None:
     """Start the metadata service again on its old port; running storage servers re-register."""
-    path = os.path.join(root, "cluster.json")
+    _write_cluster(root, cluster)  # a cluster.json from before roles: server.json first
+    path = os.path.join(root, SERVER_FILE)
     ready = os.path.join(root, "meta.ready")
     if os.path.exists(ready):
         os.unlink(ready)
@@ -227,17 +257,17 @@ def _restart_metadata(root: str, cluster: dict[str, Any]) -> None:
 
 def _restart_dead_servers(root: str, cluster: dict[str, Any]) -> dict[str, Any]:
     """The metadata service runs but some storage servers died: start just those again."""
-    path = os.path.join(root, "cluster.json")
+    _write_cluster(root, cluster)  # a cluster.json from before roles: server.json first
     maddr = f"{cluster['metadata']['host']}:{cluster['metadata']['port']}"
     for i, s in enumerate(cluster["servers"]):
-        if pid_alive(s["pid"]):
+        if pid_alive(s["pid"]) or s.get("removed"):
             continue
-        sp, sready, slog = _start_server(root, i, maddr, path)
+        sp, sready, slog = _start_server(root, i, maddr, os.path.join(root, SERVER_FILE))
         addr = _wait_ready(sp, sready, f"storage server {i}", slog)
         h, _, p = addr.rpartition(":")
         cluster["servers"][i] = {"root": s["root"], "host": h, "port": int(p), "pid": sp.pid}
     cluster["pids"] = [cluster["metadata"]["pid"]] + [s["pid"] for s in cluster["servers"]]
-    _write_cluster(root, cluster)
+    path = _write_cluster(root, cluster)
     remember_cluster(path)
     return cluster
 
@@ -253,16 +283,31 @@ def add_server(root: str) -> dict[str, Any]:
     cluster = read_cluster(root)
     if not cluster or not pid_alive(cluster.get("metadata", {}).get("pid", -1)):
         raise StripefsError(ErrorCode.UNAVAILABLE, f"no running cluster under {root} (stripefs up first)")
-    path = os.path.join(root, "cluster.json")
+    _write_cluster(root, cluster)  # a cluster.json from before roles: server.json first
     i = len(cluster["servers"])
     maddr = f"{cluster['metadata']['host']}:{cluster['metadata']['port']}"
-    sp, sready, slog = _start_server(root, i, maddr, path)
+    sp, sready, slog = _start_server(root, i, maddr, os.path.join(root, SERVER_FILE))
     addr = _wait_ready(sp, sready, f"storage server {i}", slog)
     h, _, p = addr.rpartition(":")
     cluster["servers"].append({"root": os.path.join(root, f"storage-{i}"), "host": h, "port": int(p), "pid": sp.pid})
     cluster["pids"].append(sp.pid)
     _write_cluster(root, cluster)
     return cluster
+
+
+def mark_removed(root: str, host: str, port: int) -> bool:
+    """Record that the server at ``host:port`` was removed (``stripefs remove-server``), so
+    ``up`` never starts it again. Returns whether it was one of this cluster's servers."""
+    root = os.path.abspath(root)
+    cluster = read_cluster(root)
+    if not cluster or "secret" not in cluster:
+        return False
+    for s in cluster.get("servers", []):
+        if (s.get("host"), s.get("port")) == (host, port):
+            s["removed"] = True
+            _write_cluster(root, cluster)
+            return True
+    return False
 
 
 def down(root: str, timeout: float = 10.0) -> int:

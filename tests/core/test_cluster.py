@@ -138,7 +138,8 @@ def test_bad_requests_get_typed_errors(cluster, client: Client, testdir: str) ->
     sid = client.routing().chains[attr.layout.chain_of(0)][0]
     conn = client.data_connection(sid)
     with pytest.raises(StripefsError) as exc:  # payload does not match its checksum
-        conn.call(m.WriteChunk(ino=attr.ino, index=0, offset=0, crc=1234, chunk_size=TEST_CHUNK), payload=b"abc")
+        conn.call(m.WriteChunk(ino=attr.ino, index=0, offset=0, crc=1234, chunk_size=TEST_CHUNK,
+                               chain=attr.layout.chain_of(0), routing_version=client.routing().version), payload=b"abc")
     assert exc.value.code == ErrorCode.CHECKSUM
     with pytest.raises(StripefsError) as exc:  # beyond the chunk
         conn.call(m.ReadChunk(ino=attr.ino, index=0, offset=-1, length=10))

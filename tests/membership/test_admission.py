@@ -1,7 +1,8 @@
 """Membership only real storage servers can join (issue 20).
 
-Every test here talks to a private cluster the way any client can (the cluster
-secret, ``Client.call``) and sends the server-only membership messages:
+Every test here talks to a private cluster with the server credential (what a
+storage server holds: ``ROOT/server.json``; a client's cluster.json cannot send
+these at all, see test_roles.py) and sends the membership messages:
 bad fields are refused with EINVAL, a registration is only ``pending`` until
 the metadata service has connected back and found a storage server with the
 announced identity, and a server id is bound to its data directory's token.
@@ -34,6 +35,11 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     h = LocalCluster.start(str(tmp_path_factory.mktemp("members")), servers=2, chunk_size=TEST_CHUNK, gc_grace=2.0)
     yield h
     h.down()
+
+
+def _server(h: LocalCluster) -> Client:
+    """A connection as a server of the cluster (the credential in ROOT/server.json)."""
+    return Client(os.path.join(h.root, "server.json"))
 
 
 def _free_port() -> int:
@@ -74,7 +80,7 @@ BAD_REGISTRATIONS = [
 @pytest.mark.parametrize("fields", BAD_REGISTRATIONS, ids=lambda f: ",".join(f"{k}={str(v)[:12]}" for k, v in f.items()))
 def test_bad_registration_fields_get_einval_and_change_nothing(small: LocalCluster, fields: dict) -> None:
     msg = {"root": "/srv/x", "capacity": 1 << 30, "used": 0, "pid": 1234, "token": TOKEN, **fields}
-    with small.client() as c:
+    with _server(small) as c:
         before = _snapshot(c)
         with pytest.raises(StripefsError) as info:
             c.call(m.RegisterServer(**msg))
@@ -91,7 +97,7 @@ def test_bad_registration_fields_get_einval_and_change_nothing(small: LocalClust
     m.SyncDone(server_id=-1, token=TOKEN),
 ], ids=repr)
 def test_bad_heartbeat_and_syncdone_fields_get_einval(small: LocalCluster, msg: m.Message) -> None:
-    with small.client() as c:
+    with _server(small) as c:
         before = _snapshot(c)
         with pytest.raises(StripefsError) as info:
             c.call(msg)
@@ -101,7 +107,7 @@ def test_bad_heartbeat_and_syncdone_fields_get_einval(small: LocalCluster, msg: 
 
 def test_phantom_registrations_stay_pending_and_take_no_chain(small: LocalCluster) -> None:
     """The issue's reproduction: three registrations naming an address where nothing listens."""
-    with small.client() as c:
+    with _server(small) as c:
         before = _snapshot(c)
         sids = []
         for i in range(3):
@@ -130,7 +136,7 @@ def test_phantom_registrations_stay_pending_and_take_no_chain(small: LocalCluste
 
 
 def test_a_server_id_is_bound_to_its_data_directory_token(small: LocalCluster) -> None:
-    with small.client() as c:
+    with _server(small) as c:
         before = _snapshot(c)
         real = c.status().servers[0]
         root = small.data["servers"][0]["root"]
@@ -147,7 +153,7 @@ def test_a_server_id_is_bound_to_its_data_directory_token(small: LocalCluster) -
 
 
 def test_registration_naming_a_real_server_under_a_new_id_is_not_admitted(small: LocalCluster) -> None:
-    with small.client() as c:
+    with _server(small) as c:
         before = _snapshot(c)
         real = c.status().servers[0]
         root = small.data["servers"][0]["root"]

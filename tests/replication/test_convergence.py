@@ -90,7 +90,9 @@ def test_replicas_converge_by_content_after_a_head_dies_before_forwarding(make_c
             assert stats[victim].version == stats[other].version
         assert c.read_bytes("/same") == expect[ino_same]
         assert c.read_bytes("/ahead") == expect[ino_ahead]
-        # ListChunks pages (claim 4): one chunk a page gives what one unpaged reply gives.
+    # ListChunks pages (claim 4): one chunk a page gives what one unpaged reply gives.
+    # ListChunks is for servers of the cluster: asked with the server credential.
+    with Client(os.path.join(h.root, "server.json")) as c:
         for chain in (ch["chain_id"] for ch in c.status().chains):
             whole = c.call_storage(other, m.ListChunks(chain=chain))
             assert not whole.more and whole.digests is not None and len(whole.digests) == len(whole.chunks)

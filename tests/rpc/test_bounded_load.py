@@ -154,7 +154,8 @@ def test_64_client_processes_writing_to_one_storage_server(tmp_path) -> None:
     ready = str(tmp_path / "ready")
     server = subprocess.Popen(
         [sys.executable, "-m", "storage", "--root", sroot, "--metadata",
-         f"{cluster.data['metadata']['host']}:{cluster.data['metadata']['port']}", "--cluster", cluster.file,
+         f"{cluster.data['metadata']['host']}:{cluster.data['metadata']['port']}",
+         "--cluster", os.path.join(cluster.root, "server.json"),  # servers read the cluster secret
          "--ready", ready, "--payload-budget", str(budget)],
         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "storage.log", "w"))

@@ -12,9 +12,11 @@ import pytest
 import trio
 
 from rpc import Connection, ConnectionPool, ServerConn, Service, ThreadReply, TrioConnection, TrioPool, serve_rpc
+import wire
 from wire import ErrorCode, FrameHead, Message, StripefsError, messages as m
 
-SECRET = "test-secret"
+SECRET = "test-secret"  # the cluster secret: what servers hold
+CLIENT = wire.role_credential(SECRET, "client")  # what clients hold
 DATA = bytes(range(256)) * 64  # 16 KiB
 
 
@@ -93,7 +95,7 @@ def read(offset: int, index: int = 0, length: int = 4096) -> m.ReadChunk:
 
 
 def test_reply_from_thread_with_buffer_and_file(server: Server) -> None:
-    conn = Connection(server.address, SECRET, os.urandom(16), expect_role="storage")
+    conn = Connection(server.address, CLIENT, os.urandom(16), expect_role="storage")
     try:
         dest = memoryview(bytearray(5000))
         reply = conn.call(read(0, index=7, length=5000), dest=dest)
@@ -110,7 +112,7 @@ def test_reply_from_thread_with_buffer_and_file(server: Server) -> None:
 
 
 def test_reply_from_thread_failures_are_answered(server: Server) -> None:
-    conn = Connection(server.address, SECRET, os.urandom(16))
+    conn = Connection(server.address, CLIENT, os.urandom(16))
     try:
         with pytest.raises(StripefsError) as exc:
             conn.call(read(1))
@@ -143,7 +145,7 @@ def test_thread_reply_answers_once() -> None:
 
 def test_wrong_role_is_refused(server: Server) -> None:
     with pytest.raises(StripefsError) as exc:
-        Connection(server.address, SECRET, os.urandom(16), expect_role="metadata")
+        Connection(server.address, CLIENT, os.urandom(16), expect_role="metadata")
     assert exc.value.code == ErrorCode.PROTOCOL
 
 
@@ -151,7 +153,7 @@ def test_wrong_role_is_refused(server: Server) -> None:
 
 
 def test_pool_shares_per_server_connections_and_replaces_broken_ones(server: Server) -> None:
-    pool = ConnectionPool(SECRET, os.urandom(16), per_server=2, expect_role="storage")
+    pool = ConnectionPool(CLIENT, os.urandom(16), per_server=2, expect_role="storage")
     try:
         got = {id(pool.get(1, server.address)) for _ in range(6)}
         assert len(got) == 2  # round-robin over exactly per_server connections
@@ -168,7 +170,7 @@ def test_pool_shares_per_server_connections_and_replaces_broken_ones(server: Ser
 
 def test_pool_follows_a_server_that_moved(server: Server, data_file: str) -> None:
     other = Server(data_file)  # the "restarted" server on another port
-    pool = ConnectionPool(SECRET, os.urandom(16))
+    pool = ConnectionPool(CLIENT, os.urandom(16))
     try:
         old = pool.get(5, server.address)
         new = pool.get(5, other.address)  # the routing table now says so
@@ -180,14 +182,14 @@ def test_pool_follows_a_server_that_moved(server: Server, data_file: str) -> Non
 
 
 def test_pool_unreachable_server() -> None:
-    pool = ConnectionPool(SECRET, os.urandom(16))
+    pool = ConnectionPool(CLIENT, os.urandom(16))
     with pytest.raises(StripefsError) as exc:
         pool.get(1, ("127.0.0.1", 1))
     assert exc.value.code == ErrorCode.UNAVAILABLE
 
 
 def test_forked_child_does_not_reuse_the_parents_sockets(server: Server) -> None:
-    pool = ConnectionPool(SECRET, os.urandom(16))
+    pool = ConnectionPool(CLIENT, os.urandom(16))
     parent = pool.get(1, server.address)
     pid = os.fork()
     if pid == 0:  # the child: a new connection; closing the pool must not touch the parent's
@@ -211,7 +213,7 @@ def test_trio_pool_leases_keeps_and_drops(server: Server, data_file: str) -> Non
     other = Server(data_file)
 
     async def main() -> None:
-        pool = TrioPool(SECRET, keep=2)
+        pool = TrioPool(CLIENT, keep=2)
         opened: list[TrioConnection] = []
 
         async def one() -> None:

@@ -31,7 +31,9 @@ from wire import (
     messages as m,
 )
 
-SECRET = "s3cret"
+SECRET = "s3cret"  # the cluster secret, as servers hold it
+# The client role's credential, derived one-way from it (wire._auth.role_credential).
+CLIENT = hmac.new(SECRET.encode(), b"stripefs-role:client", hashlib.sha256).hexdigest()
 CID = b"C" * 16
 CN = b"\x01" * 32  # client nonce
 SN = b"\x02" * 32  # server nonce
@@ -42,11 +44,11 @@ def _prefix(flags: int, msg_type: int, req_id: int, hlen: int, plen: int = 0) ->
             + hlen.to_bytes(4, "big") + plen.to_bytes(8, "big"))
 
 
-def _mac(label: bytes, a: bytes, b: bytes, secret: str = SECRET) -> bytes:
+def _mac(label: bytes, a: bytes, b: bytes, secret: str = CLIENT) -> bytes:
     return hmac.new(secret.encode(), label + a + b, hashlib.sha256).digest()
 
 
-def pair(client_secret: str = SECRET, server_secret: str = SECRET, role: str = "storage",
+def pair(client_secret: str = CLIENT, server_secret: str = SECRET, role: str = "storage",
          expect: str | None = "storage") -> tuple[ClientConnection, ServerConnection]:
     return (ClientConnection(client_secret, CID, expect, nonce=CN),
             ServerConnection(server_secret, role, "cl", nonce=SN))
@@ -119,7 +121,8 @@ def run(machine: Any, data: bytes, sizes: Iterator[int]) -> list[tuple[Any, byte
 # -- exact bytes ---------------------------------------------------------------------------
 
 CHALLENGE_HEADER = b"\x83\xa5nonce\xc4\x20" + SN + b"\xa4role\xa7storage\xaacluster_id\xa2cl"
-AUTH_HEADER = b"\x83\xa9client_id\xc4\x10" + CID + b"\xa5nonce\xc4\x20" + CN + b"\xa5proof\xc4\x20" + _mac(b"client", SN, CN)
+AUTH_HEADER = (b"\x84\xa9client_id\xc4\x10" + CID + b"\xa5nonce\xc4\x20" + CN + b"\xa5proof\xc4\x20"
+               + _mac(b"client", SN, CN) + b"\xa4role\xa6client")
 PROOF_HEADER = b"\x81\xa5proof\xc4\x20" + _mac(b"server", CN, SN)
 
 
@@ -383,7 +386,7 @@ def test_bad_request_is_reported_and_the_stream_goes_on() -> None:
 
 def test_payload_must_be_moved_before_the_next_event() -> None:
     _, server = ready()
-    write = m.WriteChunk(ino=1, index=0, offset=0, crc=0, chunk_size=1 << 20)
+    write = m.WriteChunk(ino=1, index=0, offset=0, crc=0, chunk_size=1 << 20, chain=1)
     server.receive_data(encode_frame(40, 1, write.to_header(), b"abc") + encode_frame(3, 2, {}))
     ev = server.next_event()
     assert ev.payload_len == 3
@@ -466,7 +469,7 @@ def _conversation() -> tuple[bytes, bytes, list[int]]:
     drain(client)
     ids = []
     for i in range(6):
-        req, prefix = client.send_request(m.WriteChunk(ino=1, index=i, offset=0, crc=0, chunk_size=1 << 20), i * 7)
+        req, prefix = client.send_request(m.WriteChunk(ino=1, index=i, offset=0, crc=0, chunk_size=1 << 20, chain=1), i * 7)
         to_server += prefix + bytes([i]) * (i * 7)
         ids.append(req)
     for i in (5, 0, 3, 1, 4, 2):
@@ -493,7 +496,7 @@ def test_random_chunkings_give_the_same_events(cuts: list[int]) -> None:
     assert [(ev.req_id, body) for ev, body in whole_server[1:]] == [(ids[i], bytes([i]) * (i * 7)) for i in range(6)]
 
     def replay(sizes: Iterator[int]) -> list[Any]:
-        client = ClientConnection(SECRET, CID, "storage", nonce=CN)
+        client = ClientConnection(CLIENT, CID, "storage", nonce=CN)
         challenge_len = 28 + len(CHALLENGE_HEADER)
         got = run(client, to_client[:challenge_len], sizes)
         assert client.data_to_send().startswith(to_server[:28])
@@ -501,7 +504,7 @@ def test_random_chunkings_give_the_same_events(cuts: list[int]) -> None:
         proof_len = 28 + len(PROOF_HEADER)
         got += run(client, rest[:proof_len], sizes)
         for i in range(6):
-            client.send_request(m.WriteChunk(ino=1, index=i, offset=0, crc=0, chunk_size=1 << 20), i * 7)
+            client.send_request(m.WriteChunk(ino=1, index=i, offset=0, crc=0, chunk_size=1 << 20, chain=1), i * 7)
         client.cancel(ids[1])
         return got + run(client, rest[proof_len:], sizes)
 
@@ -538,3 +541,47 @@ def test_next_read_size_walks_a_frame_exactly() -> None:
     assert client.next_read_size() == 28
     client.receive_data(b"")
     assert client.next_read_size() == 0 and client.next_event() == ConnectionClosed()
+
+
+# -- roles ---------------------------------------------------------------------------------
+
+
+def test_server_only_requests_need_the_server_role() -> None:
+    """A client-role peer's membership or forwarded-write frame is refused by the machine
+    itself (ACCESS, payload skipped); the same frames from a server-role peer pass."""
+    server_cred = hmac.new(SECRET.encode(), b"stripefs-role:server", hashlib.sha256).hexdigest()
+    frames = [m.SyncDone(server_id=1, token="ab" * 32), m.RemoveChunks(ino=7),
+              m.WriteChunk(ino=7, index=0, offset=0, crc=0, chunk_size=4096, chain=1, version=3)]
+    for role, credential in (("client", CLIENT), ("server", server_cred)):
+        client = ClientConnection(credential, CID, "storage", role=role, nonce=CN)
+        server = ServerConnection(SECRET, "storage", "cl", nonce=SN)
+        client.receive_data(server.start())
+        drain(client)
+        server.receive_data(client.data_to_send())
+        assert drain(server) == [HandshakeComplete("storage", CID, role)]
+        client.receive_data(server.data_to_send())
+        assert drain(client) == [HandshakeComplete("storage", CID, role)]
+        for msg in frames:
+            server.receive_data(client.send_request(msg, payload_len=3)[1] + b"xyz")
+            event = server.next_event()
+            if role == "client":
+                assert isinstance(event, BadRequest) and event.error.code == ErrorCode.ACCESS, event
+                assert type(msg).__name__ in event.error.message
+            else:
+                assert isinstance(event, RequestReceived) and event.message == msg
+                server.discard_payload()
+        # An ordinary request goes through either way (the stream stayed in step).
+        server.receive_data(client.send_request(m.Ping())[1])
+        assert isinstance(drain(server)[0], RequestReceived)
+
+
+def test_unknown_role_or_wrong_role_credential_is_refused() -> None:
+    for role, credential in (("server", CLIENT), ("admin", CLIENT)):
+        server = ServerConnection(SECRET, "storage", "cl", nonce=SN)
+        server.start()
+        auth = m.Authenticate(client_id=CID, nonce=CN, proof=_mac(b"client", SN, CN, credential), role=role)
+        server.receive_data(encode_frame(2, 0, auth.to_header()))
+        with pytest.raises(StripefsError) as exc:
+            server.next_event()
+        assert exc.value.code == ErrorCode.AUTH and role in exc.value.message
+        assert server.state is ConnState.ERROR

@@ -111,6 +111,7 @@ REPLY_OF = {
     "RemoveChunks": "RemovedReply", "TruncateChunk": "EmptyReply", "StatChunk": "StatChunkReply",
     "TargetInfo": "TargetInfoReply", "ListChunks": "ListChunksReply", "FetchChunk": "FetchChunkReply",
     "SyncDone": "SyncDoneReply", "Scrub": "ScrubReply", "DropChain": "RemovedReply",
+    "RemoveServer": "RemoveServerReply",
     "Mknod": "AttrReply", "GetXattr": "XattrReply", "SetXattr": "AttrReply", "ListXattr": "XattrNamesReply",
     "RemoveXattr": "AttrReply", "AcquireLock": "LockReply", "ReleaseLock": "ReleaseLockReply",
     "CreatePath": "CreateReply", "UnlinkPath": "AttrReply", "StatMany": "StatManyReply",
@@ -156,6 +157,8 @@ SAMPLES: list[tuple[m.ReplyMessage, dict]] = [
     (m.XattrNamesReply(names=[b"user.a", b"user.b"]), {"names": [b"user.a", b"user.b"]}),
     (m.LockReply(token=3, expires_ns=10**18), {"token": 3, "expires_ns": 10**18}),
     (m.ReleaseLockReply(released=True), {"released": True}),
+    (m.RemoveServerReply(state="draining", chains=[1, 5], lost=[], routing_version=6),
+     {"state": "draining", "chains": [1, 5], "lost": [], "routing_version": 6}),
     (m.StatManyReply(attrs=[ATTR], failed=[0], codes=[1]), {"attrs": [ATTR.to_wire()], "failed": [0], "codes": [1]}),
     (m.NamesReply(names=["a", "b"], more=True), {"names": ["a", "b"], "more": True}),
 ]
