@@ -17,7 +17,7 @@ import trio
 
 import rpc
 from rpc import ByteBudget
-from wire import messages as m
+from wire import messages as m, role_credential
 
 _SERVER = textwrap.dedent("""
     import resource, sys
@@ -59,7 +59,7 @@ def test_a_server_out_of_file_descriptors_keeps_accepting_later() -> None:
         deadline = time.monotonic() + 20
         while True:
             try:
-                conn = rpc.Connection(("127.0.0.1", port), "s", os.urandom(16))
+                conn = rpc.Connection(("127.0.0.1", port), role_credential("s", "client"), os.urandom(16))
                 break
             except OSError:
                 if time.monotonic() > deadline:
