@@ -28,7 +28,6 @@ import shutil
 import socket
 import statistics
 import tempfile
-import threading
 import time
 from typing import Any
 
