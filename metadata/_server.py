@@ -21,6 +21,7 @@ import contextvars
 import functools
 import json
 import logging
+import math
 import os
 import pickle
 import random
@@ -40,6 +41,7 @@ from ._admission import MAX_SERVER_ID, NOT_YET, connect_back, same_token, token_
 from ._leases import Leases
 from ._namespace import Namespace
 from ._store import GarbageItem, SqliteStore, Store
+from ._worker import Job, StoreThread, run_each
 
 log = logging.getLogger(__name__)
 
@@ -583,16 +585,6 @@ MAX_BATCH = 256  # operations per group commit
 MAX_BATCH_RETRIES = 8  # reruns of a batch that lost a serialization race (PostgreSQL)
 
 
-class _Job:
-    __slots__ = ("fn", "result", "exc", "done")
-
-    def __init__(self, fn: Callable[[], Any]):
-        self.fn = fn
-        self.result: Any = None
-        self.exc: BaseException | None = None
-        self.done = trio.Event()
-
-
 class MetadataService(Service):
     role = "metadata"
 
@@ -610,9 +602,14 @@ class MetadataService(Service):
         self._first_seen: dict[int, float] = {}
         self._drop_seen: dict[tuple[int, int], float] = {}
         self.secret = secret
-        self.limiter = trio.CapacityLimiter(1)
-        self._jobs: list[_Job] = []
-        self._jobs_ready = trio.Event()
+        # Writes go to one store thread in batches (group commit); reads, when the store
+        # has a reader, to another, on their own connection: they never wait behind a
+        # batch's durable commit, and see every write acknowledged before they started.
+        self._writer = StoreThread(self._run_batch, MAX_BATCH)
+        reader = ns.store.reader()
+        self._rns = ns.reading(reader) if reader is not None else ns
+        self._reader = StoreThread(run_each, MAX_BATCH) if reader is not None else None
+        self._gc_due = 0.0  # monotonic time before which a wake-up finds no removal due
         self.replay = ReplayCache()
         self._running: dict[tuple[bytes, int], trio.Event] = {}  # mutations being applied, by replay key
         # Calls to storage servers run one at a time, as a server of the cluster (GC, DropChain).
@@ -661,33 +658,36 @@ class MetadataService(Service):
             txn.delete_replies(time.time_ns() - int(REPLIES_KEPT * 1e9))
 
     async def _store_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        job = _Job(lambda: fn(*args, **kwargs))
-        self._jobs.append(job)
-        self._jobs_ready.set()
-        await job.done.wait()
-        if job.exc is not None:
-            if not isinstance(job.exc, StripefsError):  # the store itself failed (PostgreSQL went away)
-                raise StripefsError(ErrorCode.IO, f"metadata store failed: {job.exc}") from job.exc
-            raise job.exc
-        return job.result
+        """Run ``fn`` in the writer's next batch (group commit)."""
+        return await self._stored(self._writer, lambda: fn(*args, **kwargs))
+
+    async def _read(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run the read-only ``Namespace`` method ``fn`` (unbound) on the reader, never
+        behind a write batch's commit; stores without a reader run it in the write batch."""
+        if self._reader is None:
+            return await self._store_call(fn, self.ns, *args)
+        rns = self._rns
+        return await self._stored(self._reader, lambda: fn(rns, *args))
+
+    @staticmethod
+    async def _stored(thread: StoreThread, fn: Callable[[], Any]) -> Any:
+        try:
+            return await thread.submit(fn)
+        except StripefsError:
+            raise
+        except Exception as exc:  # the store itself failed (PostgreSQL went away)
+            raise StripefsError(ErrorCode.IO, f"metadata store failed: {exc}") from exc
 
     async def run_batches(self) -> None:
-        """Group commit: every operation that arrived while the last batch ran goes into
-        the next one -- one worker-thread hop and one durable commit (fsync) per batch.
-        With one client nothing changes; with many, the fsync cost is shared."""
-        while True:
-            await self._jobs_ready.wait()
-            self._jobs_ready = trio.Event()
-            jobs, self._jobs = self._jobs[:MAX_BATCH], self._jobs[MAX_BATCH:]
-            if self._jobs:
-                self._jobs_ready.set()
-            if not jobs:
-                continue
-            await trio.to_thread.run_sync(self._run_batch, jobs, limiter=self.limiter)
-            for job in jobs:
-                job.done.set()
+        """Run the store threads until cancelled. Group commit: every write that arrived
+        while the last batch ran goes into the next one -- one durable commit (fsync)
+        per batch. With one client nothing changes; with many, the fsync cost is shared."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._writer.run)
+            if self._reader is not None:
+                nursery.start_soon(self._reader.run)
 
-    def _run_batch(self, jobs: list["_Job"]) -> None:
+    def _run_batch(self, jobs: list[Job]) -> None:
         store = self.ns.store
         for attempt in range(MAX_BATCH_RETRIES + 1):
             for job in jobs:
@@ -745,11 +745,11 @@ class MetadataService(Service):
     async def _dispatch(self, msg: Message[Any]) -> ReplyMessage:
         ns = self.ns
         if isinstance(msg, m.GetAttr):
-            return m.AttrReply(await self._ns(ns.getattr, msg.ino))
+            return m.AttrReply(await self._read(Namespace.getattr, msg.ino))
         if isinstance(msg, m.Lookup):
-            return m.AttrReply(await self._ns(ns.lookup, msg.parent, msg.name))
+            return m.AttrReply(await self._read(Namespace.lookup, msg.parent, msg.name))
         if isinstance(msg, m.Resolve):
-            return m.AttrReply(await self._ns(ns.resolve, msg.path, msg.follow))
+            return m.AttrReply(await self._read(Namespace.resolve, msg.path, msg.follow))
         if isinstance(msg, m.Create):
             chains = await self._frozen_chains()
             attr, created = await self._ns(
@@ -759,6 +759,31 @@ class MetadataService(Service):
             if msg.truncate and not created:
                 await self.truncate_chunks(attr, 0)
             return m.CreateReply(attr, created)
+        if isinstance(msg, m.CreatePath):
+            self.members.freeze()
+            chains = self.members.chain_ids()
+
+            def create_path() -> tuple[Any, bool]:  # resolve and create in one batch slot
+                parent, name = ns.parent_of(msg.path)
+                return ns.create(parent, name, msg.mode, msg.uid, msg.gid, chains=chains,
+                                 exclusive=msg.exclusive, truncate=msg.truncate)
+
+            attr, created = await self._ns(create_path)
+            if msg.truncate and not created:
+                await self.truncate_chunks(attr, 0)
+            return m.CreateReply(attr, created)
+        if isinstance(msg, m.UnlinkPath):
+            attr = await self._ns(lambda: ns.unlink(*ns.parent_of(msg.path)))
+            self._garbage_added()
+            return m.AttrReply(attr)
+        if isinstance(msg, m.StatMany):
+            found = await self._read(Namespace.resolve_many, list(msg.paths), msg.follow)
+            attrs = [a for a in found if not isinstance(a, StripefsError)]
+            failed = [i for i, a in enumerate(found) if isinstance(a, StripefsError)]
+            return m.StatManyReply(attrs, failed, [int(found[i].code) for i in failed])
+        if isinstance(msg, m.ListNames):
+            names, more = await self._read(Namespace.list_names, msg.path, msg.after, msg.limit)
+            return m.NamesReply(names, bool(more))
         if isinstance(msg, m.Mkdir):
             return m.AttrReply(await self._ns(ns.mkdir, msg.parent, msg.name, msg.mode, msg.uid, msg.gid))
         if isinstance(msg, m.Symlink):
@@ -768,11 +793,11 @@ class MetadataService(Service):
             return m.AttrReply(await self._ns(ns.mknod, msg.parent, msg.name, msg.mode, msg.rdev, msg.uid, msg.gid,
                                               chains=chains))
         if isinstance(msg, m.GetXattr):
-            return m.XattrReply(await self._ns(ns.getxattr, msg.ino, msg.name))
+            return m.XattrReply(await self._read(Namespace.getxattr, msg.ino, msg.name))
         if isinstance(msg, m.SetXattr):
             return m.AttrReply(await self._ns(ns.setxattr, msg.ino, msg.name, msg.value, msg.flags))
         if isinstance(msg, m.ListXattr):
-            return m.XattrNamesReply(await self._ns(ns.listxattr, msg.ino))
+            return m.XattrNamesReply(await self._read(Namespace.listxattr, msg.ino))
         if isinstance(msg, m.RemoveXattr):
             return m.AttrReply(await self._ns(ns.removexattr, msg.ino, msg.name))
         if isinstance(msg, m.AcquireLock):
@@ -781,22 +806,22 @@ class MetadataService(Service):
         if isinstance(msg, m.ReleaseLock):
             return m.ReleaseLockReply(await self._ns(self.leases.release, msg.key, msg.owner))
         if isinstance(msg, m.Readlink):
-            return m.ReadlinkReply(await self._ns(ns.readlink, msg.ino))
+            return m.ReadlinkReply(await self._read(Namespace.readlink, msg.ino))
         if isinstance(msg, m.Link):
             return m.AttrReply(await self._ns(ns.link, msg.ino, msg.new_parent, msg.new_name))
         if isinstance(msg, m.Readdir):
-            entries, more = await self._ns(ns.readdir, msg.ino, msg.after, msg.limit, msg.plus)
+            entries, more = await self._read(Namespace.readdir, msg.ino, msg.after, msg.limit, msg.plus)
             return m.ReaddirReply(list(entries), bool(more))
         if isinstance(msg, m.Unlink):
             attr = await self._ns(ns.unlink, msg.parent, msg.name)
-            self.gc_wakeup.set()
+            self._garbage_added()
             return m.AttrReply(attr)
         if isinstance(msg, m.Rmdir):
             await self._ns(ns.rmdir, msg.parent, msg.name)
             return m.EmptyReply()
         if isinstance(msg, m.Rename):
             await self._ns(ns.rename, msg.parent, msg.name, msg.new_parent, msg.new_name, msg.flags)
-            self.gc_wakeup.set()
+            self._garbage_added()
             return m.EmptyReply()
         if isinstance(msg, m.SetAttr):
             attr = await self._ns(
@@ -812,7 +837,7 @@ class MetadataService(Service):
             await self._ns(ns.set_layout, msg.ino, msg.chunk_size, msg.stripe)
             return m.EmptyReply()
         if isinstance(msg, m.GetLayout):
-            return m.LayoutReply(await self._ns(ns.get_layout, msg.ino))
+            return m.LayoutReply(await self._read(Namespace.get_layout, msg.ino))
         if isinstance(msg, m.GetRouting):
             await self.lead.refresh_view()
             return m.RoutingReply(self.members.routing())
@@ -861,7 +886,7 @@ class MetadataService(Service):
         """
         await self.lead.refresh_view()
         servers = [s for s in self.members.servers.values() if s.state == "serving"]
-        counts = await self._ns(self.ns.counts)
+        counts = await self._read(Namespace.counts)
         # Chains hold min(replicas, servers) targets (Membership._rebuild).
         r = max(1, min(self.members.replicas, len(self.members.servers)))
         capacity = sum(s.capacity for s in servers) // r
@@ -871,7 +896,7 @@ class MetadataService(Service):
     async def _status(self) -> m.ClusterStatusReply:
         await self.lead.refresh_view()
         routing = self.members.routing()
-        counts = await self._ns(self.ns.counts)
+        counts = await self._read(Namespace.counts)
         # Registrations not admitted yet are shown too (state "pending"), with the reason in
         # metadata["pending"]; they are never part of the routing clients use.
         pending = [ServerInfo(c.server_id, c.host, c.port, "pending", c.capacity, c.used, c.pid, c.last_seen)
@@ -916,25 +941,37 @@ class MetadataService(Service):
             log.error("truncate of inode %d to %d incomplete: %s", attr.ino, length, exc.message)
             raise StripefsError(ErrorCode.IO, f"truncate could not reach every storage server: {exc.message}") from exc
 
+    def _garbage_added(self) -> None:
+        """A removal was queued: it is due after the grace period (now, with none)."""
+        self._gc_due = min(self._gc_due, time.monotonic() + self.gc_grace)
+        self.gc_wakeup.set()
+
     async def collect(self) -> None:
         """Drop chunks of removed files (after the grace period).
 
         Truncations were applied when they were asked for (:meth:`truncate_chunks`);
         their queue entries only need clearing.
         """
-        items = await self._ns(self.ns.garbage, 1000)
+        self._gc_due = math.inf  # removals queued during this pass lower it again
+        limit = 1000
+        items = await self._read(Namespace.garbage, limit)
         now = time.monotonic()
+        due = now if len(items) >= limit else math.inf  # more wait behind these
         for item in items:
             if item.kind == "remove":
-                if now - self._first_seen.setdefault(item.id, now) < self.gc_grace:
+                seen = self._first_seen.setdefault(item.id, now)
+                if now - seen < self.gc_grace:
+                    due = min(due, seen + self.gc_grace)
                     continue
                 try:
                     await self._apply(item)
                 except StripefsError as exc:
                     log.info("removal of inode %d postponed: %s", item.ino, exc.message)
+                    due = now
                     continue  # retried on the next pass: removing is idempotent and safe later
             await self._ns(self.ns.garbage_done, item.id)
             self._first_seen.pop(item.id, None)
+        self._gc_due = min(self._gc_due, due)
 
     async def _apply(self, item: Any) -> None:
         layout = item.layout
@@ -1059,9 +1096,13 @@ class MetadataService(Service):
         while True:
             with trio.move_on_after(GC_INTERVAL):
                 await self.gc_wakeup.wait()
-            self.gc_wakeup = trio.Event()
+            woken, self.gc_wakeup = self.gc_wakeup.is_set(), trio.Event()
             if not self.lead.leading:
                 continue  # the leader collects
+            if woken and time.monotonic() < self._gc_due:
+                # An unlink within the grace period: nothing is due yet, and listing the
+                # queue at every unlink would cost a scan per operation.
+                continue
             try:
                 await self.collect()
                 await self.drop_moved_chains()

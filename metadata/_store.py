@@ -224,6 +224,16 @@ class Store(abc.ABC):
         """
         yield
 
+    def reader(self) -> "Store | None":
+        """A store for read-only transactions on another thread, or None.
+
+        Its transactions may run while this store's writes (batches) are in
+        progress, and see only committed state: a read that starts after a
+        write was acknowledged sees it. None (the default) means reads must go
+        through this store, serialised with the writes.
+        """
+        return None
+
     def close(self) -> None:
         pass
 
@@ -621,6 +631,14 @@ class SqliteStore(Store):
             raise
         self._open = False
         self._batching = False
+        self._reader: _SqliteReader | None = None
+
+    def reader(self) -> "Store | None":
+        if self.path == ":memory:" or self.path.startswith("file:"):
+            return None  # a private in-memory database has no second connection
+        if self._reader is None:
+            self._reader = _SqliteReader(self.path)
+        return self._reader
 
     def _migrate(self) -> None:
         """Bring a database written by an older version up to this schema (idempotent)."""
@@ -681,6 +699,34 @@ class SqliteStore(Store):
                 raise
             self._conn.execute("RELEASE op")
         finally:
+            self._open = False
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+        self._conn.close()
+
+
+class _SqliteReader(Store):
+    """A second, query-only connection to a WAL database: each transaction reads one
+    committed snapshot and never waits for the writer (WAL readers do not block)."""
+
+    def __init__(self, path: str) -> None:
+        self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._conn.execute("PRAGMA query_only=1")
+        self._open = False
+
+    @contextmanager
+    def transaction(self) -> Iterator[Txn]:
+        if self._open:
+            raise RuntimeError("transactions do not nest")
+        self._open = True
+        try:
+            self._conn.execute("BEGIN")  # deferred: the first read takes the snapshot
+            yield SqlTxn(self._conn.cursor())
+        finally:
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")  # nothing to keep: it only read
             self._open = False
 
     def close(self) -> None:

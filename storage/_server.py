@@ -26,7 +26,7 @@ from typing import Any
 
 import trio
 
-from rpc import BufferPool, ServerConn, Service, ThreadReply, serve_rpc
+from rpc import PAYLOAD_BUDGET, BufferPool, ServerConn, Service, ThreadReply, serve_rpc
 from wire import ErrorCode, FrameHead, Message, StripefsError, role_credential
 from wire import messages as m
 
@@ -302,12 +302,17 @@ async def serve_storage(
     host: str = "127.0.0.1",
     port: int = 0,
     cluster_id: str = "",
+    payload_budget: int = PAYLOAD_BUDGET,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the target in ``root`` until cancelled.
 
     Reports ``(host, port)`` through ``task_status`` once it is listening *and*
     admitted by the metadata service, so callers can use it at once.
+
+    Args:
+        payload_budget: write payload bytes held at once, over all connections;
+            beyond it, connections wait before receiving more (``rpc.ByteBudget``).
     """
     os.makedirs(root, exist_ok=True)
     store = await trio.to_thread.run_sync(ChunkStore, root)
@@ -316,7 +321,8 @@ async def serve_storage(
     meta_conn = MetadataLink(addresses, credential, role="server")  # heartbeats find the leading metadata service
     service = StorageService(store, Replicator(store, secret, MetadataLink(addresses, credential, role="server")))  # type: ignore[arg-type]
     async with trio.open_nursery() as nursery:
-        address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id))
+        address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id,
+                                                         payload_budget=payload_budget))
         admitted = trio.Event()
         nursery.start_soon(_register_and_heartbeat, service, meta_conn, address[0], address[1], store.root, admitted, nursery)
         await admitted.wait()

@@ -38,6 +38,7 @@ import crc32c
 from rpc import BufferPool, Connection, ConnectionPool, Reply, abandon
 from wire import Attr, ErrorCode, Layout, Message, ReplyMessage, Routing, StripefsError, check_segments, messages as m
 
+from ._attrcache import AttrCache
 from ._config import ClusterConfig
 from ._ordering import WriteOrder
 
@@ -112,6 +113,7 @@ class ClientCore:
         self.conns_per_server = conns_per_server
         self.max_inflight = max_inflight
         self.buffers = BufferPool()
+        self.attrs: "AttrCache | None" = None  # set by Client(attr_timeout=...): told of every mutation
         self._init_state()
         _LIVE.add(self)
 
@@ -136,6 +138,8 @@ class ClientCore:
         # The parent's sockets are shared with us: drop them without shutdown(), which
         # would break the parent's connections too.
         self._init_state()
+        if self.attrs is not None:  # its lock may have been held by a parent thread at fork time
+            self.attrs = AttrCache(self.attrs.timeout)
 
     def close(self) -> None:
         self._data.close()  # in a forked child the pools only forget the parent's sockets
@@ -165,25 +169,34 @@ class ClientCore:
             StripefsError: the service's error; UNAVAILABLE/TIMEOUT once
                 ``timeout`` has passed; PROTOCOL for a malformed reply.
         """
-        req_id = next(self._ids)
-        deadline = time.monotonic() + timeout
-        delay = RETRY_DELAY
-        services = len(self.config.addresses)
-        index = next(self._spread) % services
-        failed = 0
-        while True:
-            try:
-                header = self._meta_conn(index).call(msg, timeout=timeout, req_id=req_id).header
-                break
-            except StripefsError as exc:
-                if exc.code not in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT) or time.monotonic() + delay > deadline:
-                    raise
-                index = (index + 1) % services
-                failed += 1
-                if failed % services == 0:  # every service failed once: wait before the next round
-                    time.sleep(delay)
-                    delay = min(delay * 2, 2.0)
-        return m.decode_reply(msg, header)
+        watch = self.attrs if msg.MUTATES else None
+        if watch is not None:
+            watch.begin(msg)
+        reply: Any = None
+        try:
+            req_id = next(self._ids)
+            deadline = time.monotonic() + timeout
+            delay = RETRY_DELAY
+            services = len(self.config.addresses)
+            index = next(self._spread) % services
+            failed = 0
+            while True:
+                try:
+                    header = self._meta_conn(index).call(msg, timeout=timeout, req_id=req_id).header
+                    break
+                except StripefsError as exc:
+                    if exc.code not in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT) or time.monotonic() + delay > deadline:
+                        raise
+                    index = (index + 1) % services
+                    failed += 1
+                    if failed % services == 0:  # every service failed once: wait before the next round
+                        time.sleep(delay)
+                        delay = min(delay * 2, 2.0)
+            reply = m.decode_reply(msg, header)
+            return reply
+        finally:
+            if watch is not None:
+                watch.done(msg, reply if reply is not None else StripefsError(ErrorCode.IO, "failed"))
 
     def attr(self, msg: Message[m.AttrReply]) -> Attr:
         """A metadata request answered with an inode's attributes (:class:`AttrReply`)."""
