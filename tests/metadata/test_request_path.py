@@ -17,7 +17,10 @@ def _service(tmp_path) -> tuple[MetadataService, SqliteStore]:
     store = SqliteStore(tmp_path / "meta.db")
     ns = Namespace(store)
     ns.mkdir(1, "d", 0o755, 0, 0)
-    return MetadataService(ns, Membership(str(tmp_path / "servers.json")), "secret"), store
+    def members(doc: str | None, restarted: bool) -> Membership:
+        return Membership(None, doc=doc, restarted=restarted)
+
+    return MetadataService(ns, members, "secret"), store
 
 
 def test_reads_are_answered_while_a_write_batch_is_running(tmp_path) -> None:
