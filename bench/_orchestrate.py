@@ -9,6 +9,18 @@ server count and run with the first one only.
 Caveats:
     * Route and peer failures to *start* are reported as skipped; a workload that *fails*
       (an error or a verification mismatch) is reported in ``errors`` and makes the run fail.
+    * Reads are cold: before every read workload the clients write what it needs (untimed),
+      then this process drops the kernel page cache (``sync; echo 3 >
+      /proc/sys/vm/drop_caches``, root only; without root the clients evict their own files
+      with ``posix_fadvise``, which leaves the storage servers' page cache warm). The header
+      says which (``cold_reads``).
+    * Every networked record is checked against the socket floor of the run
+      (``bench._validity``); records above it are listed in ``invalid``.
+    * ``cpu_s`` on a record is the CPU time (user + system) of the processes of the run that
+      served it -- the client processes, the storage and metadata servers of a cluster the
+      benchmark started or was given, the FUSE daemon -- over the task (its untimed clean-up
+      excluded); ``cpu_servers_s`` the servers' and daemon's share. Peers' daemons are not
+      counted.
     * Everything the run writes lives in a scratch directory (and ``/bench-RUNID`` inside an
       existing cluster) that is removed at the end.
 """
@@ -26,12 +38,21 @@ from typing import Any
 
 from . import floors
 from ._pool import ClientPool, WorkloadError, WorkloadSkipped
+from ._ratios import add_peer_ratios
 from ._routes import PEERS, Route, RouteSkipped, RunEnv, make_route
-from ._workloads import PartResult, record_names
+from ._seed import dataset_sizes
+from ._tasks import CLEANUP, PREPARE, record_names
+from ._validity import check_validity
+from ._workloads import PartResult
 
-__all__ = ["BenchConfig", "run_bench", "aggregate"]
+__all__ = ["BenchConfig", "run_bench", "aggregate", "drop_caches", "cpu_seconds"]
 
 QUANTILES = [i / 20 for i in range(21)]  # stored per record: enough to draw a latency CDF
+# Random reads need a file larger than any window a client keeps: the native client and our
+# FUSE daemon hold two readahead windows of at most 32 MiB each (fsclient's MAX_WINDOW).
+RAND_MIN = 2 * 2 * (32 << 20)
+FLOOR_MIN_BYTES = 256 << 20
+FLOOR_SAMPLES = 2  # per measurement; the runner measures before and after the routes
 
 
 @dataclass
@@ -53,6 +74,10 @@ class BenchConfig:
     workdir: str | None = None
     floors: bool = True
     timeout: float = 300.0
+    dl_files: int = 20000
+    sw_files: int = 1000
+    drop_caches: bool = True  # False: clients evict their own files (no global side effect)
+    rand_size: int | None = None  # random-read file per client; None: max(size, RAND_MIN)
 
 
 def _quantile(sorted_lat: list[float], q: float) -> float:
@@ -80,10 +105,64 @@ def aggregate(name: str, path: str, servers: int,
     return rec
 
 
-def _expected_bytes(workload: str, clients: int, size: int) -> int | None:
-    if workload in ("seq_write", "seq_read", "shared_write", "shared_read", "checkpoint"):
-        return clients * size
+def _expected_bytes(workload: str, clients: int, cfg: BenchConfig) -> int | None:
+    if workload in ("seq_write", "seq_read", "seq_read_cached", "shared_write", "shared_read",
+                    "checkpoint"):
+        return clients * cfg.size
+    if workload == "dataloader":
+        return int(dataset_sizes(cfg.dl_files).sum())
     return None
+
+
+def drop_caches() -> bool:
+    """``sync`` and drop the kernel's page cache, dentries and inodes. False without root."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` (all their threads); vanished pids count 0."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
+    return total / _TICK
+
+
+def cluster_pids(cluster_file: str | None) -> list[int]:
+    """The metadata and storage server pids of a local cluster (none when unreadable)."""
+    if cluster_file is None or not os.path.exists(cluster_file):
+        return []
+    import json
+
+    try:
+        with open(cluster_file) as f:
+            return [int(p) for p in json.load(f).get("pids", [])]
+    except (OSError, ValueError):
+        return []
+
+
+def _burst_ratios(recs: list[dict[str, Any]]) -> None:
+    """The dataloader's latency during the burst over its latency alone."""
+    by = {r["workload"]: r for r in recs}
+    alone, during = by.get("burst_alone"), by.get("burst_interference")
+    if alone and during and alone.get("latency_p99_ms") and alone.get("latency_p50_ms"):
+        during["p99_ratio"] = during["latency_p99_ms"] / alone["latency_p99_ms"]
+        during["p50_ratio"] = during["latency_p50_ms"] / alone["latency_p50_ms"]
+        if "burst_write" in by:
+            during["burst_gbps"] = by["burst_write"]["gbps"]
 
 
 class _NullDisplay:
@@ -110,7 +189,8 @@ def _start_routes(names: list[str], env: RunEnv, skipped: list[dict[str, Any]],
 
 
 def _run_route(route: Route, spec: dict[str, Any], clients: int, servers: int,
-               cfg: BenchConfig, out: dict[str, Any], display: Any, seq: list[int]) -> None:
+               cfg: BenchConfig, out: dict[str, Any], display: Any, seq: list[int],
+               server_pids: list[int]) -> None:
     servers = route.servers or servers
     try:
         pool = ClientPool(spec, clients, cfg.block, cfg.timeout)
@@ -120,15 +200,29 @@ def _run_route(route: Route, spec: dict[str, Any], clients: int, servers: int,
                                          f"{str(exc).strip().splitlines()[-1]}"})
         return
     try:
+        clients_pids = [p.pid for p in pool.procs]
+        serving = server_pids + route.pids()
         for w in cfg.workloads:
             seq[0] += 1
             task = {"workload": w, "size": cfg.size, "block": cfg.block,
                     "duration": cfg.duration, "files": cfg.files, "shards": cfg.shards,
+                    "dl_files": cfg.dl_files, "sw_files": cfg.sw_files,
+                    "rand_size": cfg.rand_size or max(cfg.size, RAND_MIN),
                     "tag": f"{w}-{clients}c-{seq[0]}"}
             display.begin(f"{route.name:<10} {w:<13} c={clients} s={servers}",
-                          _expected_bytes(w, clients, cfg.size))
+                          _expected_bytes(w, clients, cfg))
             try:
+                if w in PREPARE:
+                    evict = out["header"]["cold_reads"] != "drop_caches"
+                    pool.run({**task, "prepare": True, "evict": evict})
+                    if not evict:
+                        drop_caches()
+                cpu0 = (cpu_seconds(clients_pids), cpu_seconds(serving))
                 per_client = pool.run(task, display.advance)
+                cpu_c = cpu_seconds(clients_pids) - cpu0[0]
+                cpu_s = cpu_seconds(serving) - cpu0[1]
+                if w in CLEANUP:  # untimed, and not counted in the task's CPU
+                    pool.run({**task, "cleanup": True})
             except WorkloadSkipped as exc:
                 out["skipped"].append({"path": route.name, "workload": w, "clients": clients,
                                        "servers": servers, "reason": str(exc)})
@@ -143,19 +237,42 @@ def _run_route(route: Route, spec: dict[str, Any], clients: int, servers: int,
                     if (r := aggregate(name, route.name, servers, per_client)) is not None]
             for r in recs:
                 r.update(pool_clients=clients, block=cfg.block)
+            if len(recs) == 1:  # the task's CPU belongs to its one record
+                r = recs[0]
+                r.update(cpu_s=round(cpu_c + cpu_s, 3), cpu_servers_s=round(cpu_s, 3))
+                if r["ops"]:
+                    r["cpu_ms_per_op"] = round((cpu_c + cpu_s) / r["ops"] * 1e3, 4)
+                    r["cpu_servers_ms_per_op"] = round(cpu_s / r["ops"] * 1e3, 4)
+            _burst_ratios(recs)
             out["results"].extend(recs)
             display.end(recs)
     finally:
         pool.close()
 
 
-def _floor_records(cfg: BenchConfig, clients: int, servers: int, workdir: str) -> list[dict[str, Any]]:
-    total = max(clients * cfg.size, 1 << 20)
-    r = floors.floor_socket(total, streams=max(servers, clients), processes=clients,
-                            directory=workdir, timeout=cfg.timeout)
-    return [{"workload": "transfer", "path": "floor_socket", "clients": clients,
-             "servers": servers, "bytes": r["bytes"], "seconds": r["seconds"], "gbps": r["gbps"],
-             "streams": r["streams"], "verified_bytes": r.get("crc_checked_bytes", 0)}]
+def _measure_floor(cfg: BenchConfig, clients: int, servers: int, workdir: str,
+                   rec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Measure ``floor_socket`` ``FLOOR_SAMPLES`` times; keep the best in ``rec`` (new or given).
+
+    The floor is what no route can beat, so the best sample is the floor: on a machine that
+    other work loads, one sample taken during a spike would make honest records look like
+    caches. The runner samples before and after the routes of every client count.
+    """
+    # A floor is a steady state: a few MiB measure connection set-up, not the socket, and a
+    # record of a tiny run would be judged against a floor far below the real one.
+    total = max(clients * cfg.size, FLOOR_MIN_BYTES)
+    if rec is None:
+        rec = {"workload": "transfer", "path": "floor_socket", "clients": clients,
+               "servers": servers, "bytes": 0, "seconds": 0.0, "gbps": 0.0,
+               "streams": max(servers, clients), "verified_bytes": 0, "samples_gbps": []}
+    for _ in range(FLOOR_SAMPLES):
+        r = floors.floor_socket(total, streams=max(servers, clients), processes=clients,
+                                directory=workdir, timeout=cfg.timeout)
+        rec["samples_gbps"].append(round(r["gbps"], 3))
+        rec["verified_bytes"] += r.get("crc_checked_bytes", 0)
+        if r["gbps"] > rec["gbps"]:
+            rec.update(bytes=r["bytes"], seconds=r["seconds"], gbps=r["gbps"])
+    return rec
 
 
 def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
@@ -169,7 +286,9 @@ def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
     display = display or _NullDisplay()
     out: dict[str, Any] = {"header": {"machine": floors.machine_facts(), "config": {
         k: v for k, v in cfg.__dict__.items() if k != "workdir"}}, "results": [], "skipped": [],
-        "errors": []}
+        "errors": [], "invalid": []}
+    out["header"]["cold_reads"] = ("drop_caches" if cfg.drop_caches and drop_caches() else
+                                   "posix_fadvise (the clients' page cache only)")
     run_id = secrets.token_hex(3)
     workdir = tempfile.mkdtemp(prefix="stripefs-bench-", dir=cfg.workdir)
     t_start, seq = time.monotonic(), [0]
@@ -201,13 +320,20 @@ def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
             started = _start_routes(ours + (others if k == 0 else []), env, out["skipped"], display)
             try:
                 for clients in cfg.clients:
+                    floor = None
                     if cfg.floors:
                         display.begin(f"floor_socket c={clients} s={servers}", None)
-                        recs = _floor_records(cfg, clients, servers, workdir)
-                        out["results"].extend(recs)
-                        display.end(recs)
+                        floor = _measure_floor(cfg, clients, servers, workdir)
+                        out["results"].append(floor)
+                        display.end([floor])
                     for route, spec in started:
-                        _run_route(route, spec, clients, servers, cfg, out, display, seq)
+                        ours_pids = cluster_pids(cluster_file) if route.servers is None else []
+                        _run_route(route, spec, clients, servers, cfg, out, display, seq,
+                                   ours_pids)
+                    if floor is not None:  # the load may have changed while the routes ran
+                        display.begin(f"floor_socket again c={clients} s={servers}", None)
+                        _measure_floor(cfg, clients, servers, workdir, floor)
+                        display.end([floor])
             finally:
                 for route, _ in started:
                     route.stop()
@@ -218,6 +344,12 @@ def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     _add_ratios(out["results"])
+    try:
+        out["invalid"] = check_validity(out["results"])
+        out["header"]["validity"] = "checked against floor_socket"
+    except LookupError as exc:
+        out["header"]["validity"] = f"unchecked: {exc}"
+    add_peer_ratios(out["results"])  # after validity: an invalid peer is never the best
     out["header"]["duration_s"] = round(time.monotonic() - t_start, 1)
     return out
 

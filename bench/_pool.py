@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 from ._pattern import Pattern
 from ._sessions import open_session
-from ._workloads import ClientContext, run_workload
+from ._tasks import run_workload
+from ._workloads import ClientContext
 
 __all__ = ["ClientPool", "WorkloadError", "WorkloadSkipped"]
 

@@ -7,7 +7,8 @@ The JSON (``--json FILE``) has a stable format (docs/benchmarks.md)::
      "results": [{"workload", "path", "clients", "servers", "bytes", "seconds", "gbps",
                   "ops", "ops_per_s", "latency_p50_ms", "latency_p99_ms",
                   "latency_quantiles_ms", "verified_bytes", "vs_floor_socket"}, ...],
-     "skipped": [{"path", "reason", ...}], "errors": [{"path", "workload", "error", ...}]}
+     "skipped": [{"path", "reason", ...}], "errors": [{"path", "workload", "error", ...}],
+     "invalid": [{"path", "workload", "clients", "servers", "gbps", "floor_gbps", "reason"}]}
 
 Latency fields appear where a workload times operations; ``vs_floor_socket`` is the record's
 throughput over the loopback socket floor measured in the same run with the same clients.
@@ -97,7 +98,8 @@ def print_summary(report: dict[str, Any], file: Any = None) -> None:
     for r in order:
         t.add_row(r["workload"], r["path"], str(r["clients"]), str(r["servers"]),
                   f"{r['gbps']:.3f}" if r["bytes"] else "-",
-                  f"{r['vs_floor_socket']:.2f}" if "vs_floor_socket" in r else "",
+                  (f"{r['vs_floor_socket']:.2f}" + (" INVALID" if "invalid" in r else ""))
+                  if "vs_floor_socket" in r else "",
                   f"{r['ops_per_s']:.0f}" if "ops_per_s" in r else "",
                   f"{r['latency_p50_ms']:.3f}" if "latency_p50_ms" in r else "",
                   f"{r['latency_p99_ms']:.3f}" if "latency_p99_ms" in r else "",
@@ -109,6 +111,11 @@ def print_summary(report: dict[str, Any], file: Any = None) -> None:
     for e in report["errors"]:
         console.print(f"[red]FAILED {e['path']} {e['workload']} c={e['clients']}: "
                       f"{e['error'].strip().splitlines()[-1]}", highlight=False)
+    for bad in report.get("invalid", []):
+        console.print(f"[red]INVALID {bad['reason']}", highlight=False)
+    h = report.get("header", {})
+    console.print(f"cold reads: {h.get('cold_reads', '?')}; validity: "
+                  f"{h.get('validity', '?')}", highlight=False)
 
 
 def write_json(report: dict[str, Any], path: str) -> None:
@@ -120,16 +127,47 @@ def write_json(report: dict[str, Any], path: str) -> None:
     os.replace(tmp, path)
 
 
+RATIO_WORKLOADS = ["dataloader", "small_writes", "burst_interference", "seq_read", "seq_write",
+                   "rand_read_64k", "rand_read_1m", "checkpoint"]
+
+
+def _ratio_bars(ax: Any, res: list[dict[str, Any]], key: str, title: str) -> None:
+    """Grouped bars: one group per workload, one bar per route (first client/server count)."""
+    seen: dict[tuple[str, str], float] = {}
+    for r in res:
+        if r["workload"] in RATIO_WORKLOADS and key in r and "invalid" not in r:
+            seen.setdefault((r["workload"], r["path"]), r[key])
+    workloads = [w for w in RATIO_WORKLOADS if any(k[0] == w for k in seen)]
+    routes = sorted({k[1] for k in seen})
+    width = 0.8 / max(len(routes), 1)
+    for i, route in enumerate(routes):
+        xs = [j + i * width for j, w in enumerate(workloads) if (w, route) in seen]
+        ys = [seen[(w, route)] for w in workloads if (w, route) in seen]
+        ax.bar(xs, ys, width, label=route)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))])
+    ax.set_xticklabels(workloads, rotation=30, ha="right", fontsize=7)
+    ax.set(title=title, ylabel="ratio")
+    ax.grid(alpha=0.3, axis="y")
+    if not workloads:
+        ax.text(0.5, 0.5, "no records with this ratio in the run", ha="center",
+                transform=ax.transAxes)
+    elif ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+
+
 def plot(report: dict[str, Any], path: str) -> None:
-    """Throughput vs clients per route (sequential read and write), and latency CDFs."""
+    """Throughput vs clients (sequential read and write), latency CDFs, and the ratios of
+    every seed workload to the socket floor, the best peer and the local disk."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     res = report["results"]
-    panels = [("seq_read", "sequential read"), ("seq_write", "sequential write (fsync)")]
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    panels = [("seq_read", "sequential read (cold)"), ("seq_write", "sequential write (fsync)")]
+    fig, grid = plt.subplots(2, 3, figsize=(17, 10))
+    axes = grid[0]
     for ax, (workload, title) in zip(axes, panels):
         lines: dict[tuple[str, int], list[tuple[int, float]]] = {}
         for r in res:
@@ -148,14 +186,17 @@ def plot(report: dict[str, Any], path: str) -> None:
     ax = axes[2]
     for r in res:
         q = r.get("latency_quantiles_ms")
-        if q and r["workload"] in ("rand_read_4k", "rand_read_1m"):
+        if q and r["workload"] in ("rand_read_4k", "rand_read_1m", "dataloader"):
             ys = [i / (len(q) - 1) for i in range(len(q))]
-            ax.plot(q, ys, label=f"{r['path']} {r['workload'][10:]} c={r['clients']}")
-    ax.set(title="random read latency CDF", xlabel="ms (log)", ylabel="fraction of reads")
+            ax.plot(q, ys, label=f"{r['path']} {r['workload']} c={r['clients']}")
+    ax.set(title="read latency CDF (cold)", xlabel="ms (log)", ylabel="fraction of reads")
     ax.set_xscale("log")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6)
+    _ratio_bars(grid[1][0], res, "vs_floor_socket", "× floor_socket (same run)")
+    _ratio_bars(grid[1][1], res, "vs_best_peer", "× best peer (same run)")
+    _ratio_bars(grid[1][2], res, "vs_local_disk", "× local_disk (same run)")
     m = report["header"].get("machine", {})
     fig.suptitle(f"stripefs bench — {m.get('cpu', '?')}, {m.get('cores', '?')} cores, "
                  f"{m.get('date', '')}", fontsize=10)

@@ -55,6 +55,10 @@ class Route:
     def stop(self) -> None:
         pass
 
+    def pids(self) -> list[int]:
+        """Processes this route runs that serve the clients (their CPU is the route's cost)."""
+        return []
+
     def _root(self, env: RunEnv) -> str:
         return f"/bench-{env.run_id}/{self.name}"
 

@@ -98,6 +98,9 @@ class FuseRoute(Route):
             raise
         return {"kind": "posix", "root": os.path.join(self.mnt, self._root(env).lstrip("/"))}
 
+    def pids(self) -> list[int]:
+        return [self.proc.pid] if self.proc is not None else []
+
     def stop(self) -> None:
         if self.mnt and os.path.ismount(self.mnt):
             subprocess.run(_cli("umount", self.mnt), capture_output=True, timeout=30)

@@ -7,6 +7,13 @@ same way: ``native`` (fsclient.Client), ``fsspec`` and ``s3fs`` (an fsspec files
 ``fuse``, ``local_disk``, ``glusterfs`` and ``moosefs`` (POSIX calls under a directory), and
 ``zerocopy`` (batch reads into a registered buffer, native writes).
 
+``open_read(path, direct=True)`` asks for reads that no client-side cache serves: ``O_DIRECT``
+on POSIX routes (our FUSE mount, the peers' mounts, the local disk), falling back to buffered
+reads followed by ``posix_fadvise(DONTNEED)`` of the range where a file system refuses
+``O_DIRECT``; ``cache_type="none"`` on fsspec filesystems (s3fs would otherwise fetch 50 MB
+blocks and serve later reads from them). The native client keeps no cache across reads
+except its sequential readahead window, which random workloads never engage.
+
 Caveats:
     * fsspec files are write-once streams: :meth:`Session.open_update` returns None (shared-
       file writes are skipped) and ``fsync`` only flushes what the filesystem buffers.
@@ -14,6 +21,7 @@ Caveats:
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 from typing import Any, Protocol
@@ -39,7 +47,8 @@ class Session(Protocol):
     def makedirs(self, path: str) -> None: ...
     def create(self, path: str) -> Writer: ...
     def open_update(self, path: str) -> Writer | None: ...
-    def open_read(self, path: str) -> Reader: ...
+    def open_read(self, path: str, direct: bool = False) -> Reader: ...
+    def evict(self, path: str) -> None: ...
     def size(self, path: str) -> int: ...
     def listdir(self, path: str) -> list[str]: ...
     def touch(self, path: str) -> None: ...
@@ -72,8 +81,11 @@ class NativeSession:
     def open_update(self, path: str) -> Writer | None:
         return self.client.open(self._p(path), "r+b")
 
-    def open_read(self, path: str) -> Reader:
+    def open_read(self, path: str, direct: bool = False) -> Reader:
         return self.client.open(self._p(path), "rb")
+
+    def evict(self, path: str) -> None:
+        pass  # nothing of a closed file stays in the client
 
     def size(self, path: str) -> int:
         return self.client.stat(self._p(path)).size
@@ -116,7 +128,7 @@ class ZerocopySession(NativeSession):
 
         self.ring = ReadRing(self.client, entries=64)
 
-    def open_read(self, path: str) -> Reader:
+    def open_read(self, path: str, direct: bool = False) -> Reader:
         return _RingReader(self.ring, self.ring.open(self._p(path)))
 
     def close(self) -> None:
@@ -148,8 +160,10 @@ class _FdWriter:
 
 
 class _FdReader:
-    def __init__(self, fd: int):
-        self.fd = fd
+    """``evict``: drop the pages of every range read (buffered stand-in for ``O_DIRECT``)."""
+
+    def __init__(self, fd: int, evict: bool = False):
+        self.fd, self.evict = fd, evict
 
     def pread_into(self, view: memoryview, offset: int) -> int:
         done = 0
@@ -158,6 +172,8 @@ class _FdReader:
             if n == 0:
                 break
             done += n
+        if self.evict:
+            os.posix_fadvise(self.fd, offset, done, os.POSIX_FADV_DONTNEED)
         return done
 
     def close(self) -> None:
@@ -183,8 +199,22 @@ class PosixSession:
     def open_update(self, path: str) -> Writer | None:
         return _FdWriter(os.open(self._p(path), os.O_WRONLY))
 
-    def open_read(self, path: str) -> Reader:
+    def open_read(self, path: str, direct: bool = False) -> Reader:
+        if direct:
+            try:
+                return _FdReader(os.open(self._p(path), os.O_RDONLY | os.O_DIRECT))
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:  # EINVAL: this file system refuses O_DIRECT
+                    raise
+            return _FdReader(os.open(self._p(path), os.O_RDONLY), evict=True)
         return _FdReader(os.open(self._p(path), os.O_RDONLY))
+
+    def evict(self, path: str) -> None:
+        fd = os.open(self._p(path), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
     def size(self, path: str) -> int:
         return os.stat(self._p(path)).st_size
@@ -270,8 +300,13 @@ class FsspecSession:
     def open_update(self, path: str) -> Writer | None:
         return None
 
-    def open_read(self, path: str) -> Reader:
+    def open_read(self, path: str, direct: bool = False) -> Reader:
+        if direct:
+            return _FsspecReader(self.fs.open(self._p(path), "rb", cache_type="none"))
         return _FsspecReader(self.fs.open(self._p(path), "rb"))
+
+    def evict(self, path: str) -> None:
+        pass  # a closed fsspec file leaves nothing behind (listings are invalidated per call)
 
     def size(self, path: str) -> int:
         self.fs.invalidate_cache()

@@ -15,13 +15,27 @@ seq_read           each client reads its own file back (written first if missing
 shared_write       all clients write disjoint ``size`` regions of one file ``shared/data``
 shared_read        all clients read their region of the shared file
 rand_read_4k/64k/  random aligned reads of 4 KiB / 64 KiB / 1 MiB from the client's own
-1m                 file for ``duration`` seconds (dataloader sampling)
+1m                 file ``rand/cI`` of ``rand_size`` bytes (at least twice the largest
+                   client readahead window) for ``duration`` seconds (dataloader sampling)
 checkpoint         all clients at once write ``shards`` files each (total ``size``), fsync,
                    rename into place (the atomic-commit pattern)
 metadata           mdtest-style: create, stat, readdir, unlink ``files`` empty files
 mixed              half the clients run random 1 MiB reads while the rest write a
                    checkpoint burst ("training with background traffic")
+seq_read_cached    ``seq_read`` / ``rand_read_4k`` right after an untimed read of the same
+(rand_read_4k_     bytes: a warm cache is the point (page cache, server cache); never
+cached)            judged against the socket floor
 =================  =====================================================================
+
+The seed workloads (``dataloader``, ``small_writes``, ``burst_interference``) live in
+``bench._seed``; the table of all of them in ``bench._tasks``.
+
+Cold reads. Read workloads run in two calls: ``prepare(...)`` writes what the timed read
+needs (untimed), then the benchmark process drops the kernel page cache (or, without root,
+every client evicts its files with ``posix_fadvise``), then the timed read runs. Random reads
+open files with ``direct=True`` (``O_DIRECT`` on POSIX routes, no client cache on fsspec), and
+never start at offset 0 or where the previous read ended, so a client's sequential readahead
+never serves a random read: every random read is a round trip to the file system.
 
 Every read is checked against the pattern (page stamps always, every byte for a sample), and
 every write workload reads a sample back after the timed section, so a fast-but-wrong route
@@ -40,7 +54,8 @@ import numpy as np
 from ._pattern import PAGE, Pattern, VerifyError, file_id
 from ._sessions import Reader, Session, Writer
 
-__all__ = ["WORKLOADS", "ClientContext", "PartResult", "run_workload", "record_names"]
+__all__ = ["CLASSIC", "CLASSIC_PREPARE", "ClientContext", "PartResult", "clock", "aligned",
+           "write_range", "read_back", "check_size", "checkpoint_files", "evict"]
 
 EXACT_EVERY = 8  # exact byte comparison for every 8th sequential block (stamps: all blocks)
 RAND_EXACT_EVERY = 64
@@ -82,14 +97,14 @@ class ClientContext:
         self.progress[self.index] += n
 
 
-def _aligned(n: int) -> memoryview:
+def aligned(n: int) -> memoryview:
     buf = mmap.mmap(-1, max(n, PAGE))
     buf[:] = bytes(len(buf))  # pre-fault: first touch would be timed otherwise
     return memoryview(buf)[:n]
 
 
-def _write(w: Writer, ctx: ClientContext, fid: int, size: int, block: int, part: PartResult,
-           base: int = 0, positional: bool = False) -> None:
+def write_range(w: Writer, ctx: ClientContext, fid: int, size: int, block: int,
+                part: PartResult, base: int = 0, positional: bool = False) -> None:
     """Write ``size`` pattern bytes at file offset ``base`` in ``block`` pieces."""
     for off in range(0, size, block):
         view = ctx.pattern.stamped(fid, base + off, min(block, size - off))
@@ -105,8 +120,17 @@ def _write(w: Writer, ctx: ClientContext, fid: int, size: int, block: int, part:
 
 
 def _read(r: Reader, ctx: ClientContext, fid: int, size: int, block: int, part: PartResult,
-          buf: memoryview, base: int = 0) -> None:
+          buf: memoryview, base: int = 0, close: bool = False) -> None:
     """Read ``size`` bytes at ``base`` in ``block`` pieces, verifying every piece."""
+    try:
+        _read_pieces(r, ctx, fid, size, block, part, buf, base)
+    finally:
+        if close:
+            r.close()
+
+
+def _read_pieces(r: Reader, ctx: ClientContext, fid: int, size: int, block: int,
+                 part: PartResult, buf: memoryview, base: int) -> None:
     for k, off in enumerate(range(0, size, block)):
         want = min(block, size - off)
         t = clock()
@@ -121,10 +145,10 @@ def _read(r: Reader, ctx: ClientContext, fid: int, size: int, block: int, part: 
         ctx.add(n)
 
 
-def _read_back(s: Session, ctx: ClientContext, path: str, fid: int, size: int, block: int,
+def read_back(s: Session, ctx: ClientContext, path: str, fid: int, size: int, block: int,
                base: int = 0) -> int:
     """Untimed check of the first and last block written: returns bytes compared exactly."""
-    buf = _aligned(min(block, size))
+    buf = aligned(min(block, size))
     r = s.open_read(path)
     try:
         checked = 0
@@ -139,7 +163,7 @@ def _read_back(s: Session, ctx: ClientContext, path: str, fid: int, size: int, b
         r.close()
 
 
-def _check_size(s: Session, path: str, want: int) -> None:
+def check_size(s: Session, path: str, want: int) -> None:
     got = s.size(path)
     if got != want:
         raise VerifyError(f"{path}: size {got} after writing {want} bytes")
@@ -149,22 +173,23 @@ def _write_own(s: Session, ctx: ClientContext, path: str, size: int, block: int,
                part: PartResult) -> None:
     w = s.create(path)
     try:
-        _write(w, ctx, file_id(path), size, block, part)
+        write_range(w, ctx, file_id(path), size, block, part)
         w.fsync()
     finally:
         w.close()
 
 
-def _ensure_seq(s: Session, ctx: ClientContext, task: dict[str, Any]) -> str:
-    """The client's own sequential file, written untimed if an earlier run did not leave it."""
-    path = f"seq/c{ctx.index}"
-    s.makedirs("seq")
+def _ensure_seq(s: Session, ctx: ClientContext, task: dict[str, Any], kind: str = "seq") -> str:
+    """The client's own file (``seq``: ``size`` bytes; ``rand``: ``rand_size`` bytes), written
+    untimed if an earlier task did not leave it."""
+    path, size = f"{kind}/c{ctx.index}", task["rand_size" if kind == "rand" else "size"]
+    s.makedirs(kind)
     try:
-        if s.size(path) == task["size"]:
+        if s.size(path) == size:
             return path
     except FileNotFoundError:
         pass
-    _write_own(s, ctx, path, task["size"], task["block"], PartResult())
+    _write_own(s, ctx, path, size, task["block"], PartResult())
     return path
 
 
@@ -175,23 +200,34 @@ def seq_write(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str,
     part.t0 = clock()
     _write_own(s, ctx, path, task["size"], task["block"], part)
     part.t1 = clock()
-    _check_size(s, path, task["size"])
-    part.verified = _read_back(s, ctx, path, file_id(path), task["size"], task["block"])
+    check_size(s, path, task["size"])
+    part.verified = read_back(s, ctx, path, file_id(path), task["size"], task["block"])
     return {"seq_write": part}
 
 
-def seq_read(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, PartResult]:
-    path, part = _ensure_seq(s, ctx, task), PartResult()
-    buf = _aligned(task["block"])
-    r = s.open_read(path)
-    try:
-        ctx.wait()
-        part.t0 = clock()
-        _read(r, ctx, file_id(path), task["size"], task["block"], part, buf)
-        part.t1 = clock()
-    finally:
-        r.close()
-    return {"seq_read": part}
+def _seq_read(name: str, warm: bool) -> Callable[..., dict[str, PartResult]]:
+    def run(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, PartResult]:
+        path, part = _ensure_seq(s, ctx, task), PartResult()
+        buf = aligned(task["block"])
+        if warm:  # the point of *_cached: the same bytes were just read
+            _read(s.open_read(path), ctx, file_id(path), task["size"], task["block"],
+                  PartResult(), buf, close=True)
+        r = s.open_read(path)
+        try:
+            ctx.wait()
+            part.t0 = clock()
+            _read(r, ctx, file_id(path), task["size"], task["block"], part, buf)
+            part.t1 = clock()
+        finally:
+            r.close()
+        return {name: part}
+
+    run.__name__ = name
+    return run
+
+
+seq_read = _seq_read("seq_read", warm=False)
+seq_read_cached = _seq_read("seq_read_cached", warm=True)
 
 
 SHARED = "shared/data"
@@ -209,16 +245,16 @@ def shared_write(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[s
     try:
         ctx.wait()
         part.t0 = clock()
-        _write(w, ctx, file_id(SHARED), size, task["block"], part, base=ctx.index * size,
-               positional=True)
+        write_range(w, ctx, file_id(SHARED), size, task["block"], part, base=ctx.index * size,
+                    positional=True)
         w.fsync()
     finally:
         w.close()
     part.t1 = clock()
     ctx.wait()  # every region is committed before anyone checks the length
-    _check_size(s, SHARED, size * ctx.clients)
-    part.verified = _read_back(s, ctx, SHARED, file_id(SHARED), size, task["block"],
-                               base=ctx.index * size)
+    check_size(s, SHARED, size * ctx.clients)
+    part.verified = read_back(s, ctx, SHARED, file_id(SHARED), size, task["block"],
+                              base=ctx.index * size)
     return {"shared_write": part}
 
 
@@ -233,7 +269,7 @@ def shared_read(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[st
         if not ready:  # routes without offset writes get the file written in one stream
             _write_own(s, ctx, SHARED, size * ctx.clients, task["block"], PartResult())
     ctx.wait()
-    buf = _aligned(task["block"])
+    buf = aligned(task["block"])
     r = s.open_read(SHARED)
     try:
         ctx.wait()
@@ -247,12 +283,25 @@ def shared_read(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[st
 
 def _random_reads(r: Reader, ctx: ClientContext, fid: int, size: int, req: int,
                   until: Callable[[PartResult], bool], part: PartResult) -> None:
-    """Aligned random reads of ``req`` bytes until ``until(part)`` says stop."""
-    buf = _aligned(req)
+    """Aligned random reads of ``req`` bytes until ``until(part)`` says stop.
+
+    A read never starts where the previous one ended, nor at offset 0 (unless the file has
+    fewer than four slots): such reads look like the start or the continuation of a
+    sequential scan to a client (the native client, our FUSE daemon) and turn on its
+    readahead, after which "random" reads are served from the window -- what ``seq_read``
+    measures, not this.
+    """
+    buf = aligned(req)
     rng = np.random.default_rng(1000 + ctx.index)
     slots = max(1, size // req)
+    first = 1 if slots > 3 else 0
+    after = -1  # the slot that would continue the previous read
     while not until(part):
-        off = int(rng.integers(0, slots)) * req
+        slot = int(rng.integers(first, slots))
+        while slot == after and slots > 2:
+            slot = int(rng.integers(first, slots))
+        after = slot + 1
+        off = slot * req
         want = min(req, size - off)
         t = clock()
         n = r.pread_into(buf[:want], off)
@@ -266,15 +315,20 @@ def _random_reads(r: Reader, ctx: ClientContext, fid: int, size: int, req: int,
         ctx.add(n)
 
 
-def _rand_read(name: str, req: int) -> Callable[..., dict[str, PartResult]]:
+def _rand_read(name: str, req: int, warm: bool = False) -> Callable[..., dict[str, PartResult]]:
     def run(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, PartResult]:
-        path, part = _ensure_seq(s, ctx, task), PartResult()
-        r = s.open_read(path)
+        path, part = _ensure_seq(s, ctx, task, "rand"), PartResult()
+        size = task["rand_size"]
+        if warm:  # the point of *_cached: the file was just read (its first ``size`` bytes)
+            _read(s.open_read(path), ctx, file_id(path), task["size"], task["block"],
+                  PartResult(), aligned(task["block"]), close=True)
+            size = task["size"]
+        r = s.open_read(path, direct=not warm)
         try:
             ctx.wait()
             part.t0 = clock()
             end, cap = part.t0 + task["duration"], task.get("max_ops", 1 << 40)
-            _random_reads(r, ctx, file_id(path), task["size"], req,
+            _random_reads(r, ctx, file_id(path), size, req,
                           lambda p: p.ops >= cap or clock() >= end, part)
             part.t1 = clock()
         finally:
@@ -285,7 +339,7 @@ def _rand_read(name: str, req: int) -> Callable[..., dict[str, PartResult]]:
     return run
 
 
-def _checkpoint_files(s: Session, ctx: ClientContext, task: dict[str, Any], tag: str,
+def checkpoint_files(s: Session, ctx: ClientContext, task: dict[str, Any], tag: str,
                       part: PartResult) -> list[tuple[str, int]]:
     """Write this client's shards as .tmp, fsync each, rename into place; returns (path, size)."""
     shards = max(1, task["shards"])
@@ -298,7 +352,7 @@ def _checkpoint_files(s: Session, ctx: ClientContext, task: dict[str, Any], tag:
         final = f"ckpt/{tag}/c{ctx.index}-s{j}"
         w = s.create(final + ".tmp")
         try:
-            _write(w, ctx, file_id(final + ".tmp"), n, task["block"], part)
+            write_range(w, ctx, file_id(final + ".tmp"), n, task["block"], part)
             w.fsync()
         finally:
             w.close()
@@ -313,12 +367,12 @@ def checkpoint(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str
     s.makedirs(f"ckpt/{tag}")
     ctx.wait()
     part.t0 = clock()
-    files = _checkpoint_files(s, ctx, task, tag, part)
+    files = checkpoint_files(s, ctx, task, tag, part)
     part.t1 = clock()
     for path, n in files:
-        _check_size(s, path, n)
+        check_size(s, path, n)
     # the bytes were stamped with the .tmp name: a rename must not change content
-    part.verified = sum(_read_back(s, ctx, p, file_id(p + ".tmp"), n, task["block"])
+    part.verified = sum(read_back(s, ctx, p, file_id(p + ".tmp"), n, task["block"])
                         for p, n in files[:2])
     for path, _ in files:  # untimed: keep the disk footprint of repeated runs bounded
         s.unlink(path)
@@ -368,13 +422,13 @@ def mixed(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, Par
     reader = ctx.index < ctx.clients - writers
     part = PartResult()
     if reader:
-        path = _ensure_seq(s, ctx, task)
-        r = s.open_read(path)
+        path = _ensure_seq(s, ctx, task, "rand")
+        r = s.open_read(path, direct=True)
         try:
             ctx.wait()
             part.t0 = clock()
             end = part.t0 + ctx.timeout
-            _random_reads(r, ctx, file_id(path), task["size"], 1 << 20,
+            _random_reads(r, ctx, file_id(path), task["rand_size"], 1 << 20,
                           lambda p: ctx.writers_done.value >= writers or clock() >= end, part)
             part.t1 = clock()
         finally:
@@ -384,37 +438,70 @@ def mixed(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, Par
     ctx.wait()
     part.t0 = clock()
     try:
-        files = _checkpoint_files(s, ctx, task, task["tag"], part)
+        files = checkpoint_files(s, ctx, task, task["tag"], part)
     finally:
         with ctx.writers_done.get_lock():  # readers stop even if this writer failed
             ctx.writers_done.value += 1
     part.t1 = clock()
     for path, n in files:
-        _check_size(s, path, n)
+        check_size(s, path, n)
         s.unlink(path)
     return {"mixed_write": part}
 
 
-WORKLOADS: dict[str, Callable[[Session, dict[str, Any], ClientContext], dict[str, PartResult]]] = {
+Workload = Callable[[Session, dict[str, Any], ClientContext], dict[str, PartResult]]
+
+CLASSIC: dict[str, Workload] = {
     "seq_write": seq_write,
     "seq_read": seq_read,
+    "seq_read_cached": seq_read_cached,
     "shared_write": shared_write,
     "shared_read": shared_read,
     "rand_read_4k": _rand_read("rand_read_4k", 4 << 10),
     "rand_read_64k": _rand_read("rand_read_64k", 64 << 10),
     "rand_read_1m": _rand_read("rand_read_1m", 1 << 20),
+    "rand_read_4k_cached": _rand_read("rand_read_4k_cached", 4 << 10, warm=True),
     "checkpoint": checkpoint,
     "metadata": metadata,
     "mixed": mixed,
 }
 
 
-def record_names(workload: str) -> list[str]:
-    """The record names a workload produces."""
-    return {"metadata": ["meta_create", "meta_stat", "meta_readdir", "meta_unlink"],
-            "mixed": ["mixed_read", "mixed_write"]}.get(workload, [workload])
+def evict(s: Session, paths: list[str], task: dict[str, Any]) -> None:
+    """Drop the client-side kernel cache of ``paths`` when the run cannot drop all caches."""
+    if task.get("evict"):
+        for p in paths:
+            s.evict(p)
 
 
-def run_workload(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, PartResult]:
-    """Run ``task['workload']`` in this client. Raises KeyError for an unknown workload."""
-    return WORKLOADS[task["workload"]](s, task, ctx)
+def _prepare_seq(s: Session, task: dict[str, Any], ctx: ClientContext) -> None:
+    evict(s, [_ensure_seq(s, ctx, task)], task)
+
+
+def _prepare_rand(s: Session, task: dict[str, Any], ctx: ClientContext) -> None:
+    evict(s, [_ensure_seq(s, ctx, task, "rand")], task)
+
+
+def _prepare_mixed(s: Session, task: dict[str, Any], ctx: ClientContext) -> None:
+    if ctx.index < ctx.clients - ctx.clients // 2:  # the readers
+        _prepare_rand(s, task, ctx)
+
+
+def _prepare_shared(s: Session, task: dict[str, Any], ctx: ClientContext) -> None:
+    size = task["size"]
+    if ctx.index == 0:
+        s.makedirs("shared")
+        try:
+            ready = s.size(SHARED) == size * ctx.clients
+        except FileNotFoundError:
+            ready = False
+        if not ready:  # routes without offset writes get the file written in one stream
+            _write_own(s, ctx, SHARED, size * ctx.clients, task["block"], PartResult())
+        evict(s, [SHARED], task)
+
+
+# what each cold read workload needs written before the caches are dropped
+CLASSIC_PREPARE: dict[str, Callable[[Session, dict[str, Any], ClientContext], None]] = {
+    "seq_read": _prepare_seq, "shared_read": _prepare_shared, "rand_read_4k": _prepare_rand,
+    "rand_read_64k": _prepare_rand, "rand_read_1m": _prepare_rand, "mixed": _prepare_mixed,
+}

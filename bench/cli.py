@@ -1,13 +1,16 @@
 """``stripefs bench``: the multi-client throughput benchmark.
 
-    stripefs bench [--quick] [--json FILE] [--plot FILE.png] [--sweep] [--peers]
+    stripefs bench [--quick] [--json FILE] [--plot FILE.png] [--tables FILE.md] [--sweep] [--peers]
                    [--cluster C] [--clients N...] [--servers M...] [--routes R...]
                    [--workloads W...] [--size SIZE] [--block SIZE] [--duration S]
+                   [--dataset-files N] [--small-files N] [--no-drop-caches]
 
 Starts a local cluster (or uses ``--cluster``), runs every workload on every route with N
 client processes, measures the machine's floors in the same run, prints a summary table and
 optionally writes JSON and a plot. Exit status: 0 on success, 1 when any workload failed
-(including a data verification mismatch), 2 for bad arguments.
+(including a data verification mismatch), 2 for bad arguments, 3 when a networked route
+reported more than the loopback socket floor of the same run (a cache, not the data path:
+``bench._validity``).
 """
 
 from __future__ import annotations
@@ -19,14 +22,16 @@ from typing import Any
 
 from ._orchestrate import BenchConfig, run_bench
 from ._routes import PEERS, ROUTES
-from ._workloads import WORKLOADS
+from ._tasks import WORKLOADS
 from .floors import parse_size
 
-__all__ = ["main", "build_config"]
+__all__ = ["main", "build_config", "exit_status"]
 
-QUICK = dict(size=32 << 20, block=8 << 20, duration=0.7, files=100, shards=2)
+QUICK = dict(size=32 << 20, block=8 << 20, duration=0.7, files=100, shards=2, dl_files=400,
+             sw_files=60)
 SWEEP_CLIENTS, SWEEP_SERVERS = [1, 2, 4, 8], [1, 2, 4]
-SWEEP_WORKLOADS = ["seq_write", "seq_read", "rand_read_1m"]
+SWEEP_WORKLOADS = ["seq_write", "seq_read", "rand_read_1m", "dataloader", "small_writes"]
+SWEEP_DATASET_FILES, SWEEP_SMALL_FILES = 2000, 200
 
 
 def _size(text: str) -> int:
@@ -39,11 +44,16 @@ def _size(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="stripefs bench", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="small sizes and short durations (CI smoke; under two minutes)")
+                    help="small sizes and short durations (smoke test; about three minutes on 2 cores)")
     ap.add_argument("--json", metavar="FILE", help="write results as JSON")
-    ap.add_argument("--plot", metavar="FILE.png", help="write a throughput/latency plot")
+    ap.add_argument("--plot", metavar="FILE.png", help="write a throughput/latency/ratio plot")
+    ap.add_argument("--tables", metavar="FILE.md",
+                    help="write markdown tables: one per workload, side by side, as ratios to "
+                         "the best peer and to the floors (and, with several client counts, "
+                         "the seed workloads across them)")
     ap.add_argument("--sweep", action="store_true",
-                    help=f"clients {SWEEP_CLIENTS} x servers {SWEEP_SERVERS}")
+                    help=f"clients {SWEEP_CLIENTS} x servers {SWEEP_SERVERS}, workloads "
+                         f"{' '.join(SWEEP_WORKLOADS)}")
     ap.add_argument("--peers", action="store_true", help=f"also run {', '.join(PEERS)}")
     ap.add_argument("--cluster", help="use this cluster (cluster.json or host:port) instead "
                                       "of starting one")
@@ -57,6 +67,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--block", type=_size, help="I/O size of sequential workloads (16M)")
     ap.add_argument("--duration", type=float, help="seconds per random-read workload")
     ap.add_argument("--files", type=int, help="files per client in the metadata workload")
+    ap.add_argument("--dataset-files", type=int, dest="dl_files",
+                    help="files in the dataloader dataset (default 20000, quick 400, "
+                         "sweep 2000)")
+    ap.add_argument("--small-files", type=int, dest="sw_files",
+                    help="files per client in small_writes (default 1000, quick 60, sweep 200)")
+    ap.add_argument("--no-drop-caches", action="store_true",
+                    help="do not drop the kernel page cache before reads (clients evict "
+                         "their own files instead)")
     ap.add_argument("--chunk-size", type=_size, default=4 << 20, help="cluster chunk size")
     ap.add_argument("--no-floors", action="store_true", help="skip the floor measurements")
     ap.add_argument("--workdir", help="scratch directory (default: the system temp dir)")
@@ -70,22 +88,25 @@ def build_config(a: argparse.Namespace) -> BenchConfig:
     if a.sweep:
         cfg.clients, cfg.servers = list(SWEEP_CLIENTS), list(SWEEP_SERVERS)
         cfg.workloads = list(SWEEP_WORKLOADS)
+        if not a.quick:  # 12 shapes x every route: a smaller dataset keeps it to an hour or so
+            cfg.dl_files, cfg.sw_files = SWEEP_DATASET_FILES, SWEEP_SMALL_FILES
     cfg.clients = a.clients or cfg.clients
     cfg.servers = a.servers or cfg.servers
     cfg.workloads = a.workloads or cfg.workloads or list(WORKLOADS)
     cfg.routes = a.routes or (cfg.routes + (PEERS if a.peers else []))
-    for name in ("size", "block", "duration", "files"):
+    for name in ("size", "block", "duration", "files", "dl_files", "sw_files"):
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))
     cfg.chunk_size, cfg.cluster, cfg.workdir = a.chunk_size, a.cluster, a.workdir
     cfg.floors = not a.no_floors
+    cfg.drop_caches = not a.no_drop_caches
     if min(cfg.clients) < 1 or min(cfg.servers) < 1:
         raise ValueError("--clients and --servers must be >= 1")
     if cfg.block < 4096 or cfg.block % 4096 or cfg.size < 4096 or cfg.size % 4096:
         raise ValueError("--size and --block must be positive multiples of 4 KiB")
     cfg.block = min(cfg.block, cfg.size)
-    if cfg.duration <= 0 or cfg.files < 1:
-        raise ValueError("--duration must be > 0 and --files >= 1")
+    if cfg.duration <= 0 or cfg.files < 1 or cfg.dl_files < 1 or cfg.sw_files < 1:
+        raise ValueError("--duration must be > 0, --files, --dataset-files and --small-files >= 1")
     return cfg
 
 
@@ -114,7 +135,22 @@ def main(argv: list[str] | None = None) -> int:
         write_json(report, a.json)
     if a.plot:
         plot(report, a.plot)
-    return 1 if report["errors"] else 0
+    if a.tables:
+        from .tables import markdown_tables, sweep_table
+
+        text = markdown_tables(report)
+        if len(cfg.clients) > 1 or len(cfg.servers) > 1:
+            text += "\n" + sweep_table(report)
+        with open(a.tables, "w") as f:
+            f.write(text)
+    return exit_status(report)
+
+
+def exit_status(report: dict[str, Any]) -> int:
+    """1 when a workload failed, 3 when a record is invalid (faster than its floor), else 0."""
+    if report["errors"]:
+        return 1
+    return 3 if report.get("invalid") else 0
 
 
 if __name__ == "__main__":

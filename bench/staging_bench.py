@@ -1,10 +1,17 @@
 """Checkpoint staging benchmark: staging.save/load and the DCP bridge against floors and peers, one run.
 
-    python -m bench.staging_bench [--size-gb 2] [--json FILE] [--cluster C]
+    python -m bench.staging_bench [--size-gb 2] [--json FILE] [--cluster C] [--only durable,load]
 
 Starts a private 4-server cluster unless ``--cluster`` is given. Every figure
 is a median of ``--repeat`` runs and is reported with the floor or peer
 measured in the same run (the machines are noisy: compare ratios).
+
+Sections (``--only`` picks some): ``blocking`` (save's blocking time vs a copy of
+the tensors, and vs ``torch.save`` to the store), ``durable`` (time from ``save()``
+to globally durable with ``keep_local=0`` and with a local copy, against a native
+client write of the same bytes, interleaved so that each ratio compares
+neighbours), ``load`` (vs the loopback socket floor and ``torch.load``), ``dcp``
+and ``train``.
 """
 
 from __future__ import annotations
@@ -23,6 +30,9 @@ import torch
 
 import staging
 from fsclient import Client, testing
+
+
+SECTIONS = ("blocking", "durable", "load", "dcp", "train")
 
 
 def make_state(total: int) -> dict[str, Any]:
@@ -67,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cluster")
     ap.add_argument("--json")
     ap.add_argument("--train-steps", type=int, default=60)
+    ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections: " + " ".join(SECTIONS))
     args = ap.parse_args(argv)
+    only = set(args.only.split(","))
+    if only - set(SECTIONS):
+        ap.error(f"unknown section(s): {', '.join(sorted(only - set(SECTIONS)))}")
     scratch = tempfile.mkdtemp(prefix="staging-bench-")
     root = None
     if args.cluster is None:
@@ -87,67 +101,26 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         client.makedirs("/bench/ckpt")
-        tensors = [v for v in sd.values() if isinstance(v, torch.Tensor)]
-        rec("save_blocking", "floor_memcpy", median(lambda: timed(lambda: [t.clone() for t in tensors]), args.repeat))
-        step = iter(range(10_000))
-        handles: list[Any] = []
+        steps = iter(range(100_000))
 
-        def one_save() -> float:
-            t = time.perf_counter()
-            h = staging.save(sd, f"stripefs://bench/ckpt/step-{next(step):06d}", staging_dir=sdir, cluster=args.cluster,
-                             keep_local=1, keep_remote=1, background_mover=False)
-            blocking = time.perf_counter() - t
-            h.wait()
-            handles.append((h, time.perf_counter() - t))
-            return blocking
+        def url() -> str:
+            return f"stripefs://bench/ckpt/step-{next(steps):06d}"
 
-        one_save()  # warm-up: the first save allocates and faults in the host buffer
-        rec("save_blocking", "staging", median(one_save, args.repeat))
-        rec("save_global_durable", "staging", statistics.median(d for _, d in handles[1:]))
-        for phase in ("snapshot", "serialize", "local_write", "upload"):
-            rec(f"save_phase_{phase}", "staging", statistics.median(h.timings.get(phase, 0) or 1e-9 for h, _ in handles[1:]))
-        buf = torch.empty(size, dtype=torch.uint8)
-        buf.fill_(1)
-        view = memoryview(buf.numpy())
-
-        def native_write() -> float:
-            t = time.perf_counter()
-            with client.open("/bench/native.bin", "wb") as f:
-                f.write(view)
-            return time.perf_counter() - t
-        rec("save_global_durable", "native_write", median(native_write, args.repeat))
-
-        def torch_save_remote() -> float:
-            try:
-                import fsspec
-
-                opener = lambda: fsspec.open("stripefs:///bench/torch.pt", "wb", cluster=args.cluster).open()  # noqa: E731
-                opener().close()
-                label = "fsspec"
-            except Exception:  # fsspec route missing: the native file object is the closest peer
-                opener, label = (lambda: client.open("/bench/torch.pt", "wb")), "native_file"
-            t = time.perf_counter()
-            with opener() as f:
-                torch.save(sd, f)
-            torch_save_remote.label = label  # type: ignore[attr-defined]
-            return time.perf_counter() - t
-        rec("save_blocking", "torch_save_" + ("remote"), median(torch_save_remote, args.repeat))
-        results[-1]["path"] = "torch_save_" + getattr(torch_save_remote, "label", "remote")
-
-        last = handles[-1][0].url
-        rec("load", "staging_remote", median(lambda: timed(lambda: staging.load(last, cluster=args.cluster,
-                                                                                prefer_local=False)), args.repeat))
-        rec("load", "staging_local", median(lambda: timed(lambda: staging.load(last, cluster=args.cluster,
-                                                                               staging_dir=sdir)), args.repeat))
-        local_pt = os.path.join(scratch, "local.pt")
-        torch.save(sd, local_pt)
-        rec("load", "torch_load_mmap_local", median(lambda: timed(
-            lambda: [t.sum() for t in torch.load(local_pt, mmap=True, weights_only=True).values()
-                     if isinstance(t, torch.Tensor)]), args.repeat))
-        rec("load", "torch_load_native_file", median(lambda: timed(
-            lambda: torch.load(client.open("/bench/torch.pt", "rb"), weights_only=True)), args.repeat))
-        dcp_bench(sd, args, scratch, sdir, rec)
-        train_bench(args, sdir, rec)
+        last = None
+        if "blocking" in only:
+            last = blocking_bench(sd, args, client, sdir, url, rec)
+        if "durable" in only:
+            last = durable_bench(sd, args, client, sdir, url, rec)
+        if "load" in only:
+            if last is None:
+                last = url()
+                staging.save(sd, last, staging_dir=sdir, cluster=args.cluster, keep_local=1, keep_remote=1,
+                             background_mover=False).wait()
+            load_bench(sd, args, client, sdir, scratch, last, rec)
+        if "dcp" in only:
+            dcp_bench(sd, args, scratch, sdir, rec)
+        if "train" in only:
+            train_bench(args, sdir, rec)
     finally:
         if args.json:
             with open(args.json, "w") as f:
@@ -157,6 +130,131 @@ def main(argv: list[str] | None = None) -> int:
             testing.down(root)
         shutil.rmtree(scratch, ignore_errors=True)
     return 0
+
+
+def blocking_bench(sd: dict[str, Any], args: Any, client: Client, sdir: str, url: Callable[[], str],
+                   rec: Callable[..., None]) -> str:
+    """save()'s blocking time vs a plain copy of the tensors (the floor) and vs torch.save to the store."""
+    tensors = [v for v in sd.values() if isinstance(v, torch.Tensor)]
+    rec("save_blocking", "floor_memcpy", median(lambda: timed(lambda: [t.clone() for t in tensors]), args.repeat))
+    last = ""
+
+    def one_save() -> float:
+        nonlocal last
+        last = url()
+        t = time.perf_counter()
+        h = staging.save(sd, last, staging_dir=sdir, cluster=args.cluster, keep_local=1, keep_remote=1,
+                         background_mover=False)
+        blocking = time.perf_counter() - t
+        h.wait()
+        return blocking
+
+    one_save()  # warm-up: the first save allocates and faults in the host buffer
+    rec("save_blocking", "staging", median(one_save, args.repeat))
+
+    def torch_save_remote() -> float:
+        try:
+            import fsspec
+
+            opener = lambda: fsspec.open("stripefs:///bench/torch.pt", "wb", cluster=args.cluster).open()  # noqa: E731
+            opener().close()
+            label = "fsspec"
+        except Exception:  # fsspec route missing: the native file object is the closest peer
+            opener, label = (lambda: client.open("/bench/torch.pt", "wb")), "native_file"
+        t = time.perf_counter()
+        with opener() as f:
+            torch.save(sd, f)
+        torch_save_remote.label = label  # type: ignore[attr-defined]
+        return time.perf_counter() - t
+    rec("save_blocking", "torch_save_remote", median(torch_save_remote, args.repeat))
+    return last
+
+
+def durable_bench(sd: dict[str, Any], args: Any, client: Client, sdir: str, url: Callable[[], str],
+                  rec: Callable[..., None]) -> str:
+    """Time from save() to globally durable vs a native write of the same bytes, interleaved.
+
+    Each round writes the native file, then saves with ``keep_local=0`` (upload streamed from the
+    snapshot, nothing local), with ``keep_local=0`` and ``verify=False`` (sizes checked, no
+    read-back), and with a local copy (``keep_local=1``: local write and upload overlap). The
+    ratios are medians of per-round ratios: neighbours in time see the same machine load.
+    """
+    size = nbytes(sd)
+    buf = torch.empty(size, dtype=torch.uint8)
+    buf.fill_(1)
+    view = memoryview(buf.numpy())
+
+    def native_write() -> float:
+        t = time.perf_counter()
+        with client.open("/bench/native.bin", "wb") as f:
+            f.write(view)
+        return time.perf_counter() - t
+
+    variants = {"staging_keep_local_0": (0, True), "staging_keep_local_0_noverify": (0, False),
+                "staging_keep_local_1": (1, True)}
+    last = ""
+
+    def durable(keep_local: int, verify: bool) -> tuple[float, dict[str, float]]:
+        nonlocal last
+        last = url()
+        opts = staging.MoverOptions(cluster=args.cluster, verify=verify)
+        t = time.perf_counter()
+        h = staging.save(sd, last, staging_dir=sdir, cluster=args.cluster, keep_local=keep_local, keep_remote=1,
+                         background_mover=False, options=opts)
+        h.wait()
+        return time.perf_counter() - t, h.timings
+
+    durable(1, True)  # warm-up: buffers, connections, the first files of the series
+    native_write()
+    native: list[float] = []
+    got: dict[str, list[tuple[float, dict[str, float]]]] = {k: [] for k in variants}
+    for _ in range(args.repeat):
+        native.append(native_write())
+        for label, (kl, verify) in variants.items():
+            got[label].append(durable(kl, verify))
+    rec("save_global_durable", "native_write", statistics.median(native))
+    for label, runs in got.items():
+        rec("save_global_durable", label, statistics.median(d for d, _ in runs))
+        ratio = statistics.median(d / n for (d, _), n in zip(runs, native))
+        results_note = {p: round(statistics.median(t.get(p, 0.0) for _, t in runs), 3)
+                        for p in ("snapshot", "serialize", "local_write", "upload")}
+        print(f"{'':24s} {label}: {ratio:.2f}x native write (median of per-round ratios); phases {results_note}",
+              flush=True)
+    return last
+
+
+def load_bench(sd: dict[str, Any], args: Any, client: Client, sdir: str, scratch: str, last: str,
+               rec: Callable[..., None]) -> None:
+    """staging.load from the store vs the loopback socket floor (same bytes, same run) and torch.load."""
+    from bench.floors import floor_socket
+
+    size = nbytes(sd)
+    floor: list[float] = []
+    remote: list[float] = []
+    noverify: list[float] = []
+    for _ in range(args.repeat):  # interleaved: each load is compared with a floor measured next to it
+        floor.append(floor_socket(size, streams=4, directory=scratch)["seconds"])
+        remote.append(timed(lambda: staging.load(last, cluster=args.cluster, prefer_local=False)))
+        noverify.append(timed(lambda: staging.load(last, cluster=args.cluster, prefer_local=False, verify=False)))
+    rec("load", "floor_socket", statistics.median(floor))
+    rec("load", "staging_remote", statistics.median(remote))
+    rec("load", "staging_remote_noverify", statistics.median(noverify))
+    ratio = statistics.median(f / r for f, r in zip(floor, remote))
+    ratio_nv = statistics.median(f / r for f, r in zip(floor, noverify))
+    print(f"{'':24s} load from the store: {ratio:.2f}x the socket floor ({ratio_nv:.2f}x without CRC checks; "
+          "median of per-round ratios)", flush=True)
+    rec("load", "staging_local", median(lambda: timed(lambda: staging.load(last, cluster=args.cluster,
+                                                                           staging_dir=sdir)), args.repeat))
+    local_pt = os.path.join(scratch, "local.pt")
+    torch.save(sd, local_pt)
+    rec("load", "torch_load_mmap_local", median(lambda: timed(
+        lambda: [t.sum() for t in torch.load(local_pt, mmap=True, weights_only=True).values()
+                 if isinstance(t, torch.Tensor)]), args.repeat))
+    if not client.exists("/bench/torch.pt"):
+        with client.open("/bench/torch.pt", "wb") as f:
+            torch.save(sd, f)
+    rec("load", "torch_load_native_file", median(lambda: timed(
+        lambda: torch.load(client.open("/bench/torch.pt", "rb"), weights_only=True)), args.repeat))
 
 
 def dcp_bench(sd: dict[str, Any], args: Any, scratch: str, sdir: str, rec: Callable[..., None]) -> None:

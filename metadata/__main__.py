@@ -7,8 +7,11 @@ import functools
 import json
 import logging
 import os
+import sys
 
 import trio
+
+from wire import StripefsError
 
 from ._server import serve_metadata
 
@@ -46,7 +49,26 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s metadata %(levelname)s %(message)s")
     with open(args.cluster) as f:
         raw = json.load(f)
-    trio.run(_main, args, raw["secret"], raw.get("cluster_id", ""), raw)
+    try:
+        trio.run(_main, args, raw["secret"], raw.get("cluster_id", ""), raw)
+    except (StripefsError, BaseExceptionGroup) as exc:  # a store it cannot use: one clear line
+        error = _stripefs_error(exc)
+        if error is None:
+            raise
+        logging.error("metadata service cannot start: %s", error.message)
+        sys.exit(2)
+
+
+def _stripefs_error(exc: BaseException) -> StripefsError | None:
+    """The StripefsError inside ``exc`` (trio wraps errors of a nursery in groups)."""
+    if isinstance(exc, StripefsError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _stripefs_error(inner)
+            if found is not None:
+                return found
+    return None
 
 
 if __name__ == "__main__":

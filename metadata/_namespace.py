@@ -21,6 +21,7 @@ Caveats:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 import secrets
@@ -40,6 +41,11 @@ RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 MAX_SYMLINKS = 40  # as Linux: ELOOP after 40 links in one resolution
 MAX_READDIR = 10_000
+# Paths per StatMany: 200 paths of 4 KiB, or 200 attributes with 4 KiB symlink targets, fit in
+# one frame header (1 MiB).
+MAX_STAT_MANY = 200
+# Names per ListNames page: 2000 names of 255 bytes fit in one frame header.
+MAX_LIST_NAMES = 2000
 XATTR_CREATE, XATTR_REPLACE = 1, 2  # setxattr(2) flags
 _NODE_TYPES = frozenset({stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK, stat.S_IFREG})
 
@@ -104,9 +110,7 @@ class Namespace:
 
     @staticmethod
     def _counter(txn: Txn, key: str) -> int:
-        value = int(txn.get_meta(key) or "1")
-        txn.put_meta(key, str(value + 1))
-        return value
+        return txn.allocate(key)
 
     def _touch_dir(self, txn: Txn, ino: int, now: int, nlink_delta: int = 0) -> None:
         """A directory's entries changed: bump mtime/ctime (and nlink for subdirs)."""
@@ -161,6 +165,14 @@ class Namespace:
     def store(self) -> Store:
         return self._store
 
+    def reading(self, store: Store) -> "Namespace":
+        """The same namespace over ``store`` (e.g. ``self.store.reader()``), for read
+        operations only: ``getattr``, ``lookup``, ``resolve``, ``readdir``, ``readlink``,
+        the xattr reads, ``get_layout``, ``garbage``, ``counts``."""
+        other = copy.copy(self)
+        other._store = store
+        return other
+
     def getattr(self, ino: int) -> Attr:
         with self._store.transaction() as txn:
             return self._inode(txn, ino)
@@ -183,10 +195,7 @@ class Namespace:
             StripefsError: ENOENT, ENOTDIR (a non-directory in the middle),
                 ELOOP (more than 40 symlinks), ENAMETOOLONG, EINVAL (NUL).
         """
-        if "\x00" in path:
-            raise _err(ErrorCode.INVALID, "path contains NUL")
-        if len(path.encode("utf-8", "surrogateescape")) > MAX_PATH:
-            raise _err(ErrorCode.NAME_TOO_LONG, f"path longer than {MAX_PATH} bytes")
+        self._check_path(path)
         with self._store.transaction() as txn:
             return self._walk(txn, path, follow)
 
@@ -221,6 +230,51 @@ class Namespace:
             raise _err(ErrorCode.NOT_DIR, f"not a directory: {path!r}")
         return cur
 
+    def resolve_many(self, paths: list[str], follow: bool = True) -> list[Attr | StripefsError]:
+        """:meth:`resolve` of each path, in one transaction (one snapshot).
+
+        Returns:
+            Per path, its attributes or the error resolving it raised.
+
+        Raises:
+            StripefsError: EINVAL for more than ``MAX_STAT_MANY`` paths or a path that is not text.
+        """
+        if len(paths) > MAX_STAT_MANY:
+            raise _err(ErrorCode.INVALID, f"at most {MAX_STAT_MANY} paths per request")
+        if not all(isinstance(p, str) for p in paths):
+            raise _err(ErrorCode.INVALID, "paths must be text")
+        out: list[Attr | StripefsError] = []
+        with self._store.transaction() as txn:
+            for path in paths:
+                try:
+                    self._check_path(path)
+                    out.append(self._walk(txn, path, follow))
+                except StripefsError as exc:
+                    out.append(exc)
+        return out
+
+    @staticmethod
+    def _check_path(path: str) -> None:
+        if "\x00" in path:
+            raise _err(ErrorCode.INVALID, "path contains NUL")
+        if len(path.encode("utf-8", "surrogateescape")) > MAX_PATH:
+            raise _err(ErrorCode.NAME_TOO_LONG, f"path longer than {MAX_PATH} bytes")
+
+    def parent_of(self, path: str) -> tuple[int, str]:
+        """The directory inode holding the last component of ``path``, and that name.
+
+        Raises:
+            StripefsError: EINVAL (the root, or a path ending in ``/``, ``.``, ``..``),
+                ENOENT/ENOTDIR on the way, ENOTDIR if the head is not a directory.
+        """
+        head, _, name = path.rpartition("/")
+        if name in ("", ".", ".."):
+            raise _err(ErrorCode.INVALID, f"no file name at the end of {path!r}")
+        parent = self.resolve(head or "/")
+        if not parent.is_dir:
+            raise _err(ErrorCode.NOT_DIR, "parent is not a directory")
+        return parent.ino, name
+
     def readlink(self, ino: int) -> str:
         with self._store.transaction() as txn:
             attr = self._inode(txn, ino)
@@ -252,6 +306,30 @@ class Namespace:
                 attrs = [self._inode(txn, e.ino) for e in rows]
                 rows = [DirEntry(e.name, e.ino, a.mode, a) for e, a in zip(rows, attrs)]
         return rows, more
+
+    def list_names(self, path: str, after: str = "", limit: int = 1000) -> tuple[list[str], bool]:
+        """One page of the names in the directory ``path`` resolves to, in name order.
+
+        Args:
+            after: continue after this name.
+            limit: page size, capped at ``MAX_LIST_NAMES``.
+
+        Returns:
+            ``(names, more)``.
+
+        Raises:
+            StripefsError: as :meth:`resolve`; ENOTDIR if it is not a directory.
+        """
+        if limit < 1:
+            raise _err(ErrorCode.INVALID, "listing limit must be positive")
+        limit = min(limit, MAX_LIST_NAMES)
+        self._check_path(path)
+        with self._store.transaction() as txn:
+            d = self._walk(txn, path, True)
+            if not d.is_dir:
+                raise _err(ErrorCode.NOT_DIR, f"not a directory: {path!r}")
+            rows = txn.list_dentries(d.ino, after, limit + 1)
+        return [e.name for e in rows[:limit]], len(rows) > limit
 
     # ------------------------------------------------------------------ creation
 

@@ -17,10 +17,13 @@ of truncated ones.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import json
 import logging
+import math
 import os
+import pickle
 import random
 import stat
 import time
@@ -33,10 +36,12 @@ from rpc import ReplayCache, ServerConn, Service, TrioPool, serve_rpc
 from wire import ErrorCode, FrameHead, Message, ReplyMessage, Routing, ServerInfo, StripefsError, role_credential
 from wire import messages as m
 
+from ._leader import Leadership
 from ._admission import MAX_SERVER_ID, NOT_YET, connect_back, same_token, token_hash, validate
 from ._leases import Leases
 from ._namespace import Namespace
 from ._store import GarbageItem, SqliteStore, Store
+from ._worker import Job, StoreThread, run_each
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +69,15 @@ PENDING_TTL = 10.0
 MAX_PENDING = 64
 # Connect-back checks running at once.
 MAX_VERIFYING = 8
+# With several services, results of mutations are kept this long for retries that fail
+# over to another service (a client retries for at most a minute).
+REPLIES_KEPT = 600.0
+# The leader refreshes the row followers read (capacities, usage) at most this often.
+VIEW_REFRESH = 2.0
+
+# The (client id, request id) of the mutation the current task applies: ``_ns`` records its
+# result in the store under that key (see ``MetadataService._once``).
+_REQUEST: contextvars.ContextVar[tuple[bytes, int] | None] = contextvars.ContextVar("request", default=None)
 
 
 @dataclass
@@ -91,7 +105,12 @@ class Candidate:
 
 
 class Membership:
-    """Storage servers, their states and the chain table, persisted in ``servers.json``.
+    """Storage servers, their states and the chain table.
+
+    Persisted as one JSON document (:meth:`to_doc`): by the metadata service in the
+    store's ``membership`` row (written by the leading service only, see
+    ``MetadataService``), or, given a ``path``, in a file (tests; and the
+    ``servers.json`` of older versions, imported into the store once).
 
     The chain table is built from the registered servers: ``CHAINS_PER_SERVER``
     chains per server, chain ``i`` = servers ``i, i+1, ..., i+R-1`` (mod N) in id
@@ -119,8 +138,9 @@ class Membership:
         clock: the monotonic clock (tests drive time).
     """
 
-    def __init__(self, path: str, replicas: int = 1, *, admit_after: float = ADMIT_AFTER,
-                 move_interval: float = MOVE_INTERVAL, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, path: str | None = None, replicas: int = 1, *, admit_after: float = ADMIT_AFTER,
+                 move_interval: float = MOVE_INTERVAL, clock: Callable[[], float] = time.monotonic,
+                 doc: str | None = None, restarted: bool = True):
         self.path = path
         self.clock = clock
         self.admit_after = admit_after
@@ -142,42 +162,62 @@ class Membership:
         # acknowledged, so once back it serves that chain even while it resyncs its others.
         self.lastsrv: dict[int, int] = {}
         self.draining: set[int] = set()  # servers being removed: their chain slots move away (remove)
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-            self.version = int(raw.get("version", 1)) + 1
-            self.replicas = int(raw.get("replicas", replicas))
-            self.frozen = bool(raw.get("frozen", False))
-            self.table = {int(c): [int(t) for t in ts] for c, ts in raw.get("table", [])}
-            self.leaving = {int(c): int(t) for c, t in raw.get("leaving", [])}
-            self.drops = [(int(t), int(c)) for t, c in raw.get("drops", [])]
-            self.lastsrv = {int(c): int(t) for c, t in raw.get("lastsrv", [])}
-            self.tokens = {int(sid): str(h) for sid, h in raw.get("tokens", [])}
-            self.draining = {int(sid) for sid in raw.get("draining", [])}
-            now = self.clock()
-            for s in raw.get("servers", []):
-                info = ServerInfo.from_wire(s)
-                if info.state != "serving":
-                    self.stale.add(info.server_id)  # missed writes before the restart: must resync
-                # Keep the last known state: after a restart of this service alone the storage
-                # servers are still up and their next heartbeat confirms it; a server that
-                # stays silent is declared offline by the usual sweep.
-                self.servers[info.server_id] = ServerInfo(**{**info.to_wire(), "last_seen": now})
-                self.since[info.server_id] = now  # a joining server's wait starts again after a restart
-        except FileNotFoundError:
-            pass
+        # Without a file the owner persists :meth:`to_doc` (the store's membership row)
+        # whenever ``dirty`` is set.
+        self.dirty = False
+        if doc is None and path is not None:
+            try:
+                with open(path) as f:
+                    doc = f.read()
+            except FileNotFoundError:
+                pass
+        if doc is not None:
+            self._load(json.loads(doc), restarted)
+
+    def _load(self, raw: dict[str, Any], restarted: bool) -> None:
+        """Adopt a saved document; ``restarted``: this service takes the membership over
+        (a new routing version, every server's silence counted from now)."""
+        self.version = int(raw.get("version", 1)) + (1 if restarted else 0)
+        self.replicas = int(raw.get("replicas", self.replicas))
+        self.frozen = bool(raw.get("frozen", False))
+        self.table = {int(c): [int(t) for t in ts] for c, ts in raw.get("table", [])}
+        self.leaving = {int(c): int(t) for c, t in raw.get("leaving", [])}
+        self.drops = [(int(t), int(c)) for t, c in raw.get("drops", [])]
+        self.lastsrv = {int(c): int(t) for c, t in raw.get("lastsrv", [])}
+        self.tokens = {int(sid): str(h) for sid, h in raw.get("tokens", [])}
+        self.draining = {int(sid) for sid in raw.get("draining", [])}
+        now = self.clock()
+        for s in raw.get("servers", []):
+            info = ServerInfo.from_wire(s)
+            if not restarted:
+                self.servers[info.server_id] = info  # a read-only view of the leader's document
+                continue
+            if info.state != "serving":
+                self.stale.add(info.server_id)  # missed writes before the restart: must resync
+            # Keep the last known state: after a restart of this service alone the storage
+            # servers are still up and their next heartbeat confirms it; a server that
+            # stays silent is declared offline by the usual sweep.
+            self.servers[info.server_id] = ServerInfo(**{**info.to_wire(), "last_seen": now})
+            self.since[info.server_id] = now  # a joining server's wait starts again after a restart
+
+    def to_doc(self) -> str:
+        """The persistent state as a JSON document (``servers.json``, or the store's row)."""
+        return json.dumps({"version": self.version, "replicas": self.replicas, "frozen": self.frozen,
+                           "table": [[c, ts] for c, ts in sorted(self.table.items())],
+                           "leaving": [[c, t] for c, t in sorted(self.leaving.items())],
+                           "drops": [list(d) for d in self.drops],
+                           "lastsrv": [[c, t] for c, t in sorted(self.lastsrv.items())],
+                           "tokens": [[sid, h] for sid, h in sorted(self.tokens.items())],
+                           "draining": sorted(self.draining),
+                           "servers": [s.to_wire() for s in self.servers.values()]})
 
     def save(self) -> None:
+        if self.path is None:
+            self.dirty = True  # the service writes the row before it answers anyone
+            return
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
-            json.dump({"version": self.version, "replicas": self.replicas, "frozen": self.frozen,
-                       "table": [[c, ts] for c, ts in sorted(self.table.items())],
-                       "leaving": [[c, t] for c, t in sorted(self.leaving.items())],
-                       "drops": [list(d) for d in self.drops],
-                       "lastsrv": [[c, t] for c, t in sorted(self.lastsrv.items())],
-                       "tokens": [[sid, h] for sid, h in sorted(self.tokens.items())],
-                       "draining": sorted(self.draining),
-                       "servers": [s.to_wire() for s in self.servers.values()]}, f)
+            f.write(self.to_doc())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
@@ -585,31 +625,31 @@ MAX_BATCH = 256  # operations per group commit
 MAX_BATCH_RETRIES = 8  # reruns of a batch that lost a serialization race (PostgreSQL)
 
 
-class _Job:
-    __slots__ = ("fn", "result", "exc", "done")
-
-    def __init__(self, fn: Callable[[], Any]):
-        self.fn = fn
-        self.result: Any = None
-        self.exc: BaseException | None = None
-        self.done = trio.Event()
-
-
 class MetadataService(Service):
     role = "metadata"
 
-    def __init__(self, ns: Namespace, members: Membership, secret: str, gc_grace: float = GC_GRACE):
+    def __init__(self, ns: Namespace, members: Callable[[str | None, bool], Membership], secret: str,
+                 gc_grace: float = GC_GRACE, *, legacy_file: str | None = None):
         self.ns = ns
         self.store_kind = "postgresql" if type(ns.store).__name__ == "PostgresStore" else "sqlite"
+        # Several services share a PostgreSQL store: one leads membership (a lease), and
+        # mutations record their results in the store so a retry elsewhere is not reapplied.
+        self.shared = self.store_kind == "postgresql"
+        self.lead = Leadership(ns.store, self._store_call, members, legacy_file, solo=not self.shared)
+        self.lead.on_change = self._wake
         self.leases = Leases(ns.store)
         self.gc_grace = gc_grace
         self._first_seen: dict[int, float] = {}
         self._drop_seen: dict[tuple[int, int], float] = {}
-        self.members = members
         self.secret = secret
-        self.limiter = trio.CapacityLimiter(1)
-        self._jobs: list[_Job] = []
-        self._jobs_ready = trio.Event()
+        # Writes go to one store thread in batches (group commit); reads, when the store
+        # has a reader, to another, on their own connection: they never wait behind a
+        # batch's durable commit, and see every write acknowledged before they started.
+        self._writer = StoreThread(self._run_batch, MAX_BATCH)
+        reader = ns.store.reader()
+        self._rns = ns.reading(reader) if reader is not None else ns
+        self._reader = StoreThread(run_each, MAX_BATCH) if reader is not None else None
+        self._gc_due = 0.0  # monotonic time before which a wake-up finds no removal due
         self.replay = ReplayCache()
         self._running: dict[tuple[bytes, int], trio.Event] = {}  # mutations being applied, by replay key
         # Calls to storage servers run one at a time, as a server of the cluster (GC, DropChain).
@@ -619,33 +659,75 @@ class MetadataService(Service):
         self.verifying = trio.CapacityLimiter(MAX_VERIFYING)
         self.started = time.time()
 
+    @property
+    def members(self) -> Membership:
+        """The membership this service runs (leader) or its view of the leader's (follower)."""
+        return self.lead.members
+
+    def _wake(self) -> None:
+        self.gc_wakeup.set()
+        self.admission_wakeup.set()
+
     async def _ns(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run one namespace operation; operations queued meanwhile commit together."""
-        job = _Job(lambda: fn(*args, **kwargs))
-        self._jobs.append(job)
-        self._jobs_ready.set()
-        await job.done.wait()
-        if job.exc is not None:
-            raise job.exc
-        return job.result
+        """Run one namespace operation; operations queued meanwhile commit together.
+
+        Inside a mutation on a shared store the first call is applied at most once per
+        request id, across services (:meth:`_once`).
+        """
+        key = _REQUEST.get()
+        if key is not None and self.shared:
+            _REQUEST.set(None)  # later calls of the same request are not the mutation itself
+            return await self._store_call(self._once, key, functools.partial(fn, *args, **kwargs))
+        return await self._store_call(fn, *args, **kwargs)
+
+    def _once(self, key: tuple[bytes, int], fn: Callable[[], Any]) -> Any:
+        """Apply ``fn`` unless request ``key`` was applied already (by any service); its
+        result is recorded in the same transaction, so both commit or neither does."""
+        store = self.ns.store
+        with store.transaction() as txn:
+            prior = txn.get_reply(key[0], key[1])
+        if prior is not None:
+            return pickle.loads(prior)  # our own record, written below by a service of this cluster
+        result = fn()
+        with store.transaction() as txn:
+            txn.put_reply(key[0], key[1], time.time_ns(), pickle.dumps(result))
+        return result
+
+    def _forget_replies(self) -> None:
+        with self.ns.store.transaction() as txn:
+            txn.delete_replies(time.time_ns() - int(REPLIES_KEPT * 1e9))
+
+    async def _store_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` in the writer's next batch (group commit)."""
+        return await self._stored(self._writer, lambda: fn(*args, **kwargs))
+
+    async def _read(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run the read-only ``Namespace`` method ``fn`` (unbound) on the reader, never
+        behind a write batch's commit; stores without a reader run it in the write batch."""
+        if self._reader is None:
+            return await self._store_call(fn, self.ns, *args)
+        rns = self._rns
+        return await self._stored(self._reader, lambda: fn(rns, *args))
+
+    @staticmethod
+    async def _stored(thread: StoreThread, fn: Callable[[], Any]) -> Any:
+        try:
+            return await thread.submit(fn)
+        except StripefsError:
+            raise
+        except Exception as exc:  # the store itself failed (PostgreSQL went away)
+            raise StripefsError(ErrorCode.IO, f"metadata store failed: {exc}") from exc
 
     async def run_batches(self) -> None:
-        """Group commit: every operation that arrived while the last batch ran goes into
-        the next one -- one worker-thread hop and one durable commit (fsync) per batch.
-        With one client nothing changes; with many, the fsync cost is shared."""
-        while True:
-            await self._jobs_ready.wait()
-            self._jobs_ready = trio.Event()
-            jobs, self._jobs = self._jobs[:MAX_BATCH], self._jobs[MAX_BATCH:]
-            if self._jobs:
-                self._jobs_ready.set()
-            if not jobs:
-                continue
-            await trio.to_thread.run_sync(self._run_batch, jobs, limiter=self.limiter)
-            for job in jobs:
-                job.done.set()
+        """Run the store threads until cancelled. Group commit: every write that arrived
+        while the last batch ran goes into the next one -- one durable commit (fsync)
+        per batch. With one client nothing changes; with many, the fsync cost is shared."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._writer.run)
+            if self._reader is not None:
+                nursery.start_soon(self._reader.run)
 
-    def _run_batch(self, jobs: list["_Job"]) -> None:
+    def _run_batch(self, jobs: list[Job]) -> None:
         store = self.ns.store
         for attempt in range(MAX_BATCH_RETRIES + 1):
             for job in jobs:
@@ -665,14 +747,16 @@ class MetadataService(Service):
                     time.sleep(random.uniform(0, 0.002 * 2 ** attempt))  # worker thread: spread the rerun
                     continue
                 for job in jobs:
-                    if job.exc is None:
+                    if job.exc is None or not isinstance(job.exc, StripefsError):
                         job.result = None
                         job.exc = StripefsError(ErrorCode.IO, f"metadata commit failed: {exc}")
                 return
 
     async def handle(self, conn: ServerConn, head: FrameHead, msg: Message, payload: Any) -> None:
         if not msg.MUTATES:
-            await conn.send(head, (await self._dispatch(msg)).to_header())
+            reply = await self._dispatch(msg)
+            await self.lead.persist()  # a membership change is durable before anyone hears of it
+            await conn.send(head, reply.to_header())
             return
         key = (conn.client_id, head.req_id)
         running = self._running.get(key)
@@ -681,11 +765,15 @@ class MetadataService(Service):
         prior = self.replay.get(key)
         if prior is None:
             done = self._running[key] = trio.Event()
+            request = _REQUEST.set(key)
             try:
-                prior = (await self._dispatch(msg)).to_header()  # the encoded header: resent as is
+                reply = await self._dispatch(msg)
+                await self.lead.persist()
+                prior = reply.to_header()  # the encoded header: resent as is
             except StripefsError as exc:
                 prior = exc
             finally:
+                _REQUEST.reset(request)
                 if isinstance(prior, (dict, StripefsError)):
                     self.replay.put(key, prior)
                 del self._running[key]
@@ -697,14 +785,13 @@ class MetadataService(Service):
     async def _dispatch(self, msg: Message[Any]) -> ReplyMessage:
         ns = self.ns
         if isinstance(msg, m.GetAttr):
-            return m.AttrReply(await self._ns(ns.getattr, msg.ino))
+            return m.AttrReply(await self._read(Namespace.getattr, msg.ino))
         if isinstance(msg, m.Lookup):
-            return m.AttrReply(await self._ns(ns.lookup, msg.parent, msg.name))
+            return m.AttrReply(await self._read(Namespace.lookup, msg.parent, msg.name))
         if isinstance(msg, m.Resolve):
-            return m.AttrReply(await self._ns(ns.resolve, msg.path, msg.follow))
+            return m.AttrReply(await self._read(Namespace.resolve, msg.path, msg.follow))
         if isinstance(msg, m.Create):
-            self.members.freeze()
-            chains = self.members.chain_ids()
+            chains = await self._frozen_chains()
             attr, created = await self._ns(
                 ns.create, msg.parent, msg.name, msg.mode, msg.uid, msg.gid,
                 chains=chains, exclusive=msg.exclusive, truncate=msg.truncate,
@@ -712,22 +799,45 @@ class MetadataService(Service):
             if msg.truncate and not created:
                 await self.truncate_chunks(attr, 0)
             return m.CreateReply(attr, created)
+        if isinstance(msg, m.CreatePath):
+            self.members.freeze()
+            chains = self.members.chain_ids()
+
+            def create_path() -> tuple[Any, bool]:  # resolve and create in one batch slot
+                parent, name = ns.parent_of(msg.path)
+                return ns.create(parent, name, msg.mode, msg.uid, msg.gid, chains=chains,
+                                 exclusive=msg.exclusive, truncate=msg.truncate)
+
+            attr, created = await self._ns(create_path)
+            if msg.truncate and not created:
+                await self.truncate_chunks(attr, 0)
+            return m.CreateReply(attr, created)
+        if isinstance(msg, m.UnlinkPath):
+            attr = await self._ns(lambda: ns.unlink(*ns.parent_of(msg.path)))
+            self._garbage_added()
+            return m.AttrReply(attr)
+        if isinstance(msg, m.StatMany):
+            found = await self._read(Namespace.resolve_many, list(msg.paths), msg.follow)
+            attrs = [a for a in found if not isinstance(a, StripefsError)]
+            failed = [i for i, a in enumerate(found) if isinstance(a, StripefsError)]
+            return m.StatManyReply(attrs, failed, [int(found[i].code) for i in failed])
+        if isinstance(msg, m.ListNames):
+            names, more = await self._read(Namespace.list_names, msg.path, msg.after, msg.limit)
+            return m.NamesReply(names, bool(more))
         if isinstance(msg, m.Mkdir):
             return m.AttrReply(await self._ns(ns.mkdir, msg.parent, msg.name, msg.mode, msg.uid, msg.gid))
         if isinstance(msg, m.Symlink):
             return m.AttrReply(await self._ns(ns.symlink, msg.parent, msg.name, msg.target, msg.uid, msg.gid))
         if isinstance(msg, m.Mknod):
-            if stat.S_ISREG(msg.mode):
-                self.members.freeze()
-            chains = self.members.chain_ids() if stat.S_ISREG(msg.mode) else []
+            chains = await self._frozen_chains() if stat.S_ISREG(msg.mode) else []
             return m.AttrReply(await self._ns(ns.mknod, msg.parent, msg.name, msg.mode, msg.rdev, msg.uid, msg.gid,
                                               chains=chains))
         if isinstance(msg, m.GetXattr):
-            return m.XattrReply(await self._ns(ns.getxattr, msg.ino, msg.name))
+            return m.XattrReply(await self._read(Namespace.getxattr, msg.ino, msg.name))
         if isinstance(msg, m.SetXattr):
             return m.AttrReply(await self._ns(ns.setxattr, msg.ino, msg.name, msg.value, msg.flags))
         if isinstance(msg, m.ListXattr):
-            return m.XattrNamesReply(await self._ns(ns.listxattr, msg.ino))
+            return m.XattrNamesReply(await self._read(Namespace.listxattr, msg.ino))
         if isinstance(msg, m.RemoveXattr):
             return m.AttrReply(await self._ns(ns.removexattr, msg.ino, msg.name))
         if isinstance(msg, m.AcquireLock):
@@ -736,22 +846,22 @@ class MetadataService(Service):
         if isinstance(msg, m.ReleaseLock):
             return m.ReleaseLockReply(await self._ns(self.leases.release, msg.key, msg.owner))
         if isinstance(msg, m.Readlink):
-            return m.ReadlinkReply(await self._ns(ns.readlink, msg.ino))
+            return m.ReadlinkReply(await self._read(Namespace.readlink, msg.ino))
         if isinstance(msg, m.Link):
             return m.AttrReply(await self._ns(ns.link, msg.ino, msg.new_parent, msg.new_name))
         if isinstance(msg, m.Readdir):
-            entries, more = await self._ns(ns.readdir, msg.ino, msg.after, msg.limit, msg.plus)
+            entries, more = await self._read(Namespace.readdir, msg.ino, msg.after, msg.limit, msg.plus)
             return m.ReaddirReply(list(entries), bool(more))
         if isinstance(msg, m.Unlink):
             attr = await self._ns(ns.unlink, msg.parent, msg.name)
-            self.gc_wakeup.set()
+            self._garbage_added()
             return m.AttrReply(attr)
         if isinstance(msg, m.Rmdir):
             await self._ns(ns.rmdir, msg.parent, msg.name)
             return m.EmptyReply()
         if isinstance(msg, m.Rename):
             await self._ns(ns.rename, msg.parent, msg.name, msg.new_parent, msg.new_name, msg.flags)
-            self.gc_wakeup.set()
+            self._garbage_added()
             return m.EmptyReply()
         if isinstance(msg, m.SetAttr):
             attr = await self._ns(
@@ -767,13 +877,16 @@ class MetadataService(Service):
             await self._ns(ns.set_layout, msg.ino, msg.chunk_size, msg.stripe)
             return m.EmptyReply()
         if isinstance(msg, m.GetLayout):
-            return m.LayoutReply(await self._ns(ns.get_layout, msg.ino))
+            return m.LayoutReply(await self._read(Namespace.get_layout, msg.ino))
         if isinstance(msg, m.GetRouting):
+            await self.lead.refresh_view()
             return m.RoutingReply(self.members.routing())
         if isinstance(msg, m.Statfs):
             return await self._statfs()
         if isinstance(msg, m.ClusterStatus):
             return await self._status()
+        if isinstance(msg, (m.RegisterServer, m.Heartbeat, m.SyncDone, m.RemoveServer)):
+            self.lead.require()  # membership changes: callers try the next metadata address
         if isinstance(msg, m.RegisterServer):
             sid, state = self.members.register(msg)
             self.admission_wakeup.set()  # connect back now, not at the next poll
@@ -794,6 +907,16 @@ class MetadataService(Service):
             return m.EmptyReply()
         raise StripefsError(ErrorCode.NOT_SUPPORTED, f"{type(msg).__name__} is not a metadata request")
 
+    async def _frozen_chains(self) -> list[int]:
+        """The chain ids a new file may use; the first file freezes the table (leader only)."""
+        if not self.members.frozen:
+            await self.lead.refresh_view()
+        if not self.members.frozen:
+            self.lead.require()  # a follower cannot freeze the leader's table: the client fails over
+            self.members.freeze()
+            await self.lead.persist()  # durable before any file names the chains
+        return self.members.chain_ids()
+
     async def _statfs(self) -> m.StatfsReply:
         """Usable space: the serving servers' capacity and usage over the replica count.
 
@@ -801,8 +924,9 @@ class MetadataService(Service):
         overstate what files can hold by that factor. Front ends (the FUSE
         ``statfs``, ``Client.statfs``) report these numbers as they are.
         """
+        await self.lead.refresh_view()
         servers = [s for s in self.members.servers.values() if s.state == "serving"]
-        counts = await self._ns(self.ns.counts)
+        counts = await self._read(Namespace.counts)
         # Chains hold min(replicas, servers) targets (Membership._rebuild).
         r = max(1, min(self.members.replicas, len(self.members.servers)))
         capacity = sum(s.capacity for s in servers) // r
@@ -810,14 +934,16 @@ class MetadataService(Service):
         return m.StatfsReply(capacity=capacity, used=used, free=max(0, capacity - used), files=counts.get("inodes", 0))
 
     async def _status(self) -> m.ClusterStatusReply:
+        await self.lead.refresh_view()
         routing = self.members.routing()
-        counts = await self._ns(self.ns.counts)
+        counts = await self._read(Namespace.counts)
         # Registrations not admitted yet are shown too (state "pending"), with the reason in
         # metadata["pending"]; they are never part of the routing clients use.
         pending = [ServerInfo(c.server_id, c.host, c.port, "pending", c.capacity, c.used, c.pid, c.last_seen)
                    for sid, c in sorted(self.members.pending.items()) if sid not in routing.servers]
         return m.ClusterStatusReply(
-            metadata={"pid": os.getpid(), "uptime": time.time() - self.started, "store": self.store_kind, **counts,
+            metadata={"pid": os.getpid(), "uptime": time.time() - self.started, "store": self.store_kind,
+                      "leader": self.lead.leading, **counts,
                       "pending": self.members.pending_status()},
             servers=list(routing.servers.values()) + pending,
             chains=[{"chain_id": c, "targets": [t for t, _ in ms], "states": [st for _, st in ms]}
@@ -855,25 +981,37 @@ class MetadataService(Service):
             log.error("truncate of inode %d to %d incomplete: %s", attr.ino, length, exc.message)
             raise StripefsError(ErrorCode.IO, f"truncate could not reach every storage server: {exc.message}") from exc
 
+    def _garbage_added(self) -> None:
+        """A removal was queued: it is due after the grace period (now, with none)."""
+        self._gc_due = min(self._gc_due, time.monotonic() + self.gc_grace)
+        self.gc_wakeup.set()
+
     async def collect(self) -> None:
         """Drop chunks of removed files (after the grace period).
 
         Truncations were applied when they were asked for (:meth:`truncate_chunks`);
         their queue entries only need clearing.
         """
-        items = await self._ns(self.ns.garbage, 1000)
+        self._gc_due = math.inf  # removals queued during this pass lower it again
+        limit = 1000
+        items = await self._read(Namespace.garbage, limit)
         now = time.monotonic()
+        due = now if len(items) >= limit else math.inf  # more wait behind these
         for item in items:
             if item.kind == "remove":
-                if now - self._first_seen.setdefault(item.id, now) < self.gc_grace:
+                seen = self._first_seen.setdefault(item.id, now)
+                if now - seen < self.gc_grace:
+                    due = min(due, seen + self.gc_grace)
                     continue
                 try:
                     await self._apply(item)
                 except StripefsError as exc:
                     log.info("removal of inode %d postponed: %s", item.ino, exc.message)
+                    due = now
                     continue  # retried on the next pass: removing is idempotent and safe later
             await self._ns(self.ns.garbage_done, item.id)
             self._first_seen.pop(item.id, None)
+        self._gc_due = min(self._gc_due, due)
 
     async def _apply(self, item: Any) -> None:
         layout = item.layout
@@ -971,23 +1109,47 @@ class MetadataService(Service):
         if reason is None:
             self.members.admit(cand.server_id)
             self.members.place()  # with replicas, its chain moves may start at once
+            try:
+                await self.lead.persist()
+            except StripefsError as exc:
+                log.warning("admission of storage server %d not recorded: %s", cand.server_id, exc.message)
         else:
             self.members.reject(cand.server_id, reason)
 
     async def detect(self) -> None:
         """Failure detection on its own clock: never waits behind garbage collection's I/O."""
+        last_flush = trio.current_time()
         while True:
-            self.members.sweep()
+            if self.lead.leading:
+                self.members.sweep()
+                if self.shared and trio.current_time() - last_flush > VIEW_REFRESH:
+                    self.members.dirty = True  # followers' view of capacities and usage
+                    last_flush = trio.current_time()
+                try:
+                    await self.lead.persist()
+                except StripefsError as exc:
+                    log.warning("membership not recorded: %s", exc.message)
             await trio.sleep(GC_INTERVAL)
 
     async def background(self) -> None:
+        forgot = trio.current_time()
         while True:
             with trio.move_on_after(GC_INTERVAL):
                 await self.gc_wakeup.wait()
-            self.gc_wakeup = trio.Event()
+            woken, self.gc_wakeup = self.gc_wakeup.is_set(), trio.Event()
+            if not self.lead.leading:
+                continue  # the leader collects
+            if woken and time.monotonic() < self._gc_due:
+                # An unlink within the grace period: nothing is due yet, and listing the
+                # queue at every unlink would cost a scan per operation.
+                continue
             try:
                 await self.collect()
                 await self.drop_moved_chains()
+                await self.lead.persist()
+                if self.shared and trio.current_time() - forgot > 60:  # old replies, once a minute
+                    await self._store_call(self._forget_replies)
+                    forgot = trio.current_time()
             except Exception:  # never let GC take the service down
                 log.exception("garbage collection pass failed")
 
@@ -1001,6 +1163,19 @@ def open_store(state_dir: str, store_url: str | None = None) -> Store:
     if store_url:
         raise StripefsError(ErrorCode.INVALID, f"unknown metadata store {store_url.split(':', 1)[0]!r}")
     return SqliteStore(os.path.join(state_dir, "meta.db"))
+
+
+def _open_namespace(store: Store, chunk_size: int, max_stripe: int) -> Namespace:
+    """The namespace on ``store``; services starting together on a new database race to
+    create the root directory, and the losers (a serialization failure) try again."""
+    for attempt in range(MAX_BATCH_RETRIES + 1):
+        try:
+            return Namespace(store, default_chunk_size=chunk_size, max_stripe=max_stripe)
+        except Exception as exc:
+            if not store.retryable(exc) or attempt == MAX_BATCH_RETRIES:
+                raise
+            time.sleep(random.uniform(0, 0.01 * 2 ** attempt))
+    raise AssertionError("unreachable")
 
 
 async def serve_metadata(
@@ -1028,12 +1203,17 @@ async def serve_metadata(
     """
     os.makedirs(state_dir, exist_ok=True)
     store = await trio.to_thread.run_sync(open_store, state_dir, store_url)
-    ns = await trio.to_thread.run_sync(lambda: Namespace(store, default_chunk_size=chunk_size, max_stripe=max_stripe))
-    members = Membership(os.path.join(state_dir, "servers.json"), replicas, admit_after=admit_after)
-    service = MetadataService(ns, members, secret, gc_grace)
+    ns = await trio.to_thread.run_sync(_open_namespace, store, chunk_size, max_stripe)
+
+    def members(doc: str | None, restarted: bool) -> Membership:
+        return Membership(None, replicas, admit_after=admit_after, doc=doc, restarted=restarted)
+
+    service = MetadataService(ns, members, secret, gc_grace, legacy_file=os.path.join(state_dir, "servers.json"))
     async with trio.open_nursery() as nursery:
         address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id))
         nursery.start_soon(service.run_batches)
+        service.lead.owner = f"{address[0]}:{address[1]}".encode()  # a restart on the same port resumes its lease
+        await nursery.start(service.lead.keep)
         nursery.start_soon(service.detect)
         nursery.start_soon(service.background)
         nursery.start_soon(service.admission)

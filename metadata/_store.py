@@ -11,7 +11,12 @@ backend (PostgreSQL, say) implements the primitives and nothing else:
   directory's default layout (chunk size, stripe), inherited by ``mkdir``;
 * ``dentries`` -- ``(parent, name) -> (ino, type bits)``, listed in name order;
 * ``garbage``  -- work left for storage servers (removed/truncated files);
-* ``meta``     -- a string key/value table for counters (next inode number).
+* ``meta``     -- a string key/value table for counters (next inode number) and the
+  schema version (:data:`SCHEMA_VERSION`);
+* ``membership`` -- one row: the storage membership and chain table (a JSON document
+  written by the leading metadata service, read by the others) and its routing version;
+* ``replies``  -- results of mutations by ``(client id, request id)``, so a retry that
+  reaches another metadata service is answered, not applied twice.
 
 Names are stored as bytes (UTF-8, ``surrogateescape``) so that listing order is
 plain byte order in every backend; a text column would sort by the database's
@@ -34,9 +39,13 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from wire._errors import ErrorCode, StripefsError
 from wire._types import Attr, DirEntry, Layout
 
 __all__ = ["DirRow", "GarbageItem", "Txn", "Store", "MemoryStore", "SqliteStore"]
+
+# Version 1: the tables before membership and replies moved into the store.
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +173,33 @@ class Txn(abc.ABC):
 
         ``delete_inode`` removes an inode's extended attributes with it."""
 
+    def allocate(self, key: str) -> int:
+        """The next number of counter ``key`` (inode numbers, garbage ids): unique, and
+        larger than any this store handed out before. Kept in ``meta`` by default; a
+        store shared by several services may hand numbers out without making every
+        transaction that takes one conflict with the others (a sequence, with gaps)."""
+        value = int(self.get_meta(key) or "1")
+        self.put_meta(key, str(value + 1))
+        return value
+
+    @abc.abstractmethod
+    def get_membership(self) -> tuple[int, str] | None:
+        """``(routing version, JSON document)`` of the membership row, if written."""
+
+    @abc.abstractmethod
+    def put_membership(self, version: int, doc: str) -> None: ...
+
+    @abc.abstractmethod
+    def get_reply(self, client: bytes, req: int) -> bytes | None:
+        """The recorded result of request ``req`` of ``client``, if it was applied."""
+
+    @abc.abstractmethod
+    def put_reply(self, client: bytes, req: int, created_ns: int, result: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def delete_replies(self, before_ns: int) -> None:
+        """Forget results recorded before ``before_ns`` (no retry comes that late)."""
+
 
 class Store(abc.ABC):
     """A backend: hands out transactions that commit on success, roll back on exception."""
@@ -187,6 +223,16 @@ class Store(abc.ABC):
         default does nothing special (stores whose commits are cheap).
         """
         yield
+
+    def reader(self) -> "Store | None":
+        """A store for read-only transactions on another thread, or None.
+
+        Its transactions may run while this store's writes (batches) are in
+        progress, and see only committed state: a read that starts after a
+        write was acknowledged sees it. None (the default) means reads must go
+        through this store, serialised with the writes.
+        """
+        return None
 
     def close(self) -> None:
         pass
@@ -297,6 +343,23 @@ class _MemoryTxn(Txn):
     def list_xattrs(self, ino: int) -> list[tuple[bytes, int]]:
         return sorted((name, len(v)) for (i, name), v in self._s.xattrs.items() if i == ino)
 
+    def get_membership(self) -> tuple[int, str] | None:
+        return self._s.membership.get(1)
+
+    def put_membership(self, version: int, doc: str) -> None:
+        self._set(self._s.membership, 1, (version, doc))
+
+    def get_reply(self, client: bytes, req: int) -> bytes | None:
+        row = self._s.replies.get((bytes(client), req))
+        return row[1] if row else None
+
+    def put_reply(self, client: bytes, req: int, created_ns: int, result: bytes) -> None:
+        self._set(self._s.replies, (bytes(client), req), (created_ns, bytes(result)))
+
+    def delete_replies(self, before_ns: int) -> None:
+        for key in [k for k, (t, _) in self._s.replies.items() if t < before_ns]:
+            self._del(self._s.replies, key)
+
 
 class MemoryStore(Store):
     """An in-process store for tests and fakes; same semantics as :class:`SqliteStore`."""
@@ -309,6 +372,8 @@ class MemoryStore(Store):
         self.garbage: dict[int, GarbageItem] = {}
         self.xattrs: dict[tuple[int, bytes], bytes] = {}
         self.locks: dict[str, LockRow] = {}
+        self.membership: dict[int, tuple[int, str]] = {}
+        self.replies: dict[tuple[bytes, int], tuple[int, bytes]] = {}
         self._open = False
 
     @contextmanager
@@ -459,6 +524,25 @@ class SqlTxn(Txn):
         rows = self._q("SELECT name, LENGTH(value) FROM xattrs WHERE ino = ? ORDER BY name", (ino,)).fetchall()
         return [(bytes(name), n) for name, n in rows]
 
+    def get_membership(self) -> tuple[int, str] | None:
+        row = self._q("SELECT version, doc FROM membership WHERE id = 1").fetchone()
+        return (int(row[0]), row[1]) if row else None
+
+    def put_membership(self, version: int, doc: str) -> None:
+        self._q("INSERT INTO membership (id, version, doc) VALUES (1, ?, ?) "
+                "ON CONFLICT (id) DO UPDATE SET version = excluded.version, doc = excluded.doc", (version, doc))
+
+    def get_reply(self, client: bytes, req: int) -> bytes | None:
+        row = self._q("SELECT result FROM replies WHERE client = ? AND req = ?", (bytes(client), req)).fetchone()
+        return bytes(row[0]) if row else None
+
+    def put_reply(self, client: bytes, req: int, created_ns: int, result: bytes) -> None:
+        self._q("INSERT INTO replies (client, req, created_ns, result) VALUES (?, ?, ?, ?)",
+                (bytes(client), req, created_ns, bytes(result)))
+
+    def delete_replies(self, before_ns: int) -> None:
+        self._q("DELETE FROM replies WHERE created_ns < ?", (before_ns,))
+
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS inodes (
@@ -480,7 +564,30 @@ CREATE TABLE IF NOT EXISTS xattrs (
     ino INTEGER NOT NULL, name BLOB NOT NULL, value BLOB NOT NULL, PRIMARY KEY (ino, name));
 CREATE TABLE IF NOT EXISTS locks (
     key TEXT PRIMARY KEY, owner BLOB NOT NULL, token INTEGER NOT NULL, expires_ns INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS membership (id INTEGER PRIMARY KEY, version INTEGER NOT NULL, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS replies (
+    client BLOB NOT NULL, req INTEGER NOT NULL, created_ns INTEGER NOT NULL, result BLOB NOT NULL,
+    PRIMARY KEY (client, req));
+CREATE INDEX IF NOT EXISTS replies_by_age ON replies (created_ns);
 """
+
+
+def check_schema_version(found: str | None, where: str) -> None:
+    """Refuse a database written by another schema version (before touching it).
+
+    Args:
+        found: the ``schema_version`` row of ``meta`` (None when absent).
+        where: the database, for the message.
+
+    Raises:
+        StripefsError: INVALID naming both versions.
+    """
+    if found is None:
+        return  # a new database, or one from version 1 (before the row existed): migrated here
+    if not found.isdigit() or int(found) != SCHEMA_VERSION:
+        raise StripefsError(ErrorCode.INVALID,
+                            f"{where} holds a stripefs namespace of schema version {found}; this stripefs "
+                            f"reads version {SCHEMA_VERSION} (use the matching release, or a new database)")
 
 
 class SqliteStore(Store):
@@ -503,10 +610,35 @@ class SqliteStore(Store):
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
-        self._conn.executescript(_SCHEMA)
-        self._migrate()
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            names = {r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            found = None
+            if "meta" in names:
+                row = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+                found = row[0] if row else None
+            check_schema_version(found, self.path)
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    self._conn.execute(statement)
+            self._migrate()
+            self._conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?) "
+                               "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
+            self._conn.execute("COMMIT")
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            self._conn.close()
+            raise
         self._open = False
         self._batching = False
+        self._reader: _SqliteReader | None = None
+
+    def reader(self) -> "Store | None":
+        if self.path == ":memory:" or self.path.startswith("file:"):
+            return None  # a private in-memory database has no second connection
+        if self._reader is None:
+            self._reader = _SqliteReader(self.path)
+        return self._reader
 
     def _migrate(self) -> None:
         """Bring a database written by an older version up to this schema (idempotent)."""
@@ -567,6 +699,34 @@ class SqliteStore(Store):
                 raise
             self._conn.execute("RELEASE op")
         finally:
+            self._open = False
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+        self._conn.close()
+
+
+class _SqliteReader(Store):
+    """A second, query-only connection to a WAL database: each transaction reads one
+    committed snapshot and never waits for the writer (WAL readers do not block)."""
+
+    def __init__(self, path: str) -> None:
+        self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._conn.execute("PRAGMA query_only=1")
+        self._open = False
+
+    @contextmanager
+    def transaction(self) -> Iterator[Txn]:
+        if self._open:
+            raise RuntimeError("transactions do not nest")
+        self._open = True
+        try:
+            self._conn.execute("BEGIN")  # deferred: the first read takes the snapshot
+            yield SqlTxn(self._conn.cursor())
+        finally:
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")  # nothing to keep: it only read
             self._open = False
 
     def close(self) -> None:

@@ -168,6 +168,11 @@ class ConnectionPool:
         self._cache: _KeyedCache[Connection] = _KeyedCache()
         self._rr = itertools.count()
 
+    def live_one(self, key: Hashable, address: Address) -> Connection | None:
+        """A live connection to ``key`` if one is open (never connects, never blocks)."""
+        conns = self._cache.live(key, address)
+        return conns[0] if conns else None
+
     def get(self, key: Hashable, address: Address) -> Connection:
         """A live connection to ``key`` at ``address``, connecting as needed.
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Callable
 
 import trio
@@ -41,6 +41,13 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
 MAX_IN_FLIGHT = 64  # per connection; back-pressure beyond that
+MAX_CONNECTIONS = 4096  # per server: accepting pauses at this many open connections
+PAYLOAD_BUDGET = 512 << 20  # per server: request payload bytes held at once (received, not yet handled)
+ACCEPT_RETRY = 0.1  # seconds to wait when accept() fails for lack of descriptors or memory
+# accept() errors that mean "not now" (out of descriptors or kernel memory), never "stop serving".
+_ACCEPT_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+# accept() errors about one connection that died in the backlog.
+_ACCEPT_PEER = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM}
 MIN_READ = 256  # a whole small request in one read; the few payload bytes past a header are copied once
 SOCK_BUF = 4 << 20
 
@@ -219,6 +226,56 @@ class Service:
         raise NotImplementedError
 
 
+class ByteBudget:
+    """Payload bytes a whole server holds at once: acquired before a request's payload
+    is received, released when its handler is done.
+
+    A request that does not fit waits (first come, first served), and so does
+    the reading of its connection: the client's further bytes stay in the
+    socket buffers, and TCP flow control slows the client down. One request
+    larger than the whole budget is admitted alone.
+
+    Args:
+        limit: bytes (> 0).
+    """
+
+    def __init__(self, limit: int):
+        if limit <= 0:
+            raise ValueError("a byte budget must be positive")
+        self.limit = limit
+        self.used = 0
+        self._waiters: deque[tuple[int, trio.Event]] = deque()
+
+    def _fits(self, n: int) -> bool:
+        return self.used + n <= self.limit or self.used == 0
+
+    async def acquire(self, n: int) -> None:
+        if not self._waiters and self._fits(n):
+            self.used += n
+            return
+        entry = (n, trio.Event())
+        self._waiters.append(entry)
+        try:
+            await entry[1].wait()
+        except BaseException:
+            if entry[1].is_set():
+                self.release(n)  # granted as we were cancelled: give it back
+            else:
+                self._waiters.remove(entry)
+                self._wake()  # those behind us may fit now
+            raise
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self._fits(self._waiters[0][0]):
+            n, event = self._waiters.popleft()
+            self.used += n
+            event.set()
+
+
 class ReplayCache:
     """Responses to recent mutating requests, by (client id, request id).
 
@@ -243,7 +300,8 @@ class ReplayCache:
 _CONN_ERRORS = (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError, trio.TooSlowError)
 
 
-async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service, secret: str, cluster_id: str) -> None:
+async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service, secret: str, cluster_id: str,
+                      budget: ByteBudget) -> None:
     """Serve one connection. Nothing that happens here may take the server down."""
     conn = ServerConn(sock, peer, ServerConnection(secret, service.role, cluster_id))
     limit = trio.Semaphore(MAX_IN_FLIGHT)
@@ -268,6 +326,8 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
             await reply_error(head, StripefsError(ErrorCode.IO, f"internal error: {type(exc).__name__}: {exc}"))
         finally:
             limit.release()
+            if head.payload_len:
+                budget.release(head.payload_len)
 
     async def read_loop(nursery: trio.Nursery) -> None:
         while True:
@@ -279,10 +339,16 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
                 return
             head, msg = event.head, event.message
             await limit.acquire()
+            if head.payload_len:
+                await budget.acquire(head.payload_len)  # before a byte of it is received
             try:
                 payload = await service.receive_payload(conn, head, msg)
-            except StripefsError as exc:
+            except BaseException as exc:
                 limit.release()
+                if head.payload_len:
+                    budget.release(head.payload_len)
+                if not isinstance(exc, StripefsError):
+                    raise
                 await conn.discard_payload()
                 await reply_error(head, exc)
                 continue
@@ -318,23 +384,62 @@ async def serve_rpc(
     *,
     secret: str,
     cluster_id: str = "",
+    payload_budget: int = PAYLOAD_BUDGET,
+    max_connections: int = MAX_CONNECTIONS,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen on ``host:port`` (0 = any free port) and serve until cancelled.
 
     Calls ``task_status.started((host, port))`` with the bound address.
+
+    Args:
+        payload_budget: request payload bytes held at once, server-wide (:class:`ByteBudget`).
+        max_connections: open connections at once; accepting pauses at the cap (the
+            kernel's backlog holds newcomers).
+
+    Caveats:
+        Running out of file descriptors (EMFILE/ENFILE) or kernel memory on accept
+        pauses accepting for ``ACCEPT_RETRY`` seconds; it never stops the server.
     """
     listener = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     await listener.bind((host, port))
     listener.listen(512)
     address = listener.getsockname()[:2]
+    budget = ByteBudget(payload_budget)
+    slots = trio.Semaphore(max_connections)
+    warned = 0.0
+
+    async def serve_one(sock: trio.socket.SocketType, peer: Any) -> None:
+        try:
+            await _serve_conn(sock, peer, service, secret, cluster_id, budget)
+        finally:
+            slots.release()
+
     async with trio.open_nursery() as nursery:
         task_status.started(address)
         try:
             while True:
-                sock, peer = await listener.accept()
-                tune_socket(sock)
-                nursery.start_soon(_serve_conn, sock, peer, service, secret, cluster_id)
+                await slots.acquire()
+                try:
+                    sock, peer = await listener.accept()
+                except OSError as exc:
+                    slots.release()
+                    if exc.errno in _ACCEPT_PEER:
+                        continue
+                    if exc.errno not in _ACCEPT_TRANSIENT:
+                        raise
+                    if trio.current_time() - warned > 10:  # one line per 10 s, not one per retry
+                        warned = trio.current_time()
+                        log.warning("accept on %s:%d failed (%s); retrying", *address, exc.strerror)
+                    await trio.sleep(ACCEPT_RETRY)
+                    continue
+                try:
+                    tune_socket(sock)
+                except OSError:  # the peer is already gone
+                    sock.close()
+                    slots.release()
+                    continue
+                nursery.start_soon(serve_one, sock, peer)
         finally:
             listener.close()

@@ -71,14 +71,47 @@ def align_up(n: int, a: int) -> int:
 
 
 def chunk_crcs(view: memoryview, chunk: int = CHECK_CHUNK) -> tuple[int, list[int]]:
-    """CRC32C of the whole buffer and of each ``chunk``-sized piece of it."""
+    """CRC32C of the whole buffer and of each ``chunk``-sized piece of it, in one pass.
+
+    The whole-file CRC is combined from the pieces' (:func:`crc_combine`) instead of being a
+    second pass over the bytes; only a short last piece is read twice.
+    """
     total = 0
     crcs = []
     for off in range(0, len(view), chunk):
         piece = view[off : off + chunk]
         crcs.append(crc32c.crc32c(piece))
-        total = crc32c.crc32c(piece, total)
+        total = crc_combine(total, crcs[-1], len(piece)) if len(piece) == chunk else crc32c.crc32c(piece, total)
     return total, crcs
+
+
+_SHIFTS: dict[int, list[int]] = {}
+
+
+def _shift(n: int) -> list[int]:
+    """Columns of the linear map taking a CRC32C value to its value after ``n`` more zero bytes,
+    less the constant part: ``shift(x) = crc32c(zeros(n), x) ^ crc32c(zeros(n), 0)``."""
+    cols = _SHIFTS.get(n)
+    if cols is None:
+        zeros = bytes(n)
+        base = crc32c.crc32c(zeros, 0)
+        cols = _SHIFTS[n] = [crc32c.crc32c(zeros, 1 << i) ^ base for i in range(32)]
+    return cols
+
+
+def crc_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """CRC32C of ``a + b`` from ``crc32c(a)``, ``crc32c(b)`` and ``len(b)`` (zlib's crc32_combine idea).
+
+    ``crc(a + b) = S(crc(a)) ^ crc(b)`` where ``S`` is linear over GF(2) and depends only on
+    ``len(b)``; its 32 columns are computed once per length and cached (use a few lengths).
+    """
+    cols, r, i = _shift(len_b), 0, 0
+    while crc_a:
+        if crc_a & 1:
+            r ^= cols[i]
+        crc_a >>= 1
+        i += 1
+    return r ^ crc_b
 
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (

@@ -6,6 +6,9 @@ States of a checkpoint::
        │          │
        └─> abandoned      failed   (checksum mismatch, conflict: never retried)
 
+    streaming ──> committed          (keep_local=0: no local copy)
+       └─> abandoned / failed
+
 ``writing``: the trainer is serializing it; its lock is held. A ``writing``
 row whose lock is free means the writer died before the copy was locally
 durable: the mover abandons it and removes the remains. ``staged``: every
@@ -14,6 +17,12 @@ durable offset per file. Whoever holds the checkpoint's ``flock``
 (``locks/<id>.lock``) may upload it — the trainer's own thread or a standalone
 mover; the kernel drops the lock when the holder is killed, so a ``kill -9``
 never leaves a checkpoint stuck.
+
+``streaming``: a ``keep_local=0`` save uploading straight from the trainer's
+memory; ``file.done`` lets a retry in the same process resume, but nothing on
+disk can: if the trainer dies before the commit, the step is lost, and a
+mover that finds the lock free abandons it (naming ``keep_local=0`` in its
+error) after removing the partial upload.
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@ Upload of one checkpoint (idempotent, resumable):
    disks) *and* the file's committed length covers it, so a resume never
    skips bytes that a reader could not see;
 3. each file, once uploaded, is checked in the store (committed size and,
-   unless ``MoverOptions.verify`` is off, every CRC32C read back, overlapping
-   the other files' uploads); a file that fails is sent again from its start,
-   once;
+   unless ``MoverOptions.verify`` is off, every CRC32C: read back, overlapping
+   the other files' uploads — or, while its bytes are still in memory, compared
+   with every replica's stored block CRC32Cs, no read-back); a file that fails
+   is sent again from its start, once;
 4. the manifest is written last, then the directory is renamed to its final
    name with ``noreplace`` — one atomic metadata transaction, so readers see
    either nothing or the whole step.
@@ -46,7 +47,7 @@ from wire import ErrorCode, StripefsError
 from ._durable import process_umask
 from ._format import MANIFEST, CheckpointConflict, ChecksumError, parse_manifest
 from ._journal import CkptRow, FileRow, Journal, fault_point
-from ._verify import file_problems
+from ._verify import file_problems, stored_problem
 
 __all__ = ["MoverOptions", "Uploader", "SnapshotViews", "remote_paths", "remove_tree", "client_for"]
 
@@ -66,8 +67,9 @@ class MoverOptions:
     backoff: float = 0.5            # first retry delay (doubles, capped at 8 s)
     cluster: str | None = None      # overrides the cluster recorded in the journal
     piece: int = PIECE              # upload unit; the journal records progress per piece
-    verify: bool = True             # before the commit, read every uploaded byte back and check its
-                                    # CRC32Cs (False: committed sizes only; saves a read of the step)
+    verify: bool = True             # before the commit, check every uploaded file's CRC32Cs: read back, or
+                                    # (bytes still in memory) each replica's stored block CRC32Cs
+                                    # (False: committed sizes only)
 
 
 _clients: dict[str, Client] = {}
@@ -186,12 +188,18 @@ class SnapshotViews:
 
 @dataclass
 class Uploader:
-    """Uploads one checkpoint; ``buffers`` (the snapshot, while lent) skips re-reading local files."""
+    """Uploads one checkpoint; ``buffers`` (the snapshot, while lent) skips re-reading local files.
+
+    ``manifest`` (returns the manifest's bytes; called at the commit, so it may wait for them)
+    is for a checkpoint with no local copy (``keep_local=0``); otherwise the commit reads the
+    staged manifest.
+    """
 
     journal: Journal
     row: CkptRow
     options: MoverOptions = field(default_factory=MoverOptions)
     buffers: SnapshotViews | None = None
+    manifest: Callable[[], bytes] | None = None
     on_progress: Callable[[int], None] | None = None
     uploaded: int = 0  # bytes sent by this uploader (tests check resume skips done bytes)
 
@@ -255,19 +263,35 @@ class Uploader:
         """
         if f.done < f.size or f.size == 0:
             self._upload_file(client, partial, f, throttle)
-        bad = file_problems(client, partial, [f], checksums=self.options.verify)
+        bad = self._problem(client, partial, f)
         if not bad:
             return
-        log.warning("checkpoint %s: re-uploading %s (%s)", self.row.url, f.name, bad[f.name])
+        log.warning("checkpoint %s: re-uploading %s (%s)", self.row.url, f.name, bad)
         self.journal.progress(self.row.id, f.name, 0)
         self._upload_file(client, partial, dataclasses.replace(f, done=0), throttle)
-        bad = file_problems(client, partial, [f], checksums=self.options.verify)
+        bad = self._problem(client, partial, f)
         if bad:
-            raise ChecksumError(f"uploaded file {f.name} fails its checks: {bad[f.name]}", partial)
+            raise ChecksumError(f"uploaded file {f.name} fails its checks: {bad}", partial)
+
+    def _problem(self, client: Client, partial: str, f: FileRow) -> str | None:
+        """What is wrong with uploaded file ``f``, or None.
+
+        Sizes only without ``options.verify``. With it: while the bytes are still in memory
+        (``keep_local=0``), every replica's stored CRC32Cs are compared with theirs (no
+        read-back); otherwise the file is read back and checked against its recorded CRC32Cs.
+        """
+        if self.options.verify and self.buffers is not None:
+            data = self.buffers.borrow(_file_index(f.name), 0, f.size)
+            if data is not None:
+                try:
+                    return stored_problem(client, partial, f, data)
+                finally:
+                    self.buffers.give_back()
+        return file_problems(client, partial, [f], checksums=self.options.verify).get(f.name)
 
     def _upload_file(self, client: Client, partial: str, f: FileRow, throttle: _Throttle) -> None:
         path = posixpath.join(partial, f.name)
-        index = int(f.name.split("-")[-1].split(".")[0]) if self.buffers is not None else -1
+        index = _file_index(f.name) if self.buffers is not None else -1
         piece = max(f.chunk, self.options.piece // f.chunk * f.chunk)  # whole checksum chunks per piece
         start_at = f.done if f.done and _committed_size(client, path) >= f.done else 0
         with client.open(path, "r+b" if start_at else "wb") as sf:
@@ -331,8 +355,11 @@ class Uploader:
                     local.close()
 
     def _commit(self, client: Client, final: str, partial: str) -> None:
-        with open(os.path.join(self.row.local_dir, MANIFEST), "rb") as fh:
-            raw = fh.read()
+        if self.manifest is not None:
+            raw = self.manifest()
+        else:
+            with open(os.path.join(self.row.local_dir, MANIFEST), "rb") as fh:
+                raw = fh.read()
         client.write_bytes(posixpath.join(partial, MANIFEST), raw)
         _apply_umask(client, posixpath.join(partial, MANIFEST), 0o666)
         fault_point("before_rename")
@@ -345,6 +372,11 @@ class Uploader:
                 raise CheckpointConflict(f"{final} was committed by another writer (checkpoint {other})", final) from None
         fault_point("after_rename")
         self.journal.set_state(self.row.id, "committed")
+
+
+def _file_index(name: str) -> int:
+    """The snapshot view of data file ``data-NNNNN.bin``: ``NNNNN``."""
+    return int(name.split("-")[-1].split(".")[0])
 
 
 def _apply_umask(client: Client, path: str, mode: int) -> None:

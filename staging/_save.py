@@ -3,12 +3,16 @@
 Phases (timed on the handle): ``snapshot`` (blocking: tensors copied into a
 pooled host buffer), ``serialize`` (checksums, optional zstd, the manifest),
 ``local_write`` (files fsynced and renamed into the staging directory: the
-checkpoint is *locally durable*), ``upload`` (streamed from the snapshot
-buffer while the local write runs, then from the local files; from the local
-files only when compressed) and ``commit`` (manifest, atomic rename:
-*globally durable*). The snapshot buffer goes back to the pool as soon as the
-checkpoint is locally durable, so the next save waits at most for this one's
-local write, never for its upload.
+checkpoint is *locally durable*), ``upload`` (streamed from memory — the snapshot buffer, or
+the compressed bytes — while the local write runs, then from the local files)
+and ``commit`` (manifest, atomic rename: *globally durable*). The snapshot
+buffer goes back to the pool as soon as the checkpoint is locally durable, so
+the next save waits at most for this one's local write, never for its upload.
+
+``keep_local=0`` skips the local copy: the whole upload streams from memory and
+the buffer is held until the commit (the next save waits for it, or takes
+another buffer under ``snapshot_memory``); the step is *locally* and *globally*
+durable at once, at the commit, and a crash before it loses the step.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ import tempfile
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
 
 import crc32c
 
@@ -162,6 +166,10 @@ def save(state_dict: Any, url: str, *, staging_dir: str | None = None, compress:
         staging_dir: local directory for staged copies and the journal.
         compress: None or "zstd" (per 4 MiB frame; pays off for sparse / low-entropy state).
         keep_local / keep_remote: committed steps of this series kept locally / remotely (None: all).
+            ``keep_local=0`` writes nothing locally: the upload streams from the snapshot
+            buffer, which this save holds until its commit. Until then the step exists only
+            in this process's memory (journal state ``streaming``): a crash loses it, and the
+            mover abandons it; ``latest()`` never names it.
         pin: never delete this step by retention.
         upload: False stages locally only (a standalone ``stripefs mover`` uploads it).
         background_mover: start an in-process mover thread that also resumes older leftovers.
@@ -177,13 +185,15 @@ def save(state_dict: Any, url: str, *, staging_dir: str | None = None, compress:
         ``extra_buffer`` say whether the save waited for a buffer or took another one.
 
     Raises:
-        ValueError: unknown ``compress``. TypeError: a value that ``load`` could not give
+        ValueError: unknown ``compress``; ``keep_local=0`` with ``upload=False``. TypeError: a value that ``load`` could not give
             back (the message names its key).
         TimeoutError: no snapshot buffer within ``snapshot_timeout`` (nothing was saved).
         an unobserved error of an earlier save of this process.
     """
     if compress not in (None, "zstd"):
         raise ValueError(f"compress must be None or 'zstd', got {compress!r}")
+    if keep_local == 0 and not upload:
+        raise ValueError("keep_local=0 keeps no local copy, so it needs upload=True (nothing would be saved)")
     _raise_unobserved()
     staging_dir = os.path.abspath(staging_dir or default_staging_dir())
     journal = Journal(staging_dir)
@@ -212,101 +222,209 @@ def _background(h: SaveHandle, journal: Journal, row: CkptRow, plan: Any, buf: A
                 upload: bool, options: MoverOptions) -> None:
     lock = journal.lock(row.id)
     lock.try_acquire()  # a fresh id: nobody else can hold it
-    released = False
     lent: SnapshotViews | None = None
+    held = [True]
+
+    def release() -> None:
+        """Give the snapshot buffer back, once; never while a piece in flight still reads it."""
+        if held[0]:
+            held[0] = False
+            if lent is not None:
+                lent.revoke()
+            POOL.release(buf)
+
     try:
-        t = time.monotonic()
-        views = [buf.view[o : o + s] for o, s in zip(buf.file_offsets, plan.file_sizes)]
+        streaming = row.keep_local == 0
+        if streaming and compress is None:
+            _stream_raw(h, journal, row, plan, buf, options)
+        else:
+            t = time.monotonic()
+            stored, records, raw_manifest = _serialize(plan, buf, compress, row)
+            row.state = "streaming" if streaming else "writing"
+            journal.begin(row, [FileRow(r["name"], r["size"], r["crc32c"], r["chunk"], r["chunk_crc32c"], 0)
+                                for r in records])
+            h.timings["serialize"] = time.monotonic() - t
+            fault_point("after_begin")
+            # The upload streams from memory (the snapshot, or the compressed bytes) from the start.
+            lent = SnapshotViews(stored) if upload else None
+            if streaming:
+                failed = _stream(h, journal, row, options, lent, lambda: raw_manifest)  # type: ignore[arg-type]
+                if failed is not None:
+                    raise failed
+            else:
+                _write_and_upload(h, journal, row, options, lent, records, stored, raw_manifest, release)
+        if upload:
+            # Retention first: when wait() returns, older steps are already trimmed.
+            apply_retention(journal, journal.get(row.id) or row, options)
+            if streaming:
+                h._local.set()  # no local copy: the step is safe from a crash once committed
+            h._global.set()
+    except BaseException as exc:
+        h._fail(exc)
+    finally:
+        release()
+        lock.release()  # before done(): a mover started after done() can take the checkpoint
+        h._done.set()
+
+
+def _serialize(plan: Any, buf: Any, compress: str | None, row: CkptRow) -> tuple[list[memoryview], list[dict[str, Any]], bytes]:
+    """Checksums (per tensor, per checksum chunk), optional zstd and the manifest.
+
+    Returns:
+        ``(stored bytes per file, file records, manifest bytes)``; raw files are views of
+        the snapshot buffer, nothing is copied.
+    """
+    views = _file_views(plan, buf)
+    # Files are checksummed (or compressed) on another thread while this one checksums the
+    # tensors: crc32c releases the GIL, so the two passes take both cores.
+    with ThreadPoolExecutor(1) as pool:
+        encoded = pool.submit(lambda: [_encode_file(v, compress) for v in views])
         for e in plan.tensors:
             if e.base is not None:
                 continue  # a view: its bytes are those of the storage entry it names
             base = buf.file_offsets[e.file] + e.offset
             e.crc = crc32c.crc32c(buf.view[base : base + e.nbytes])
         stored, records = [], []
-        for i, v in enumerate(views):
-            data, rec = _encode_file(v, compress)
-            rec["name"] = f"data-{i:05d}.bin"
+        for i, (data, rec) in enumerate(encoded.result()):
+            rec["name"] = _file_name(i)
             stored.append(data)
             records.append(rec)
-        manifest = {"format": FORMAT, "version": plan.version, "id": row.id, "kind": "state_dict", "step": row.step,
-                    "created": row.created, "url": row.url, "files": records,
-                    "tensors": [e.index_record() for e in plan.tensors], "tree": plan.tree}
-        raw_manifest = manifest_bytes(manifest)
-        journal.begin(row, [FileRow(r["name"], r["size"], r["crc32c"], r["chunk"], r["chunk_crc32c"], 0) for r in records])
-        h.timings["serialize"] = time.monotonic() - t
-        fault_point("after_begin")
+    manifest = {"format": FORMAT, "version": plan.version, "id": row.id, "kind": "state_dict", "step": row.step,
+                "created": row.created, "url": row.url, "files": records,
+                "tensors": [e.index_record() for e in plan.tensors], "tree": plan.tree}
+    return stored, records, manifest_bytes(manifest)
 
-        local_ok = threading.Event()
-        up_thread = None
-        up_box: dict[str, Any] = {}
-        if upload and compress is None:
-            # Stream from the snapshot buffer while the local copy is written: the two overlap.
-            lent = SnapshotViews(views)
-            up_thread = threading.Thread(target=_upload, args=(h, journal, row, options, lent, local_ok, up_box), daemon=True)
-            up_thread.start()
-        t = time.monotonic()
-        try:
-            write_local_dir(row.local_dir, [(r["name"], d) for r, d in zip(records, stored)], raw_manifest)
-        except BaseException:
-            journal.set_state(row.id, "failed", "local staging failed")
-            local_ok.set()
-            if up_thread is not None:
-                up_thread.join()
-            raise
-        journal.set_state(row.id, "staged")
-        fault_point("after_local")
-        h.timings["local_write"] = time.monotonic() - t
-        h._local.set()
-        local_ok.set()
-        # A durable local copy exists: the upload goes on from it, and the buffer is free for
-        # the next save as soon as the pieces in flight from it are acknowledged.
-        if lent is not None:
-            lent.revoke()
-        POOL.release(buf)
-        released = True
-        if up_thread is None:
-            if upload:
-                _upload(h, journal, row, options, None, local_ok, up_box)
-        else:
-            up_thread.join()
-        if "error" in up_box:
-            raise up_box["error"]
-        if upload:
-            # Retention first: when wait() returns, older steps are already trimmed.
-            apply_retention(journal, journal.get(row.id) or row, options)
-            h._global.set()
+
+def _file_views(plan: Any, buf: Any) -> list[memoryview]:
+    """Each data file's bytes: a slice of the snapshot buffer, laid out as the file is."""
+    return [buf.view[o : o + s] for o, s in zip(buf.file_offsets, plan.file_sizes)]
+
+
+def _file_name(i: int) -> str:
+    return f"data-{i:05d}.bin"
+
+
+def _stream_raw(h: SaveHandle, journal: Journal, row: CkptRow, plan: Any, buf: Any, options: MoverOptions) -> None:
+    """``keep_local=0``, uncompressed: the upload starts at once and the checksums and the
+    manifest are computed while it runs (the commit waits for the manifest).
+
+    The journal records the files' sizes only: nothing but this process can resume a
+    streaming save, and the CRC32Cs reach the store in the manifest.
+    """
+    views = _file_views(plan, buf)
+    row.state = "streaming"
+    journal.begin(row, [FileRow(_file_name(i), len(v), 0, CHECK_CHUNK, [], 0) for i, v in enumerate(views)])
+    fault_point("after_begin")
+    serialized: Future = Future()
+    box: dict[str, BaseException | None] = {}
+
+    def upload() -> None:
+        box["error"] = _stream(h, journal, row, options, SnapshotViews(views), lambda: serialized.result()[2])
+
+    uploader = threading.Thread(target=upload, daemon=True, name="stripefs-upload")
+    uploader.start()
+    t = time.monotonic()
+    try:
+        serialized.set_result(_serialize(plan, buf, None, row))
     except BaseException as exc:
-        h._fail(exc)
+        serialized.set_exception(exc)  # the commit raises it: nothing is committed without a manifest
+    h.timings["serialize"] = time.monotonic() - t
+    uploader.join()
+    if box.get("error") is not None:
+        raise box["error"]  # type: ignore[misc]
+
+
+def _stream(h: SaveHandle, journal: Journal, row: CkptRow, options: MoverOptions, lent: SnapshotViews,
+            manifest: Callable[[], bytes]) -> BaseException | None:
+    """``keep_local=0``: upload straight from memory and commit; nothing is written locally.
+
+    The journal row stays ``streaming`` until the commit: retries within this process resume
+    from the journaled offsets (the bytes are still in memory), but a crash of the process
+    before the commit loses the step — the mover then abandons it (see ``Mover``).
+
+    Returns:
+        None once committed, else the upload's error: the row is then ``failed`` and its partial
+        upload removed (no copy is left to resume from once this process lets go of the snapshot).
+    """
+    log.info("checkpoint %s: keep_local=0, streaming from memory; a crash of this process before the commit "
+             "loses this step", row.url)
+    box: dict[str, Any] = {}
+    try:
+        _upload(h, journal, row, options, lent, None, box, manifest)
     finally:
-        if not released:
-            if lent is not None:
-                lent.revoke()  # never hand out a buffer a piece in flight still reads
-            POOL.release(buf)
-        lock.release()  # before done(): a mover started after done() can take the checkpoint
-        h._done.set()
+        lent.revoke()  # the pieces in flight are settled: the buffer may go back to the pool
+    if "error" in box:
+        exc = box["error"]
+        journal.set_state(row.id, "failed", f"keep_local=0 upload failed, no local copy to resume from: "
+                                            f"{type(exc).__name__}: {exc}")
+        _remove_partial(options, row)
+        return exc
+    return None
+
+
+def _write_and_upload(h: SaveHandle, journal: Journal, row: CkptRow, options: MoverOptions,
+                      lent: SnapshotViews | None, records: list[dict[str, Any]], stored: list[memoryview],
+                      raw_manifest: bytes, release: Callable[[], None]) -> None:
+    """Write the local copy while the upload streams from memory; the buffer goes back to the
+    pool as soon as the local copy is durable (the upload then goes on from the staged files)."""
+    local_ok = threading.Event()
+    up_thread = None
+    up_box: dict[str, Any] = {}
+    if lent is not None:
+        up_thread = threading.Thread(target=_upload, args=(h, journal, row, options, lent, local_ok, up_box),
+                                     daemon=True)
+        up_thread.start()
+    t = time.monotonic()
+    try:
+        write_local_dir(row.local_dir, [(r["name"], d) for r, d in zip(records, stored)], raw_manifest)
+    except BaseException:
+        journal.set_state(row.id, "failed", "local staging failed")
+        local_ok.set()
+        if up_thread is not None:
+            up_thread.join()
+        raise
+    journal.set_state(row.id, "staged")
+    fault_point("after_local")
+    h.timings["local_write"] = time.monotonic() - t
+    h._local.set()
+    local_ok.set()
+    # A durable local copy exists: the upload goes on from it, and the buffer is free for
+    # the next save as soon as the pieces in flight from it are acknowledged.
+    release()
+    if up_thread is not None:
+        up_thread.join()
+    if "error" in up_box:
+        raise up_box["error"]
+
+
+def _remove_partial(options: MoverOptions, row: CkptRow) -> None:
+    try:
+        remove_tree(client_for(options.cluster or row.cluster), remote_paths(row.url, row.id)[1])
+    except OSError:
+        pass
 
 
 def _upload(h: SaveHandle, journal: Journal, row: CkptRow, options: MoverOptions, views: SnapshotViews | None,
-            local_ok: threading.Event, box: dict[str, Any]) -> None:
+            local_ok: threading.Event | None, box: dict[str, Any],
+            manifest: Callable[[], bytes] | None = None) -> None:
     def wait_local() -> None:
-        local_ok.wait()
+        local_ok.wait()  # type: ignore[union-attr]
         if not h.locally_durable:
             raise RuntimeError("local staging failed; not committing")
 
     t = time.monotonic()
     try:
-        Uploader(journal, row, options, buffers=views).run(wait_local)
+        Uploader(journal, row, options, buffers=views, manifest=manifest).run(wait_local if local_ok else None)
         h.timings["upload"] = time.monotonic() - t
     except BaseException as exc:
         box["error"] = exc
         from ._format import CheckpointConflict, ChecksumError
 
+        if local_ok is None:
+            return  # streaming: the caller fails the row
         if isinstance(exc, (CheckpointConflict, ChecksumError, RuntimeError)):
             journal.set_state(row.id, "failed", f"{type(exc).__name__}: {exc}")
-            try:
-                remove_tree(client_for(options.cluster or row.cluster), remote_paths(row.url, row.id)[1])
-            except OSError:
-                pass
+            _remove_partial(options, row)
         else:
             journal.note_error(row.id, f"{type(exc).__name__}: {exc}")
 

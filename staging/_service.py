@@ -5,6 +5,11 @@ whose lock it can take:
 
 * ``writing`` with a free lock — its writer died before the local copy was
   durable: remove the local and remote remains, mark it ``abandoned``;
+* ``streaming`` with a free lock — a ``keep_local=0`` save whose trainer died
+  before the commit: its bytes were only in that process's memory, so the step
+  is lost; remove the partial upload and mark it ``abandoned`` (or
+  ``committed``, when the trainer died between the rename and the journal
+  update);
 * ``staged`` — upload from the last durable offset and commit;
 * ``failed`` — remove the remote partial directory (best effort).
 
@@ -29,7 +34,7 @@ from fsclient import normpath
 
 from ._format import CheckpointConflict, ChecksumError
 from ._journal import CkptRow, Journal
-from ._mover import MoverOptions, Uploader, client_for, remote_paths, remove_tree
+from ._mover import MoverOptions, Uploader, client_for, committed_id, remote_paths, remove_tree
 
 __all__ = ["Mover", "apply_retention", "series_of"]
 
@@ -89,7 +94,7 @@ class Mover:
     def run_once(self) -> dict[str, str]:
         """One recovery + upload pass; returns ``{checkpoint id: final state}`` of what it touched."""
         out: dict[str, str] = {}
-        for row in self.journal.checkpoints("WHERE state IN ('writing','staged','failed')"):
+        for row in self.journal.checkpoints("WHERE state IN ('writing','streaming','staged','failed')"):
             lock = self.journal.lock(row.id)
             if not lock.try_acquire():
                 continue  # its writer (or another mover) is on it
@@ -102,6 +107,8 @@ class Mover:
         return out
 
     def _handle(self, row: CkptRow) -> str:
+        if row.state == "streaming":
+            return self._lost_stream(row)
         if row.state == "writing":
             log.warning("checkpoint %s: writer died before it was locally durable; removing remains", row.url)
             self._remove_partial(row)
@@ -134,6 +141,19 @@ class Mover:
         log.info("checkpoint %s committed: %.1f MB uploaded in %.2fs", row.url, up.uploaded / 1e6, dt)
         apply_retention(self.journal, row, self.options)
         return "committed"
+
+    def _lost_stream(self, row: CkptRow) -> str:
+        client = client_for(self.options.cluster or row.cluster)
+        final, _ = remote_paths(row.url, row.id)
+        if committed_id(client, final) == row.id:  # died after the rename, before the journal said so
+            self.journal.set_state(row.id, "committed")
+            apply_retention(self.journal, row, self.options)
+            return "committed"
+        reason = "keep_local=0: the trainer died before the commit; the step was only in its memory and is lost"
+        log.warning("checkpoint %s: %s", row.url, reason)
+        self._remove_partial(row)
+        self.journal.set_state(row.id, "abandoned", reason)
+        return "abandoned"
 
     def _remove_partial(self, row: CkptRow) -> None:
         try:

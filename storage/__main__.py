@@ -10,15 +10,17 @@ import os
 
 import trio
 
+from rpc import PAYLOAD_BUDGET
+
+from ._metalink import parse_addresses
 from ._server import serve_storage
 
 
 async def _main(args: argparse.Namespace, secret: str, cluster_id: str) -> None:
-    host, _, port = args.metadata.rpartition(":")
     async with trio.open_nursery() as nursery:
         addr = await nursery.start(functools.partial(
-            serve_storage, args.root, secret=secret, metadata=(host, int(port)), host=args.host, port=args.port,
-            cluster_id=cluster_id,
+            serve_storage, args.root, secret=secret, metadata=parse_addresses(args.metadata), host=args.host, port=args.port,
+            cluster_id=cluster_id, payload_budget=args.payload_budget,
         ))
         if args.ready:
             tmp = args.ready + ".tmp"
@@ -31,11 +33,13 @@ async def _main(args: argparse.Namespace, secret: str, cluster_id: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m storage")
     p.add_argument("--root", required=True, help="target directory holding the chunks")
-    p.add_argument("--metadata", required=True, help="host:port of the metadata service")
+    p.add_argument("--metadata", required=True, help="host:port of the metadata service (several: comma-separated)")
     p.add_argument("--cluster", required=True, help="cluster.json or secret file holding the secret")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--ready", help="file to write host:port into once serving")
+    p.add_argument("--payload-budget", type=int, default=PAYLOAD_BUDGET,
+                   help="write payload bytes held at once, all connections together (default 512 MiB)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s storage %(levelname)s %(message)s")
     with open(args.cluster) as f:

@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, TypeVar
 
 import trio
 
@@ -35,6 +35,9 @@ from wire import ErrorCode, Message, ReplyMessage, Routing, StripefsError, role_
 from wire import messages as m
 
 from ._chunks import ChunkStore, VersionGap
+
+if TYPE_CHECKING:
+    from ._metalink import MetadataLink
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", bound=ReplyMessage)
@@ -48,7 +51,7 @@ SETTLE = 3.0  # seconds: > 2 heartbeats, so every peer routes by the table that 
 SILENCE = 3.0
 
 
-async def control_call(conn: TrioConnection, msg: Message[R], payload: bytes = b"") -> tuple[R, bytes | bytearray]:
+async def control_call(conn: "TrioConnection | MetadataLink", msg: Message[R], payload: bytes = b"") -> tuple[R, bytes | bytearray]:
     """One call over a trio control connection, its reply decoded and checked.
 
     The transport hands the response header up as a plain map; the caller
@@ -71,7 +74,7 @@ async def control_call(conn: TrioConnection, msg: Message[R], payload: bytes = b
 
 
 class Replicator:
-    def __init__(self, store: ChunkStore, secret: str, meta: TrioConnection):
+    def __init__(self, store: ChunkStore, secret: str, meta: "TrioConnection | MetadataLink"):
         self.store = store
         self.secret = secret
         self.meta = meta

@@ -26,11 +26,12 @@ from typing import Any
 
 import trio
 
-from rpc import BufferPool, ServerConn, Service, ThreadReply, TrioConnection, serve_rpc
+from rpc import PAYLOAD_BUDGET, BufferPool, ServerConn, Service, ThreadReply, serve_rpc
 from wire import ErrorCode, FrameHead, Message, StripefsError, role_credential
 from wire import messages as m
 
 from ._chunks import ChunkStore
+from ._metalink import MetadataLink
 from ._replication import Replicator, control_call
 
 log = logging.getLogger(__name__)
@@ -239,7 +240,7 @@ def _identity_token(ident: dict[str, Any]) -> bool:
     return True
 
 
-async def _register_and_heartbeat(service: StorageService, meta: TrioConnection, host: str, port: int, root: str,
+async def _register_and_heartbeat(service: StorageService, meta: MetadataLink, host: str, port: int, root: str,
                                   admitted: trio.Event, nursery: trio.Nursery) -> None:
     ident = await trio.to_thread.run_sync(_load_identity, root)
     if _identity_token(ident):  # on disk before it is ever sent: the id it earns is bound to it
@@ -302,24 +303,31 @@ async def serve_storage(
     root: str,
     *,
     secret: str,
-    metadata: tuple[str, int],
+    metadata: tuple[str, int] | list[tuple[str, int]],
     host: str = "127.0.0.1",
     port: int = 0,
     cluster_id: str = "",
+    payload_budget: int = PAYLOAD_BUDGET,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the target in ``root`` until cancelled.
 
     Reports ``(host, port)`` through ``task_status`` once it is listening *and*
     admitted by the metadata service, so callers can use it at once.
+
+    Args:
+        payload_budget: write payload bytes held at once, over all connections;
+            beyond it, connections wait before receiving more (``rpc.ByteBudget``).
     """
     os.makedirs(root, exist_ok=True)
     store = await trio.to_thread.run_sync(ChunkStore, root)
     credential = role_credential(secret, "server")  # every call this server makes is as a server
-    meta_conn = TrioConnection(metadata, credential, role="server")
-    service = StorageService(store, Replicator(store, secret, TrioConnection(metadata, credential, role="server")))
+    addresses = [metadata] if isinstance(metadata, tuple) else list(metadata)  # type: ignore[list-item]
+    meta_conn = MetadataLink(addresses, credential, role="server")  # heartbeats find the leading metadata service
+    service = StorageService(store, Replicator(store, secret, MetadataLink(addresses, credential, role="server")))  # type: ignore[arg-type]
     async with trio.open_nursery() as nursery:
-        address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id))
+        address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id,
+                                                         payload_budget=payload_budget))
         admitted = trio.Event()
         nursery.start_soon(_register_and_heartbeat, service, meta_conn, address[0], address[1], store.root, admitted, nursery)
         await admitted.wait()

@@ -57,7 +57,8 @@ def _progress(total: int, desc: str) -> Any:
 # -- cluster commands ----------------------------------------------------------------------
 def cmd_up(a: argparse.Namespace) -> int:
     c = testing.up(a.root, servers=a.servers, replicas=a.replicas, chunk_size=parse_size(a.chunk_size), stripe=a.stripe,
-                   metadata_store=a.metadata_store, postgres_url=a.postgres_url)
+                   metadata_store=a.metadata_store, postgres_url=a.postgres_url,
+                   metadata_services=a.metadata_services)
     print(f"{c['metadata']['host']}:{c['metadata']['port']}")
     print(f"cluster file: {os.path.join(c['root'], 'cluster.json')} ({len(c['servers'])} storage servers)", file=sys.stderr)
     return 0
@@ -378,6 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--metadata-store", choices=["sqlite", "postgresql"], default="sqlite",
                     help="where the namespace lives (postgresql: a private server under --root unless --postgres-url)")
     sp.add_argument("--postgres-url", help="postgresql://user:password@host:port/db for --metadata-store postgresql")
+    sp.add_argument("--metadata-services", type=int, default=1,
+                    help="metadata service processes sharing the store (above 1 needs --metadata-store postgresql)")
     sp = add("add-server", cmd_add_server, "Add a storage server to the running cluster under --root (rebalances)", cluster=False)
     sp.add_argument("--root", required=True)
     sp = add("remove-server", cmd_remove_server, "Drain a storage server onto the others and remove it for good")

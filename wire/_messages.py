@@ -843,3 +843,62 @@ class RemoveServer(Message[RemoveServerReply]):
 
     server_id: int
     force: bool = False
+
+
+# --- path-addressed and batched metadata requests (60-69) ---------------------------------
+# One round trip where the per-inode requests need two (resolve the parent, then act), or one
+# for many paths. The service resolves and acts in the same batch of its store thread.
+
+
+@reply
+class StatManyReply(ReplyMessage):
+    """``attrs`` holds the attributes of the paths that resolved, in request order;
+    ``failed`` the indexes of the others and ``codes`` their error codes (same order)."""
+
+    attrs: list[Attr]
+    failed: list[int]
+    codes: list[int]
+
+
+@message(60, mutates=True)
+class CreatePath(Message[CreateReply]):
+    """``Create`` of the last component of ``path`` in the directory its head resolves to."""
+
+    path: str
+    mode: int
+    uid: int = 0
+    gid: int = 0
+    exclusive: bool = False
+    truncate: bool = False
+
+
+@message(61, mutates=True)
+class UnlinkPath(Message[AttrReply]):
+    """``Unlink`` of the last component of ``path``."""
+
+    path: str
+
+
+@message(62)
+class StatMany(Message[StatManyReply]):
+    """``Resolve`` of up to 200 paths in one round trip (one read transaction)."""
+
+    paths: list[str]
+    follow: bool = True
+
+
+@reply
+class NamesReply(ReplyMessage):
+    names: list[str]  # in name (UTF-8 byte) order
+    more: bool  # another page follows (ask again with after=<last name>)
+
+
+@message(63)
+class ListNames(Message[NamesReply]):
+    """The names in the directory ``path`` resolves to (symlinks followed), one page
+    of at most 2000: what ``listdir`` needs, in one round trip and without a
+    per-entry record to build on either side."""
+
+    path: str
+    after: str = ""
+    limit: int = 1000

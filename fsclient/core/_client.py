@@ -22,7 +22,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import trio
 
@@ -30,6 +30,8 @@ from rpc import BufferPool, Connection
 from wire import Attr, DirEntry, ErrorCode, Layout, Message, ReplyMessage, Routing, StripefsError, messages as m
 
 from ._config import ClusterConfig, find_cluster
+from ._acall import acall
+from ._attrcache import AttrCache
 from ._core import ClientCore
 from . import _lease
 from ._file import StripeFile, mode_flags
@@ -38,6 +40,7 @@ from ._lease import Lease
 __all__ = ["Client", "AsyncClient", "normpath", "ROOT_INO"]
 
 ROOT_INO = 1
+STAT_MANY_MAX = 200  # paths per StatMany request (the service's limit: both frames fit in 1 MiB)
 PREFIX = "stripefs://"
 R = TypeVar("R", bound=ReplyMessage)
 
@@ -99,16 +102,25 @@ class Client:
             None to use ``STRIPEFS_CLUSTER`` / the last ``stripefs up``.
         conns_per_server: pipelined connections per storage server.
         max_inflight: chunk requests in flight per read/write call.
+        attr_timeout: seconds ``stat`` (and ``exists``, ``isdir``, ``isfile``) may answer
+            from this client's cache; 0 (the default) asks the metadata service every
+            time. This client's own changes show at once; another client's after at most
+            this long, or at ``open`` (close-to-open).
         retry_for: seconds a failing chunk read or write keeps retrying (a server
             down, a chain with no serving target while a server returns) before the
             error reaches the caller; None: ``$STRIPEFS_RETRY_FOR``, else 30.
     """
 
     def __init__(self, cluster: "str | os.PathLike[str] | ClusterConfig | None" = None, *, secret: str | None = None,
-                 conns_per_server: int = 2, max_inflight: int = 32, retry_for: float | None = None):
+                 conns_per_server: int = 2, max_inflight: int = 32, attr_timeout: float = 0.0,
+                 retry_for: float | None = None):
         self.config = find_cluster(cluster, secret)
         self._core = ClientCore(self.config, conns_per_server=conns_per_server, max_inflight=max_inflight,
                                 retry_for=retry_for)
+        if attr_timeout < 0:
+            raise StripefsError(ErrorCode.INVALID, "attr_timeout must not be negative")
+        if attr_timeout > 0:
+            self._core.attrs = AttrCache(attr_timeout)
         self._session = os.urandom(16)  # owner of this client's leases
         self._leases: weakref.WeakSet[Lease] = weakref.WeakSet()
 
@@ -145,10 +157,44 @@ class Client:
     # -- lookups ------------------------------------------------------------------------
     def stat(self, path: str, *, follow: bool = True) -> Attr:
         p = normpath(path)
+        cache = self._core.attrs if follow else None
+        if cache is not None:
+            hit = cache.get(p)
+            if hit is not None:
+                return hit
+        return self._fresh_stat(p, follow)
+
+    def _fresh_stat(self, p: str, follow: bool = True) -> Attr:
+        """``stat`` from the metadata service (what ``open`` uses: close-to-open)."""
+        cache = self._core.attrs if follow else None
+        started = cache.mutations if cache is not None else 0
         try:
-            return self._core.attr(m.Resolve(path=p, follow=follow))
+            attr = self._core.attr(m.Resolve(path=p, follow=follow))
         except StripefsError as exc:
             raise StripefsError(exc.code, exc.message, p) from None
+        if cache is not None:
+            cache.put(p, attr, started)
+        return attr
+
+    def stat_many(self, paths: "Sequence[str]", *, follow: bool = True) -> list[Attr | StripefsError]:
+        """Attributes of many paths in few round trips (200 paths per request).
+
+        Returns:
+            Per path, in order: its :class:`Attr`, or the error (an ``OSError``
+            subclass such as ``FileNotFoundError``, not raised) resolving it gave.
+        """
+        norm = [normpath(p) for p in paths]
+        out: list[Attr | StripefsError] = []
+        for start in range(0, len(norm), STAT_MANY_MAX):
+            part = norm[start:start + STAT_MANY_MAX]
+            reply = self._core.call(m.StatMany(paths=part, follow=follow))
+            if (len(reply.attrs) + len(reply.failed) != len(part) or len(reply.codes) != len(reply.failed)
+                    or len(set(reply.failed)) != len(reply.failed) or not all(0 <= i < len(part) for i in reply.failed)):
+                raise StripefsError(ErrorCode.PROTOCOL, "StatMany: answer does not match the paths asked")
+            attrs, errors = iter(reply.attrs), dict(zip(reply.failed, reply.codes))
+            out.extend(StripefsError(errors[i], "", part[i]) if i in errors else next(attrs)
+                       for i in range(len(part)))
+        return out
 
     def lstat(self, path: str) -> Attr:
         return self.stat(path, follow=False)
@@ -182,6 +228,13 @@ class Client:
             raise StripefsError(ErrorCode.NOT_DIR, "parent is not a directory", p)
         return parent, name, p
 
+    def _leaf(self, path: str) -> str:
+        """``path`` normalised, refused if it names the root (which has no parent)."""
+        p = normpath(path)
+        if p == "/":
+            raise StripefsError(ErrorCode.INVALID, "the root has no parent", p)
+        return p
+
     def _wrap(self, fn: Callable[[], Any], path: str) -> Any:
         try:
             return fn()
@@ -206,7 +259,17 @@ class Client:
             after = entries[-1].name
 
     def listdir(self, path: str = "/") -> list[str]:
-        return [e.name for e in self.scandir(path, attrs=False)]
+        """Names in a directory, in name order (one round trip per 2000 names)."""
+        p = normpath(path)
+        names: list[str] = []
+        while True:
+            reply = self._wrap(lambda: self._core.call(m.ListNames(path=p, after=names[-1] if names else "",
+                                                                   limit=2000)), p)
+            if not all(type(n) is str for n in reply.names):
+                raise StripefsError(ErrorCode.PROTOCOL, "ListNames: a name is not text")
+            names.extend(reply.names)
+            if not reply.more or not reply.names:
+                return names
 
     def mkdir(self, path: str, mode: int = 0o777, *, exist_ok: bool = False) -> Attr:
         """Make a directory with ``mode`` minus the process umask, as ``os.mkdir``."""
@@ -245,16 +308,17 @@ class Client:
         """
         flags = mode_flags(mode)
         if flags["create"]:
-            parent, name, p = self._parent(path)
+            p = self._leaf(path)
             perm = 0o666 & ~_umask()
-            reply = self._wrap(lambda: self._core.call(m.Create(
-                parent=parent.ino, name=name, mode=perm, uid=os.getuid(), gid=os.getgid(),
+            # One round trip: the service resolves the parent and creates in the same batch.
+            reply = self._wrap(lambda: self._core.call(m.CreatePath(
+                path=p, mode=perm, uid=os.getuid(), gid=os.getgid(),
                 exclusive=flags["exclusive"], truncate=flags["truncate"],
             )), p)
             attr = reply.attr
         else:
             p = normpath(path)
-            attr = self.stat(p)
+            attr = self._fresh_stat(p)  # close-to-open: never a cached length
         if attr.is_dir:
             raise StripefsError(ErrorCode.IS_DIR, "is a directory", p)
         f = self.open_inode(attr, name=p, readable=flags["read"], writable=flags["write"], append=flags["append"])
@@ -263,8 +327,8 @@ class Client:
         return f
 
     def remove(self, path: str) -> None:
-        parent, name, p = self._parent(path)
-        self._wrap(lambda: self._core.call(m.Unlink(parent=parent.ino, name=name)), p)
+        p = self._leaf(path)
+        self._wrap(lambda: self._core.call(m.UnlinkPath(path=p)), p)
 
     unlink = remove
 
@@ -619,8 +683,9 @@ class AsyncClient:
         return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs), limiter=self.limiter)
 
     async def call(self, msg: Message[R]) -> R:
-        """:meth:`Client.call` on a worker thread: the typed reply of a metadata request."""
-        return await self.run(self.sync.call, msg)
+        """:meth:`Client.call`: the typed reply of a metadata request, awaited on the
+        loop (no worker thread per request; see ``_acall.py``)."""
+        return await acall(self.sync._core, msg)
 
     async def attr(self, msg: Message[m.AttrReply]) -> Attr:
         """A metadata request answered with attributes (``GetAttr``, ``Lookup``, ``Mkdir``, ...): its ``attr``."""

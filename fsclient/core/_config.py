@@ -2,7 +2,9 @@
 
 A cluster is named by a path to its ``cluster.json`` or by ``host:port`` of the
 metadata service (the client credential then comes from ``secret=`` or
-``STRIPEFS_SECRET``).
+``STRIPEFS_SECRET``). With several metadata services the file lists them all
+(``metadata_services``) and ``host:port,host:port`` names them all; ``metadata``
+stays the first one, so files and tools from before keep working.
 
 Credentials: a ``cluster.json`` holds the *client* credential
 (``client_secret``), derived one-way from the cluster secret, so its holders
@@ -32,6 +34,12 @@ class ClusterConfig:
     cluster_id: str = ""
     path: str | None = None  # the cluster.json it came from
     role: str = "client"  # what connections authenticate as
+    services: tuple[tuple[str, int], ...] = ()  # every metadata service, ``metadata`` first
+
+    @property
+    def addresses(self) -> tuple[tuple[str, int], ...]:
+        """Every metadata service's address (just ``metadata`` for a single service)."""
+        return self.services or (self.metadata,)
 
     @classmethod
     def from_file(cls, path: str) -> "ClusterConfig":
@@ -55,7 +63,9 @@ class ClusterConfig:
                 credential = str(raw["client_secret"])
             else:  # the cluster secret itself (the servers' file, or a cluster.json from before roles)
                 credential = role_credential(str(raw["secret"]), role)
-            return cls((host, port), credential, str(raw.get("cluster_id", "")), os.path.abspath(path), role)
+            services = tuple((str(s["host"]), int(s["port"])) for s in raw.get("metadata_services") or [])
+            return cls((host, port), credential, str(raw.get("cluster_id", "")), os.path.abspath(path), role,
+                       services if len(services) > 1 else ())
         except (KeyError, TypeError, ValueError) as exc:
             raise StripefsError(ErrorCode.INVALID, f"cluster file {path} lacks metadata address or credential") from exc
 
@@ -80,14 +90,17 @@ def _parse(spec: str, secret: str | None) -> ClusterConfig:
         spec = os.path.join(spec, "cluster.json")
     if os.path.exists(spec) or spec.endswith(".json"):
         return ClusterConfig.from_file(spec)
-    host, sep, port = spec.rpartition(":")
-    if not sep or not port.isdigit():
-        raise StripefsError(ErrorCode.INVALID, f"cluster must be a cluster.json path or host:port, got {spec!r}")
+    addresses = []
+    for part in spec.split(","):
+        host, sep, port = part.strip().rpartition(":")
+        if not sep or not port.isdigit():
+            raise StripefsError(ErrorCode.INVALID, f"cluster must be a cluster.json path or host:port, got {spec!r}")
+        addresses.append((host or "127.0.0.1", int(port)))
     secret = secret or os.environ.get("STRIPEFS_SECRET")
     if not secret:
         raise StripefsError(ErrorCode.AUTH, f"cluster {spec} given as host:port needs the client credential "
                                             "(cluster.json's client_secret, as secret= or STRIPEFS_SECRET)")
-    return ClusterConfig((host or "127.0.0.1", int(port)), secret)
+    return ClusterConfig(addresses[0], secret, services=tuple(addresses) if len(addresses) > 1 else ())
 
 
 def find_cluster(cluster: "str | os.PathLike[str] | ClusterConfig | None" = None, secret: str | None = None) -> ClusterConfig:

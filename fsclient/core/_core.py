@@ -39,6 +39,7 @@ import crc32c
 from rpc import BufferPool, Connection, ConnectionPool, Reply, abandon
 from wire import Attr, ErrorCode, Layout, Message, ReplyMessage, Routing, StripefsError, check_segments, messages as m
 
+from ._attrcache import AttrCache
 from ._config import ClusterConfig
 from ._ordering import WriteOrder
 
@@ -136,6 +137,7 @@ class ClientCore:
         self.conns_per_server = conns_per_server
         self.max_inflight = max_inflight
         self.buffers = BufferPool()
+        self.attrs: "AttrCache | None" = None  # set by Client(attr_timeout=...): told of every mutation
         self._init_state()
         _LIVE.add(self)
 
@@ -151,28 +153,38 @@ class ClientCore:
         self._data = ConnectionPool(secret, self.client_id, per_server=self.conns_per_server,
                                     expect_role="storage", send_thread=True, role=role)
         self._routing: Routing | None = None
+        # Metadata requests go round the services (several with --metadata-services N),
+        # each client starting at a different one.
+        self._spread = itertools.count(int.from_bytes(self.client_id[:4], "little"))
         self._order = WriteOrder()  # overlapping writes in flight go out in program order
 
     def _reset_after_fork(self) -> None:
         # The parent's sockets are shared with us: drop them without shutdown(), which
         # would break the parent's connections too.
         self._init_state()
+        if self.attrs is not None:  # its lock may have been held by a parent thread at fork time
+            self.attrs = AttrCache(self.attrs.timeout)
 
     def close(self) -> None:
         self._data.close()  # in a forked child the pools only forget the parent's sockets
         self._meta.close()
 
     # -- metadata ---------------------------------------------------------------------------
-    def _meta_conn(self) -> Connection:
+    def _meta_conn(self, index: int = 0) -> Connection:
         if os.getpid() != self.pid:
             self._reset_after_fork()
-        return self._meta.get("metadata", self.config.metadata)
+        return self._meta.get(("metadata", index), self.config.addresses[index])
 
     def call(self, msg: Message[R], timeout: float = 60.0) -> R:
         """One metadata request, retried across reconnects with the same request id.
 
-        The metadata service replays its answer to a retried mutation, so a
-        retry after a lost connection cannot apply an operation twice.
+        With several metadata services each request goes to the next one in turn,
+        and a request that fails with UNAVAILABLE or TIMEOUT (the service died, or it
+        does not lead and the request needs the leader) moves on to the next; after a
+        full round without an answer it backs off. The services replay their answer to
+        a retried mutation (a shared store records it with the change itself), so a
+        retry after a lost connection cannot apply an operation twice, whichever
+        service it reaches.
 
         Returns:
             The typed reply (``msg.Reply``), decoded and checked.
@@ -181,19 +193,34 @@ class ClientCore:
             StripefsError: the service's error; UNAVAILABLE/TIMEOUT once
                 ``timeout`` has passed; PROTOCOL for a malformed reply.
         """
-        req_id = next(self._ids)
-        deadline = time.monotonic() + timeout
-        delay = RETRY_DELAY
-        while True:
-            try:
-                header = self._meta_conn().call(msg, timeout=timeout, req_id=req_id).header
-                break
-            except StripefsError as exc:
-                if exc.code not in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT) or time.monotonic() + delay > deadline:
-                    raise
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
-        return m.decode_reply(msg, header)
+        watch = self.attrs if msg.MUTATES else None
+        if watch is not None:
+            watch.begin(msg)
+        reply: Any = None
+        try:
+            req_id = next(self._ids)
+            deadline = time.monotonic() + timeout
+            delay = RETRY_DELAY
+            services = len(self.config.addresses)
+            index = next(self._spread) % services
+            failed = 0
+            while True:
+                try:
+                    header = self._meta_conn(index).call(msg, timeout=timeout, req_id=req_id).header
+                    break
+                except StripefsError as exc:
+                    if exc.code not in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT) or time.monotonic() + delay > deadline:
+                        raise
+                    index = (index + 1) % services
+                    failed += 1
+                    if failed % services == 0:  # every service failed once: wait before the next round
+                        time.sleep(delay)
+                        delay = min(delay * 2, 2.0)
+            reply = m.decode_reply(msg, header)
+            return reply
+        finally:
+            if watch is not None:
+                watch.done(msg, reply if reply is not None else StripefsError(ErrorCode.IO, "failed"))
 
     def attr(self, msg: Message[m.AttrReply]) -> Attr:
         """A metadata request answered with an inode's attributes (:class:`AttrReply`)."""

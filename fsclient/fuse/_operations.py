@@ -445,6 +445,9 @@ class StripeOperations(pyfuse3.Operations):
 
     @_errors
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        if not self.files:  # nothing open on this mount, nothing to keep: one round trip
+            await self.aio.call(m.Unlink(parent=parent_inode, name=_name(name)))
+            return
         victim = await self.aio.attr(m.Lookup(parent=parent_inode, name=_name(name)))
         linked = await self._keep_if_open(victim)
         try:

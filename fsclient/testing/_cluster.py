@@ -12,7 +12,7 @@ Everything lives under ``ROOT``::
 
     ROOT/cluster.json      addresses, pids, the client credential (mode 0600): what clients read
     ROOT/server.json       the same plus the cluster secret (mode 0600): what servers read
-    ROOT/meta/             metadata database (meta.db, servers.json)
+    ROOT/meta/             metadata database (meta.db; servers.json of older versions, imported)
     ROOT/storage-N/        one storage target per server (chunks/, target.json)
     ROOT/logs/*.log        server logs
 
@@ -38,6 +38,7 @@ from ..core import Client, pid_alive, remember_cluster
 __all__ = ["LocalCluster", "up", "down", "add_server", "read_cluster", "mark_removed"]
 
 READY_TIMEOUT = 30.0
+MAX_METADATA_SERVICES = 16
 
 
 SERVER_FILE = "server.json"
@@ -54,7 +55,10 @@ def read_cluster(root: str) -> dict[str, Any] | None:
     if "secret" not in data:
         try:
             with open(os.path.join(root, SERVER_FILE)) as f:
-                data["secret"] = json.load(f)["secret"]
+                server = json.load(f)
+            data["secret"] = server["secret"]
+            if "metadata_store_url" in server:
+                data["metadata_store_url"] = server["metadata_store_url"]
         except (FileNotFoundError, KeyError):
             pass
     return data
@@ -75,7 +79,8 @@ def _write_cluster(root: str, data: dict[str, Any]) -> str:
     """Write server.json (with the cluster secret) and cluster.json (the client credential only)."""
     secret = data["secret"]
     _write_json(os.path.join(root, SERVER_FILE), {**data, "role": "server"})
-    client = {k: v for k, v in data.items() if k not in ("secret", "role")}
+    # The database URL carries its password: servers need it, clients do not.
+    client = {k: v for k, v in data.items() if k not in ("secret", "role", "metadata_store_url")}
     path = os.path.join(root, "cluster.json")
     _write_json(path, {**client, "client_secret": role_credential(secret, "client")})
     return path
@@ -119,7 +124,8 @@ def _port_free(port: int) -> bool:
 
 
 def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 << 20, stripe: int = 16,
-       gc_grace: float = 30.0, metadata_store: str = "sqlite", postgres_url: str | None = None) -> dict[str, Any]:
+       gc_grace: float = 30.0, metadata_store: str = "sqlite", postgres_url: str | None = None,
+       metadata_services: int = 1) -> dict[str, Any]:
     """Start (or restart) the cluster under ``root``; returns the cluster.json content.
 
     Args:
@@ -127,6 +133,8 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
         postgres_url: the database for ``postgresql``; without one, a private
             PostgreSQL server is initialised under ``root`` and started (and
             ``down`` stops it).
+        metadata_services: metadata service processes on the one store (more than
+            one needs ``postgresql``); cluster.json lists them all.
     """
     if not 1 <= replicas <= 3 or replicas > servers:
         raise StripefsError(ErrorCode.INVALID, "--replicas must be 1, 2 or 3 and at most --servers")
@@ -134,6 +142,11 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
         raise StripefsError(ErrorCode.INVALID, "--metadata-store is sqlite or postgresql")
     if postgres_url and metadata_store != "postgresql":
         raise StripefsError(ErrorCode.INVALID, "--postgres-url needs --metadata-store postgresql")
+    if not 1 <= metadata_services <= MAX_METADATA_SERVICES:
+        raise StripefsError(ErrorCode.INVALID, f"--metadata-services must be 1-{MAX_METADATA_SERVICES}")
+    if metadata_services > 1 and metadata_store != "postgresql":
+        raise StripefsError(ErrorCode.INVALID, "--metadata-services above 1 needs --metadata-store postgresql "
+                            "(a SQLite file belongs to one process)")
     root = os.path.abspath(root)
     os.makedirs(os.path.join(root, "logs"), exist_ok=True)
     old = read_cluster(root)
@@ -142,8 +155,7 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
         if all(pid_alive(p) for p in old.get("pids", [])):
             remember_cluster(os.path.join(root, "cluster.json"))
             return old
-        if not pid_alive(old.get("metadata", {}).get("pid", -1)):
-            _restart_metadata(root, old)
+        _restart_metadata(root, old)
         return _restart_dead_servers(root, old)
     existing = sorted(int(d.split("-")[1]) for d in os.listdir(root) if d.startswith("storage-") and d.split("-")[1].isdigit())
     count = max(servers, len(existing))
@@ -159,7 +171,10 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
         "replicas": replicas,
         "gc_grace": gc_grace,
         "metadata_store": (old or {}).get("metadata_store") or metadata_store,
+        "metadata_services": [],
     }
+    if old and old.get("metadata_services"):  # a restart keeps the number of services
+        metadata_services = max(metadata_services, len(old["metadata_services"]))
     if cluster["metadata_store"] == "postgresql":
         url = (old or {}).get("metadata_store_url") or postgres_url
         if url is None:  # a private server under ROOT
@@ -172,19 +187,20 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
     spath = os.path.join(root, SERVER_FILE)  # what the servers read: the cluster secret
     procs: list[subprocess.Popen] = []
     try:
-        old_port = int((old or {}).get("metadata", {}).get("port", 0))
-        port = old_port if old_port and _port_free(old_port) else 0
-        ready = os.path.join(root, "meta.ready")
-        if os.path.exists(ready):
-            os.unlink(ready)
-        log_path = os.path.join(root, "logs", "metadata.log")
-        proc = _spawn(["-m", "metadata", "--state", os.path.join(root, "meta"), "--cluster", spath, "--port", str(port),
-                       "--chunk-size", str(chunk_size), "--stripe", str(stripe), "--gc-grace", str(gc_grace),
-                       "--replicas", str(replicas), "--ready", ready], log_path)
-        procs.append(proc)
-        maddr = _wait_ready(proc, ready, "metadata service", log_path)
-        host, _, mport = maddr.rpartition(":")
-        cluster["metadata"] = {"host": host, "port": int(mport), "pid": proc.pid}
+        old_ports = [int(s.get("port", 0)) for s in _services(old or {})]
+        spawned = []
+        for i in range(metadata_services):
+            old_port = old_ports[i] if i < len(old_ports) else 0
+            port = old_port if old_port and _port_free(old_port) else 0
+            proc, ready, log_path = _spawn_metadata(root, cluster, i, port)
+            procs.append(proc)
+            spawned.append((i, proc, ready, log_path))
+        for i, proc, ready, log_path in spawned:
+            maddr = _wait_ready(proc, ready, f"metadata service {i}" if i else "metadata service", log_path)
+            host, _, mport = maddr.rpartition(":")
+            cluster["metadata_services"].append({"host": host, "port": int(mport), "pid": proc.pid})
+        cluster["metadata"] = cluster["metadata_services"][0]
+        maddr = _metadata_arg(cluster)
         starting: list[tuple[int, Any, str, str, Any]] = []
         before = (old or {}).get("servers", [])
         for i in range(count):
@@ -202,13 +218,40 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
             h, _, p = addr.rpartition(":")
             cluster["servers"].append({"root": sroot, "host": h, "port": int(p), "pid": sp.pid})
     except BaseException:
-        for p in procs:
-            p.kill()
+        for started in procs:
+            started.kill()
         raise
-    cluster["pids"] = [p.pid for p in procs]
+    cluster["pids"] = [started.pid for started in procs]
     _write_cluster(root, cluster)
     remember_cluster(path)
     return cluster
+
+
+def _services(cluster: dict[str, Any]) -> list[dict[str, Any]]:
+    """The metadata services of a cluster file (older files name just one)."""
+    listed = cluster.get("metadata_services")
+    if listed:
+        return list(listed)
+    return [cluster["metadata"]] if cluster.get("metadata") else []
+
+
+def _metadata_arg(cluster: dict[str, Any]) -> str:
+    """Every metadata address, as storage servers take them (``--metadata a,b``)."""
+    return ",".join(f"{s['host']}:{s['port']}" for s in _services(cluster))
+
+
+def _spawn_metadata(root: str, cluster: dict[str, Any], i: int, port: int) -> tuple[subprocess.Popen, str, str]:
+    """Start metadata service ``i`` (its own ready file and log); returns ``(process, ready, log)``."""
+    suffix = f"-{i}" if i else ""
+    ready = os.path.join(root, f"meta{suffix}.ready")
+    if os.path.exists(ready):
+        os.unlink(ready)
+    log_path = os.path.join(root, "logs", f"metadata{suffix}.log")
+    proc = _spawn(["-m", "metadata", "--state", os.path.join(root, "meta"), "--cluster", os.path.join(root, SERVER_FILE),
+                   "--port", str(port), "--chunk-size", str(cluster.get("chunk_size", 4 << 20)),
+                   "--stripe", str(cluster.get("stripe", 16)), "--gc-grace", str(cluster.get("gc_grace", 30.0)),
+                   "--replicas", str(cluster.get("replicas", 1)), "--ready", ready], log_path)
+    return proc, ready, log_path
 
 
 def _start_private_postgres(root: str, cluster: dict[str, Any] | None) -> str | None:
@@ -235,30 +278,28 @@ def _start_server(root: str, i: int, maddr: str, cluster_file: str) -> tuple[sub
 
 
 def _restart_metadata(root: str, cluster: dict[str, Any]) -> None:
-    """Start the metadata service again on its old port; running storage servers re-register."""
+    """Start dead metadata services again on their old ports; running storage servers re-register."""
     _write_cluster(root, cluster)  # a cluster.json from before roles: server.json first
-    path = os.path.join(root, SERVER_FILE)
-    ready = os.path.join(root, "meta.ready")
-    if os.path.exists(ready):
-        os.unlink(ready)
-    log_path = os.path.join(root, "logs", "metadata.log")
-    port = int(cluster["metadata"]["port"])
-    deadline = time.monotonic() + 10
-    while not _port_free(port) and time.monotonic() < deadline:  # TIME_WAIT of the dead one
-        time.sleep(0.1)
-    proc = _spawn(["-m", "metadata", "--state", os.path.join(root, "meta"), "--cluster", path, "--port", str(port),
-                   "--chunk-size", str(cluster.get("chunk_size", 4 << 20)), "--stripe", str(cluster.get("stripe", 16)),
-                   "--gc-grace", str(cluster.get("gc_grace", 30.0)), "--replicas", str(cluster.get("replicas", 1)),
-                   "--ready", ready], log_path)
-    addr = _wait_ready(proc, ready, "metadata service", log_path)
-    host, _, mport = addr.rpartition(":")
-    cluster["metadata"] = {"host": host, "port": int(mport), "pid": proc.pid}
+    services = _services(cluster)
+    for i, old in enumerate(services):
+        if pid_alive(old.get("pid", -1)):
+            continue
+        port = int(old["port"])
+        deadline = time.monotonic() + 10
+        while not _port_free(port) and time.monotonic() < deadline:  # TIME_WAIT of the dead one
+            time.sleep(0.1)
+        proc, ready, log_path = _spawn_metadata(root, cluster, i, port)
+        addr = _wait_ready(proc, ready, f"metadata service {i}" if i else "metadata service", log_path)
+        host, _, mport = addr.rpartition(":")
+        services[i] = {"host": host, "port": int(mport), "pid": proc.pid}
+    cluster["metadata_services"] = services
+    cluster["metadata"] = services[0]
 
 
 def _restart_dead_servers(root: str, cluster: dict[str, Any]) -> dict[str, Any]:
     """The metadata service runs but some storage servers died: start just those again."""
     _write_cluster(root, cluster)  # a cluster.json from before roles: server.json first
-    maddr = f"{cluster['metadata']['host']}:{cluster['metadata']['port']}"
+    maddr = _metadata_arg(cluster)
     for i, s in enumerate(cluster["servers"]):
         if pid_alive(s["pid"]) or s.get("removed"):
             continue
@@ -266,7 +307,7 @@ def _restart_dead_servers(root: str, cluster: dict[str, Any]) -> dict[str, Any]:
         addr = _wait_ready(sp, sready, f"storage server {i}", slog)
         h, _, p = addr.rpartition(":")
         cluster["servers"][i] = {"root": s["root"], "host": h, "port": int(p), "pid": sp.pid}
-    cluster["pids"] = [cluster["metadata"]["pid"]] + [s["pid"] for s in cluster["servers"]]
+    cluster["pids"] = [s["pid"] for s in _services(cluster)] + [s["pid"] for s in cluster["servers"]]
     path = _write_cluster(root, cluster)
     remember_cluster(path)
     return cluster
@@ -281,11 +322,11 @@ def add_server(root: str) -> dict[str, Any]:
     """
     root = os.path.abspath(root)
     cluster = read_cluster(root)
-    if not cluster or not pid_alive(cluster.get("metadata", {}).get("pid", -1)):
+    if not cluster or not any(pid_alive(m.get("pid", -1)) for m in _services(cluster)):
         raise StripefsError(ErrorCode.UNAVAILABLE, f"no running cluster under {root} (stripefs up first)")
     _write_cluster(root, cluster)  # a cluster.json from before roles: server.json first
     i = len(cluster["servers"])
-    maddr = f"{cluster['metadata']['host']}:{cluster['metadata']['port']}"
+    maddr = _metadata_arg(cluster)
     sp, sready, slog = _start_server(root, i, maddr, os.path.join(root, SERVER_FILE))
     addr = _wait_ready(sp, sready, f"storage server {i}", slog)
     h, _, p = addr.rpartition(":")

@@ -192,6 +192,9 @@ class LocalPostgres:
 
 def _port_is_free(port: int) -> bool:
     with socket.socket() as s:
+        # As PostgreSQL binds: connections of the last run in TIME_WAIT do not hold the port
+        # (without this a restart under load moved to a new port the cluster file did not name).
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
             return True

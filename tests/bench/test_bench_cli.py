@@ -17,11 +17,13 @@ import pytest
 from bench import BenchConfig, run_bench
 from bench._pattern import Pattern, VerifyError, file_id
 from bench._routes import RouteSkipped, RunEnv, make_route
-from bench._workloads import WORKLOADS, record_names
+from bench._seed import dataset_sizes
+from bench._tasks import WORKLOADS, record_names
 from bench.cli import main
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZE, BLOCK, CLIENTS = 1 * MiB, 256 * KiB, 2
+DL_FILES, SW_FILES = 24, 6
 ROUTES = ["native", "fsspec", "zerocopy", "fuse", "local_disk"]
 FIXED = {"workload", "path", "clients", "servers", "bytes", "seconds", "gbps"}
 
@@ -31,7 +33,9 @@ def report(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     """One run of every workload over every route (2 clients, 1 MiB each)."""
     cfg = BenchConfig(clients=[CLIENTS], routes=ROUTES, workloads=list(WORKLOADS), size=SIZE,
                       block=BLOCK, duration=0.2, files=8, shards=2, cluster=cluster.file,
-                      workdir=str(tmp_path_factory.mktemp("bench")), floors=False, timeout=120)
+                      workdir=str(tmp_path_factory.mktemp("bench")), floors=False, timeout=120,
+                      dl_files=DL_FILES, sw_files=SW_FILES, drop_caches=False,
+                      rand_size=2 * MiB)
     return run_bench(cfg)
 
 
@@ -65,8 +69,8 @@ def test_each_workload_on_each_route(report: dict[str, Any], workload: str) -> N
             json.dumps(rec)  # plain JSON types only
 
 
-@pytest.mark.parametrize("workload", ["seq_write", "seq_read", "shared_write", "shared_read",
-                                      "checkpoint"])
+@pytest.mark.parametrize("workload", ["seq_write", "seq_read", "seq_read_cached", "shared_write",
+                                      "shared_read", "checkpoint"])
 def test_byte_counts_match_what_was_written(report: dict[str, Any], workload: str) -> None:
     skipped = {(s["path"], s.get("workload")) for s in report["skipped"]}
     for path in ran_routes(report):
@@ -82,7 +86,7 @@ def test_byte_counts_match_what_was_written(report: dict[str, Any], workload: st
 
 
 @pytest.mark.parametrize("workload, req", [("rand_read_4k", 4 * KiB), ("rand_read_64k", 64 * KiB),
-                                           ("rand_read_1m", MiB)])
+                                           ("rand_read_1m", MiB), ("rand_read_4k_cached", 4 * KiB)])
 def test_random_reads_count_requests(report: dict[str, Any], workload: str, req: int) -> None:
     for path in ran_routes(report):
         [rec] = records(report, path, workload)
@@ -101,6 +105,45 @@ def test_metadata_and_mixed_parts(report: dict[str, Any]) -> None:
         assert rd["clients"] + wr["clients"] == CLIENTS
         assert wr["bytes"] == wr["clients"] * SIZE
         assert rd["ops"] > 0
+
+
+def test_dataloader_reads_every_file_once(report: dict[str, Any]) -> None:
+    sizes = dataset_sizes(DL_FILES)
+    assert all(64 * KiB <= x <= 256 * KiB and x % 4096 == 0 for x in sizes)
+    assert len(set(sizes.tolist())) > 1  # sizes vary (from a fixed seed)
+    for path in ran_routes(report):
+        [rec] = records(report, path, "dataloader")
+        assert rec["clients"] == CLIENTS and rec["ops"] == DL_FILES
+        assert rec["bytes"] == int(sizes.sum())
+        assert rec["latency_p50_ms"] <= rec["latency_p99_ms"]
+        assert rec["verified_bytes"] >= sizes[0]  # at least one file compared byte for byte
+        assert 0 <= rec["cpu_servers_s"] <= rec["cpu_s"] and "cpu_ms_per_op" in rec
+        if path == "native":  # the storage servers did the serving
+            assert rec["cpu_servers_s"] > 0
+        if path == "local_disk":
+            assert rec["cpu_servers_s"] == 0
+
+
+def test_small_writes_counts_files_and_bytes(report: dict[str, Any]) -> None:
+    for path in ran_routes(report):
+        [rec] = records(report, path, "small_writes")
+        assert rec["ops"] == CLIENTS * SW_FILES
+        assert CLIENTS * SW_FILES * 4 * KiB <= rec["bytes"] <= CLIENTS * SW_FILES * 64 * KiB
+        assert rec["ops_per_s"] == pytest.approx(rec["ops"] / rec["seconds"])
+        assert rec["verified_bytes"] > 0 and rec["latency_p50_ms"] <= rec["latency_p99_ms"]
+
+
+def test_burst_interference_reports_the_latency_ratio(report: dict[str, Any]) -> None:
+    for path in ran_routes(report):
+        [alone] = records(report, path, "burst_alone")
+        [during] = records(report, path, "burst_interference")
+        [burst] = records(report, path, "burst_write")
+        assert alone["clients"] == during["clients"] == 1 and burst["clients"] == 1
+        assert alone["ops"] >= 1 and during["ops"] >= 1
+        assert burst["bytes"] == SIZE  # one writer, one checkpoint of ``size`` bytes
+        assert during["p99_ratio"] == pytest.approx(during["latency_p99_ms"]
+                                                    / alone["latency_p99_ms"])
+        assert during["burst_gbps"] == burst["gbps"]
 
 
 def test_fsspec_offset_writes_are_skipped_with_reason(report: dict[str, Any]) -> None:
@@ -145,8 +188,8 @@ def test_cli_json_and_plot(cluster: Any, tmp_path: Path, capsys: pytest.CaptureF
     out, png = tmp_path / "out.json", tmp_path / "out.png"
     rc = main(["bench", "--cluster", cluster.file, "--clients", "2", "--size", "1M",
                "--block", "256K", "--routes", "native", "--workloads", "seq_write", "seq_read",
-               "--json", str(out), "--plot", str(png), "--no-progress",
-               "--workdir", str(tmp_path)])
+               "--json", str(out), "--plot", str(png), "--no-progress", "--no-drop-caches",
+               "--tables", str(tmp_path / "out.md"), "--workdir", str(tmp_path)])
     assert rc == 0
     rep = json.loads(out.read_text())
     assert {"machine", "config", "command", "stripefs", "duration_s"} <= rep["header"].keys()
@@ -157,9 +200,24 @@ def test_cli_json_and_plot(cluster: Any, tmp_path: Path, capsys: pytest.CaptureF
         assert FIXED <= r.keys()
     [rd] = [r for r in rep["results"] if r["path"] == "native" and r["workload"] == "seq_read"]
     assert rd["bytes"] == 2 * MiB and rd["vs_floor_socket"] > 0
+    [floor] = [r for r in rep["results"] if r["path"] == "floor_socket"]
+    assert len(floor["samples_gbps"]) == 4  # two before the routes, two after: the best counts
+    assert round(floor["gbps"], 3) == max(floor["samples_gbps"])
+    assert floor["bytes"] >= 256 * MiB  # a steady state, not connection set-up
+    assert rep["invalid"] == [] and rep["header"]["validity"].startswith("checked")
+    assert rep["header"]["cold_reads"].startswith("posix_fadvise")  # --no-drop-caches
+    tables = (tmp_path / "out.md").read_text()
+    assert "#### seq_read" in tables and "| native |" in tables
     assert png.stat().st_size > 10_000
     assert "seq_read" in capsys.readouterr().out
     assert not any(p.name.startswith("stripefs-bench-") for p in tmp_path.iterdir())
+
+
+def test_drop_caches_needs_root() -> None:
+    from bench._orchestrate import drop_caches
+
+    can = os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
+    assert drop_caches() is can
 
 
 @pytest.mark.parametrize("args", [["--size", "1000"], ["--clients", "0"], ["--size", "lots"],

@@ -114,6 +114,8 @@ REPLY_OF = {
     "RemoveServer": "RemoveServerReply",
     "Mknod": "AttrReply", "GetXattr": "XattrReply", "SetXattr": "AttrReply", "ListXattr": "XattrNamesReply",
     "RemoveXattr": "AttrReply", "AcquireLock": "LockReply", "ReleaseLock": "ReleaseLockReply",
+    "CreatePath": "CreateReply", "UnlinkPath": "AttrReply", "StatMany": "StatManyReply",
+    "ListNames": "NamesReply",
 }
 
 LAYOUT = wire.Layout(1 << 20, (3, 1, 2))
@@ -157,6 +159,8 @@ SAMPLES: list[tuple[m.ReplyMessage, dict]] = [
     (m.ReleaseLockReply(released=True), {"released": True}),
     (m.RemoveServerReply(state="draining", chains=[1, 5], lost=[], routing_version=6),
      {"state": "draining", "chains": [1, 5], "lost": [], "routing_version": 6}),
+    (m.StatManyReply(attrs=[ATTR], failed=[0], codes=[1]), {"attrs": [ATTR.to_wire()], "failed": [0], "codes": [1]}),
+    (m.NamesReply(names=["a", "b"], more=True), {"names": ["a", "b"], "more": True}),
 ]
 
 
@@ -248,9 +252,9 @@ _ROUTING = st.builds(
 _SCALAR = st.none() | _INT | _TEXT | st.booleans()
 _FIELD: dict[object, st.SearchStrategy] = {
     int: _INT, str: _TEXT, bool: st.booleans(), bytes: st.binary(max_size=8), int | None: st.none() | _INT,
-    wire.Attr: _ATTR, wire.Routing: _ROUTING, list[wire.ServerInfo]: st.lists(_SERVER, max_size=3),
+    wire.Attr: _ATTR, list[wire.Attr]: st.lists(_ATTR, max_size=3), wire.Routing: _ROUTING, list[wire.ServerInfo]: st.lists(_SERVER, max_size=3),
     list[wire.DirEntry]: st.lists(st.builds(wire.DirEntry, _TEXT, _INT, _INT, st.none() | _ATTR), max_size=3),
-    list[int]: st.lists(_INT, max_size=4), list[int] | None: st.none() | st.lists(_INT, max_size=4), list[bytes]: st.lists(st.binary(max_size=8), max_size=3), list[list[int]]: st.lists(st.lists(_INT, max_size=4), max_size=3),
+    list[int]: st.lists(_INT, max_size=4), list[str]: st.lists(_TEXT, max_size=3), list[int] | None: st.none() | st.lists(_INT, max_size=4), list[bytes]: st.lists(st.binary(max_size=8), max_size=3), list[list[int]]: st.lists(st.lists(_INT, max_size=4), max_size=3),
     dict[str, int]: st.dictionaries(_TEXT, _INT, max_size=3), dict[str, Any]: st.dictionaries(_TEXT, _SCALAR, max_size=3),
     list[dict[str, Any]]: st.lists(st.dictionaries(_TEXT, _SCALAR, max_size=3), max_size=3),
 }

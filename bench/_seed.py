@@ -1,0 +1,209 @@
+"""The seed workloads: what a 3FS-like file system exists for, run inside each client process.
+
+===================  ===================================================================
+dataloader           a dataset of ``dl_files`` files of 64-256 KiB (sizes from a fixed
+                     seed, multiples of 4 KiB) read whole, in a random order, by all
+                     clients at once (each takes every N-th file of one permutation);
+                     files/s, GB/s, p50/p99 per file (open + read + close)
+small_writes         every client creates ``sw_files`` files of 4-64 KiB: create, write,
+                     fsync, close each; files/s, p50/p99 per file
+burst_interference   the first half of the clients (rounded up) read the dataset alone for
+                     ``duration`` s (``burst_alone``), then go on reading while the other
+                     clients write a checkpoint burst of ``size`` bytes each
+                     (``burst_interference``, with the p99 ratio during/alone, and
+                     ``burst_write``, the burst's throughput)
+===================  ===================================================================
+
+The dataset is written once per route by ``prepare_dataset`` (untimed, all clients in
+parallel) and kept for later runs of the same benchmark; the caches are dropped before every
+timed read (``bench._workloads`` explains how), and dataset files are opened with
+``direct=True`` so that no file is served by a client-side cache even when a reader wraps
+around its share.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._pattern import VerifyError, file_id
+from ._sessions import Session
+from ._workloads import (ClientContext, PartResult, aligned, check_size, checkpoint_files, clock,
+                         evict, read_back, write_range)
+
+__all__ = ["SEED", "SEED_PREPARE", "SEED_CLEANUP", "dataset_sizes", "dataset_path", "prepare_dataset"]
+
+DATASET_SEED, ORDER_SEED, SMALL_SEED = 20260101, 7, 100
+MIN_FILE, MAX_FILE = 64 << 10, 256 << 10
+EXACT_EVERY = 32  # every 32nd file compared byte for byte (stamps: every file)
+
+
+def dataset_sizes(n: int) -> np.ndarray:
+    """Sizes of the ``n`` dataset files: 64-256 KiB, multiples of 4 KiB, from a fixed seed."""
+    rng = np.random.default_rng(DATASET_SEED)
+    return rng.integers(MIN_FILE >> 12, (MAX_FILE >> 12) + 1, n) * 4096
+
+
+def dataset_path(n: int, k: int) -> str:
+    """File ``k`` of the ``n``-file dataset (1,000 files per directory)."""
+    return f"dataset/{n}/d{k // 1000:03d}/f{k:06d}"
+
+
+def prepare_dataset(s: Session, task: dict[str, Any], ctx: ClientContext) -> None:
+    """Write the dataset unless an earlier task did (a ``READY`` file marks it complete)."""
+    n = task["dl_files"]
+    sizes = dataset_sizes(n)
+    ready = f"dataset/{n}/READY"
+    try:
+        s.size(ready)
+        done = True
+    except FileNotFoundError:
+        done = False
+    ctx.wait()  # everyone has looked before anyone writes the marker
+    mine = range(ctx.index, n, ctx.clients)
+    if not done:
+        if ctx.index == 0:
+            for d in range(-(-n // 1000)):
+                s.makedirs(f"dataset/{n}/d{d:03d}")
+        ctx.wait()
+        scratch = PartResult()
+        for k in mine:
+            path = dataset_path(n, k)
+            w = s.create(path)
+            try:
+                write_range(w, ctx, file_id(path), int(sizes[k]), ctx.pattern.block, scratch)
+            finally:
+                w.close()
+        ctx.wait()  # every file is complete before the marker says so
+        if ctx.index == 0:
+            s.touch(ready)
+    evict(s, [dataset_path(n, k) for k in mine], task)
+
+
+def _read_file(s: Session, ctx: ClientContext, n: int, k: int, size: int, buf: memoryview,
+               part: PartResult) -> None:
+    """Open, read whole, close one dataset file (timed as one operation), then verify it."""
+    path = dataset_path(n, k)
+    t = clock()
+    r = s.open_read(path, direct=True)
+    try:
+        got = r.pread_into(buf[:size], 0)
+    finally:
+        r.close()
+    part.lat.append(clock() - t)
+    if got != size:
+        raise VerifyError(f"{path}: read {got} of {size} bytes")
+    part.verified += ctx.pattern.check(buf[:size], file_id(path), 0,
+                                       exact=part.ops % EXACT_EVERY == 0)
+    part.nbytes += size
+    part.ops += 1
+    ctx.add(size)
+
+
+def dataloader(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, PartResult]:
+    n = task["dl_files"]
+    sizes = dataset_sizes(n)
+    mine = np.random.default_rng(ORDER_SEED).permutation(n)[ctx.index::ctx.clients]
+    buf, part = aligned(MAX_FILE), PartResult()
+    ctx.wait()
+    part.t0 = clock()
+    for k in mine:
+        _read_file(s, ctx, n, int(k), int(sizes[k]), buf, part)
+    part.t1 = clock()
+    return {"dataloader": part}
+
+
+def small_writes(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, PartResult]:
+    d = f"small/{task['tag']}/c{ctx.index}"
+    s.makedirs(d)
+    n = task["sw_files"]
+    sizes = np.random.default_rng(SMALL_SEED + ctx.index).integers(1, 17, n) * 4096
+    part, scratch = PartResult(), PartResult()
+    paths = [f"{d}/f{k:06d}" for k in range(n)]
+    ctx.wait()
+    part.t0 = clock()
+    for path, size in zip(paths, sizes):
+        t = clock()
+        w = s.create(path)
+        try:
+            write_range(w, ctx, file_id(path), int(size), ctx.pattern.block, scratch)
+            w.fsync()
+        finally:
+            w.close()
+        part.lat.append(clock() - t)
+        part.nbytes += int(size)
+        part.ops += 1
+    part.t1 = clock()
+    for k in sorted({0, n - 1}):  # untimed: the first and last file hold what was written
+        check_size(s, paths[k], int(sizes[k]))
+        part.verified += read_back(s, ctx, paths[k], file_id(paths[k]), int(sizes[k]),
+                                   ctx.pattern.block)
+    return {"small_writes": part}
+
+
+def _small_writes_cleanup(s: Session, task: dict[str, Any], ctx: ClientContext) -> None:
+    """Remove what ``small_writes`` wrote (keeps repeated runs' footprint bounded)."""
+    d = f"small/{task['tag']}/c{ctx.index}"
+    for name in s.listdir(d):
+        s.unlink(f"{d}/{name}")
+
+
+def burst_interference(s: Session, task: dict[str, Any],
+                       ctx: ClientContext) -> dict[str, PartResult]:
+    """Readers: dataset reads alone, then during the writers' burst. Writers: the burst."""
+    if ctx.clients < 2:
+        raise NotImplementedError("burst_interference needs at least 2 clients")
+    writers = ctx.clients // 2
+    readers = ctx.clients - writers
+    if ctx.index >= readers:
+        return _burst_writer(s, task, ctx, writers)
+    n = task["dl_files"]
+    sizes = dataset_sizes(n)
+    mine = np.random.default_rng(ORDER_SEED + 1).permutation(n)[ctx.index::readers]
+    buf, alone, during = aligned(MAX_FILE), PartResult(), PartResult()
+    at = 0
+
+    def read_until(part: PartResult, stop: Any) -> None:
+        nonlocal at
+        part.t0 = clock()
+        while True:  # at least one file per phase
+            k = int(mine[at % len(mine)])
+            _read_file(s, ctx, n, k, int(sizes[k]), buf, part)
+            at += 1
+            if stop():
+                break
+        part.t1 = clock()
+
+    ctx.wait()
+    end = clock() + task["duration"]
+    read_until(alone, lambda: clock() >= end or at >= len(mine) // 2)
+    ctx.wait()  # the burst starts now
+    deadline = clock() + ctx.timeout
+    read_until(during, lambda: ctx.writers_done.value >= writers or clock() >= deadline)
+    return {"burst_alone": alone, "burst_interference": during}
+
+
+def _burst_writer(s: Session, task: dict[str, Any], ctx: ClientContext,
+                  writers: int) -> dict[str, PartResult]:
+    tag, part = task["tag"], PartResult()
+    s.makedirs(f"ckpt/{tag}")
+    ctx.wait()
+    ctx.wait()  # the readers' solo phase is over
+    part.t0 = clock()
+    try:
+        files = checkpoint_files(s, ctx, task, tag, part)
+    finally:
+        with ctx.writers_done.get_lock():  # readers stop even if this writer failed
+            ctx.writers_done.value += 1
+    part.t1 = clock()
+    for path, size in files:
+        check_size(s, path, size)
+        s.unlink(path)
+    return {"burst_write": part}
+
+
+SEED = {"dataloader": dataloader, "small_writes": small_writes,
+        "burst_interference": burst_interference}
+SEED_PREPARE = {"dataloader": prepare_dataset, "burst_interference": prepare_dataset}
+SEED_CLEANUP = {"small_writes": _small_writes_cleanup}

@@ -1,0 +1,47 @@
+"""The table of workloads a client process can run, and their untimed preparation.
+
+``WORKLOADS`` maps a workload name to its function (``bench._workloads`` for the classic
+ones, ``bench._seed`` for the seed workloads); ``PREPARE`` holds, for each cold read
+workload, what must be written before the benchmark process drops the caches; ``CLEANUP``
+what a workload leaves behind, removed in a call of its own (so that its CPU is not counted
+as the workload's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._seed import SEED, SEED_CLEANUP, SEED_PREPARE
+from ._sessions import Session
+from ._workloads import CLASSIC, CLASSIC_PREPARE, ClientContext, PartResult
+
+__all__ = ["WORKLOADS", "PREPARE", "CLEANUP", "run_workload", "record_names"]
+
+WORKLOADS = {**CLASSIC, **SEED}
+PREPARE = {**CLASSIC_PREPARE, **SEED_PREPARE}
+CLEANUP = dict(SEED_CLEANUP)
+
+_PARTS = {"metadata": ["meta_create", "meta_stat", "meta_readdir", "meta_unlink"],
+          "mixed": ["mixed_read", "mixed_write"],
+          "burst_interference": ["burst_alone", "burst_interference", "burst_write"]}
+
+
+def record_names(workload: str) -> list[str]:
+    """The record names a workload produces."""
+    return _PARTS.get(workload, [workload])
+
+
+def run_workload(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, PartResult]:
+    """Run ``task['workload']`` in this client (only its preparation when ``task['prepare']``,
+    only its clean-up when ``task['cleanup']``).
+
+    Raises:
+        KeyError: an unknown workload.
+    """
+    if task.get("prepare"):
+        PREPARE[task["workload"]](s, task, ctx)
+        return {}
+    if task.get("cleanup"):
+        CLEANUP[task["workload"]](s, task, ctx)
+        return {}
+    return WORKLOADS[task["workload"]](s, task, ctx)

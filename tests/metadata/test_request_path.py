@@ -1,0 +1,77 @@
+"""The metadata request path: reads do not wait behind the write batch, and still see
+every acknowledged write."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import trio
+
+from metadata import Namespace, SqliteStore
+from metadata._server import Membership, MetadataService
+from wire import messages as m
+
+
+def _service(tmp_path) -> tuple[MetadataService, SqliteStore]:
+    store = SqliteStore(tmp_path / "meta.db")
+    ns = Namespace(store)
+    ns.mkdir(1, "d", 0o755, 0, 0)
+    def members(doc: str | None, restarted: bool) -> Membership:
+        return Membership(None, doc=doc, restarted=restarted)
+
+    return MetadataService(ns, members, "secret"), store
+
+
+def test_reads_are_answered_while_a_write_batch_is_running(tmp_path) -> None:
+    svc, store = _service(tmp_path)
+    gate = threading.Event()
+    started = threading.Event()
+
+    def slow_write() -> None:  # stands in for a batch stuck in a long durable commit
+        started.set()
+        gate.wait(10)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.run_batches)
+            nursery.start_soon(svc._ns, slow_write)
+            while not started.is_set():
+                await trio.sleep(0.01)
+            try:
+                with trio.fail_after(3):
+                    reply = await svc._dispatch(m.Resolve(path="/d"))
+                    listing = await svc._dispatch(m.Readdir(ino=1, after="", limit=10, plus=True))
+                assert reply.attr.is_dir
+                assert [e.name for e in listing.entries] == ["d"]
+                assert not gate.is_set()  # answered while the write still held the batch
+            finally:
+                gate.set()
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        store.close()
+
+
+def test_a_read_after_an_acknowledged_write_sees_it(tmp_path) -> None:
+    svc, store = _service(tmp_path)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.run_batches)
+            d = (await svc._dispatch(m.Resolve(path="/d"))).attr
+            for k in range(60):
+                made = await svc._dispatch(m.Mkdir(parent=d.ino, name=f"f{k}", mode=0o755, uid=0, gid=0))
+                seen = (await svc._dispatch(m.Lookup(parent=d.ino, name=f"f{k}"))).attr
+                assert seen.ino == made.attr.ino
+                await svc._dispatch(m.Rmdir(parent=d.ino, name=f"f{k}"))
+                with pytest.raises(FileNotFoundError):
+                    await svc._dispatch(m.Resolve(path=f"/d/f{k}"))
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        store.close()
