@@ -160,10 +160,26 @@ def cmd_down(a: argparse.Namespace) -> int:
     return 0
 
 
+def _service_roles(services: tuple[tuple[str, int], ...], secret: str) -> list[tuple[str, int, str]]:
+    """Each metadata service's role as it says itself: leader, follower or unreachable."""
+    from wire import messages as m
+
+    out = []
+    for host, port in services:
+        try:
+            with Client(f"{host}:{port}", secret=secret) as one:
+                md = one.call(m.ClusterStatus(), timeout=2.0).metadata
+            out.append((host, port, f"{'leader' if md.get('leader') else 'follower'}  pid {md.get('pid', '?')}"))
+        except (OSError, StripefsError) as exc:
+            out.append((host, port, f"unreachable ({exc})"))
+    return out
+
+
 def cmd_status(a: argparse.Namespace) -> int:
     with Client(a.cluster) as c:
         st = c.status()
         address = "%s:%d" % c.config.metadata
+        services, secret = c.config.addresses, c.config.secret
     if a.json:
         out = st.to_header()  # the wire form: plain maps, as the service sent them
         out["metadata"] = {**out["metadata"], "address": address}
@@ -171,8 +187,12 @@ def cmd_status(a: argparse.Namespace) -> int:
         print()
         return 0
     md = st.metadata
-    print(f"metadata  {address}  pid {md['pid']}  store {md.get('store', 'sqlite')}  inodes {md.get('inodes', '?')}  "
+    where = f"{address}  pid {md['pid']}" if len(services) == 1 else f"{len(services)} services"
+    print(f"metadata  {where}  store {md.get('store', 'sqlite')}  inodes {md.get('inodes', '?')}  "
           f"routing v{st.routing_version}")
+    if len(services) > 1:
+        for host, port, role in _service_roles(services, secret):
+            print(f"    service {host}:{port}  {role}")
     print(f"{'id':>3} {'address':<22} {'state':<8} {'pid':>7} {'used':>12} {'capacity':>12}")
     for s in st.servers:
         print(f"{s.server_id:>3} {s.host + ':' + str(s.port):<22} {s.state:<8} {s.pid:>7} {_human(s.used):>12} {_human(s.capacity):>12}")
