@@ -201,7 +201,7 @@ def _run_route(route: Route, spec: dict[str, Any], clients: int, servers: int,
         return
     try:
         clients_pids = [p.pid for p in pool.procs]
-        serving = server_pids + route.pids()
+        serving = (server_pids if route.on_cluster else []) + route.pids()
         for w in cfg.workloads:
             seq[0] += 1
             task = {"workload": w, "size": cfg.size, "block": cfg.block,

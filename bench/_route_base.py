@@ -48,6 +48,7 @@ class Route:
 
     name = "route"
     servers: int | None = None  # peers report their own server count
+    on_cluster = False  # served by the benchmark's own stripefs cluster (its servers' CPU is the route's)
 
     def start(self, env: RunEnv) -> dict[str, Any]:
         raise NotImplementedError

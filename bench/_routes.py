@@ -25,6 +25,7 @@ __all__ = ["Route", "RouteSkipped", "RunEnv", "ROUTES", "PEERS", "make_route", "
 
 class NativeRoute(Route):
     name = "native"
+    on_cluster = True
 
     def start(self, env: RunEnv) -> dict[str, Any]:
         return {"kind": "native", "cluster": self._cluster(env), "root": self._root(env)}
@@ -32,6 +33,7 @@ class NativeRoute(Route):
 
 class ZerocopyRoute(Route):
     name = "zerocopy"
+    on_cluster = True
 
     def start(self, env: RunEnv) -> dict[str, Any]:
         need_module("fsclient.batchread", self.name)
@@ -40,6 +42,7 @@ class ZerocopyRoute(Route):
 
 class FsspecRoute(Route):
     name = "fsspec"
+    on_cluster = True
 
     def start(self, env: RunEnv) -> dict[str, Any]:
         need_module("fsclient.fsspec", self.name)
@@ -66,6 +69,7 @@ class FuseRoute(Route):
     """A ``stripefs mount --foreground`` of the cluster, unmounted at ``stop``."""
 
     name = "fuse"
+    on_cluster = True
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
