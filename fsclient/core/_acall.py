@@ -25,12 +25,12 @@ import trio
 from rpc import Reply, abandon
 from wire import ErrorCode, Message, ReplyMessage, StripefsError, messages as m
 
+from ._core import MetaRetry
+
 if TYPE_CHECKING:
     from ._core import ClientCore
 
 R = TypeVar("R", bound=ReplyMessage)
-
-RETRY_DELAY = 0.2
 
 
 async def _result(fut: "Future[Reply]", timeout: float) -> Reply:
@@ -60,21 +60,21 @@ async def acall(core: "ClientCore", msg: Message[R], timeout: float = 60.0) -> R
     reply: Any = None
     try:
         req_id = next(core._ids)
-        deadline = time.monotonic() + timeout
-        delay = RETRY_DELAY
+        retry = MetaRetry(core, timeout)
         while True:
             try:
-                conn = core._meta.live_one("metadata", core.config.metadata) if core.pid == os.getpid() else None
+                key, address = ("metadata", retry.index), core.config.addresses[retry.index]
+                conn = core._meta.live_one(key, address) if core.pid == os.getpid() else None
                 if conn is None:  # connect (and handshake) off the loop; a forked child starts afresh there
-                    conn = await trio.to_thread.run_sync(core._meta_conn)
-                left = max(deadline - time.monotonic(), 0.001)
+                    conn = await trio.to_thread.run_sync(core._meta_conn, retry.index)
+                left = max(retry.deadline - time.monotonic(), 0.001)
                 header = (await _result(conn.submit(msg, req_id=req_id), left)).header
                 break
             except StripefsError as exc:
-                if exc.code not in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT) or time.monotonic() + delay > deadline:
+                wait = retry.after(exc)
+                if wait is None:
                     raise
-                await trio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                await trio.sleep(wait)
         reply = m.decode_reply(msg, header)
         return reply
     finally:

@@ -127,6 +127,34 @@ def _settle(inflight: "deque[tuple[int, Future]]") -> None:
             pass
 
 
+class MetaRetry:
+    """Where a metadata request goes next, and how long to wait first: one policy for
+    the blocking (:meth:`ClientCore.call`) and the trio (``acall``) callers.
+
+    Each request starts at the next service in turn; UNAVAILABLE or TIMEOUT (the
+    service died, or it does not lead and the request needs the leader) moves it on
+    to the next one, and after a full round without an answer it backs off.
+    """
+
+    def __init__(self, core: "ClientCore", timeout: float):
+        self.services = len(core.config.addresses)
+        self.index = next(core._spread) % self.services
+        self.deadline = time.monotonic() + timeout
+        self._delay = RETRY_DELAY
+        self._failed = 0
+
+    def after(self, exc: StripefsError) -> float | None:
+        """The seconds to wait before the next try after ``exc``; None: give up (re-raise)."""
+        if exc.code not in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT) or time.monotonic() + self._delay > self.deadline:
+            return None
+        self.index = (self.index + 1) % self.services
+        self._failed += 1
+        if self._failed % self.services:
+            return 0.0
+        wait, self._delay = self._delay, min(self._delay * 2, 2.0)
+        return wait
+
+
 class ClientCore:
     """Shared machinery of :class:`fsclient.Client` (sync) and the async API."""
 
@@ -199,23 +227,16 @@ class ClientCore:
         reply: Any = None
         try:
             req_id = next(self._ids)
-            deadline = time.monotonic() + timeout
-            delay = RETRY_DELAY
-            services = len(self.config.addresses)
-            index = next(self._spread) % services
-            failed = 0
+            retry = MetaRetry(self, timeout)
             while True:
                 try:
-                    header = self._meta_conn(index).call(msg, timeout=timeout, req_id=req_id).header
+                    header = self._meta_conn(retry.index).call(msg, timeout=timeout, req_id=req_id).header
                     break
                 except StripefsError as exc:
-                    if exc.code not in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT) or time.monotonic() + delay > deadline:
+                    wait = retry.after(exc)
+                    if wait is None:
                         raise
-                    index = (index + 1) % services
-                    failed += 1
-                    if failed % services == 0:  # every service failed once: wait before the next round
-                        time.sleep(delay)
-                        delay = min(delay * 2, 2.0)
+                    time.sleep(wait)
             reply = m.decode_reply(msg, header)
             return reply
         finally:
