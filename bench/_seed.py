@@ -29,8 +29,8 @@ import numpy as np
 
 from ._pattern import VerifyError, file_id
 from ._sessions import Session
-from ._workloads import (ClientContext, PartResult, aligned, check_size, checkpoint_files, clock,
-                         evict, read_back, write_range)
+from ._workloads import (ClientContext, PartResult, aligned, check_size, clock,
+                         evict, read_back, write_burst, write_range)
 
 __all__ = ["SEED", "SEED_PREPARE", "SEED_CLEANUP", "dataset_sizes", "dataset_path", "prepare_dataset"]
 
@@ -190,16 +190,7 @@ def _burst_writer(s: Session, task: dict[str, Any], ctx: ClientContext,
     s.makedirs(f"ckpt/{tag}")
     ctx.wait()
     ctx.wait()  # the readers' solo phase is over
-    part.t0 = clock()
-    try:
-        files = checkpoint_files(s, ctx, task, tag, part)
-    finally:
-        with ctx.writers_done.get_lock():  # readers stop even if this writer failed
-            ctx.writers_done.value += 1
-    part.t1 = clock()
-    for path, size in files:
-        check_size(s, path, size)
-        s.unlink(path)
+    write_burst(s, ctx, task, tag, part)
     return {"burst_write": part}
 
 

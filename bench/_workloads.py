@@ -261,13 +261,7 @@ def shared_write(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[s
 def shared_read(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, PartResult]:
     size, part = task["size"], PartResult()
     if ctx.index == 0:
-        s.makedirs("shared")
-        try:
-            ready = s.size(SHARED) == size * ctx.clients
-        except FileNotFoundError:
-            ready = False
-        if not ready:  # routes without offset writes get the file written in one stream
-            _write_own(s, ctx, SHARED, size * ctx.clients, task["block"], PartResult())
+        _ensure_shared(s, task, ctx)
     ctx.wait()
     buf = aligned(task["block"])
     r = s.open_read(SHARED)
@@ -436,9 +430,16 @@ def mixed(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, Par
         return {"mixed_read": part}
     s.makedirs(f"ckpt/{task['tag']}")
     ctx.wait()
+    write_burst(s, ctx, task, task["tag"], part)
+    return {"mixed_write": part}
+
+
+def write_burst(s: Session, ctx: ClientContext, task: dict[str, Any], tag: str, part: PartResult) -> None:
+    """A writer's timed checkpoint burst beside readers: the readers are told when it
+    ends (also when it failed); the files are checked and removed afterwards, untimed."""
     part.t0 = clock()
     try:
-        files = checkpoint_files(s, ctx, task, task["tag"], part)
+        files = checkpoint_files(s, ctx, task, tag, part)
     finally:
         with ctx.writers_done.get_lock():  # readers stop even if this writer failed
             ctx.writers_done.value += 1
@@ -446,7 +447,6 @@ def mixed(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, Par
     for path, n in files:
         check_size(s, path, n)
         s.unlink(path)
-    return {"mixed_write": part}
 
 
 Workload = Callable[[Session, dict[str, Any], ClientContext], dict[str, PartResult]]
@@ -487,16 +487,21 @@ def _prepare_mixed(s: Session, task: dict[str, Any], ctx: ClientContext) -> None
         _prepare_rand(s, task, ctx)
 
 
+def _ensure_shared(s: Session, task: dict[str, Any], ctx: ClientContext) -> None:
+    """Client 0: the shared file, written in one stream unless it is there already."""
+    size = task["size"] * ctx.clients
+    s.makedirs("shared")
+    try:
+        ready = s.size(SHARED) == size
+    except FileNotFoundError:
+        ready = False
+    if not ready:  # routes without offset writes get the file written in one stream
+        _write_own(s, ctx, SHARED, size, task["block"], PartResult())
+
+
 def _prepare_shared(s: Session, task: dict[str, Any], ctx: ClientContext) -> None:
-    size = task["size"]
     if ctx.index == 0:
-        s.makedirs("shared")
-        try:
-            ready = s.size(SHARED) == size * ctx.clients
-        except FileNotFoundError:
-            ready = False
-        if not ready:  # routes without offset writes get the file written in one stream
-            _write_own(s, ctx, SHARED, size * ctx.clients, task["block"], PartResult())
+        _ensure_shared(s, task, ctx)
         evict(s, [SHARED], task)
 
 
