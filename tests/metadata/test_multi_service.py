@@ -270,9 +270,12 @@ class Workload:
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.clients = [Client(cluster_file) for _ in range(clients)]
+        # A directory of its own: module-scoped clusters outlive one test's workload, and
+        # exclusive creates of an earlier workload's names would fail with EEXIST.
+        self.top = f"/work-{os.urandom(4).hex()}"
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
         for i, c in enumerate(self.clients):
-            c.mkdir(f"/w{i}", exist_ok=True)
+            c.makedirs(f"{self.top}/w{i}", exist_ok=True)
         for t in self.threads:
             t.start()
 
@@ -281,7 +284,7 @@ class Workload:
         for n in itertools.count():
             if self.stop.is_set():
                 return
-            path, data = f"/w{i}/f{n}", os.urandom(64) + str(n).encode()
+            path, data = f"{self.top}/w{i}/f{n}", os.urandom(64) + str(n).encode()
             try:
                 fs.write_bytes(path, data, exclusive=True)
             except OSError as exc:
@@ -314,7 +317,11 @@ def _service_status(cluster: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _check_history(cluster: Any, acked: list[tuple[str, bytes]]) -> None:
+def _check_history(cluster: Any, work: Workload) -> None:
+    # Every name is new: EEXIST would mean a retried create was applied twice.
+    twice = [msg for _, msg in work.failures if "[Errno 17]" in msg]
+    assert not twice, twice[:3]
+    acked = work.acked
     with cluster.client() as fs:
         for path, data in acked:
             assert fs.read_bytes(path) == data, f"acknowledged {path} lost or changed"
@@ -360,7 +367,7 @@ def test_kill_9_the_leading_metadata_service_under_two_clients(pg_cluster: Any) 
         assert max(b - a for a, b in itertools.pairwise(after)) < 10
     statuses = [s for s in _service_status_alive(pg_cluster, leader["pid"])]
     assert [s["leader"] for s in statuses].count(True) == 1
-    _check_history(pg_cluster, work.acked)
+    _check_history(pg_cluster, work)
     # Storage heartbeats found the new leader: past the offline timeout counted from the
     # takeover, every server still serves.
     from metadata._server import OFFLINE_AFTER
@@ -413,7 +420,7 @@ def test_postgres_restart_under_load(pg_cluster: Any) -> None:
     assert "connect" in str(err.value), err.value  # the reason: the store's connection
     down = [msg for t, msg in work.failures if stopped <= t]
     assert down, "no operation failed while PostgreSQL was down"
-    _check_history(pg_cluster, work.acked)
+    _check_history(pg_cluster, work)
 
 
 def test_malformed_postgres_url_is_invalid() -> None:
