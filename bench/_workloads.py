@@ -423,7 +423,9 @@ def mixed(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, Par
             part.t0 = clock()
             end = part.t0 + ctx.timeout
             _random_reads(r, ctx, file_id(path), task["rand_size"], 1 << 20,
-                          lambda p: ctx.writers_done.value >= writers or clock() >= end, part)
+                          # at least one read: a reader scheduled late on a loaded machine
+                          # may first look after the writers are done
+                          lambda p: p.ops > 0 and (ctx.writers_done.value >= writers or clock() >= end), part)
             part.t1 = clock()
         finally:
             r.close()
