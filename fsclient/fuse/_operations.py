@@ -38,6 +38,7 @@ Caveats:
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import io
@@ -123,6 +124,7 @@ class OpenFile:
         self.lock = trio.Lock()
         self.orphan: str | None = None  # name in ORPHAN_DIR once silly-renamed
         self.dirty = False  # writes buffered since the last sync
+        self.written = False  # ever written or truncated through this state
         self.seq_end = 0
         self._buf: mmap.mmap | None = None
 
@@ -169,7 +171,7 @@ class OpenFile:
         return self.client.read_into(f.ino, f.layout, self.length(), offset, dest)
 
     def write(self, offset: int, data: bytes) -> int:
-        self.dirty = True
+        self.dirty = self.written = True
         return self.file.pwrite(data, offset)
 
     def sync(self) -> None:
@@ -211,6 +213,7 @@ class OpenFile:
         old.close()
 
     def truncate(self, size: int) -> None:
+        self.written = True
         self.file.truncate(size)
         self.seq_end = 0
 
@@ -266,6 +269,65 @@ class _Dir:
         self.index = {e.name: i for i, e in enumerate(entries)}
 
 
+class _DirAttrs:
+    """Directory attributes fetched from the metadata service, with this mount's own
+    changes applied, for at most ``ttl`` seconds after the fetch.
+
+    After every create and unlink the kernel drops the parent directory's attributes
+    and asks for them again before the next one (its permission check, under
+    ``default_permissions``): one metadata round trip per name for nothing new. This
+    answers from what the service said recently instead, with the directory's times
+    moved to those of this mount's change (the service stamps the parent with the same
+    clock reading it gives the new or unlinked inode). An answer carries only the
+    seconds left of ``ttl`` as its attribute timeout, so together with the kernel's
+    cache nothing is served older than ``ttl`` after it was fetched: the staleness
+    towards other clients is the attribute timeout's, as without this cache.
+    """
+
+    MAX = 100_000
+
+    def __init__(self, ttl: float):
+        self.ttl = ttl
+        self.known: dict[int, tuple[Attr, float]] = {}  # ino -> (attributes, when they expire)
+        self.version = 0  # moves at every change this mount makes: see put
+
+    def put(self, attr: Attr, version: int) -> None:
+        """Attributes from the service, asked for when :attr:`version` was ``version``
+        (directories only; others are ignored). An answer that crossed a change of this
+        mount in flight may predate it: it is not kept."""
+        if attr.is_dir and self.ttl > 0 and version == self.version:
+            if len(self.known) >= self.MAX:  # bounded: forget everything rather than grow
+                self.known.clear()
+            self.known[attr.ino] = (attr, trio.current_time() + self.ttl)
+
+    def get(self, ino: int) -> tuple[Attr, float] | None:
+        """The attributes of ``ino`` and the seconds they stay valid, or None."""
+        hit = self.known.get(ino)
+        if hit is None:
+            return None
+        left = hit[1] - trio.current_time()
+        if left <= 0:
+            del self.known[ino]
+            return None
+        return hit[0], left
+
+    def touched(self, ino: int, when_ns: int) -> None:
+        """This mount added or removed a non-directory name in ``ino``; the service
+        stamped the directory ``when_ns``. The expiry stays the fetch's."""
+        self.version += 1
+        hit = self.known.get(ino)
+        if hit is not None:
+            self.known[ino] = (dataclasses.replace(hit[0], mtime_ns=when_ns, ctime_ns=when_ns), hit[1])
+
+    def drop(self, ino: int) -> None:
+        self.version += 1
+        self.known.pop(ino, None)
+
+    def clear(self) -> None:
+        self.version += 1
+        self.known.clear()
+
+
 class StripeOperations(pyfuse3.Operations):
     """pyfuse3 operations serving a stripefs cluster.
 
@@ -289,6 +351,7 @@ class StripeOperations(pyfuse3.Operations):
         self.appenders: set[int] = set()  # fhs opened with O_APPEND (see OpenFile.append)
         self.unprivileged: set[int] = set()  # fhs opened by a non-root user: their writes clear setuid/setgid
         self.dirs: dict[int, _Dir] = {}
+        self.dir_attrs = _DirAttrs(self.config.attr_timeout)
         self.lookups: dict[int, int] = {}
         self.told: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime) last given to the kernel
         self.cached: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime) of the kernel's page cache
@@ -338,7 +401,10 @@ class StripeOperations(pyfuse3.Operations):
     # -- lookups ------------------------------------------------------------------------
     @_errors
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._looked_up(await self.aio.attr(m.Lookup(parent=parent_inode, name=_name(name))))
+        version = self.dir_attrs.version
+        attr = await self.aio.attr(m.Lookup(parent=parent_inode, name=_name(name)))
+        self.dir_attrs.put(attr, version)
+        return self._looked_up(attr)
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
         for ino, n in inode_list:
@@ -352,7 +418,15 @@ class StripeOperations(pyfuse3.Operations):
 
     @_errors
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._entry(await self._attr(inode))
+        hit = self.dir_attrs.get(inode)
+        if hit is not None:  # a directory fetched recently (see _DirAttrs)
+            e = self._entry(hit[0])
+            e.attr_timeout = min(e.attr_timeout, hit[1])
+            return e
+        version = self.dir_attrs.version
+        attr = await self._attr(inode)
+        self.dir_attrs.put(attr, version)
+        return self._entry(attr)
 
     @_errors
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
@@ -383,6 +457,7 @@ class StripeOperations(pyfuse3.Operations):
             new = await self.aio.attr(m.SetAttr(ino=inode, mode=stat.S_IMODE(_killed(new.mode))))
         if state is not None:
             state.mode = new.mode
+        self.dir_attrs.drop(inode)
         return self._entry(new)
 
     @_errors
@@ -405,7 +480,11 @@ class StripeOperations(pyfuse3.Operations):
         while True:
             i = d.find(after)
             if i is None:
+                version = self.dir_attrs.version
                 reply = await self.aio.call(m.Readdir(ino=d.ino, after=after, limit=READDIR_PAGE, plus=True))
+                for e in reply.entries:  # fresh (a page kept for the handle is not: put only now)
+                    if e.attr is not None:
+                        self.dir_attrs.put(e.attr, version)
                 d.set_page(after, reply.entries, reply.more)
                 i = 0
             for e in d.page[i:]:
@@ -426,35 +505,56 @@ class StripeOperations(pyfuse3.Operations):
 
     @_errors
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._looked_up(await self.aio.attr(m.Mkdir(parent=parent_inode, name=_name(name), mode=stat.S_IMODE(mode),
-                                                           uid=ctx.uid, gid=ctx.gid)))
+        try:
+            attr = await self.aio.attr(m.Mkdir(parent=parent_inode, name=_name(name), mode=stat.S_IMODE(mode),
+                                               uid=ctx.uid, gid=ctx.gid))
+        finally:
+            self.dir_attrs.drop(parent_inode)  # its link count changes too
+        return self._looked_up(attr)
 
     @_errors
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        await self.aio.call(m.Rmdir(parent=parent_inode, name=_name(name)))
+        try:
+            await self.aio.call(m.Rmdir(parent=parent_inode, name=_name(name)))
+        finally:
+            self.dir_attrs.clear()  # the parent's link count, and the removed directory
 
     # -- names ------------------------------------------------------------------------------
     @_errors
     async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._looked_up(await self.aio.attr(m.Symlink(parent=parent_inode, name=_name(name), target=os.fsdecode(target),
-                                                             uid=ctx.uid, gid=ctx.gid)))
+        try:
+            return self._looked_up(await self.aio.attr(m.Symlink(parent=parent_inode, name=_name(name),
+                                                                 target=os.fsdecode(target), uid=ctx.uid, gid=ctx.gid)))
+        finally:
+            self.dir_attrs.drop(parent_inode)
 
     @_errors
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._looked_up(await self.aio.attr(m.Link(ino=inode, new_parent=new_parent_inode, new_name=_name(new_name))))
+        try:
+            return self._looked_up(await self.aio.attr(m.Link(ino=inode, new_parent=new_parent_inode, new_name=_name(new_name))))
+        finally:
+            self.dir_attrs.drop(new_parent_inode)
 
     @_errors
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         if not self.files:  # nothing open on this mount, nothing to keep: one round trip
-            await self.aio.call(m.Unlink(parent=parent_inode, name=_name(name)))
+            await self._unlink(parent_inode, name)
             return
         victim = await self.aio.attr(m.Lookup(parent=parent_inode, name=_name(name)))
         linked = await self._keep_if_open(victim)
         try:
-            await self.aio.call(m.Unlink(parent=parent_inode, name=_name(name)))
+            await self._unlink(parent_inode, name)
         except BaseException:
             await self._unkeep(victim.ino, linked)
             raise
+
+    async def _unlink(self, parent_inode: int, name: bytes) -> None:
+        try:
+            gone = await self.aio.attr(m.Unlink(parent=parent_inode, name=_name(name)))
+        except BaseException:
+            self.dir_attrs.drop(parent_inode)  # a reply lost after the unlink happened
+            raise
+        self.dir_attrs.touched(parent_inode, gone.ctime_ns)  # the service stamps the parent with the victim's ctime
 
     @_errors
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
@@ -475,6 +575,8 @@ class StripeOperations(pyfuse3.Operations):
             if victim is not None:
                 await self._unkeep(victim.ino, linked)
             raise
+        finally:
+            self.dir_attrs.clear()  # both parents, and a directory moved (its ".." and ctime)
 
     async def _orphans(self) -> int:
         if self._orphan_dir is None:
@@ -601,6 +703,8 @@ class StripeOperations(pyfuse3.Operations):
         reply = await self.aio.call(m.Create(parent=parent_inode, name=_name(name), mode=stat.S_IMODE(mode), uid=ctx.uid,
                                              gid=ctx.gid, exclusive=bool(flags & os.O_EXCL), truncate=bool(flags & os.O_TRUNC)))
         attr = reply.attr
+        if reply.created:  # the parent is stamped with the new inode's time
+            self.dir_attrs.touched(parent_inode, attr.ctime_ns)
         await self._wait_closing(attr.ino)
         fi = await self._open_state(attr, flags & ~os.O_TRUNC, ctx.uid)
         return fi, self._looked_up(attr)
@@ -609,8 +713,11 @@ class StripeOperations(pyfuse3.Operations):
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         # The node is stored; the kernel gives fifos, sockets and devices their behaviour.
-        reply = await self.aio.call(m.Mknod(parent=parent_inode, name=_name(name), mode=mode, rdev=rdev,
-                                            uid=ctx.uid, gid=ctx.gid))
+        try:
+            reply = await self.aio.call(m.Mknod(parent=parent_inode, name=_name(name), mode=mode, rdev=rdev,
+                                                uid=ctx.uid, gid=ctx.gid))
+        finally:
+            self.dir_attrs.drop(parent_inode)
         return self._looked_up(reply.attr)
 
     def _state(self, fh: int) -> OpenFile:
@@ -673,11 +780,15 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def flush(self, fh: int) -> None:
         state = self._state(fh)
+        if not state.written and not state.lock.locked():
+            return  # nothing was ever written through this state: nothing to send or commit
         await self._locked(state, state.sync)
 
     @_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
         state = self._state(fh)
+        if not state.written and not state.lock.locked():
+            return
         await self._locked(state, state.sync)
 
     async def release(self, fh: int) -> None:
@@ -697,9 +808,11 @@ class StripeOperations(pyfuse3.Operations):
             if state.orphan is not None:
                 await self.aio.call(m.Unlink(parent=await self._orphans(), name=state.orphan))
                 self.cached.pop(ino, None)
-            else:
+            elif state.written:  # the (size, mtime) the kernel's pages are of now
                 attr = await self._attr(ino)
                 self.cached[ino] = (attr.size, attr.mtime_ns)
+            # Never written here: the pages are of the (size, mtime) recorded at the last
+            # open, and a change made elsewhere since must not be taken for theirs.
         except Exception:  # release cannot report errors; flush already did
             log.exception("release of inode %d", ino)
             self.cached.pop(ino, None)
@@ -753,7 +866,10 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._no_xattr.pop((inode, name), None)
-        await self.aio.call(m.SetXattr(ino=inode, name=name, value=value))
+        try:
+            await self.aio.call(m.SetXattr(ino=inode, name=name, value=value))
+        finally:
+            self.dir_attrs.drop(inode)  # its ctime changes
 
     @_errors
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
@@ -776,7 +892,10 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         self._no_xattr.pop((inode, name), None)
-        await self.aio.call(m.RemoveXattr(ino=inode, name=name))
+        try:
+            await self.aio.call(m.RemoveXattr(ino=inode, name=name))
+        finally:
+            self.dir_attrs.drop(inode)
 
 
 def _killed(mode: int) -> int:

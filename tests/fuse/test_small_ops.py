@@ -49,21 +49,25 @@ def test_directory_times_after_own_create_and_unlink_are_the_services(mdir: str,
 def test_another_clients_chmod_of_a_directory_shows_while_this_mount_keeps_changing_it(
         mdir: str, client: Client, testdir: str) -> None:
     """Creating and removing names here does not keep the directory's other attributes
-    cached past the attribute timeout: another client's chmod shows within it."""
+    cached past the attribute timeout: another client's chmod shows within it. (Through
+    a directory fd: no path lookup refreshes the directory's attributes on the way.)"""
     os.mkdir(f"{mdir}/d", 0o755)
-    _touch(f"{mdir}/d/warm")  # this mount now knows d's attributes
-    client.chmod(f"{testdir}/d", 0o700)
-    changed = time.monotonic()
-    seen = None
-    k = 0
-    while time.monotonic() - changed < ATTR_TIMEOUT + 3.0:
-        _touch(f"{mdir}/d/n{k}")
-        os.unlink(f"{mdir}/d/n{k}")
-        k += 1
-        if stat.S_IMODE(os.stat(f"{mdir}/d").st_mode) == 0o700:
-            seen = time.monotonic() - changed
-            break
-    assert seen is not None, f"the chmod of another client never showed ({k} create/unlink rounds)"
+    dfd = os.open(f"{mdir}/d", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for name in ("warm1", "warm2"):  # the second create makes the kernel ask for d's attributes
+            os.close(os.open(name, os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=dfd))
+        assert stat.S_IMODE(os.fstat(dfd).st_mode) == 0o755
+        client.chmod(f"{testdir}/d", 0o700)
+        changed = time.monotonic()
+        seen, k = False, 0
+        while not seen and time.monotonic() - changed < ATTR_TIMEOUT + 3.0:
+            os.close(os.open(f"n{k}", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=dfd))
+            os.unlink(f"n{k}", dir_fd=dfd)
+            k += 1
+            seen = stat.S_IMODE(os.fstat(dfd).st_mode) == 0o700
+        assert seen, f"the chmod of another client never showed ({k} create/unlink rounds)"
+    finally:
+        os.close(dfd)
 
 
 def test_reopen_after_another_client_rewrote_a_file_read_here(mdir: str, client: Client, testdir: str) -> None:
