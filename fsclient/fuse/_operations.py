@@ -125,6 +125,7 @@ class OpenFile:
         self.orphan: str | None = None  # name in ORPHAN_DIR once silly-renamed
         self.dirty = False  # writes buffered since the last sync
         self.written = False  # ever written or truncated through this state
+        self.read_from = False  # ever read through the file object (readahead may be in flight)
         self.seq_end = 0
         self._buf: mmap.mmap | None = None
 
@@ -139,6 +140,7 @@ class OpenFile:
         into the reply before any other task of the loop runs.
         """
         f = self.file
+        self.read_from = True
         f.flush()  # reads see this mount's buffered writes
         dest = self._dest(max(0, min(size, self.length() - offset)))
         if not len(dest):
@@ -168,6 +170,7 @@ class OpenFile:
     def read_at(self, offset: int, dest: memoryview) -> int:
         """Read exactly the asked range into ``dest``; safe to run in parallel (no state)."""
         f = self.file
+        self.read_from = True
         return self.client.read_into(f.ino, f.layout, self.length(), offset, dest)
 
     def write(self, offset: int, data: bytes) -> int:
@@ -216,6 +219,12 @@ class OpenFile:
         self.written = True
         self.file.truncate(size)
         self.seq_end = 0
+
+    @property
+    def untouched(self) -> bool:
+        """Neither written nor read: closing sends, commits and waits for nothing, so it
+        may run on the trio loop (no worker-thread hop)."""
+        return not (self.written or self.read_from or self.lock.locked())
 
     def close(self) -> None:
         try:
@@ -780,14 +789,14 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def flush(self, fh: int) -> None:
         state = self._state(fh)
-        if not state.written and not state.lock.locked():
+        if not (state.written or state.lock.locked()):
             return  # nothing was ever written through this state: nothing to send or commit
         await self._locked(state, state.sync)
 
     @_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
         state = self._state(fh)
-        if not state.written and not state.lock.locked():
+        if not (state.written or state.lock.locked()):
             return
         await self._locked(state, state.sync)
 
@@ -804,7 +813,10 @@ class StripeOperations(pyfuse3.Operations):
         del self.files[ino]
         done = self.closing[ino] = trio.Event()
         try:
-            await self._locked(state, state.close)
+            if state.untouched:  # `touch`, or an open for stat-like tools
+                state.close()
+            else:
+                await self._locked(state, state.close)
             if state.orphan is not None:
                 await self.aio.call(m.Unlink(parent=await self._orphans(), name=state.orphan))
                 self.cached.pop(ino, None)
