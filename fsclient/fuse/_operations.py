@@ -21,6 +21,9 @@ Semantics (docs/fuse.md has the long form):
   the cached pages and attributes (close-to-open across mounts). A new open of a
   file already open here commits this mount's writes and, when the file changed
   elsewhere, starts its state over from fresh attributes.
+* Directory attributes fetched less than ``attr_timeout`` ago answer the kernel's
+  GETATTR (it asks again after every create and unlink), with this mount's own
+  changes applied (:class:`_DirAttrs`); never older than ``attr_timeout`` in all.
 * ``O_APPEND`` handles are ``direct_io``, and the daemon writes each append at the
   committed length (asked at every write), not at the kernel's cached size.
 * Stopping: :meth:`StripeOperations.drain` commits every open file before the
