@@ -594,6 +594,7 @@ class StripeOperations(pyfuse3.Operations):
         if self._orphan_dir is None:
             try:
                 attr = await self.aio.attr(m.Mkdir(parent=pyfuse3.ROOT_INODE, name=ORPHAN_DIR, mode=0o700))
+                self.dir_attrs.drop(pyfuse3.ROOT_INODE)  # its link count and times changed
             except FileExistsError:
                 attr = await self.aio.attr(m.Lookup(parent=pyfuse3.ROOT_INODE, name=ORPHAN_DIR))
             self._orphan_dir = attr.ino
@@ -605,7 +606,9 @@ class StripeOperations(pyfuse3.Operations):
         if state is None or state.orphan is not None or not victim.is_file or victim.nlink != 1:
             return False
         name = f"{victim.ino}@{self.mount_id}"  # host@pid: a later mount can tell it is stale
-        await self.aio.call(m.Link(ino=victim.ino, new_parent=await self._orphans(), new_name=name))
+        orphans = await self._orphans()
+        await self.aio.call(m.Link(ino=victim.ino, new_parent=orphans, new_name=name))
+        self.dir_attrs.drop(orphans)
         state.orphan = name
         return True
 

@@ -41,6 +41,12 @@ def test_directory_times_after_own_create_and_unlink_are_the_services(mdir: str,
     os.mkdir(f"{mdir}/sub")  # a subdirectory changes the link count too
     st, want = os.stat(mdir), client.stat(testdir)
     assert (st.st_mtime_ns, st.st_nlink) == (want.mtime_ns, want.nlink) and st.st_nlink == before.st_nlink + 1
+    assert os.listdir(mdir) == ["sub"]  # the listing hands the kernel (and the daemon) sub's attributes
+    for step in range(2):
+        _touch(f"{mdir}/sub/g{step}")
+        sub, want = os.stat(f"{mdir}/sub"), client.stat(f"{testdir}/sub")
+        assert (sub.st_mtime_ns, sub.st_ctime_ns) == (want.mtime_ns, want.ctime_ns)
+        os.unlink(f"{mdir}/sub/g{step}")
     os.rmdir(f"{mdir}/sub")
     st, want = os.stat(mdir), client.stat(testdir)
     assert (st.st_mtime_ns, st.st_nlink) == (want.mtime_ns, want.nlink)
