@@ -23,7 +23,7 @@ Semantics (docs/fuse.md has the long form):
   elsewhere, starts its state over from fresh attributes.
 * Directory attributes fetched less than ``attr_timeout`` ago answer the kernel's
   GETATTR (it asks again after every create and unlink), with this mount's own
-  changes applied (:class:`_DirAttrs`); never older than ``attr_timeout`` in all.
+  changes applied (:class:`~fsclient.fuse._dirattrs.DirAttrs`); never older than ``attr_timeout`` in all.
 * ``O_APPEND`` handles are ``direct_io``, and the daemon writes each append at the
   committed length (asked at every write), not at the kernel's cached size.
 * Stopping: :meth:`StripeOperations.drain` commits every open file before the
@@ -41,7 +41,6 @@ Caveats:
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import functools
 import io
@@ -59,6 +58,7 @@ import trio
 from wire import Attr, DirEntry, messages as m
 
 from ..core import AsyncClient, Client, StripeFile, pid_alive
+from ._dirattrs import DirAttrs
 from ._mounts import process_start
 
 __all__ = ["StripeOperations", "FuseConfig", "ORPHAN_DIR"]
@@ -281,65 +281,6 @@ class _Dir:
         self.index = {e.name: i for i, e in enumerate(entries)}
 
 
-class _DirAttrs:
-    """Directory attributes fetched from the metadata service, with this mount's own
-    changes applied, for at most ``ttl`` seconds after the fetch.
-
-    After every create and unlink the kernel drops the parent directory's attributes
-    and asks for them again before the next one (its permission check, under
-    ``default_permissions``): one metadata round trip per name for nothing new. This
-    answers from what the service said recently instead, with the directory's times
-    moved to those of this mount's change (the service stamps the parent with the same
-    clock reading it gives the new or unlinked inode). An answer carries only the
-    seconds left of ``ttl`` as its attribute timeout, so together with the kernel's
-    cache nothing is served older than ``ttl`` after it was fetched: the staleness
-    towards other clients is the attribute timeout's, as without this cache.
-    """
-
-    MAX = 100_000
-
-    def __init__(self, ttl: float):
-        self.ttl = ttl
-        self.known: dict[int, tuple[Attr, float]] = {}  # ino -> (attributes, when they expire)
-        self.version = 0  # moves at every change this mount makes: see put
-
-    def put(self, attr: Attr, version: int) -> None:
-        """Attributes from the service, asked for when :attr:`version` was ``version``
-        (directories only; others are ignored). An answer that crossed a change of this
-        mount in flight may predate it: it is not kept."""
-        if attr.is_dir and self.ttl > 0 and version == self.version:
-            if len(self.known) >= self.MAX:  # bounded: forget everything rather than grow
-                self.known.clear()
-            self.known[attr.ino] = (attr, trio.current_time() + self.ttl)
-
-    def get(self, ino: int) -> tuple[Attr, float] | None:
-        """The attributes of ``ino`` and the seconds they stay valid, or None."""
-        hit = self.known.get(ino)
-        if hit is None:
-            return None
-        left = hit[1] - trio.current_time()
-        if left <= 0:
-            del self.known[ino]
-            return None
-        return hit[0], left
-
-    def touched(self, ino: int, when_ns: int) -> None:
-        """This mount added or removed a non-directory name in ``ino``; the service
-        stamped the directory ``when_ns``. The expiry stays the fetch's."""
-        self.version += 1
-        hit = self.known.get(ino)
-        if hit is not None:
-            self.known[ino] = (dataclasses.replace(hit[0], mtime_ns=when_ns, ctime_ns=when_ns), hit[1])
-
-    def drop(self, ino: int) -> None:
-        self.version += 1
-        self.known.pop(ino, None)
-
-    def clear(self) -> None:
-        self.version += 1
-        self.known.clear()
-
-
 class StripeOperations(pyfuse3.Operations):
     """pyfuse3 operations serving a stripefs cluster.
 
@@ -363,7 +304,7 @@ class StripeOperations(pyfuse3.Operations):
         self.appenders: set[int] = set()  # fhs opened with O_APPEND (see OpenFile.append)
         self.unprivileged: set[int] = set()  # fhs opened by a non-root user: their writes clear setuid/setgid
         self.dirs: dict[int, _Dir] = {}
-        self.dir_attrs = _DirAttrs(self.config.attr_timeout)
+        self.dir_attrs = DirAttrs(self.config.attr_timeout)
         self.lookups: dict[int, int] = {}
         self.told: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime) last given to the kernel
         self.cached: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime) of the kernel's page cache
@@ -431,7 +372,7 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         hit = self.dir_attrs.get(inode)
-        if hit is not None:  # a directory fetched recently (see _DirAttrs)
+        if hit is not None:  # a directory fetched recently (see DirAttrs)
             e = self._entry(hit[0])
             e.attr_timeout = min(e.attr_timeout, hit[1])
             return e
