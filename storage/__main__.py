@@ -10,7 +10,7 @@ import os
 
 import trio
 
-from rpc import PAYLOAD_BUDGET
+from rpc import BUSY_AFTER, MAX_CLIENT_CONNECTIONS, PAYLOAD_BUDGET
 
 from ._metalink import parse_addresses
 from ._server import serve_storage
@@ -20,7 +20,8 @@ async def _main(args: argparse.Namespace, secret: str, cluster_id: str) -> None:
     async with trio.open_nursery() as nursery:
         addr = await nursery.start(functools.partial(
             serve_storage, args.root, secret=secret, metadata=parse_addresses(args.metadata), host=args.host, port=args.port,
-            cluster_id=cluster_id, payload_budget=args.payload_budget,
+            cluster_id=cluster_id, payload_budget=args.payload_budget, busy_after=args.busy_after,
+            max_client_connections=args.max_client_connections,
         ))
         if args.ready:
             tmp = args.ready + ".tmp"
@@ -40,6 +41,10 @@ def main() -> None:
     p.add_argument("--ready", help="file to write host:port into once serving")
     p.add_argument("--payload-budget", type=int, default=PAYLOAD_BUDGET,
                    help="write payload bytes held at once, all connections together (default 512 MiB)")
+    p.add_argument("--busy-after", type=float, default=BUSY_AFTER,
+                   help=f"seconds a write waits for the payload budget before it is answered BUSY (default {BUSY_AFTER:g})")
+    p.add_argument("--max-client-connections", type=int, default=MAX_CLIENT_CONNECTIONS,
+                   help=f"open connections per client; one more is refused with BUSY (default {MAX_CLIENT_CONNECTIONS})")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s storage %(levelname)s %(message)s")
     with open(args.cluster) as f:

@@ -1,23 +1,32 @@
 """Bounded load: a server out of file descriptors keeps serving once some are free; a
-server-wide byte budget bounds the payload bytes held at once."""
+server-wide byte budget bounds the payload bytes held at once, and a request that would
+wait too long for it is answered BUSY; one client id holds a bounded number of
+connections; clients back off from BUSY and finish."""
 
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import os
+import random
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import trio
 
 import rpc
-from rpc import ByteBudget
-from wire import messages as m, role_credential
+from fsclient.core._core import BUSY_DELAY, BUSY_DELAY_MAX, busy_delay
+from rpc import ByteBudget, ClientSlots, Connection, ServerConn, Service, serve_rpc
+from wire import ErrorCode, FrameHead, Message, StripefsError, messages as m, role_credential
+
+SECRET = "bounded-load"
+CLIENT = role_credential(SECRET, "client")
 
 _SERVER = textwrap.dedent("""
     import resource, sys
@@ -117,6 +126,155 @@ def test_byte_budget_waits_and_admits_in_order() -> None:
 def test_byte_budget_refuses_nothing_it_cannot_hold() -> None:
     with pytest.raises(ValueError):
         ByteBudget(0)
+
+
+class HoldService(Service):
+    """Writes are received and then held (their budget with them) until ``release``."""
+
+    role = "storage"
+
+    def __init__(self) -> None:
+        self.gate = trio.Event()
+        self.received: list[int] = []
+
+    async def receive_payload(self, conn: ServerConn, head: FrameHead, msg: Message) -> Any:
+        buf = bytearray(head.payload_len)
+        await conn.recv_payload_into(memoryview(buf))
+        return buf
+
+    async def handle(self, conn: ServerConn, head: FrameHead, msg: Message, payload: Any) -> None:
+        if isinstance(msg, m.WriteChunk):
+            self.received.append(len(payload))
+            await self.gate.wait()
+        await conn.send(head, m.EmptyReply().to_header())
+
+
+class HoldServer:
+    """A trio server on a thread: a 1 MiB budget, BUSY after 0.3 s, 2 connections per client."""
+
+    def __init__(self) -> None:
+        self.service = HoldService()
+        ready = threading.Event()
+
+        async def main() -> None:
+            self.token = trio.lowlevel.current_trio_token()
+            with trio.CancelScope() as self.scope:
+                async with trio.open_nursery() as nursery:
+                    self.address = await nursery.start(lambda task_status: serve_rpc(
+                        self.service, "127.0.0.1", 0, secret=SECRET, payload_budget=1 << 20, busy_after=0.3,
+                        max_client_connections=2, task_status=task_status))
+                    ready.set()
+
+        self.thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+        self.thread.start()
+        assert ready.wait(10)
+
+    def release(self) -> None:
+        trio.from_thread.run_sync(self.service.gate.set, trio_token=self.token)
+
+    def stop(self) -> None:
+        trio.from_thread.run_sync(self.scope.cancel, trio_token=self.token)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def hold() -> Iterator[HoldServer]:
+    s = HoldServer()
+    yield s
+    s.stop()
+
+
+def _write(n: int) -> m.WriteChunk:
+    return m.WriteChunk(ino=1, index=0, offset=0, crc=0, chunk_size=n, chain=1)  # chain 0: servers only
+
+
+def test_a_write_that_would_wait_too_long_for_the_budget_is_answered_busy(hold: HoldServer) -> None:
+    a = Connection(hold.address, CLIENT, os.urandom(16))
+    b = Connection(hold.address, CLIENT, os.urandom(16))
+    try:
+        first = a.submit(_write(1 << 20), payload=bytes(1 << 20))  # takes the whole budget and keeps it
+        deadline = time.monotonic() + 10
+        while not hold.service.received:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        with pytest.raises(StripefsError) as info:
+            b.submit(_write(256 << 10), payload=bytes(256 << 10)).result(10)
+        assert info.value.code == ErrorCode.BUSY and info.value.errno == errno.EBUSY
+        assert 0.25 <= time.monotonic() - t0 < 5  # it waited its patience, not forever
+        # The refused payload was skipped: the stream is intact and b serves on.
+        assert b.call(m.Ping(), timeout=10).header == {}
+        assert hold.service.received == [1 << 20]  # the refused write never reached the service
+        hold.release()
+        assert first.result(10).header == {}
+        assert b.submit(_write(256 << 10), payload=bytes(256 << 10)).result(10).header == {}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_client_over_its_connection_cap_is_refused_busy(hold: HoldServer) -> None:
+    me, other = os.urandom(16), os.urandom(16)
+    mine = [Connection(hold.address, CLIENT, me) for _ in range(2)]
+    theirs = Connection(hold.address, CLIENT, other)  # the cap is per client, not per server
+    try:
+        with pytest.raises(StripefsError) as info:
+            Connection(hold.address, CLIENT, me)
+        assert info.value.code == ErrorCode.BUSY and "connections" in info.value.message
+        for c in (*mine, theirs):
+            assert c.call(m.Ping(), timeout=10).header == {}
+        mine.pop().close()
+        deadline = time.monotonic() + 10
+        while True:  # the server counts the closed one out once it sees the EOF
+            try:
+                mine.append(Connection(hold.address, CLIENT, me))
+                break
+            except StripefsError as exc:
+                assert exc.code == ErrorCode.BUSY and time.monotonic() < deadline
+                time.sleep(0.05)
+        assert mine[-1].call(m.Ping(), timeout=10).header == {}
+    finally:
+        for c in (*mine, theirs):
+            c.close()
+
+
+def test_client_slots_count_per_client() -> None:
+    slots = ClientSlots(1)
+    assert slots.admit(b"a", "client") is None
+    refusal = slots.admit(b"a", "client")
+    assert refusal is not None and refusal.code == ErrorCode.BUSY
+    assert slots.admit(b"b", "client") is None
+    slots.release(b"a")
+    assert slots.admit(b"a", "client") is None
+    with pytest.raises(ValueError):
+        ClientSlots(0)
+
+
+def test_byte_budget_refuses_at_once_behind_a_full_queue() -> None:
+    async def main() -> None:
+        budget = ByteBudget(100)
+        await budget.acquire(100)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(budget.acquire_within, 80, 10)  # queued
+            await trio.sleep(0.01)
+            t0 = trio.current_time()
+            assert not await budget.acquire_within(30, 10)  # 110 queued > the budget: no wait
+            assert trio.current_time() - t0 < 1
+            assert not await budget.acquire_within(20, 0.05)  # fits the queue, times out
+            assert budget.waiting == 80 and budget.refused == 2
+            budget.release(100)
+        assert budget.used == 80 and budget.waiting == 0
+
+    trio.run(main)
+
+
+def test_busy_backoff_grows_with_jitter_and_is_capped() -> None:
+    rng = random.Random(7)
+    for attempt in range(12):
+        step = min(BUSY_DELAY * 2 ** attempt, BUSY_DELAY_MAX)
+        delays = {busy_delay(attempt, rng) for _ in range(50)}
+        assert all(step / 2 <= d <= step for d in delays)
+        assert len(delays) > 40  # jittered: clients turned away together do not return together
 
 
 def _pattern(i: int, n: int) -> bytes:
