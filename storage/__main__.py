@@ -31,6 +31,13 @@ async def _main(args: argparse.Namespace, secret: str, cluster_id: str) -> None:
         logging.info("storage server for %s listening on %s:%d", args.root, *addr)
 
 
+# Environment defaults for the load bounds (the flags win): servers that ``stripefs up`` or a
+# test cluster starts inherit them.
+BUDGET_ENV = "STRIPEFS_STORAGE_PAYLOAD_BUDGET"
+BUSY_AFTER_ENV = "STRIPEFS_STORAGE_BUSY_AFTER"
+CLIENT_CONNECTIONS_ENV = "STRIPEFS_STORAGE_MAX_CLIENT_CONNECTIONS"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m storage")
     p.add_argument("--root", required=True, help="target directory holding the chunks")
@@ -39,12 +46,16 @@ def main() -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--ready", help="file to write host:port into once serving")
-    p.add_argument("--payload-budget", type=int, default=PAYLOAD_BUDGET,
-                   help="write payload bytes held at once, all connections together (default 512 MiB)")
-    p.add_argument("--busy-after", type=float, default=BUSY_AFTER,
-                   help=f"seconds a write waits for the payload budget before it is answered BUSY (default {BUSY_AFTER:g})")
-    p.add_argument("--max-client-connections", type=int, default=MAX_CLIENT_CONNECTIONS,
-                   help=f"open connections per client; one more is refused with BUSY (default {MAX_CLIENT_CONNECTIONS})")
+    env = os.environ
+    p.add_argument("--payload-budget", type=int, default=int(env.get(BUDGET_ENV) or PAYLOAD_BUDGET),
+                   help=f"write payload bytes held at once, all connections together (${BUDGET_ENV}, else 512 MiB)")
+    p.add_argument("--busy-after", type=float, default=float(env.get(BUSY_AFTER_ENV) or BUSY_AFTER),
+                   help=f"seconds a write waits for the payload budget before it is answered BUSY "
+                        f"(${BUSY_AFTER_ENV}, else {BUSY_AFTER:g})")
+    p.add_argument("--max-client-connections", type=int,
+                   default=int(env.get(CLIENT_CONNECTIONS_ENV) or MAX_CLIENT_CONNECTIONS),
+                   help=f"open connections per client; one more is refused with BUSY "
+                        f"(${CLIENT_CONNECTIONS_ENV}, else {MAX_CLIENT_CONNECTIONS})")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s storage %(levelname)s %(message)s")
     with open(args.cluster) as f:
