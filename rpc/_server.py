@@ -257,7 +257,7 @@ class ByteBudget:
         """:meth:`acquire`, giving up after ``patience`` seconds in the queue, or at once
         when the queue already holds a whole budget's worth of bytes (a request that
         joined it would wait for at least one full turnover). True when acquired."""
-        if not (self._waiters and self.waiting + n > self.limit):
+        if self.waiting < self.limit:
             with trio.move_on_after(patience):
                 await self.acquire(n)
                 return True

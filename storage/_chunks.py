@@ -213,7 +213,9 @@ class ChunkStore:
                 raise
 
     def _write_locked(self, ino: int, index: int, offset: int, data: memoryview, chain: int,
-                      segment_crcs: list[int]) -> ChunkMeta:
+                      segment_crcs: list[int] | None = None) -> ChunkMeta:
+        if segment_crcs is None:  # a caller that has not checked the payload yet
+            segment_crcs = payload_crcs(data, offset)[0]
         path = self.path(ino, index)
         fresh = not os.path.exists(path)
         new_dir = False

@@ -252,20 +252,27 @@ def test_client_slots_count_per_client() -> None:
         ClientSlots(0)
 
 
-def test_byte_budget_refuses_at_once_behind_a_full_queue() -> None:
+def test_byte_budget_refuses_after_its_patience_or_at_once_behind_a_full_queue() -> None:
     async def main() -> None:
         budget = ByteBudget(100)
         await budget.acquire(100)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(budget.acquire_within, 80, 10)  # queued
+            nursery.start_soon(budget.acquire_within, 60, 10)  # queued
             await trio.sleep(0.01)
             t0 = trio.current_time()
-            assert not await budget.acquire_within(30, 10)  # 110 queued > the budget: no wait
-            assert trio.current_time() - t0 < 1
-            assert not await budget.acquire_within(20, 0.05)  # fits the queue, times out
-            assert budget.waiting == 80 and budget.refused == 2
+            assert not await budget.acquire_within(20, 0.05)  # queues, runs out of patience
+            assert 0.04 <= trio.current_time() - t0 < 1
+            assert budget.waiting == 60 and budget.refused == 1
+            nursery.start_soon(budget.acquire_within, 50, 10)  # queued: 110 bytes wait now
+            await trio.sleep(0.01)
+            t0 = trio.current_time()
+            assert not await budget.acquire_within(1, 10)  # a whole budget is queued: no wait
+            assert trio.current_time() - t0 < 1 and budget.refused == 2
             budget.release(100)
-        assert budget.used == 80 and budget.waiting == 0
+            await trio.sleep(0.01)
+            assert budget.used == 60 and budget.waiting == 50  # in order: the first one got in
+            budget.release(60)
+        assert budget.used == 50 and budget.waiting == 0  # and then the second
 
     trio.run(main)
 
