@@ -33,9 +33,8 @@ import tempfile
 import time
 from typing import Any
 
-# The storage servers a cluster starts read their load bounds from these (storage/__main__.py).
-BUDGET_ENV = "STRIPEFS_STORAGE_PAYLOAD_BUDGET"
-BUSY_AFTER_ENV = "STRIPEFS_STORAGE_BUSY_AFTER"
+# The storage servers a cluster starts read their load bounds from the environment.
+from storage.__main__ import BUDGET_ENV, BUSY_AFTER_ENV
 
 
 def pattern(i: int, n: int) -> bytes:

@@ -467,17 +467,22 @@ async def serve_rpc(
         max_client_connections: open connections per client id; the handshake of one
             more is refused with BUSY (:class:`ClientSlots`).
 
+    Raises:
+        ValueError: a budget or cap that is not positive, a negative ``busy_after``.
+
     Caveats:
         Running out of file descriptors (EMFILE/ENFILE) or kernel memory on accept
         pauses accepting for ``ACCEPT_RETRY`` seconds; it never stops the server.
     """
+    if not busy_after >= 0:
+        raise ValueError(f"busy_after must be >= 0 seconds, got {busy_after!r}")
+    budget = ByteBudget(payload_budget)
+    clients = ClientSlots(max_client_connections)
     listener = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     await listener.bind((host, port))
     listener.listen(512)
     address = listener.getsockname()[:2]
-    budget = ByteBudget(payload_budget)
-    clients = ClientSlots(max_client_connections)
     slots = trio.Semaphore(max_connections)
     warned = 0.0
 

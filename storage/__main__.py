@@ -38,6 +38,26 @@ BUSY_AFTER_ENV = "STRIPEFS_STORAGE_BUSY_AFTER"
 CLIENT_CONNECTIONS_ENV = "STRIPEFS_STORAGE_MAX_CLIENT_CONNECTIONS"
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m storage")
     p.add_argument("--root", required=True, help="target directory holding the chunks")
@@ -46,14 +66,14 @@ def main() -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--ready", help="file to write host:port into once serving")
-    env = os.environ
-    p.add_argument("--payload-budget", type=int, default=int(env.get(BUDGET_ENV) or PAYLOAD_BUDGET),
+    env = os.environ  # a string default goes through ``type`` too: a bad value is a usage error
+    p.add_argument("--payload-budget", type=_positive_int, default=env.get(BUDGET_ENV) or PAYLOAD_BUDGET,
                    help=f"write payload bytes held at once, all connections together (${BUDGET_ENV}, else 512 MiB)")
-    p.add_argument("--busy-after", type=float, default=float(env.get(BUSY_AFTER_ENV) or BUSY_AFTER),
+    p.add_argument("--busy-after", type=_seconds, default=env.get(BUSY_AFTER_ENV) or BUSY_AFTER,
                    help=f"seconds a write waits for the payload budget before it is answered BUSY "
                         f"(${BUSY_AFTER_ENV}, else {BUSY_AFTER:g})")
-    p.add_argument("--max-client-connections", type=int,
-                   default=int(env.get(CLIENT_CONNECTIONS_ENV) or MAX_CLIENT_CONNECTIONS),
+    p.add_argument("--max-client-connections", type=_positive_int,
+                   default=env.get(CLIENT_CONNECTIONS_ENV) or MAX_CLIENT_CONNECTIONS,
                    help=f"open connections per client; one more is refused with BUSY "
                         f"(${CLIENT_CONNECTIONS_ENV}, else {MAX_CLIENT_CONNECTIONS})")
     args = p.parse_args()

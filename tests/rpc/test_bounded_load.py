@@ -277,6 +277,18 @@ def test_byte_budget_refuses_after_its_patience_or_at_once_behind_a_full_queue()
     trio.run(main)
 
 
+@pytest.mark.parametrize("env,args,said", [
+    ({}, ["--busy-after", "-1"], "--busy-after: must be a number of seconds >= 0"),
+    ({}, ["--max-client-connections", "0"], "--max-client-connections: must be a positive integer"),
+    ({"STRIPEFS_STORAGE_PAYLOAD_BUDGET": "lots"}, [], "--payload-budget: must be a positive integer, got 'lots'"),
+])
+def test_bad_load_bounds_are_usage_errors(tmp_path, env: dict[str, str], args: list[str], said: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "storage", "--root", str(tmp_path), "--metadata", "127.0.0.1:1",
+                           "--cluster", str(tmp_path / "none.json"), *args], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+
+
 def test_busy_backoff_grows_with_jitter_and_is_capped() -> None:
     rng = random.Random(7)
     for attempt in range(12):
