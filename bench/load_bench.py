@@ -63,6 +63,14 @@ def _status_kib(pid: int, field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has died
+    except OSError:
+        return False
+
+
 def run(root: str, *, clients: int = 64, size: int = 4 << 20, budget: int = 8 << 20, busy_after: float = 0.2,
         chunk_size: int = 1 << 20, timeout: float = 120.0) -> dict[str, Any]:
     """Start a one-server cluster under ``root``, flood it, check it; returns the figures.
@@ -116,7 +124,7 @@ def run(root: str, *, clients: int = 64, size: int = 4 << 20, budget: int = 8 <<
             if p.is_alive():
                 p.kill()
                 p.join(5)
-        alive = os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+        alive = _alive(pid)
         growth_kib = _status_kib(pid, "VmHWM") - base_hwm if alive else -1
         rss_kib = _status_kib(pid, "VmRSS") - base_rss if alive else -1
         acked = sorted(i for i, (outcome, _) in results.items() if outcome == "ok")

@@ -26,7 +26,9 @@ from typing import Any
 
 import trio
 
-from rpc import BUSY_AFTER, MAX_CLIENT_CONNECTIONS, PAYLOAD_BUDGET, BufferPool, ServerConn, Service, ThreadReply, serve_rpc
+from rpc import (
+    BUSY_AFTER, MAX_CLIENT_CONNECTIONS, PAYLOAD_BUDGET, BufferPool, ServerConn, Service, ThreadReply, serve_rpc,
+)
 from wire import ErrorCode, FrameHead, Message, StripefsError, role_credential
 from wire import messages as m
 
