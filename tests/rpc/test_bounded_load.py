@@ -21,6 +21,7 @@ import trio
 
 import rpc
 from bench.load_bench import run as run_load
+from fsclient.batchread import ReadRing
 from fsclient.core._core import BUSY_DELAY, BUSY_DELAY_MAX, busy_delay
 from rpc import ByteBudget, ClientSlots, Connection, ServerConn, Service, serve_rpc
 from storage.__main__ import CLIENT_CONNECTIONS_ENV
@@ -325,6 +326,14 @@ def test_the_client_backs_off_from_busy_and_reports_ebusy_only_when_its_budget_r
             c.write_bytes("/later", data)
             assert time.monotonic() - t0 >= 0.4
             assert c.read_bytes("/later") == data
+        with cluster.client(retry_for=20.0) as c:  # the batch read ring waits it out too
+            squatter = Connection(address, c._core.config.secret, c._core.client_id)
+            threading.Timer(0.5, squatter.close).start()
+            ring = ReadRing(c)
+            dest = bytearray(len(data))
+            t0 = time.monotonic()
+            assert ring.read([(memoryview(dest), ring.open("/two"), 0, len(data))]) == [len(data)]
+            assert time.monotonic() - t0 >= 0.4 and dest == data
     finally:
         cluster.down()
 
