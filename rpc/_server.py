@@ -237,7 +237,9 @@ class ByteBudget:
     A request that does not fit waits (first come, first served), and so does
     the reading of its connection: the client's further bytes stay in the
     socket buffers, and TCP flow control slows the client down. One request
-    larger than the whole budget is admitted alone.
+    larger than the whole budget is admitted alone. The server waits through
+    :meth:`acquire_within`: past its patience, or behind a queue already a whole
+    budget deep, the request is answered BUSY instead (the client backs off).
 
     Args:
         limit: bytes (> 0).
