@@ -996,7 +996,10 @@ class MetadataService(Service):
         limit = 1000
         items = await self._read(Namespace.garbage, limit)
         now = time.monotonic()
-        due = now if len(items) >= limit else math.inf  # more wait behind these
+        # Items come oldest first: when none on a full page was due, those behind it are
+        # younger still, and the next pass is due when the first grace ends (a full page of
+        # young removals must not make every unlink's wake-up rescan it).
+        due, progressed = math.inf, False
         for item in items:
             if item.kind == "remove":
                 seen = self._first_seen.setdefault(item.id, now)
@@ -1011,6 +1014,9 @@ class MetadataService(Service):
                     continue  # retried on the next pass: removing is idempotent and safe later
             await self._ns(self.ns.garbage_done, item.id)
             self._first_seen.pop(item.id, None)
+            progressed = True
+        if progressed and len(items) >= limit:
+            due = now  # more wait behind these
         self._gc_due = min(self._gc_due, due)
 
     async def _apply(self, item: Any) -> None:
