@@ -590,25 +590,47 @@ def check_schema_version(found: str | None, where: str) -> None:
                             f"reads version {SCHEMA_VERSION} (use the matching release, or a new database)")
 
 
+# ``--metadata-sync``: SQLite's ``synchronous`` setting for the namespace database (WAL mode).
+SYNC_MODES = {"full": 2, "normal": 1}
+
+
+def check_sync(mode: str) -> str:
+    """``mode`` if it is a known durability setting (``full``, ``normal``).
+
+    Raises:
+        StripefsError: INVALID naming the settings.
+    """
+    if mode not in SYNC_MODES:
+        raise StripefsError(ErrorCode.INVALID, f"metadata sync {mode!r}: use full or normal")
+    return mode
+
+
 class SqliteStore(Store):
-    """SQLite in WAL mode with ``synchronous=FULL``: a returned commit survives power loss.
+    """SQLite in WAL mode.
 
     Args:
         path: database file (``":memory:"`` works, without durability).
         busy_timeout_s: how long to wait for another process's write lock.
+        synchronous: ``full`` (the default): every returned commit was fsynced and
+            survives power loss. ``normal``: commits are written to the WAL without
+            an fsync; a returned commit survives a kill -9 of any process (the
+            operating system holds the WAL) but the last ones may be lost on power
+            loss or a kernel crash. Checkpoints still fsync, so the database is
+            never corrupted, only possibly older.
 
     One connection, opened with ``check_same_thread=False`` so a worker thread may
     run transactions; the caller serialises them.
     """
 
-    def __init__(self, path: str | Any, *, busy_timeout_s: float = 10.0) -> None:
+    def __init__(self, path: str | Any, *, busy_timeout_s: float = 10.0, synchronous: str = "full") -> None:
+        check_sync(synchronous)
         self.path = str(path)
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, so a transaction's
         # boundaries are exactly the `with` block.
         self._conn = sqlite3.connect(self.path, timeout=busy_timeout_s,
                                      isolation_level=None, check_same_thread=False)
         self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.execute(f"PRAGMA synchronous={SYNC_MODES[synchronous]}")
         self._conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
         self._conn.execute("BEGIN IMMEDIATE")
         try:
@@ -632,6 +654,12 @@ class SqliteStore(Store):
         self._open = False
         self._batching = False
         self._reader: _SqliteReader | None = None
+
+    @property
+    def synchronous(self) -> str:
+        """The durability setting in force on the writing connection (``full`` or ``normal``)."""
+        level = self._conn.execute("PRAGMA synchronous").fetchone()[0]
+        return next(name for name, value in SYNC_MODES.items() if value == level)
 
     def reader(self) -> "Store | None":
         if self.path == ":memory:" or self.path.startswith("file:"):

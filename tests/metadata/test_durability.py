@@ -1,0 +1,95 @@
+"""The SQLite store's durability setting (``--metadata-sync full|normal``).
+
+``full`` (the default) makes each acknowledged operation survive power loss;
+``normal`` skips the fsync per commit but still survives a kill -9 of any
+process: the operating system holds the write-ahead log.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fsclient.testing import LocalCluster
+from metadata import SqliteStore
+from wire import ErrorCode, StripefsError
+
+
+def test_store_defaults_to_full_and_takes_normal(tmp_path) -> None:
+    with SqliteStore(tmp_path / "a.db") as full:
+        assert full.synchronous == "full"
+    with SqliteStore(tmp_path / "b.db", synchronous="normal") as normal:
+        assert normal.synchronous == "normal"
+        with normal.transaction() as txn:  # still a working store
+            txn.put_meta("k", "v")
+    with SqliteStore(tmp_path / "b.db") as again:  # the setting is the opener's, not the file's
+        assert again.synchronous == "full"
+        with again.transaction() as txn:
+            assert txn.get_meta("k") == "v"
+
+
+@pytest.mark.parametrize("bad", ["off", "FULLER", ""])
+def test_unknown_setting_is_a_typed_error(tmp_path, bad: str) -> None:
+    with pytest.raises(StripefsError) as info:
+        SqliteStore(tmp_path / "c.db", synchronous=bad)
+    assert info.value.code == ErrorCode.INVALID and "full" in info.value.message
+
+
+def test_up_refuses_bad_settings(tmp_path) -> None:
+    from fsclient.testing import up
+
+    with pytest.raises(StripefsError) as info:
+        up(str(tmp_path / "x"), servers=1, metadata_sync="off")
+    assert info.value.code == ErrorCode.INVALID
+    with pytest.raises(StripefsError) as info:  # PostgreSQL's durability is its own setting
+        up(str(tmp_path / "y"), servers=1, metadata_store="postgresql", metadata_sync="normal")
+    assert info.value.code == ErrorCode.INVALID and "postgresql" in info.value.message.lower()
+    assert not os.path.exists(tmp_path / "x" / "cluster.json")  # refused before starting anything
+
+
+def test_service_cli_refuses_a_bad_setting(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "metadata", "--state", str(tmp_path), "--cluster", "/nonexistent",
+                           "--sync", "sometimes"], capture_output=True, timeout=60)
+    assert proc.returncode == 2 and b"--sync: invalid choice" in proc.stderr
+
+
+def test_normal_keeps_every_acknowledged_create_across_kill_9(tmp_path) -> None:
+    n = 300
+    with LocalCluster.start(str(tmp_path / "c"), servers=1, metadata_sync="normal", gc_grace=1.0) as cluster:
+        with cluster.client() as c:
+            assert c.status().metadata["sync"] == "normal"
+            c.makedirs("/k")
+            for i in range(n):
+                c.open(f"/k/f{i:04d}", "wb").close()  # returns once the service acknowledged it
+            c.write_bytes("/k/data", b"payload")
+        pid = cluster.data["metadata"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{pid}") and _state(pid) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cluster.up()  # starts the dead metadata service again, with the cluster's setting
+        assert cluster.data["metadata"]["pid"] != pid
+        with cluster.client() as c:
+            assert c.status().metadata["sync"] == "normal"
+            names = c.listdir("/k")
+            assert names == sorted([f"f{i:04d}" for i in range(n)] + ["data"])
+            assert c.read_bytes("/k/data") == b"payload"
+
+
+def test_full_is_the_default_and_shown(make_cluster) -> None:
+    cluster = make_cluster(servers=1)
+    with cluster.client() as c:
+        assert c.status().metadata["sync"] == "full"
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
