@@ -32,6 +32,7 @@ Caveats:
 from __future__ import annotations
 
 import abc
+import os
 import sqlite3
 import stat
 from collections.abc import Iterator
@@ -592,6 +593,11 @@ def check_schema_version(found: str | None, where: str) -> None:
 
 # ``--metadata-sync``: SQLite's ``synchronous`` setting for the namespace database (WAL mode).
 SYNC_MODES = {"full": 2, "normal": 1}
+# Under ``normal`` a power loss may take back the last commits, counters included. Numbers
+# are handed out below a bound recorded durably (``<counter>.reserved``), this many at a
+# time, and a store opens with its counters moved past their bounds: a number a lost file
+# had (whose chunks storage servers may hold) never names another file.
+RESERVE = 1 << 16
 
 
 def check_sync(mode: str) -> str:
@@ -603,6 +609,23 @@ def check_sync(mode: str) -> str:
     if mode not in SYNC_MODES:
         raise StripefsError(ErrorCode.INVALID, f"metadata sync {mode!r}: use full or normal")
     return mode
+
+
+class _SqliteTxn(SqlTxn):
+    """:class:`SqlTxn` whose counters, under ``normal``, stay below a durably recorded bound."""
+
+    def __init__(self, cursor: Any, store: "SqliteStore") -> None:
+        super().__init__(cursor)
+        self._store = store
+
+    def allocate(self, key: str) -> int:
+        value = super().allocate(key)
+        if self._store.synchronous_mode == "normal":
+            bound = int(self.get_meta(f"{key}.reserved") or "0")
+            if value >= bound:
+                self.put_meta(f"{key}.reserved", str(value + RESERVE))
+                self._store.durable_commit = True  # this commit is fsynced before anyone hears of it
+        return value
 
 
 class SqliteStore(Store):
@@ -625,6 +648,8 @@ class SqliteStore(Store):
     def __init__(self, path: str | Any, *, busy_timeout_s: float = 10.0, synchronous: str = "full") -> None:
         check_sync(synchronous)
         self.path = str(path)
+        self.synchronous_mode = synchronous
+        self.durable_commit = False  # set by a commit that must be fsynced even under ``normal``
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, so a transaction's
         # boundaries are exactly the `with` block.
         self._conn = sqlite3.connect(self.path, timeout=busy_timeout_s,
@@ -644,6 +669,7 @@ class SqliteStore(Store):
                 if statement.strip():
                     self._conn.execute(statement)
             self._migrate()
+            self._skip_reserved()
             self._conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?) "
                                "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
             self._conn.execute("COMMIT")
@@ -668,6 +694,31 @@ class SqliteStore(Store):
             self._reader = _SqliteReader(self.path)
         return self._reader
 
+    def _skip_reserved(self) -> None:
+        """Move every counter past its reserved bound (numbers below it may have been
+        handed out by commits a power loss took back)."""
+        rows = self._conn.execute("SELECT key, value FROM meta WHERE key LIKE '%.reserved'").fetchall()
+        for key, bound in rows:
+            counter = key.removesuffix(".reserved")
+            row = self._conn.execute("SELECT value FROM meta WHERE key = ?", (counter,)).fetchone()
+            if row is None or int(row[0]) < int(bound):
+                self._conn.execute("INSERT INTO meta (key, value) VALUES (?, ?) "
+                                   "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (counter, str(bound)))
+
+    def _commit(self) -> None:
+        self._conn.execute("COMMIT")
+        if self.durable_commit:
+            self.durable_commit = False
+            # ``normal`` wrote the commit to the WAL without an fsync: do that one now.
+            try:
+                fd = os.open(self.path + "-wal", os.O_RDONLY)
+            except FileNotFoundError:
+                return  # an in-memory database: nothing is durable anyway
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
     def _migrate(self) -> None:
         """Bring a database written by an older version up to this schema (idempotent)."""
         cols = {row[1] for row in self._conn.execute("PRAGMA table_info(inodes)")}
@@ -684,7 +735,7 @@ class SqliteStore(Store):
         try:
             self._conn.execute("BEGIN IMMEDIATE")
             yield
-            self._conn.execute("COMMIT")  # one fsync for every transaction of the batch
+            self._commit()  # one fsync for every transaction of the batch (under ``full``)
         except BaseException:
             if self._conn.in_transaction:
                 self._conn.execute("ROLLBACK")
@@ -705,8 +756,8 @@ class SqliteStore(Store):
             # IMMEDIATE takes the write lock up front: a read-then-write transaction
             # cannot then fail half way with SQLITE_BUSY on lock upgrade.
             self._conn.execute("BEGIN IMMEDIATE")
-            yield SqlTxn(self._conn.cursor())
-            self._conn.execute("COMMIT")
+            yield _SqliteTxn(self._conn.cursor(), self)
+            self._commit()
         except BaseException:
             if self._conn.in_transaction:
                 self._conn.execute("ROLLBACK")
@@ -720,7 +771,7 @@ class SqliteStore(Store):
         try:
             self._conn.execute("SAVEPOINT op")
             try:
-                yield SqlTxn(self._conn.cursor())
+                yield _SqliteTxn(self._conn.cursor(), self)
             except BaseException:
                 self._conn.execute("ROLLBACK TO op")  # undo this transaction only
                 self._conn.execute("RELEASE op")
