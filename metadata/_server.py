@@ -804,17 +804,13 @@ class MetadataService(Service):
             self.members.freeze()
             chains = self.members.chain_ids()
 
-            def create_path() -> tuple[Any, bool]:  # resolve and create in one batch slot
-                parent, name = ns.parent_of(msg.path)
-                return ns.create(parent, name, msg.mode, msg.uid, msg.gid, chains=chains,
-                                 exclusive=msg.exclusive, truncate=msg.truncate)
-
-            attr, created = await self._ns(create_path)
+            attr, created = await self._ns(ns.create_path, msg.path, msg.mode, msg.uid, msg.gid, chains=chains,
+                                           exclusive=msg.exclusive, truncate=msg.truncate)
             if msg.truncate and not created:
                 await self.truncate_chunks(attr, 0)
             return m.CreateReply(attr, created)
         if isinstance(msg, m.UnlinkPath):
-            attr = await self._ns(lambda: ns.unlink(*ns.parent_of(msg.path)))
+            attr = await self._ns(ns.unlink_path, msg.path)
             self._garbage_added()
             return m.AttrReply(attr)
         if isinstance(msg, m.StatMany):

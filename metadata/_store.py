@@ -89,7 +89,9 @@ def encode_name(name: str) -> bytes:
 
 
 def decode_name(raw: bytes) -> str:
-    return bytes(raw).decode("utf-8", "surrogateescape")
+    if type(raw) is not bytes:  # a driver's memoryview
+        raw = bytes(raw)
+    return raw.decode("utf-8", "surrogateescape")
 
 
 class Txn(abc.ABC):
@@ -127,6 +129,10 @@ class Txn(abc.ABC):
     @abc.abstractmethod
     def list_dentries(self, parent: int, after: str, limit: int) -> list[DirEntry]:
         """Up to ``limit`` entries of ``parent`` with name > ``after``, in name (byte) order."""
+
+    def list_names(self, parent: int, after: str, limit: int) -> list[str]:
+        """The names :meth:`list_dentries` would return (a store may skip building entries)."""
+        return [e.name for e in self.list_dentries(parent, after, limit)]
 
     @abc.abstractmethod
     def get_meta(self, key: str) -> str | None: ...
@@ -414,6 +420,10 @@ class SqlTxn(Txn):
     _INODE_COLS = ("ino, ftype, mode, nlink, uid, gid, size, atime_ns, mtime_ns, ctime_ns, chunk_size, chains, target, "
                    "rdev, truncations")
 
+    _PUT_INODE = (f"INSERT INTO inodes ({_INODE_COLS}) VALUES ({', '.join('?' * len(_INODE_COLS.split(', ')))}) "
+                  "ON CONFLICT (ino) DO UPDATE SET "
+                  + ", ".join(f"{c} = excluded.{c}" for c in _INODE_COLS.split(", ")[1:]))
+
     def __init__(self, cursor: Any, paramstyle: str = "qmark") -> None:
         self._cur = cursor
         self._fmt = paramstyle == "format"
@@ -435,9 +445,7 @@ class SqlTxn(Txn):
         chains = _chains_text(a.layout.chains) if a.layout else None
         values = (a.ino, stat.S_IFMT(a.mode), a.mode, a.nlink, a.uid, a.gid, a.size,
                   a.atime_ns, a.mtime_ns, a.ctime_ns, chunk, chains, a.target, a.rdev, a.truncations)
-        updates = ", ".join(f"{c} = excluded.{c}" for c in self._INODE_COLS.split(", ")[1:])
-        self._q(f"INSERT INTO inodes ({self._INODE_COLS}) VALUES ({', '.join('?' * len(values))}) "
-                f"ON CONFLICT (ino) DO UPDATE SET {updates}", values)
+        self._q(self._PUT_INODE, values)
 
     def delete_inode(self, ino: int) -> None:
         self._q("DELETE FROM inodes WHERE ino = ?", (ino,))
@@ -473,6 +481,11 @@ class SqlTxn(Txn):
         rows = self._q("SELECT name, ino, mode FROM dentries WHERE parent = ? AND name > ? "
                        "ORDER BY name LIMIT ?", (parent, encode_name(after), limit)).fetchall()
         return [DirEntry(decode_name(name), ino, mode) for name, ino, mode in rows]
+
+    def list_names(self, parent: int, after: str, limit: int) -> list[str]:
+        rows = self._q("SELECT name FROM dentries WHERE parent = ? AND name > ? ORDER BY name LIMIT ?",
+                       (parent, encode_name(after), limit)).fetchall()
+        return [decode_name(name) for name, in rows]
 
     def get_meta(self, key: str) -> str | None:
         row = self._q("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
