@@ -121,3 +121,19 @@ def test_normal_never_hands_out_a_number_twice_after_losing_commits(tmp_path) ->
         assert [e.name for e in again.readdir(1)[0]] == ["d"]  # the copy lost them
         fresh = {again.mkdir(1, f"new{i}", 0o755, 0, 0).ino for i in range(5)}
     assert not fresh & lost and min(fresh) > max(lost)
+
+
+def test_cli_up_takes_the_setting_and_status_shows_it(tmp_path) -> None:
+    cli = [sys.executable, "-m", "stripefs"]
+    root = str(tmp_path / "cli")
+    up = subprocess.run([*cli, "up", "--root", root, "--servers", "1", "--metadata-sync", "normal"],
+                        capture_output=True, timeout=120)
+    try:
+        assert up.returncode == 0, up.stderr.decode()
+        status = subprocess.run([*cli, "status", "--cluster", os.path.join(root, "cluster.json")],
+                                capture_output=True, timeout=60)
+        assert status.returncode == 0 and b" sync normal " in status.stdout, status.stdout.decode()
+    finally:
+        subprocess.run([*cli, "down", "--root", root], capture_output=True, timeout=60)
+    bad = subprocess.run([*cli, "up", "--root", root, "--metadata-sync", "never"], capture_output=True, timeout=60)
+    assert bad.returncode == 2 and b"invalid choice" in bad.stderr
