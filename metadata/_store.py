@@ -627,7 +627,7 @@ def check_sync(mode: str) -> str:
 class _SqliteTxn(SqlTxn):
     """:class:`SqlTxn` whose counters, under ``normal``, stay below a durably recorded bound."""
 
-    def __init__(self, cursor: Any, store: "SqliteStore") -> None:
+    def __init__(self, cursor: Any, store: SqliteStore) -> None:
         super().__init__(cursor)
         self._store = store
 

@@ -54,7 +54,7 @@ def test_up_refuses_bad_settings(tmp_path) -> None:
 
 def test_service_cli_refuses_a_bad_setting(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "metadata", "--state", str(tmp_path), "--cluster", "/nonexistent",
-                           "--sync", "sometimes"], capture_output=True, timeout=60)
+                           "--sync", "sometimes"], capture_output=True, timeout=60, check=False)
     assert proc.returncode == 2 and b"--sync: invalid choice" in proc.stderr
 
 
@@ -127,13 +127,13 @@ def test_cli_up_takes_the_setting_and_status_shows_it(tmp_path) -> None:
     cli = [sys.executable, "-m", "stripefs"]
     root = str(tmp_path / "cli")
     up = subprocess.run([*cli, "up", "--root", root, "--servers", "1", "--metadata-sync", "normal"],
-                        capture_output=True, timeout=120)
+                        capture_output=True, timeout=120, check=False)
     try:
         assert up.returncode == 0, up.stderr.decode()
         status = subprocess.run([*cli, "status", "--cluster", os.path.join(root, "cluster.json")],
-                                capture_output=True, timeout=60)
+                                capture_output=True, timeout=60, check=False)
         assert status.returncode == 0 and b" sync normal " in status.stdout, status.stdout.decode()
     finally:
-        subprocess.run([*cli, "down", "--root", root], capture_output=True, timeout=60)
-    bad = subprocess.run([*cli, "up", "--root", root, "--metadata-sync", "never"], capture_output=True, timeout=60)
+        subprocess.run([*cli, "down", "--root", root], capture_output=True, timeout=60, check=False)
+    bad = subprocess.run([*cli, "up", "--root", root, "--metadata-sync", "never"], capture_output=True, timeout=60, check=False)
     assert bad.returncode == 2 and b"invalid choice" in bad.stderr
