@@ -1,7 +1,8 @@
 """Socket transports for the wire protocol.
 
 * :func:`serve_rpc` / :class:`Service` -- the trio server loop (metadata and storage servers),
-  bounded by a :class:`ByteBudget` of payload bytes and a connection cap;
+  bounded by a :class:`ByteBudget` of payload bytes (BUSY past ``BUSY_AFTER`` seconds of
+  waiting), a connection cap, and a per-client connection cap (:class:`ClientSlots`);
   :meth:`ServerConn.reply_from_thread` / :class:`ThreadReply` answer from a worker thread;
 * :class:`Connection` -- a blocking, pipelined client connection with in-place receives;
 * :class:`TrioConnection` -- a small trio client for server-to-server control calls;
@@ -15,10 +16,13 @@ from ._buffers import BufferPool, aligned
 from ._client import Connection, Reply, abandon, unavailable
 from ._pool import ConnectionPool, TrioPool
 from ._replies import ThreadReply
-from ._server import PAYLOAD_BUDGET, ByteBudget, ReplayCache, ServerConn, Service, serve_rpc, tune_socket
+from ._server import (
+    BUSY_AFTER, MAX_CLIENT_CONNECTIONS, PAYLOAD_BUDGET, ByteBudget, ClientSlots, ReplayCache, ServerConn, Service,
+    serve_rpc, tune_socket,
+)
 from ._trio_client import TrioConnection
 
 __all__ = [
     "BufferPool", "aligned", "Connection", "Reply", "abandon", "unavailable", "ConnectionPool", "TrioPool",
-    "ThreadReply", "PAYLOAD_BUDGET", "ByteBudget", "ReplayCache", "ServerConn", "Service", "serve_rpc", "tune_socket", "TrioConnection",
+    "ThreadReply", "BUSY_AFTER", "MAX_CLIENT_CONNECTIONS", "PAYLOAD_BUDGET", "ByteBudget", "ClientSlots", "ReplayCache", "ServerConn", "Service", "serve_rpc", "tune_socket", "TrioConnection",
 ]

@@ -12,6 +12,9 @@ them used to handle on its own:
 * several connections per server: shared round-robin ones for the pipelined
   blocking :class:`~rpc.Connection` (:class:`ConnectionPool`), leased ones for the
   one-call-at-a-time :class:`~rpc.TrioConnection` (:class:`TrioPool`);
+* a server that caps connections per client below what the pool wants (it refuses
+  the handshake with BUSY): the pool makes do with those it has, and tries for more
+  again only after ``CAPPED_RETRY`` seconds;
 * fork safety: a forked child (a DataLoader worker) forgets the parent's
   connections without closing them -- a ``shutdown()`` would cut the parent's too;
 * closing everything.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 import weakref
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Generic, Hashable, Iterator, TypeVar
@@ -37,6 +41,7 @@ __all__ = ["ConnectionPool", "TrioPool"]
 
 C = TypeVar("C", Connection, TrioConnection)
 Address = tuple[str, int]
+CAPPED_RETRY = 5.0  # seconds before a pool capped by its server tries to open more connections again
 
 _CACHES: "weakref.WeakSet[_KeyedCache[Any]]" = weakref.WeakSet()
 
@@ -167,6 +172,7 @@ class ConnectionPool:
         self.send_thread = send_thread
         self._cache: _KeyedCache[Connection] = _KeyedCache()
         self._rr = itertools.count()
+        self._capped: dict[Hashable, float] = {}  # key -> when to try for per_server again
 
     def live_one(self, key: Hashable, address: Address) -> Connection | None:
         """A live connection to ``key`` if one is open (never connects, never blocks)."""
@@ -178,18 +184,25 @@ class ConnectionPool:
 
         Raises:
             StripefsError: UNAVAILABLE when the server cannot be reached; AUTH, PROTOCOL
-            from the handshake.
+            from the handshake; BUSY when the server refuses even one connection
+            (its per-client cap is taken).
         """
         conns = self._cache.live(key, address)
-        if len(conns) < self.per_server:
+        if len(conns) < self.per_server and (not conns or self._capped.get(key, 0.0) <= time.monotonic()):
             # One opener per key, so concurrent callers do not open more than per_server;
             # a server that is slow to answer does not hold up connections to the others.
             with self._cache.creating(key):
                 conns = self._cache.live(key, address)
                 while len(conns) < self.per_server:
-                    conn = Connection(address, self.secret, self.client_id, expect_role=self.expect_role,
-                                      ids=self.ids, send_thread=self.send_thread,  # type: ignore[arg-type]
-                                      role=self.role)
+                    try:
+                        conn = Connection(address, self.secret, self.client_id, expect_role=self.expect_role,
+                                          ids=self.ids, send_thread=self.send_thread,  # type: ignore[arg-type]
+                                          role=self.role)
+                    except wire.StripefsError as exc:
+                        if exc.code != wire.ErrorCode.BUSY or not conns:
+                            raise
+                        self._capped[key] = time.monotonic() + CAPPED_RETRY  # make do with fewer
+                        break
                     self._cache.add(key, address, conn)
                     conns = self._cache.live(key, address)
         return conns[next(self._rr) % len(conns)]

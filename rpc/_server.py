@@ -43,6 +43,10 @@ HANDSHAKE_TIMEOUT = 10.0
 MAX_IN_FLIGHT = 64  # per connection; back-pressure beyond that
 MAX_CONNECTIONS = 4096  # per server: accepting pauses at this many open connections
 PAYLOAD_BUDGET = 512 << 20  # per server: request payload bytes held at once (received, not yet handled)
+# Seconds a request may wait for the byte budget before it is answered BUSY (the client
+# backs off and sends it again) rather than holding its connection's stream any longer.
+BUSY_AFTER = 1.0
+MAX_CLIENT_CONNECTIONS = 64  # per server: open connections from one client id (a pool opens a few)
 ACCEPT_RETRY = 0.1  # seconds to wait when accept() fails for lack of descriptors or memory
 # accept() errors that mean "not now" (out of descriptors or kernel memory), never "stop serving".
 _ACCEPT_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
@@ -233,7 +237,9 @@ class ByteBudget:
     A request that does not fit waits (first come, first served), and so does
     the reading of its connection: the client's further bytes stay in the
     socket buffers, and TCP flow control slows the client down. One request
-    larger than the whole budget is admitted alone.
+    larger than the whole budget is admitted alone. The server waits through
+    :meth:`acquire_within`: past its patience, or behind a queue already a whole
+    budget deep, the request is answered BUSY instead (the client backs off).
 
     Args:
         limit: bytes (> 0).
@@ -244,7 +250,26 @@ class ByteBudget:
             raise ValueError("a byte budget must be positive")
         self.limit = limit
         self.used = 0
+        self.waiting = 0  # bytes of the requests queued for the budget
+        self.refused = 0  # requests answered BUSY (acquire_within gave up)
+        self._logged = (-1e9, 0)  # (when, refused then): one log line per 10 s at most
         self._waiters: deque[tuple[int, trio.Event]] = deque()
+
+    async def acquire_within(self, n: int, patience: float) -> bool:
+        """:meth:`acquire`, giving up after ``patience`` seconds in the queue, or at once
+        when the queue already holds a whole budget's worth of bytes (a request that
+        joined it would wait for at least one full turnover). True when acquired."""
+        if self.waiting < self.limit:
+            with trio.move_on_after(patience):
+                await self.acquire(n)
+                return True
+        self.refused += 1
+        now = trio.current_time()
+        if now - self._logged[0] >= 10:
+            log.warning("payload budget of %d MiB full: %d requests answered BUSY so far (%d since the last report)",
+                        self.limit >> 20, self.refused, self.refused - self._logged[1])
+            self._logged = (now, self.refused)
+        return False
 
     def _fits(self, n: int) -> bool:
         return self.used + n <= self.limit or self.used == 0
@@ -255,6 +280,7 @@ class ByteBudget:
             return
         entry = (n, trio.Event())
         self._waiters.append(entry)
+        self.waiting += n
         try:
             await entry[1].wait()
         except BaseException:
@@ -262,6 +288,7 @@ class ByteBudget:
                 self.release(n)  # granted as we were cancelled: give it back
             else:
                 self._waiters.remove(entry)
+                self.waiting -= n
                 self._wake()  # those behind us may fit now
             raise
 
@@ -272,8 +299,38 @@ class ByteBudget:
     def _wake(self) -> None:
         while self._waiters and self._fits(self._waiters[0][0]):
             n, event = self._waiters.popleft()
+            self.waiting -= n
             self.used += n
             event.set()
+
+
+class ClientSlots:
+    """Open connections per client id, capped: the handshake of one more is refused
+    with BUSY (the client sees ``StripefsError(BUSY)``, errno EBUSY, from connect).
+
+    Args:
+        cap: connections one client id may hold open at once (> 0).
+    """
+
+    def __init__(self, cap: int):
+        if cap <= 0:
+            raise ValueError("a per-client connection cap must be positive")
+        self.cap = cap
+        self._open: dict[bytes, int] = {}
+
+    def admit(self, client_id: bytes, role: str) -> StripefsError | None:
+        """Count one more connection of ``client_id``, or the refusal when it has ``cap`` open."""
+        n = self._open.get(client_id, 0)
+        if n >= self.cap:
+            return StripefsError(ErrorCode.BUSY, f"too many connections from this {role}: {n} open, "
+                                                 f"the server allows {self.cap} per client")
+        self._open[client_id] = n + 1
+        return None
+
+    def release(self, client_id: bytes) -> None:
+        n = self._open.pop(client_id, 0) - 1
+        if n > 0:
+            self._open[client_id] = n
 
 
 class ReplayCache:
@@ -301,9 +358,9 @@ _CONN_ERRORS = (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, Co
 
 
 async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service, secret: str, cluster_id: str,
-                      budget: ByteBudget) -> None:
+                      budget: ByteBudget, busy_after: float, clients: ClientSlots) -> None:
     """Serve one connection. Nothing that happens here may take the server down."""
-    conn = ServerConn(sock, peer, ServerConnection(secret, service.role, cluster_id))
+    conn = ServerConn(sock, peer, ServerConnection(secret, service.role, cluster_id, admit=clients.admit))
     limit = trio.Semaphore(MAX_IN_FLIGHT)
 
     async def reply_error(head: FrameHead, exc: StripefsError) -> None:
@@ -339,8 +396,15 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
                 return
             head, msg = event.head, event.message
             await limit.acquire()
-            if head.payload_len:
-                await budget.acquire(head.payload_len)  # before a byte of it is received
+            # The budget is taken before a byte of the payload is received; a request that
+            # would wait too long is refused instead (its payload skipped as it arrives).
+            if head.payload_len and not await budget.acquire_within(head.payload_len, busy_after):
+                limit.release()
+                await conn.discard_payload()
+                await reply_error(head, StripefsError(
+                    ErrorCode.BUSY, f"server busy: {budget.used >> 20} MiB of request payloads held "
+                                    f"({budget.limit >> 20} MiB budget), {budget.waiting >> 20} MiB queued; retry later"))
+                continue
             try:
                 payload = await service.receive_payload(conn, head, msg)
             except BaseException as exc:
@@ -374,6 +438,8 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
     except Exception:
         log.exception("connection from %s failed", peer)
     finally:
+        if conn.peer_role:  # admitted: counted in ``clients``
+            clients.release(conn.client_id)
         sock.close()
 
 
@@ -386,6 +452,8 @@ async def serve_rpc(
     cluster_id: str = "",
     payload_budget: int = PAYLOAD_BUDGET,
     max_connections: int = MAX_CONNECTIONS,
+    busy_after: float = BUSY_AFTER,
+    max_client_connections: int = MAX_CLIENT_CONNECTIONS,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen on ``host:port`` (0 = any free port) and serve until cancelled.
@@ -396,23 +464,33 @@ async def serve_rpc(
         payload_budget: request payload bytes held at once, server-wide (:class:`ByteBudget`).
         max_connections: open connections at once; accepting pauses at the cap (the
             kernel's backlog holds newcomers).
+        busy_after: seconds a request waits for ``payload_budget`` before it is answered
+            BUSY (also at once when a whole budget's worth of requests is already queued).
+        max_client_connections: open connections per client id; the handshake of one
+            more is refused with BUSY (:class:`ClientSlots`).
+
+    Raises:
+        ValueError: a budget or cap that is not positive, a negative ``busy_after``.
 
     Caveats:
         Running out of file descriptors (EMFILE/ENFILE) or kernel memory on accept
         pauses accepting for ``ACCEPT_RETRY`` seconds; it never stops the server.
     """
+    if not busy_after >= 0:
+        raise ValueError(f"busy_after must be >= 0 seconds, got {busy_after!r}")
+    budget = ByteBudget(payload_budget)
+    clients = ClientSlots(max_client_connections)
     listener = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     await listener.bind((host, port))
     listener.listen(512)
     address = listener.getsockname()[:2]
-    budget = ByteBudget(payload_budget)
     slots = trio.Semaphore(max_connections)
     warned = 0.0
 
     async def serve_one(sock: trio.socket.SocketType, peer: Any) -> None:
         try:
-            await _serve_conn(sock, peer, service, secret, cluster_id, budget)
+            await _serve_conn(sock, peer, service, secret, cluster_id, budget, busy_after, clients)
         finally:
             slots.release()
 

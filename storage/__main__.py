@@ -10,7 +10,7 @@ import os
 
 import trio
 
-from rpc import PAYLOAD_BUDGET
+from rpc import BUSY_AFTER, MAX_CLIENT_CONNECTIONS, PAYLOAD_BUDGET
 
 from ._metalink import parse_addresses
 from ._server import serve_storage
@@ -20,7 +20,8 @@ async def _main(args: argparse.Namespace, secret: str, cluster_id: str) -> None:
     async with trio.open_nursery() as nursery:
         addr = await nursery.start(functools.partial(
             serve_storage, args.root, secret=secret, metadata=parse_addresses(args.metadata), host=args.host, port=args.port,
-            cluster_id=cluster_id, payload_budget=args.payload_budget,
+            cluster_id=cluster_id, payload_budget=args.payload_budget, busy_after=args.busy_after,
+            max_client_connections=args.max_client_connections,
         ))
         if args.ready:
             tmp = args.ready + ".tmp"
@@ -28,6 +29,33 @@ async def _main(args: argparse.Namespace, secret: str, cluster_id: str) -> None:
                 f.write(f"{addr[0]}:{addr[1]}")
             os.replace(tmp, args.ready)
         logging.info("storage server for %s listening on %s:%d", args.root, *addr)
+
+
+# Environment defaults for the load bounds (the flags win): servers that ``stripefs up`` or a
+# test cluster starts inherit them.
+BUDGET_ENV = "STRIPEFS_STORAGE_PAYLOAD_BUDGET"
+BUSY_AFTER_ENV = "STRIPEFS_STORAGE_BUSY_AFTER"
+CLIENT_CONNECTIONS_ENV = "STRIPEFS_STORAGE_MAX_CLIENT_CONNECTIONS"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
 
 
 def main() -> None:
@@ -38,8 +66,16 @@ def main() -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--ready", help="file to write host:port into once serving")
-    p.add_argument("--payload-budget", type=int, default=PAYLOAD_BUDGET,
-                   help="write payload bytes held at once, all connections together (default 512 MiB)")
+    env = os.environ  # a string default goes through ``type`` too: a bad value is a usage error
+    p.add_argument("--payload-budget", type=_positive_int, default=env.get(BUDGET_ENV) or PAYLOAD_BUDGET,
+                   help=f"write payload bytes held at once, all connections together (${BUDGET_ENV}, else 512 MiB)")
+    p.add_argument("--busy-after", type=_seconds, default=env.get(BUSY_AFTER_ENV) or BUSY_AFTER,
+                   help=f"seconds a write waits for the payload budget before it is answered BUSY "
+                        f"(${BUSY_AFTER_ENV}, else {BUSY_AFTER:g})")
+    p.add_argument("--max-client-connections", type=_positive_int,
+                   default=env.get(CLIENT_CONNECTIONS_ENV) or MAX_CLIENT_CONNECTIONS,
+                   help=f"open connections per client; one more is refused with BUSY "
+                        f"(${CLIENT_CONNECTIONS_ENV}, else {MAX_CLIENT_CONNECTIONS})")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s storage %(levelname)s %(message)s")
     with open(args.cluster) as f:

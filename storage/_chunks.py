@@ -48,6 +48,8 @@ import crc32c
 
 from wire import CRC_BLOCK, ErrorCode, MAX_CHUNK, StripefsError, segments
 
+from ._crc import payload_crcs
+
 HEADER_SIZE = 8192
 BLOCK = CRC_BLOCK  # 64 KiB: the unit of a stored CRC32C (shared with the read-reply checks)
 MAGIC = b"SFCHUNK1"
@@ -190,7 +192,9 @@ class ChunkStore:
         end = offset + len(data)
         if offset < 0 or chunk_size > MAX_CHUNK or end > chunk_size:
             raise StripefsError(ErrorCode.INVALID, f"write [{offset}, {end}) outside a chunk of {chunk_size}")
-        if _crc(data) != crc:
+        # One pass: the blocks' CRCs (kept in the header) and the whole payload's from them.
+        segment_crcs, whole = payload_crcs(data, offset)
+        if whole != crc:
             raise StripefsError(ErrorCode.CHECKSUM, "payload checksum mismatch (corrupted in transit)")
         if not len(data):
             return self._load(ino, index) or ChunkMeta()
@@ -202,13 +206,16 @@ class ChunkStore:
                 if cur.version != version - 1:
                     raise VersionGap(cur.version, version)
             try:
-                return self._write_locked(ino, index, offset, data, chain)
+                return self._write_locked(ino, index, offset, data, chain, segment_crcs)
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:
                     raise StripefsError(ErrorCode.NO_SPACE, "storage target is full") from exc
                 raise
 
-    def _write_locked(self, ino: int, index: int, offset: int, data: memoryview, chain: int) -> ChunkMeta:
+    def _write_locked(self, ino: int, index: int, offset: int, data: memoryview, chain: int,
+                      segment_crcs: list[int] | None = None) -> ChunkMeta:
+        if segment_crcs is None:  # a caller that has not checked the payload yet
+            segment_crcs = payload_crcs(data, offset)[0]
         path = self.path(ino, index)
         fresh = not os.path.exists(path)
         new_dir = False
@@ -226,13 +233,13 @@ class ChunkStore:
             if offset < meta.length:
                 os.close(fd)
                 fd = -1
-                return self._write_cow(ino, index, offset, data, meta)
+                return self._write_cow(ino, index, offset, data, meta, segment_crcs)
             os.pwrite(fd, data, HEADER_SIZE + offset)
             if meta.length % BLOCK:
                 # The last block holds acknowledged bytes and gets a CRC over old and
                 # new ones: the new bytes must be on disk before a header that says so.
                 os.fdatasync(fd)
-            new = self._commit_meta(fd, meta, offset, len(data), data)
+            new = self._commit_meta(fd, meta, offset, len(data), segment_crcs)
             os.fdatasync(fd)
             new.mtime_ns = os.fstat(fd).st_mtime_ns
         finally:
@@ -247,7 +254,8 @@ class ChunkStore:
         self._meta[(ino, index)] = new
         return new
 
-    def _write_cow(self, ino: int, index: int, offset: int, data: memoryview, meta: ChunkMeta) -> ChunkMeta:
+    def _write_cow(self, ino: int, index: int, offset: int, data: memoryview, meta: ChunkMeta,
+                   segment_crcs: list[int]) -> ChunkMeta:
         path = self.path(ino, index)
         tmp = path + ".tmp"
         src = os.open(path, os.O_RDONLY)
@@ -261,7 +269,7 @@ class ChunkStore:
                     break
                 copied += n
             os.pwrite(dst, data, HEADER_SIZE + offset)
-            new = self._commit_meta(dst, meta, offset, len(data), data)
+            new = self._commit_meta(dst, meta, offset, len(data), segment_crcs)
             os.fdatasync(dst)
             new.mtime_ns = os.fstat(dst).st_mtime_ns
         finally:
@@ -273,8 +281,9 @@ class ChunkStore:
         self._meta[(ino, index)] = new
         return new
 
-    def _commit_meta(self, fd: int, meta: ChunkMeta, offset: int, n: int, data: memoryview) -> ChunkMeta:
-        """Recompute the CRCs of the blocks a write touched; write the header (no sync)."""
+    def _commit_meta(self, fd: int, meta: ChunkMeta, offset: int, n: int, segment_crcs: list[int]) -> ChunkMeta:
+        """The CRCs of the blocks a write touched (those it covers whole: its segments'
+        CRCs, from :func:`payload_crcs`); write the header (no sync)."""
         end = offset + n
         length = max(meta.length, end)
         crcs = meta.crcs[:]
@@ -284,8 +293,8 @@ class ChunkStore:
         verified = meta.verified
         for b in range(first, (end - 1) // BLOCK + 1):
             bstart, bend = b * BLOCK, min((b + 1) * BLOCK, length)
-            if bstart >= offset and bend <= end:
-                crcs[b] = _crc(data[bstart - offset : bend - offset])
+            if bstart >= offset and bend <= end:  # the write's segment b covers it exactly
+                crcs[b] = segment_crcs[b - offset // BLOCK]
             else:  # partly old bytes, partly new, or a hole: read back what is on disk now
                 crcs[b] = _crc(os.pread(fd, bend - bstart, HEADER_SIZE + bstart))
             verified |= 1 << b

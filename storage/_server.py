@@ -26,7 +26,9 @@ from typing import Any
 
 import trio
 
-from rpc import PAYLOAD_BUDGET, BufferPool, ServerConn, Service, ThreadReply, serve_rpc
+from rpc import (
+    BUSY_AFTER, MAX_CLIENT_CONNECTIONS, PAYLOAD_BUDGET, BufferPool, ServerConn, Service, ThreadReply, serve_rpc,
+)
 from wire import ErrorCode, FrameHead, Message, StripefsError, role_credential
 from wire import messages as m
 
@@ -308,6 +310,8 @@ async def serve_storage(
     port: int = 0,
     cluster_id: str = "",
     payload_budget: int = PAYLOAD_BUDGET,
+    busy_after: float = BUSY_AFTER,
+    max_client_connections: int = MAX_CLIENT_CONNECTIONS,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the target in ``root`` until cancelled.
@@ -318,6 +322,10 @@ async def serve_storage(
     Args:
         payload_budget: write payload bytes held at once, over all connections;
             beyond it, connections wait before receiving more (``rpc.ByteBudget``).
+        busy_after: seconds a write waits for the budget before it is answered BUSY
+            (the client backs off with jitter and sends it again).
+        max_client_connections: open connections per client id (one more is refused
+            with BUSY at the handshake).
     """
     os.makedirs(root, exist_ok=True)
     store = await trio.to_thread.run_sync(ChunkStore, root)
@@ -327,7 +335,8 @@ async def serve_storage(
     service = StorageService(store, Replicator(store, secret, MetadataLink(addresses, credential, role="server")))  # type: ignore[arg-type]
     async with trio.open_nursery() as nursery:
         address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id,
-                                                         payload_budget=payload_budget))
+                                                         payload_budget=payload_budget, busy_after=busy_after,
+                                                         max_client_connections=max_client_connections))
         admitted = trio.Event()
         nursery.start_soon(_register_and_heartbeat, service, meta_conn, address[0], address[1], store.root, admitted, nursery)
         await admitted.wait()

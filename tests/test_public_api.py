@@ -12,7 +12,7 @@ import pytest
 
 PUBLIC: dict[str, set[str]] = {
     'wire': {'CRC_BLOCK', 'check_segments', 'segments', 'Attr', 'BadRequest', 'check_proof', 'ClientConnection', 'ConnectionClosed', 'ConnState', 'ErrorReceived', 'Event', 'HandshakeComplete', 'RequestReceived', 'ResponseCancelled', 'ResponseReceived', 'ServerConnection', 'client_proof', 'decode_message', 'decode_reply', 'DirEntry', 'encode_frame', 'encode_prefix', 'error_from_oserror', 'ErrorCode', 'FLAG_ERROR', 'FLAG_RESPONSE', 'Frame', 'FrameDecoder', 'FrameHead', 'Layout', 'MAGIC', 'MAX_CHUNK', 'MAX_FILE_SIZE', 'MAX_HEADER', 'MAX_NAME', 'MAX_PATH', 'MAX_PAYLOAD', 'MAX_STRIPE', 'Message', 'messages', 'MESSAGES', 'MIN_CHUNK', 'NEED_DATA', 'new_nonce', 'new_secret', 'PREFIX', 'ROLES', 'role_credential', 'ReplyMessage', 'Routing', 'server_proof', 'ServerInfo', 'StripefsError', 'validate_name', 'VERSION'},
-    'rpc': {'abandon', 'ByteBudget', 'PAYLOAD_BUDGET', 'aligned', 'BufferPool', 'Connection', 'ConnectionPool', 'ReplayCache', 'ThreadReply', 'TrioPool', 'Reply', 'serve_rpc', 'ServerConn', 'Service', 'TrioConnection', 'tune_socket', 'unavailable'},
+    'rpc': {'abandon', 'BUSY_AFTER', 'ByteBudget', 'ClientSlots', 'MAX_CLIENT_CONNECTIONS', 'PAYLOAD_BUDGET', 'aligned', 'BufferPool', 'Connection', 'ConnectionPool', 'ReplayCache', 'ThreadReply', 'TrioPool', 'Reply', 'serve_rpc', 'ServerConn', 'Service', 'TrioConnection', 'tune_socket', 'unavailable'},
     'metadata': {'MemoryStore', 'MetadataService', 'Namespace', 'RENAME_EXCHANGE', 'RENAME_NOREPLACE', 'serve_metadata', 'SqliteStore'},
     'storage': {'BLOCK', 'ChunkMeta', 'ChunkStore', 'HEADER_SIZE', 'serve_storage', 'StorageService'},
     'fsclient': {'AsyncClient', 'Client', 'ClusterConfig', 'find_cluster', 'normpath', 'ROOT_INO', 'StripeFile'},

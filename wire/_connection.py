@@ -40,7 +40,7 @@ from __future__ import annotations
 import enum
 import functools
 import itertools
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from . import _auth as auth
 from ._errors import ErrorCode, StripefsError
@@ -342,9 +342,13 @@ class ServerConnection(_Machine):
         role: what this server is ("metadata", "storage"); announced in the challenge.
         cluster_id: announced in the challenge.
         nonce: the server nonce (tests pin it for exact bytes; fresh by default).
+        admit: called as ``admit(client_id, role)`` once a peer has proved its
+            credential; an error it returns is the refusal sent instead of the proof
+            (a server's per-client connection cap answers BUSY this way).
     """
 
-    def __init__(self, secret: str, role: str, cluster_id: str = "", *, nonce: bytes | None = None):
+    def __init__(self, secret: str, role: str, cluster_id: str = "", *, nonce: bytes | None = None,
+                 admit: Callable[[bytes, str], StripefsError | None] | None = None):
         super().__init__(ConnState.CHALLENGE)
         self._credentials = _credentials(secret)
         self.role = role
@@ -353,6 +357,7 @@ class ServerConnection(_Machine):
         self.client_id = b""  # the peer's, once authenticated
         self.peer_role = ""  # "client" or "server", once authenticated
         self._authenticated = False
+        self._admit = admit
 
     def start(self) -> bytes:
         """The challenge frame, sent first on every accepted connection."""
@@ -404,6 +409,9 @@ class ServerConnection(_Machine):
                 raise StripefsError(ErrorCode.AUTH, f"authentication failed: unknown role {msg.role[:40]!r}")
             if not auth.check_proof(auth.client_proof(credential, self._nonce, msg.nonce), msg.proof):
                 raise StripefsError(ErrorCode.AUTH, f"authentication failed: wrong cluster secret for the {msg.role} role")
+            refusal = self._admit(msg.client_id, msg.role) if self._admit is not None else None
+            if refusal is not None:
+                raise refusal
         except StripefsError as exc:
             self._out += encode_prefix(head.msg_type, head.req_id, exc.to_wire(), 0, FLAG_RESPONSE | FLAG_ERROR)
             raise self._fail(exc) from None

@@ -46,7 +46,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ReadRing", "Completion", "RegisteredFile"]
 
-RETRYABLE = (ErrorCode.UNAVAILABLE, ErrorCode.STALE_ROUTING)  # after a routing refresh
+# Retried after a backoff and a routing refresh. BUSY: a server over its load bounds (for
+# reads, one that refuses this client another connection while it holds none).
+RETRYABLE = (ErrorCode.UNAVAILABLE, ErrorCode.STALE_ROUTING, ErrorCode.BUSY)
 RETRY_DELAY = 0.1
 CANCELLED = -1  # the generation of a slot given up on: matches no piece
 # A piece: slot, generation, chunk index, offset in the chunk, length, position in the read, attempt.

@@ -27,6 +27,7 @@ import heapq
 import itertools
 import logging
 import os
+import random
 import threading
 import time
 import weakref
@@ -50,6 +51,10 @@ log = logging.getLogger(__name__)
 RETRY_FOR = 30.0
 RETRY_ENV = "STRIPEFS_RETRY_FOR"  # overrides RETRY_FOR for clients that do not pass retry_for
 RETRY_DELAY = 0.2
+# A server over its load bounds answers BUSY: back off exponentially from BUSY_DELAY up to
+# BUSY_DELAY_MAX, with jitter (so the clients it turned away do not return in step).
+BUSY_DELAY = 0.02
+BUSY_DELAY_MAX = 1.0
 REQUEST_TIMEOUT = 120.0
 _LIVE: "weakref.WeakSet[ClientCore]" = weakref.WeakSet()
 R = TypeVar("R", bound=ReplyMessage)
@@ -72,6 +77,8 @@ def check_read(header: dict[str, Any], received: memoryview, coff: int) -> None:
         raise StripefsError(ErrorCode.PROTOCOL, "ReadChunk reply: crcs is not a list")
     check_segments(received, coff, crcs)
 _write_reply = m.WriteChunkReply.from_header
+# Chunk request failures retried within the retry budget (anything else reaches the caller).
+_RETRIED = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.STALE_ROUTING, ErrorCode.CHECKSUM, ErrorCode.TIMEOUT, ErrorCode.BUSY})
 
 
 def _after_fork_in_child() -> None:
@@ -113,6 +120,13 @@ def retry_budget(retry_for: float | None = None) -> float:
     if not value >= 0:  # also refuses NaN
         raise StripefsError(ErrorCode.INVALID, f"retry budget must be >= 0 seconds, got {raw!r}")
     return value
+
+
+def busy_delay(attempt: int, rng: random.Random | None = None) -> float:
+    """Seconds to wait before the ``attempt``-th retry (0-based) of a request answered BUSY:
+    exponential, capped at ``BUSY_DELAY_MAX``, jittered over the upper half of the step."""
+    step = min(BUSY_DELAY * 2 ** min(attempt, 30), BUSY_DELAY_MAX)
+    return step / 2 + (rng or random).random() * step / 2
 
 
 def _settle(inflight: "deque[tuple[int, Future]]") -> None:
@@ -288,9 +302,12 @@ class ClientCore:
         up to ``retry_for`` seconds after the piece first failed (a fault in the middle
         of a long call gets the whole budget). A piece that waits does not hold up the
         others: it is due again after a short backoff, and the routing is refreshed
-        once per backoff however many pieces wait.
+        once per backoff however many pieces wait. A piece answered BUSY (a server
+        over its load bounds) backs off exponentially with jitter (:func:`busy_delay`)
+        within the same budget, without a routing refresh.
         """
         attempts = [0] * len(pieces)
+        busy = [0] * len(pieces)  # BUSY answers in a row, per piece
         seen = [0] * len(pieces)  # routing version each piece was sent with
         failing_since: dict[int, float] = {}
         queue = deque(range(len(pieces)))
@@ -328,7 +345,7 @@ class ClientCore:
                     abandon(other)
                 raise StripefsError(ErrorCode.TIMEOUT, "storage request timed out") from exc
             except StripefsError as exc:
-                if exc.code not in (ErrorCode.UNAVAILABLE, ErrorCode.STALE_ROUTING, ErrorCode.CHECKSUM, ErrorCode.TIMEOUT):
+                if exc.code not in _RETRIED:
                     _settle(inflight)
                     raise
                 now = time.monotonic()
@@ -343,6 +360,11 @@ class ClientCore:
                     raise StripefsError(exc.code, f"{exc.message} (still failing after {self.retry_for:g} s of retries; "
                                                   f"the budget is the client's retry_for or {RETRY_ENV})") from exc
                 attempts[i] += 1
+                if exc.code == ErrorCode.BUSY:
+                    heapq.heappush(waiting, (now + busy_delay(busy[i]), i))
+                    busy[i] += 1
+                    continue
+                busy[i] = 0
                 if exc.code == ErrorCode.CHECKSUM or self.routing().version > seen[i]:
                     queue.append(i)  # another replica, or newer routing already: at once
                 else:

@@ -20,7 +20,11 @@ def test_metadata_calls_need_no_worker_thread_each(client, testdir: str) -> None
     async def main() -> None:
         await aio.call(m.Ping())  # connected (at most this once on a worker thread)
         d = await aio.attr(m.Resolve(path=testdir))
-        async with aio.limiter:  # every worker thread slot taken: a threaded call would hang
+        # Every worker thread slot taken, the client's and trio's default ones (a
+        # connect goes through the latter): a call that hops to a thread would hang.
+        default = trio.to_thread.current_default_thread_limiter()
+        default.total_tokens = 1
+        async with aio.limiter, default:
             with trio.fail_after(10):
                 for _ in range(20):
                     attr = await aio.attr(m.Lookup(parent=d.ino, name="f"))

@@ -148,3 +148,32 @@ def test_read_carries_segment_checksums_of_exactly_its_payload(tmp_path, offset:
             os.close(fd)
         assert payload == data[offset : offset + n]
         wire.check_segments(memoryview(payload), offset, crcs)
+
+
+@pytest.mark.parametrize("offset,length", [(0, 4 << 20), (0, 3 * BLOCK + 5), (BLOCK - 7, 3 * BLOCK + 14), (100, 10),
+                                           (BLOCK, BLOCK), (5, BLOCK - 5)])
+def test_a_write_passes_over_its_payload_once(tmp_path, monkeypatch, offset: int, length: int) -> None:
+    store = ChunkStore(str(tmp_path))
+    data = os.urandom(length)
+    crc = crc32c.crc32c(data)
+    hashed: list[int] = []
+    real = crc32c.crc32c
+
+    def counting(buf, *args, **kw):  # the library's own function, counted
+        hashed.append(len(buf))
+        return real(buf, *args, **kw)
+
+    monkeypatch.setattr(crc32c, "crc32c", counting)
+    store.write(4, 0, offset, memoryview(data), crc, CS)
+    monkeypatch.undo()
+    # One pass, plus at most the partial segment at the payload's end chained once more
+    # (and the partial block before ``offset``, read back from disk: a hole here).
+    assert sum(hashed) <= length + min(length, BLOCK) + offset % BLOCK, hashed
+    assert read(store, 4, 0, offset, length) == data
+    fd, off, n, payload, _clen, crcs = store.open_read_checked(4, 0, offset, length)
+    if fd >= 0:
+        os.close(fd)
+    wire.check_segments(memoryview(data), offset, crcs)  # the stored block CRCs are right
+    with pytest.raises(StripefsError) as info:  # and a payload that does not match is still refused
+        store.write(4, 1, offset, memoryview(data), crc ^ 1, CS)
+    assert info.value.code == ErrorCode.CHECKSUM

@@ -232,6 +232,37 @@ def test_wrong_secret_is_refused_with_an_error_frame() -> None:
         client.next_event()
 
 
+def test_a_server_may_refuse_a_proven_peer_with_the_code_it_chooses() -> None:
+    asked: list[tuple[bytes, str]] = []
+
+    def admit(client_id: bytes, role: str) -> StripefsError | None:
+        asked.append((client_id, role))
+        return StripefsError(ErrorCode.BUSY, "too many connections")
+
+    client = ClientConnection(CLIENT, CID, "storage", nonce=CN)
+    server = ServerConnection(SECRET, "storage", "cl", nonce=SN, admit=admit)
+    client.receive_data(server.start())
+    drain(client)
+    server.receive_data(client.data_to_send())
+    with pytest.raises(StripefsError) as exc:
+        server.next_event()
+    assert exc.value.code == ErrorCode.BUSY and server.state is ConnState.ERROR
+    assert asked == [(CID, "client")]  # asked only once the peer proved its credential
+    client.receive_data(server.data_to_send())
+    with pytest.raises(StripefsError) as exc:
+        client.next_event()
+    assert exc.value.code == ErrorCode.BUSY and exc.value.message == "too many connections"
+    # A peer with the wrong credential is refused AUTH before anyone is asked.
+    client = ClientConnection("wrong", CID, "storage", nonce=CN)
+    server = ServerConnection(SECRET, "storage", "cl", nonce=SN, admit=admit)
+    client.receive_data(server.start())
+    drain(client)
+    server.receive_data(client.data_to_send())
+    with pytest.raises(StripefsError) as exc:
+        server.next_event()
+    assert exc.value.code == ErrorCode.AUTH and len(asked) == 1
+
+
 def test_server_that_cannot_prove_the_secret_is_refused() -> None:
     client, server = pair(server_secret="other")
     client.receive_data(server.start())
