@@ -78,6 +78,7 @@ class BenchConfig:
     sw_files: int = 1000
     drop_caches: bool = True  # False: clients evict their own files (no global side effect)
     rand_size: int | None = None  # random-read file per client; None: max(size, RAND_MIN)
+    metadata_sync: str | None = None  # the local cluster's --metadata-sync (None: full)
 
 
 def _quantile(sorted_lat: list[float], q: float) -> float:
@@ -303,18 +304,20 @@ def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
         ours = [n for n in cfg.routes if n not in PEERS and n != "local_disk"]
         others = [n for n in cfg.routes if n in PEERS or n == "local_disk"]
         server_counts = cfg.servers
+        out["header"]["metadata_sync"] = cfg.metadata_sync or "full"
         if cfg.cluster:
             from fsclient import Client
 
             with Client(cfg.cluster) as c:
                 server_counts = [len(c.routing().servers)]
+                out["header"]["metadata_sync"] = c.status().metadata.get("sync", "full")
         for k, servers in enumerate(server_counts):
             root = None
             cluster_file = cfg.cluster
             if cfg.cluster is None and ours:
                 root = os.path.join(workdir, f"cluster-{servers}")
                 display.log(f"starting a local cluster: {servers} storage servers")
-                testing.up(root, servers=servers, chunk_size=cfg.chunk_size)
+                testing.up(root, servers=servers, chunk_size=cfg.chunk_size, metadata_sync=cfg.metadata_sync)
                 cluster_file = os.path.join(root, "cluster.json")
             env = RunEnv(cluster_file, workdir, run_id, servers)
             started = _start_routes(ours + (others if k == 0 else []), env, out["skipped"], display)

@@ -3,7 +3,7 @@
 The JSON (``--json FILE``) has a stable format (docs/benchmarks.md)::
 
     {"header": {"machine": {...facts, package versions}, "config": {...}, "stripefs": "0.1.0",
-                "command": [...], "duration_s": ...},
+                "command": [...], "duration_s": ..., "cold_reads": ..., "metadata_sync": "full"},
      "results": [{"workload", "path", "clients", "servers", "bytes", "seconds", "gbps",
                   "ops", "ops_per_s", "latency_p50_ms", "latency_p99_ms",
                   "latency_quantiles_ms", "verified_bytes", "vs_floor_socket"}, ...],

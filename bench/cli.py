@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="do not drop the kernel page cache before reads (clients evict "
                          "their own files instead)")
     ap.add_argument("--chunk-size", type=_size, default=4 << 20, help="cluster chunk size")
+    ap.add_argument("--metadata-sync", choices=["full", "normal"],
+                    help="the local cluster's metadata store durability (stripefs up --metadata-sync; "
+                         "default full); a --cluster keeps its own, recorded in the header")
     ap.add_argument("--no-floors", action="store_true", help="skip the floor measurements")
     ap.add_argument("--workdir", help="scratch directory (default: the system temp dir)")
     ap.add_argument("--no-progress", action="store_true", help="no live progress bars")
@@ -98,6 +101,9 @@ def build_config(a: argparse.Namespace) -> BenchConfig:
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))
     cfg.chunk_size, cfg.cluster, cfg.workdir = a.chunk_size, a.cluster, a.workdir
+    if a.metadata_sync and a.cluster:
+        raise ValueError("--metadata-sync sets up the local cluster bench starts; a --cluster keeps its own")
+    cfg.metadata_sync = a.metadata_sync
     cfg.floors = not a.no_floors
     cfg.drop_caches = not a.no_drop_caches
     if min(cfg.clients) < 1 or min(cfg.servers) < 1:

@@ -1,6 +1,7 @@
 """Small operations against the request-path floor, measured in one run.
 
-    python -m bench.ops_bench [--clients 2] [--files 500] [--servers 2] [--reads 2000] [--json FILE]
+    python -m bench.ops_bench [--clients 2] [--files 500] [--servers 2] [--reads 2000]
+                              [--metadata-sync full,normal] [--json FILE]
 
 Measures, on a fresh local cluster:
 
@@ -10,8 +11,10 @@ Measures, on a fresh local cluster:
 * mdtest-style metadata phases with ``--clients`` processes, each in its own
   directory: create (``open(..., "wb")``), stat, readdir, unlink of ``--files``
   empty files -- aggregate ops/s, p50 latency, and the CPU seconds per operation
-  spent by the clients and by the servers (from ``/proc``), which are far less
-  noisy than wall time on a loaded machine;
+  spent by the clients and by the servers (from ``/proc``; the metadata service's
+  share apart), which are far less noisy than wall time on a loaded machine; with
+  ``--metadata-sync full,normal`` the phases run once per durability setting of the
+  metadata store, each on a fresh cluster, in the same run;
 * 4 KiB random reads (``pread_into``) of a 64 MiB file: p50 latency.
 
 Every latency is also printed as a ratio to the echo floor of the same run.
@@ -120,7 +123,7 @@ def _meta_client(cluster_file: str, index: int, files: int, barrier: Any, q: Any
             "unlink": lambda p: c.remove(p),
         }
         for phase in PHASES:
-            items = names if phase != "readdir" else [d] * max(3, files // 50)
+            items = names if phase != "readdir" else [d] * max(3, files // 25)
             barrier.wait()
             cpu0, t0 = time.process_time(), time.perf_counter()
             lat = []
@@ -135,6 +138,16 @@ def _meta_client(cluster_file: str, index: int, files: int, barrier: Any, q: Any
 
 
 def _proc_cpu(pid: int) -> float:
+    """CPU seconds of process ``pid``: the sum of its threads' scheduler run time (ns
+    precision; ``/proc/PID/stat`` counts 10 ms ticks, too coarse for a few hundred ops)."""
+    try:
+        total = 0
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        return total / 1e9
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -144,7 +157,7 @@ def _proc_cpu(pid: int) -> float:
 
 
 def metadata_phases(cluster_file: str, server_pids: list[int], clients: int, files: int,
-                    attr_timeout: float = 0.0) -> dict[str, Any]:
+                    attr_timeout: float = 0.0, meta_pids: list[int] | None = None) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(clients + 1)
     q = ctx.Queue()
@@ -152,12 +165,14 @@ def metadata_phases(cluster_file: str, server_pids: list[int], clients: int, fil
              for i in range(clients)]
     for p in procs:
         p.start()
-    server_cpu = {}
+    server_cpu, meta_cpu = {}, {}
+    meta_pids = meta_pids or []
     for phase in PHASES:
         barrier.wait()
-        c0 = sum(_proc_cpu(p) for p in server_pids)
+        c0, m0 = sum(_proc_cpu(p) for p in server_pids), sum(_proc_cpu(p) for p in meta_pids)
         barrier.wait()
         server_cpu[phase] = sum(_proc_cpu(p) for p in server_pids) - c0
+        meta_cpu[phase] = sum(_proc_cpu(p) for p in meta_pids) - m0
     outs = [q.get(timeout=600) for _ in procs]
     for p in procs:
         p.join(30)
@@ -169,7 +184,8 @@ def metadata_phases(cluster_file: str, server_pids: list[int], clients: int, fil
         lat = sorted(v for x in parts for v in x["lat"])
         res[phase] = {"ops": n, "ops_per_s": n / secs, "p50_us": lat[len(lat) // 2] * 1e6,
                       "client_cpu_us_per_op": sum(x["cpu"] for x in parts) / n * 1e6,
-                      "server_cpu_us_per_op": server_cpu[phase] / n * 1e6}
+                      "server_cpu_us_per_op": server_cpu[phase] / n * 1e6,
+                      "metadata_cpu_us_per_op": meta_cpu[phase] / n * 1e6}
     return res
 
 
@@ -203,39 +219,54 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--servers", type=int, default=2)
     p.add_argument("--reads", type=int, default=2000)
     p.add_argument("--attr-timeout", type=float, default=0.0, help="Client(attr_timeout=...) of the metadata clients")
+    p.add_argument("--metadata-sync", default="full",
+                   help="durability settings of the metadata store to measure, comma-separated: full, normal")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import fsclient
     from fsclient import testing
 
-    root = tempfile.mkdtemp(prefix="stripefs-ops-")
+    syncs = [x.strip() for x in args.metadata_sync.split(",") if x.strip()]
+    if not syncs or any(x not in ("full", "normal") for x in syncs):
+        p.error("--metadata-sync: a comma-separated list of full, normal")
     results: dict[str, Any] = {"clients": args.clients, "files": args.files, "servers": args.servers,
-                               "attr_timeout": args.attr_timeout}
-    try:
-        floor = echo_floor(args.reads)
-        results["echo_floor"] = floor
-        print(f"bare trio echo p50: {floor['p50_us']:.0f} us", flush=True)
-        cluster = testing.up(root, servers=args.servers)
-        cfile = os.path.join(cluster["root"], "cluster.json")
-        pids = list(cluster["pids"])
-        with fsclient.Client(cfile) as c:
-            c.makedirs("/ops")
-        pings = ping_latency(cfile, args.reads)
-        results["pings"] = pings
-        for k, v in pings.items():
-            print(f"{k.removesuffix('_p50_us')} p50: {v:.0f} us ({v / floor['p50_us']:.2f}x echo)", flush=True)
-        meta = metadata_phases(cfile, pids, args.clients, args.files, args.attr_timeout)
-        results["metadata"] = meta
-        for phase, r in meta.items():
-            print(f"{phase:8s} {r['ops_per_s']:8.0f} ops/s  p50 {r['p50_us']:6.0f} us "
-                  f"({r['p50_us'] / floor['p50_us']:.1f}x echo)  cpu/op: client {r['client_cpu_us_per_op']:.0f} us, "
-                  f"servers {r['server_cpu_us_per_op']:.0f} us", flush=True)
-        rr = random_reads(cfile, args.reads)
-        results["rand_read_4k"] = rr
-        print(f"4 KiB random read p50: {rr['p50_us']:.0f} us ({rr['p50_us'] / floor['p50_us']:.2f}x echo)", flush=True)
-    finally:
-        testing.down(root)
-        shutil.rmtree(root, ignore_errors=True)
+                               "attr_timeout": args.attr_timeout, "metadata_sync": syncs}
+    floor = echo_floor(args.reads)
+    results["echo_floor"] = floor
+    print(f"bare trio echo p50: {floor['p50_us']:.0f} us", flush=True)
+    results["metadata_by_sync"] = {}
+    for i, sync in enumerate(syncs):
+        root = tempfile.mkdtemp(prefix="stripefs-ops-")
+        try:
+            cluster = testing.up(root, servers=args.servers, metadata_sync=sync)
+            cfile = os.path.join(cluster["root"], "cluster.json")
+            pids = list(cluster["pids"])
+            meta_pids = [s["pid"] for s in cluster["metadata_services"]]
+            with fsclient.Client(cfile) as c:
+                c.makedirs("/ops")
+            if i == 0:
+                pings = ping_latency(cfile, args.reads)
+                results["pings"] = pings
+                for k, v in pings.items():
+                    print(f"{k.removesuffix('_p50_us')} p50: {v:.0f} us ({v / floor['p50_us']:.2f}x echo)", flush=True)
+            meta = metadata_phases(cfile, pids, args.clients, args.files, args.attr_timeout, meta_pids)
+            results["metadata_by_sync"][sync] = meta
+            if i == 0:
+                results["metadata"] = meta
+            print(f"metadata sync {sync}:", flush=True)
+            for phase, r in meta.items():
+                print(f"  {phase:8s} {r['ops_per_s']:8.0f} ops/s  p50 {r['p50_us']:6.0f} us "
+                      f"({r['p50_us'] / floor['p50_us']:.1f}x echo)  cpu/op: client {r['client_cpu_us_per_op']:.0f} us, "
+                      f"servers {r['server_cpu_us_per_op']:.0f} us (metadata {r['metadata_cpu_us_per_op']:.0f})",
+                      flush=True)
+            if i == 0:
+                rr = random_reads(cfile, args.reads)
+                results["rand_read_4k"] = rr
+                print(f"4 KiB random read p50: {rr['p50_us']:.0f} us ({rr['p50_us'] / floor['p50_us']:.2f}x echo)",
+                      flush=True)
+        finally:
+            testing.down(root)
+            shutil.rmtree(root, ignore_errors=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

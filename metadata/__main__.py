@@ -21,7 +21,7 @@ async def _main(args: argparse.Namespace, secret: str, cluster_id: str, raw: dic
         host, port = await nursery.start(functools.partial(
             serve_metadata, args.state, secret=secret, host=args.host, port=args.port, cluster_id=cluster_id,
             chunk_size=args.chunk_size, max_stripe=args.stripe, gc_grace=args.gc_grace, replicas=args.replicas,
-            store_url=args.store or raw.get("metadata_store_url"), admit_after=args.admit_after,
+            store_url=args.store or raw.get("metadata_store_url"), admit_after=args.admit_after, sync=args.sync,
         ))
         if args.ready:
             tmp = args.ready + ".tmp"
@@ -44,6 +44,9 @@ def main() -> None:
     p.add_argument("--admit-after", type=float, default=3.0,
                    help="with one replica, seconds a new storage server must heartbeat before it takes chain slots")
     p.add_argument("--ready", help="file to write host:port into once serving")
+    p.add_argument("--sync", choices=["full", "normal"], default="full",
+                   help="SQLite durability: full = each acknowledged operation survives power loss (an fsync per "
+                        "commit); normal = it survives a kill -9 of any process, the last ones may be lost on power loss")
     p.add_argument("--store", help="postgresql://... to keep the namespace in PostgreSQL (default: the cluster file's metadata_store_url, else SQLite in --state); prefer the cluster file: a URL here shows in ps")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s metadata %(levelname)s %(message)s")

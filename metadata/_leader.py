@@ -103,6 +103,8 @@ class Leadership:
             StripefsError: UNAVAILABLE when the lease is gone (this service steps down);
                 IO when the store failed.
         """
+        if not (self.leading and self.members.dirty) and not self._persist_lock.locked():
+            return  # nothing to write and no write in flight: no lock round (every request calls this)
         async with self._persist_lock:
             members = self.members
             if not self.leading or not members.dirty:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
-import secrets
 import stat
 import time
 
@@ -112,9 +111,10 @@ class Namespace:
     def _counter(txn: Txn, key: str) -> int:
         return txn.allocate(key)
 
-    def _touch_dir(self, txn: Txn, ino: int, now: int, nlink_delta: int = 0) -> None:
-        """A directory's entries changed: bump mtime/ctime (and nlink for subdirs)."""
-        d = self._inode(txn, ino)
+    def _touch_dir(self, txn: Txn, ino: int, now: int, nlink_delta: int = 0, *, dir_attr: Attr | None = None) -> None:
+        """A directory's entries changed: bump mtime/ctime (and nlink for subdirs).
+        ``dir_attr``: the directory's attributes as this transaction read them, if it did."""
+        d = dir_attr if dir_attr is not None else self._inode(txn, ino)
         txn.put_inode(dataclasses.replace(d, nlink=d.nlink + nlink_delta, mtime_ns=now, ctime_ns=now))
 
     def _queue(self, txn: Txn, kind: str, attr: Attr, length: int) -> None:
@@ -204,28 +204,31 @@ class Namespace:
         parts = path.split("/")
         must_be_dir = any(parts) and parts[-1] in ("", ".", "..")
         todo = [c for c in parts if c not in ("", ".")][::-1]  # a stack: last pops first
-        cur = self._inode(txn, ROOT_INO)
+        # The way down goes by entries alone (an entry holds its inode's type bits): only
+        # the inode the path ends at, and symlinks to follow, are read.
+        ino, is_dir = ROOT_INO, True
         links = 0
         while todo:
             comp = todo.pop()
-            if not cur.is_dir:
+            if not is_dir:
                 raise _err(ErrorCode.NOT_DIR, f"not a directory on the way to {comp!r}")
             if comp == "..":
-                row = txn.get_dir(cur.ino)
-                cur = self._inode(txn, row.parent if row else ROOT_INO)
+                row = txn.get_dir(ino)
+                ino = row.parent if row else ROOT_INO
                 continue
             validate_name(comp)
-            nxt = self._inode(txn, self._entry(txn, cur.ino, comp).ino)
-            if nxt.is_symlink and (todo or follow or must_be_dir):
+            entry = self._entry(txn, ino, comp)
+            if stat.S_ISLNK(entry.mode) and (todo or follow or must_be_dir):
                 links += 1
                 if links > MAX_SYMLINKS:
                     raise _err(ErrorCode.LOOP, "too many levels of symbolic links")
-                target = nxt.target or ""
+                target = self._inode(txn, entry.ino).target or ""
                 todo.extend(c for c in reversed(target.split("/")) if c not in ("", "."))
                 if target.startswith("/"):
-                    cur = self._inode(txn, ROOT_INO)
-                continue  # a relative target resolves from the link's directory, `cur`
-            cur = nxt
+                    ino = ROOT_INO
+                continue  # a relative target resolves from the link's directory, `ino`
+            ino, is_dir = entry.ino, stat.S_ISDIR(entry.mode)
+        cur = self._inode(txn, ino)
         if must_be_dir and not cur.is_dir:
             raise _err(ErrorCode.NOT_DIR, f"not a directory: {path!r}")
         return cur
@@ -267,13 +270,28 @@ class Namespace:
             StripefsError: EINVAL (the root, or a path ending in ``/``, ``.``, ``..``),
                 ENOENT/ENOTDIR on the way, ENOTDIR if the head is not a directory.
         """
-        head, _, name = path.rpartition("/")
-        if name in ("", ".", ".."):
-            raise _err(ErrorCode.INVALID, f"no file name at the end of {path!r}")
-        parent = self.resolve(head or "/")
+        head, name = self._split(path)
+        parent = self.resolve(head)
         if not parent.is_dir:
             raise _err(ErrorCode.NOT_DIR, "parent is not a directory")
         return parent.ino, name
+
+    def _split(self, path: str) -> tuple[str, str]:
+        """``(directory path, last name)`` of ``path``, for the ``*_path`` operations."""
+        head, _, name = path.rpartition("/")
+        if name in ("", ".", ".."):
+            raise _err(ErrorCode.INVALID, f"no file name at the end of {path!r}")
+        return head or "/", name
+
+    def _parent_dir(self, txn: Txn, path: str) -> tuple[Attr, str]:
+        """The directory holding the last component of ``path``, and that name (see :meth:`parent_of`)."""
+        head, name = self._split(path)
+        self._check_path(path)
+        parent = self._walk(txn, head, True)
+        if not parent.is_dir:
+            raise _err(ErrorCode.NOT_DIR, "parent is not a directory")
+        validate_name(name)
+        return parent, name
 
     def readlink(self, ino: int) -> str:
         with self._store.transaction() as txn:
@@ -328,8 +346,8 @@ class Namespace:
             d = self._walk(txn, path, True)
             if not d.is_dir:
                 raise _err(ErrorCode.NOT_DIR, f"not a directory: {path!r}")
-            rows = txn.list_dentries(d.ino, after, limit + 1)
-        return [e.name for e in rows[:limit]], len(rows) > limit
+            names = txn.list_names(d.ino, after, limit + 1)
+        return names[:limit], len(names) > limit
 
     # ------------------------------------------------------------------ creation
 
@@ -344,10 +362,10 @@ class Namespace:
         # shuffled (3FS ChainAllocator): chunk 0 of every file lands somewhere else,
         # and since consecutive chains sit on different servers, a stripe of k
         # chains spreads over min(k, servers) servers.
-        rng = random.Random(secrets.randbits(64))
-        start = rng.randrange(len(pool))
+        # The module's generator: seeded from the OS and again in a forked child.
+        start = random.randrange(len(pool))
         window = [pool[(start + i) % len(pool)] for i in range(stripe)]
-        rng.shuffle(window)
+        random.shuffle(window)
         return Layout(chunk, tuple(window)).validate()
 
     def create(self, parent: int, name: str, mode: int, uid: int, gid: int, *, chains: list[int],
@@ -368,14 +386,29 @@ class Namespace:
         """
         validate_name(name)
         with self._store.transaction() as txn:
-            self._dir(txn, parent)
-            entry = txn.get_dentry(parent, name)
-            if entry is not None:
-                return self._open_existing(txn, entry, exclusive, truncate), False
-            layout = self._pick_layout(txn, parent, chains)
-            attr = self._new_inode(txn, parent, name, stat.S_IFREG | (mode & 0o7777), uid, gid, layout=layout)
-            self._touch_dir(txn, parent, attr.ctime_ns)
-            return attr, True
+            return self._create(txn, self._dir(txn, parent), name, mode, uid, gid, chains, exclusive, truncate)
+
+    def create_path(self, path: str, mode: int, uid: int, gid: int, *, chains: list[int],
+                    exclusive: bool = False, truncate: bool = False) -> tuple[Attr, bool]:
+        """:meth:`create` of the last component of ``path`` in the directory the rest
+        resolves to (symlinks followed), in one transaction.
+
+        Raises:
+            StripefsError: as :meth:`parent_of` and :meth:`create`.
+        """
+        with self._store.transaction() as txn:
+            parent, name = self._parent_dir(txn, path)
+            return self._create(txn, parent, name, mode, uid, gid, chains, exclusive, truncate)
+
+    def _create(self, txn: Txn, parent: Attr, name: str, mode: int, uid: int, gid: int, chains: list[int],
+                exclusive: bool, truncate: bool) -> tuple[Attr, bool]:
+        entry = txn.get_dentry(parent.ino, name)
+        if entry is not None:
+            return self._open_existing(txn, entry, exclusive, truncate), False
+        layout = self._pick_layout(txn, parent.ino, chains)
+        attr = self._new_inode(txn, parent.ino, name, stat.S_IFREG | (mode & 0o7777), uid, gid, layout=layout)
+        self._touch_dir(txn, parent.ino, attr.ctime_ns, dir_attr=parent)
+        return attr, True
 
     def _open_existing(self, txn: Txn, entry: DirEntry, exclusive: bool, truncate: bool) -> Attr:
         attr = self._inode(txn, entry.ino)
@@ -463,14 +496,22 @@ class Namespace:
         (0: the inode is gone and a ``remove`` garbage item is queued)."""
         validate_name(name)
         with self._store.transaction() as txn:
-            self._dir(txn, parent)
-            attr = self._inode(txn, self._entry(txn, parent, name).ino)
-            if attr.is_dir:
-                raise _err(ErrorCode.IS_DIR, f"is a directory: {name!r}")
-            now = time.time_ns()
-            txn.delete_dentry(parent, name)
-            self._touch_dir(txn, parent, now)
-            return self._drop_link(txn, attr, now)
+            return self._unlink(txn, self._dir(txn, parent), name)
+
+    def unlink_path(self, path: str) -> Attr:
+        """:meth:`unlink` of the last component of ``path`` (see :meth:`create_path`), in one transaction."""
+        with self._store.transaction() as txn:
+            parent, name = self._parent_dir(txn, path)
+            return self._unlink(txn, parent, name)
+
+    def _unlink(self, txn: Txn, parent: Attr, name: str) -> Attr:
+        attr = self._inode(txn, self._entry(txn, parent.ino, name).ino)
+        if attr.is_dir:
+            raise _err(ErrorCode.IS_DIR, f"is a directory: {name!r}")
+        now = time.time_ns()
+        txn.delete_dentry(parent.ino, name)
+        self._touch_dir(txn, parent.ino, now, dir_attr=parent)
+        return self._drop_link(txn, attr, now)
 
     def rmdir(self, parent: int, name: str) -> None:
         validate_name(name)

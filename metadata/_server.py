@@ -40,7 +40,7 @@ from ._leader import Leadership
 from ._admission import MAX_SERVER_ID, NOT_YET, connect_back, same_token, token_hash, validate
 from ._leases import Leases
 from ._namespace import Namespace
-from ._store import GarbageItem, SqliteStore, Store
+from ._store import GarbageItem, SqliteStore, Store, check_sync
 from ._worker import Job, StoreThread, run_each
 
 log = logging.getLogger(__name__)
@@ -629,7 +629,7 @@ class MetadataService(Service):
     role = "metadata"
 
     def __init__(self, ns: Namespace, members: Callable[[str | None, bool], Membership], secret: str,
-                 gc_grace: float = GC_GRACE, *, legacy_file: str | None = None):
+                 gc_grace: float = GC_GRACE, *, legacy_file: str | None = None, sync: str = "full"):
         self.ns = ns
         self.store_kind = "postgresql" if type(ns.store).__name__ == "PostgresStore" else "sqlite"
         # Several services share a PostgreSQL store: one leads membership (a lease), and
@@ -658,6 +658,7 @@ class MetadataService(Service):
         self.admission_wakeup = trio.Event()
         self.verifying = trio.CapacityLimiter(MAX_VERIFYING)
         self.started = time.time()
+        self.sync = sync  # the store's durability setting (--sync), shown in the status
 
     @property
     def members(self) -> Membership:
@@ -803,17 +804,13 @@ class MetadataService(Service):
             self.members.freeze()
             chains = self.members.chain_ids()
 
-            def create_path() -> tuple[Any, bool]:  # resolve and create in one batch slot
-                parent, name = ns.parent_of(msg.path)
-                return ns.create(parent, name, msg.mode, msg.uid, msg.gid, chains=chains,
-                                 exclusive=msg.exclusive, truncate=msg.truncate)
-
-            attr, created = await self._ns(create_path)
+            attr, created = await self._ns(ns.create_path, msg.path, msg.mode, msg.uid, msg.gid, chains=chains,
+                                           exclusive=msg.exclusive, truncate=msg.truncate)
             if msg.truncate and not created:
                 await self.truncate_chunks(attr, 0)
             return m.CreateReply(attr, created)
         if isinstance(msg, m.UnlinkPath):
-            attr = await self._ns(lambda: ns.unlink(*ns.parent_of(msg.path)))
+            attr = await self._ns(ns.unlink_path, msg.path)
             self._garbage_added()
             return m.AttrReply(attr)
         if isinstance(msg, m.StatMany):
@@ -943,6 +940,7 @@ class MetadataService(Service):
                    for sid, c in sorted(self.members.pending.items()) if sid not in routing.servers]
         return m.ClusterStatusReply(
             metadata={"pid": os.getpid(), "uptime": time.time() - self.started, "store": self.store_kind,
+                      "sync": self.sync,
                       "leader": self.lead.leading, **counts,
                       "pending": self.members.pending_status()},
             servers=list(routing.servers.values()) + pending,
@@ -1160,15 +1158,27 @@ class MetadataService(Service):
                 log.exception("garbage collection pass failed")
 
 
-def open_store(state_dir: str, store_url: str | None = None) -> Store:
-    """The namespace store: PostgreSQL for a ``postgresql://`` URL, else SQLite under ``state_dir``."""
+def open_store(state_dir: str, store_url: str | None = None, sync: str = "full") -> Store:
+    """The namespace store: PostgreSQL for a ``postgresql://`` URL, else SQLite under ``state_dir``.
+
+    Args:
+        sync: the SQLite durability setting (``full`` or ``normal``, see :class:`SqliteStore`).
+
+    Raises:
+        StripefsError: INVALID for an unknown store or setting, or ``normal`` with
+            PostgreSQL (whose durability is the database's ``synchronous_commit``).
+    """
+    check_sync(sync)
     if store_url and store_url.startswith(("postgresql://", "postgres://")):
+        if sync != "full":
+            raise StripefsError(ErrorCode.INVALID, "metadata sync normal applies to SQLite; with PostgreSQL "
+                                "set the database's synchronous_commit instead")
         from ._pgstore import PostgresStore
 
         return PostgresStore(store_url)
     if store_url:
         raise StripefsError(ErrorCode.INVALID, f"unknown metadata store {store_url.split(':', 1)[0]!r}")
-    return SqliteStore(os.path.join(state_dir, "meta.db"))
+    return SqliteStore(os.path.join(state_dir, "meta.db"), synchronous=sync)
 
 
 def _open_namespace(store: Store, chunk_size: int, max_stripe: int) -> Namespace:
@@ -1197,6 +1207,7 @@ async def serve_metadata(
     replicas: int = 1,
     store_url: str | None = None,
     admit_after: float = ADMIT_AFTER,
+    sync: str = "full",
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the metadata of the cluster whose state lives in ``state_dir``.
@@ -1206,15 +1217,19 @@ async def serve_metadata(
             default it is SQLite in ``state_dir/meta.db``.
         admit_after: with one replica, seconds a new storage server must heartbeat
             before it takes chain slots in a frozen table.
+        sync: ``full`` (each acknowledged operation survives power loss) or
+            ``normal`` (it survives a kill -9 of any process, not a power loss):
+            the SQLite store's durability, see :class:`SqliteStore`.
     """
     os.makedirs(state_dir, exist_ok=True)
-    store = await trio.to_thread.run_sync(open_store, state_dir, store_url)
+    store = await trio.to_thread.run_sync(open_store, state_dir, store_url, sync)
     ns = await trio.to_thread.run_sync(_open_namespace, store, chunk_size, max_stripe)
 
     def members(doc: str | None, restarted: bool) -> Membership:
         return Membership(None, replicas, admit_after=admit_after, doc=doc, restarted=restarted)
 
-    service = MetadataService(ns, members, secret, gc_grace, legacy_file=os.path.join(state_dir, "servers.json"))
+    service = MetadataService(ns, members, secret, gc_grace, legacy_file=os.path.join(state_dir, "servers.json"),
+                              sync=sync)
     async with trio.open_nursery() as nursery:
         address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id))
         nursery.start_soon(service.run_batches)

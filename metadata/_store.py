@@ -32,6 +32,7 @@ Caveats:
 from __future__ import annotations
 
 import abc
+import os
 import sqlite3
 import stat
 from collections.abc import Iterator
@@ -88,7 +89,9 @@ def encode_name(name: str) -> bytes:
 
 
 def decode_name(raw: bytes) -> str:
-    return bytes(raw).decode("utf-8", "surrogateescape")
+    if type(raw) is not bytes:  # a driver's memoryview
+        raw = bytes(raw)
+    return raw.decode("utf-8", "surrogateescape")
 
 
 class Txn(abc.ABC):
@@ -126,6 +129,10 @@ class Txn(abc.ABC):
     @abc.abstractmethod
     def list_dentries(self, parent: int, after: str, limit: int) -> list[DirEntry]:
         """Up to ``limit`` entries of ``parent`` with name > ``after``, in name (byte) order."""
+
+    def list_names(self, parent: int, after: str, limit: int) -> list[str]:
+        """The names :meth:`list_dentries` would return (a store may skip building entries)."""
+        return [e.name for e in self.list_dentries(parent, after, limit)]
 
     @abc.abstractmethod
     def get_meta(self, key: str) -> str | None: ...
@@ -413,6 +420,10 @@ class SqlTxn(Txn):
     _INODE_COLS = ("ino, ftype, mode, nlink, uid, gid, size, atime_ns, mtime_ns, ctime_ns, chunk_size, chains, target, "
                    "rdev, truncations")
 
+    _PUT_INODE = (f"INSERT INTO inodes ({_INODE_COLS}) VALUES ({', '.join('?' * len(_INODE_COLS.split(', ')))}) "
+                  "ON CONFLICT (ino) DO UPDATE SET "
+                  + ", ".join(f"{c} = excluded.{c}" for c in _INODE_COLS.split(", ")[1:]))
+
     def __init__(self, cursor: Any, paramstyle: str = "qmark") -> None:
         self._cur = cursor
         self._fmt = paramstyle == "format"
@@ -434,9 +445,7 @@ class SqlTxn(Txn):
         chains = _chains_text(a.layout.chains) if a.layout else None
         values = (a.ino, stat.S_IFMT(a.mode), a.mode, a.nlink, a.uid, a.gid, a.size,
                   a.atime_ns, a.mtime_ns, a.ctime_ns, chunk, chains, a.target, a.rdev, a.truncations)
-        updates = ", ".join(f"{c} = excluded.{c}" for c in self._INODE_COLS.split(", ")[1:])
-        self._q(f"INSERT INTO inodes ({self._INODE_COLS}) VALUES ({', '.join('?' * len(values))}) "
-                f"ON CONFLICT (ino) DO UPDATE SET {updates}", values)
+        self._q(self._PUT_INODE, values)
 
     def delete_inode(self, ino: int) -> None:
         self._q("DELETE FROM inodes WHERE ino = ?", (ino,))
@@ -472,6 +481,11 @@ class SqlTxn(Txn):
         rows = self._q("SELECT name, ino, mode FROM dentries WHERE parent = ? AND name > ? "
                        "ORDER BY name LIMIT ?", (parent, encode_name(after), limit)).fetchall()
         return [DirEntry(decode_name(name), ino, mode) for name, ino, mode in rows]
+
+    def list_names(self, parent: int, after: str, limit: int) -> list[str]:
+        rows = self._q("SELECT name FROM dentries WHERE parent = ? AND name > ? ORDER BY name LIMIT ?",
+                       (parent, encode_name(after), limit)).fetchall()
+        return [decode_name(name) for name, in rows]
 
     def get_meta(self, key: str) -> str | None:
         row = self._q("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
@@ -590,25 +604,71 @@ def check_schema_version(found: str | None, where: str) -> None:
                             f"reads version {SCHEMA_VERSION} (use the matching release, or a new database)")
 
 
+# ``--metadata-sync``: SQLite's ``synchronous`` setting for the namespace database (WAL mode).
+SYNC_MODES = {"full": 2, "normal": 1}
+# Under ``normal`` a power loss may take back the last commits, counters included. Numbers
+# are handed out below a bound recorded durably (``<counter>.reserved``), this many at a
+# time, and a store opens with its counters moved past their bounds: a number a lost file
+# had (whose chunks storage servers may hold) never names another file.
+RESERVE = 1 << 16
+
+
+def check_sync(mode: str) -> str:
+    """``mode`` if it is a known durability setting (``full``, ``normal``).
+
+    Raises:
+        StripefsError: INVALID naming the settings.
+    """
+    if mode not in SYNC_MODES:
+        raise StripefsError(ErrorCode.INVALID, f"metadata sync {mode!r}: use full or normal")
+    return mode
+
+
+class _SqliteTxn(SqlTxn):
+    """:class:`SqlTxn` whose counters, under ``normal``, stay below a durably recorded bound."""
+
+    def __init__(self, cursor: Any, store: SqliteStore) -> None:
+        super().__init__(cursor)
+        self._store = store
+
+    def allocate(self, key: str) -> int:
+        value = super().allocate(key)
+        if self._store.synchronous_mode == "normal":
+            bound = int(self.get_meta(f"{key}.reserved") or "0")
+            if value >= bound:
+                self.put_meta(f"{key}.reserved", str(value + RESERVE))
+                self._store.durable_commit = True  # this commit is fsynced before anyone hears of it
+        return value
+
+
 class SqliteStore(Store):
-    """SQLite in WAL mode with ``synchronous=FULL``: a returned commit survives power loss.
+    """SQLite in WAL mode.
 
     Args:
         path: database file (``":memory:"`` works, without durability).
         busy_timeout_s: how long to wait for another process's write lock.
+        synchronous: ``full`` (the default): every returned commit was fsynced and
+            survives power loss. ``normal``: commits are written to the WAL without
+            an fsync; a returned commit survives a kill -9 of any process (the
+            operating system holds the WAL) but the last ones may be lost on power
+            loss or a kernel crash. Checkpoints still fsync, so the database is
+            never corrupted, only possibly older.
 
     One connection, opened with ``check_same_thread=False`` so a worker thread may
     run transactions; the caller serialises them.
     """
 
-    def __init__(self, path: str | Any, *, busy_timeout_s: float = 10.0) -> None:
+    def __init__(self, path: str | Any, *, busy_timeout_s: float = 10.0, synchronous: str = "full") -> None:
+        check_sync(synchronous)
         self.path = str(path)
+        self.synchronous_mode = synchronous
+        self.durable_commit = False  # set by a commit that must be fsynced even under ``normal``
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, so a transaction's
         # boundaries are exactly the `with` block.
         self._conn = sqlite3.connect(self.path, timeout=busy_timeout_s,
                                      isolation_level=None, check_same_thread=False)
         self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.execute(f"PRAGMA synchronous={SYNC_MODES[synchronous]}")
         self._conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
         self._conn.execute("BEGIN IMMEDIATE")
         try:
@@ -622,6 +682,7 @@ class SqliteStore(Store):
                 if statement.strip():
                     self._conn.execute(statement)
             self._migrate()
+            self._skip_reserved()
             self._conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?) "
                                "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
             self._conn.execute("COMMIT")
@@ -633,12 +694,43 @@ class SqliteStore(Store):
         self._batching = False
         self._reader: _SqliteReader | None = None
 
+    @property
+    def synchronous(self) -> str:
+        """The durability setting in force on the writing connection (``full`` or ``normal``)."""
+        level = self._conn.execute("PRAGMA synchronous").fetchone()[0]
+        return next(name for name, value in SYNC_MODES.items() if value == level)
+
     def reader(self) -> "Store | None":
         if self.path == ":memory:" or self.path.startswith("file:"):
             return None  # a private in-memory database has no second connection
         if self._reader is None:
             self._reader = _SqliteReader(self.path)
         return self._reader
+
+    def _skip_reserved(self) -> None:
+        """Move every counter past its reserved bound (numbers below it may have been
+        handed out by commits a power loss took back)."""
+        rows = self._conn.execute("SELECT key, value FROM meta WHERE key LIKE '%.reserved'").fetchall()
+        for key, bound in rows:
+            counter = key.removesuffix(".reserved")
+            row = self._conn.execute("SELECT value FROM meta WHERE key = ?", (counter,)).fetchone()
+            if row is None or int(row[0]) < int(bound):
+                self._conn.execute("INSERT INTO meta (key, value) VALUES (?, ?) "
+                                   "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (counter, str(bound)))
+
+    def _commit(self) -> None:
+        self._conn.execute("COMMIT")
+        if self.durable_commit:
+            self.durable_commit = False
+            # ``normal`` wrote the commit to the WAL without an fsync: do that one now.
+            try:
+                fd = os.open(self.path + "-wal", os.O_RDONLY)
+            except FileNotFoundError:
+                return  # an in-memory database: nothing is durable anyway
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def _migrate(self) -> None:
         """Bring a database written by an older version up to this schema (idempotent)."""
@@ -656,7 +748,7 @@ class SqliteStore(Store):
         try:
             self._conn.execute("BEGIN IMMEDIATE")
             yield
-            self._conn.execute("COMMIT")  # one fsync for every transaction of the batch
+            self._commit()  # one fsync for every transaction of the batch (under ``full``)
         except BaseException:
             if self._conn.in_transaction:
                 self._conn.execute("ROLLBACK")
@@ -677,8 +769,8 @@ class SqliteStore(Store):
             # IMMEDIATE takes the write lock up front: a read-then-write transaction
             # cannot then fail half way with SQLITE_BUSY on lock upgrade.
             self._conn.execute("BEGIN IMMEDIATE")
-            yield SqlTxn(self._conn.cursor())
-            self._conn.execute("COMMIT")
+            yield _SqliteTxn(self._conn.cursor(), self)
+            self._commit()
         except BaseException:
             if self._conn.in_transaction:
                 self._conn.execute("ROLLBACK")
@@ -692,7 +784,7 @@ class SqliteStore(Store):
         try:
             self._conn.execute("SAVEPOINT op")
             try:
-                yield SqlTxn(self._conn.cursor())
+                yield _SqliteTxn(self._conn.cursor(), self)
             except BaseException:
                 self._conn.execute("ROLLBACK TO op")  # undo this transaction only
                 self._conn.execute("RELEASE op")

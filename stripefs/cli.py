@@ -58,7 +58,7 @@ def _progress(total: int, desc: str) -> Any:
 def cmd_up(a: argparse.Namespace) -> int:
     c = testing.up(a.root, servers=a.servers, replicas=a.replicas, chunk_size=parse_size(a.chunk_size), stripe=a.stripe,
                    metadata_store=a.metadata_store, postgres_url=a.postgres_url,
-                   metadata_services=a.metadata_services)
+                   metadata_services=a.metadata_services, metadata_sync=a.metadata_sync)
     print(f"{c['metadata']['host']}:{c['metadata']['port']}")
     print(f"cluster file: {os.path.join(c['root'], 'cluster.json')} ({len(c['servers'])} storage servers)", file=sys.stderr)
     return 0
@@ -188,7 +188,7 @@ def cmd_status(a: argparse.Namespace) -> int:
         return 0
     md = st.metadata
     where = f"{address}  pid {md['pid']}" if len(services) == 1 else f"{len(services)} services"
-    print(f"metadata  {where}  store {md.get('store', 'sqlite')}  inodes {md.get('inodes', '?')}  "
+    print(f"metadata  {where}  store {md.get('store', 'sqlite')}  sync {md.get('sync', 'full')}  inodes {md.get('inodes', '?')}  "
           f"routing v{st.routing_version}")
     if len(services) > 1:
         for host, port, role in _service_roles(services, secret):
@@ -401,6 +401,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--postgres-url", help="postgresql://user:password@host:port/db for --metadata-store postgresql")
     sp.add_argument("--metadata-services", type=int, default=1,
                     help="metadata service processes sharing the store (above 1 needs --metadata-store postgresql)")
+    sp.add_argument("--metadata-sync", choices=["full", "normal"], default=None,
+                    help="SQLite durability: full (default) = each acknowledged operation survives power loss; "
+                         "normal = no fsync per commit: it survives a kill -9, the last ones may be lost on power "
+                         "loss (a restart keeps the cluster's setting unless given)")
     sp = add("add-server", cmd_add_server, "Add a storage server to the running cluster under --root (rebalances)", cluster=False)
     sp.add_argument("--root", required=True)
     sp = add("remove-server", cmd_remove_server, "Drain a storage server onto the others and remove it for good")

@@ -125,7 +125,7 @@ def _port_free(port: int) -> bool:
 
 def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 << 20, stripe: int = 16,
        gc_grace: float = 30.0, metadata_store: str = "sqlite", postgres_url: str | None = None,
-       metadata_services: int = 1) -> dict[str, Any]:
+       metadata_services: int = 1, metadata_sync: str | None = None) -> dict[str, Any]:
     """Start (or restart) the cluster under ``root``; returns the cluster.json content.
 
     Args:
@@ -135,6 +135,10 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
             ``down`` stops it).
         metadata_services: metadata service processes on the one store (more than
             one needs ``postgresql``); cluster.json lists them all.
+        metadata_sync: the SQLite store's durability, ``full`` (each acknowledged
+            operation survives power loss; the default) or ``normal`` (it survives a
+            kill -9 of any process, not a power loss). None: the cluster's setting
+            on a restart, else ``full``.
     """
     if not 1 <= replicas <= 3 or replicas > servers:
         raise StripefsError(ErrorCode.INVALID, "--replicas must be 1, 2 or 3 and at most --servers")
@@ -147,9 +151,17 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
     if metadata_services > 1 and metadata_store != "postgresql":
         raise StripefsError(ErrorCode.INVALID, "--metadata-services above 1 needs --metadata-store postgresql "
                             "(a SQLite file belongs to one process)")
+    if metadata_sync not in (None, "full", "normal"):
+        raise StripefsError(ErrorCode.INVALID, f"--metadata-sync {metadata_sync!r}: use full or normal")
+    if metadata_sync == "normal" and metadata_store == "postgresql":
+        raise StripefsError(ErrorCode.INVALID, "--metadata-sync normal applies to SQLite; with PostgreSQL set "
+                            "the database's synchronous_commit instead")
     root = os.path.abspath(root)
     os.makedirs(os.path.join(root, "logs"), exist_ok=True)
     old = read_cluster(root)
+    if metadata_sync == "normal" and (old or {}).get("metadata_store") == "postgresql":
+        raise StripefsError(ErrorCode.INVALID, "--metadata-sync normal applies to SQLite; this cluster keeps "
+                            "its namespace in PostgreSQL")
     _start_private_postgres(root, old)
     if old and any(pid_alive(p) for p in old.get("pids", [])):
         if all(pid_alive(p) for p in old.get("pids", [])):
@@ -172,6 +184,7 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
         "gc_grace": gc_grace,
         "metadata_store": (old or {}).get("metadata_store") or metadata_store,
         "metadata_services": [],
+        "metadata_sync": metadata_sync or (old or {}).get("metadata_sync") or "full",
     }
     if old and old.get("metadata_services"):  # a restart keeps the number of services
         metadata_services = max(metadata_services, len(old["metadata_services"]))
@@ -250,7 +263,8 @@ def _spawn_metadata(root: str, cluster: dict[str, Any], i: int, port: int) -> tu
     proc = _spawn(["-m", "metadata", "--state", os.path.join(root, "meta"), "--cluster", os.path.join(root, SERVER_FILE),
                    "--port", str(port), "--chunk-size", str(cluster.get("chunk_size", 4 << 20)),
                    "--stripe", str(cluster.get("stripe", 16)), "--gc-grace", str(cluster.get("gc_grace", 30.0)),
-                   "--replicas", str(cluster.get("replicas", 1)), "--ready", ready], log_path)
+                   "--replicas", str(cluster.get("replicas", 1)), "--sync", cluster.get("metadata_sync", "full"),
+                   "--ready", ready], log_path)
     return proc, ready, log_path
 
 

@@ -221,11 +221,23 @@ def test_drop_caches_needs_root() -> None:
 
 
 @pytest.mark.parametrize("args", [["--size", "1000"], ["--clients", "0"], ["--size", "lots"],
-                                  ["--routes", "nfs"], ["--duration", "0"]])
+                                  ["--routes", "nfs"], ["--duration", "0"], ["--metadata-sync", "never"],
+                                  ["--metadata-sync", "normal", "--cluster", "127.0.0.1:1"]])
 def test_bad_arguments_exit_2(args: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["bench", *args])
     assert exc.value.code == 2
+
+
+def test_header_names_the_metadata_sync(report: dict[str, Any]) -> None:
+    assert report["header"]["metadata_sync"] == "full"  # the test cluster's, asked from it
+
+
+def test_metadata_sync_reaches_the_config() -> None:
+    from bench.cli import _parser, build_config
+
+    assert build_config(_parser().parse_args(["--metadata-sync", "normal"])).metadata_sync == "normal"
+    assert build_config(_parser().parse_args([])).metadata_sync is None
 
 
 def test_cluster_directory_is_cleaned(cluster: Any, report: dict[str, Any]) -> None:

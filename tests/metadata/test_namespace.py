@@ -402,6 +402,67 @@ def test_unlink(ns: Namespace) -> None:
     assert d.ino
 
 
+def test_create_path_and_unlink_path_resolve_in_the_same_transaction(ns: Namespace) -> None:
+    a = ns.mkdir(ROOT_INO, "a", DIR, 0, 0)
+    b = ns.mkdir(a.ino, "b", DIR, 0, 0)
+    ns.symlink(ROOT_INO, "l", "a/b", 0, 0)
+    before = ns.getattr(b.ino)
+    attr, created = ns.create_path("/l/f", FILE, 7, 8, chains=CHAINS)
+    assert created and ns.lookup(b.ino, "f") == attr and attr.uid == 7 and attr.layout is not None
+    assert ns.getattr(b.ino).mtime_ns >= before.mtime_ns and ns.getattr(b.ino).nlink == before.nlink
+    again, created = ns.create_path("/a/b/f", FILE, 0, 0, chains=CHAINS)
+    assert not created and again.ino == attr.ino
+    with raises(errno.EEXIST):
+        ns.create_path("/a/b/f", FILE, 0, 0, chains=CHAINS, exclusive=True)
+    with raises(errno.EISDIR):
+        ns.create_path("/a/b", FILE, 0, 0, chains=CHAINS)
+    for bad, code in (("/", errno.EINVAL), ("/a/", errno.EINVAL), ("/a/..", errno.EINVAL),
+                      ("/nope/f", errno.ENOENT), ("/a/b/f/x", errno.ENOTDIR), ("/a/b/f/", errno.EINVAL)):
+        with raises(code):
+            ns.create_path(bad, FILE, 0, 0, chains=CHAINS)
+        with raises(code):
+            ns.unlink_path(bad)
+    assert names(ns, b.ino) == ["f"]
+    with raises(errno.EISDIR):
+        ns.unlink_path("/a/b")
+    gone = ns.unlink_path("/l/f")
+    assert gone.ino == attr.ino and gone.nlink == 0 and [g.ino for g in ns.garbage()] == [attr.ino]
+    assert names(ns, b.ino) == []
+    with raises(errno.ENOENT):
+        ns.unlink_path("/a/b/f")
+
+
+def test_walk_by_entries_matches_the_inodes(ns: Namespace) -> None:
+    """Directories on the way are known by their entries' type bits: a file, a symlink
+    and ".." in the middle of a path behave as when every inode was read."""
+    a = ns.mkdir(ROOT_INO, "a", DIR, 0, 0)
+    f = mkfile(ns, a.ino, "f")
+    ns.symlink(a.ino, "tofile", "f", 0, 0)
+    ns.symlink(a.ino, "toroot", "/", 0, 0)
+    with raises(errno.ENOTDIR):
+        ns.resolve("/a/f/x")
+    with raises(errno.ENOTDIR):
+        ns.resolve("/a/tofile/x")
+    with raises(errno.ENOTDIR):
+        ns.resolve("/a/f/")
+    assert ns.resolve("/a/toroot/a/f") == f
+    assert ns.resolve("/a/../a/./f") == f
+    assert ns.resolve("/..") == ns.getattr(ROOT_INO)
+    assert ns.resolve("/a/tofile") == f
+    assert ns.resolve("/a/tofile", follow=False).ino != f.ino
+
+
+def test_list_names_pages_like_readdir(ns: Namespace) -> None:
+    d = ns.mkdir(ROOT_INO, "d", DIR, 0, 0)
+    for n in ("b", "a", "\udcff", "c"):
+        mkfile(ns, d.ino, n)
+    first, more = ns.list_names("/d", "", 2)
+    rest, more2 = ns.list_names("/d", first[-1], 10)
+    assert more and not more2 and first + rest == [e.name for e in ns.readdir(d.ino)[0]]
+    with raises(errno.ENOTDIR):
+        ns.list_names("/d/a")
+
+
 def test_rmdir(ns: Namespace) -> None:
     d = ns.mkdir(ROOT_INO, "d", DIR, 0, 0)
     mkfile(ns, d.ino, "f")
