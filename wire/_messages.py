@@ -24,6 +24,7 @@ import types
 import typing
 from typing import Any, Callable, ClassVar, Generic, TypeVar
 
+from ._build import positional_builder
 from ._errors import ErrorCode, StripefsError
 from ._types import Attr, DirEntry, Routing, ServerInfo
 
@@ -49,16 +50,82 @@ _PRIMS: dict[Any, tuple[type, ...]] = {
 # uint64 too, but such a value would only fail later, as an internal error in a store.
 _INT_MIN = -(1 << 63)
 _INT_END = 1 << 63
+_ABSENT: Any = object()  # a field the header does not carry
+# What a value type's from_wire raises on a malformed map (anything else is a bug, not bad input).
+_DECODE_ERRORS = (StripefsError, TypeError, ValueError, KeyError, AttributeError)
+
+# One field of a class's decode plan, built once when the class is declared:
+# (name, the exact value types accepted as they are (None: any), a converter for value
+# types (from_wire) or None, required, default).
+_Field = tuple[str, "tuple[type, ...] | None", "Callable[[Any], Any] | None", bool, Any]
+
+
+def _fast_types(tp: Any) -> tuple[type, ...] | None:
+    """The exact types :func:`_check` passes through unchanged for ``tp``; None: any value.
+
+    Exact types only (``type(v) is int``, not ``isinstance``): a bool, an int subclass
+    or a float where an int is due goes to the checked path, which decides.
+    """
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        out: list[type] = []
+        for arg in typing.get_args(tp):
+            sub = (type(None),) if arg is type(None) else _fast_types(arg)
+            if sub is None:
+                return None
+            out += sub
+        return tuple(out)
+    return _PRIMS.get(typing.get_origin(tp) or tp)
+
+
+def _decode_plan(cls: type, hints: dict[str, Any], convert: Callable[[str, Any], Callable[[Any], Any] | None]) -> tuple[_Field, ...]:
+    """The decode plan of a dataclass: its fields in order (see :func:`_fast_values`)."""
+    plan = []
+    for f in dataclasses.fields(cls):
+        conv = convert(f.name, hints[f.name])
+        # A default_factory field counts as required here: the checked path builds its default.
+        plan.append((f.name, None if conv is not None else _fast_types(hints[f.name]), conv,
+                     f.default is dataclasses.MISSING, f.default))
+    return tuple(plan)
+
+
+def _fast_values(plan: tuple[_Field, ...], header: dict[Any, Any]) -> list[Any] | None:
+    """The constructor arguments for ``header`` when every value has its field's exact type.
+
+    None when anything is off (a missing required field, an extra one, a value of
+    another type or past int64, a value type that does not rebuild): the caller then
+    runs the checked path, which accepts or raises exactly as it always did. Values
+    accepted here are the ones the checked path would return unchanged.
+    """
+    values = []
+    found = 0
+    for name, exact, convert, required, default in plan:
+        v = header.get(name, _ABSENT)
+        if v is _ABSENT:
+            if required:
+                return None
+            values.append(default)
+            continue
+        tv = type(v)
+        if exact is not None and tv not in exact or tv is int and not _INT_MIN <= v < _INT_END:
+            return None
+        if convert is not None:
+            try:
+                v = convert(v)
+            except _DECODE_ERRORS:
+                return None
+        values.append(v)
+        found += 1
+    return values if found == len(header) else None  # found == len: no key is extra
 
 
 class ReplyMessage:
     """Base of every reply. Subclasses are frozen dataclasses made by :func:`reply`."""
 
-    # Set by @reply: how each field is decoded and encoded (see _field_codec), and, for
-    # replies whose fields are all required plain ints/strs/bools, the exact type of each
-    # field -- the fast path of from_header (chunk replies decode once per chunk).
+    # Set by @reply: how each field is decoded and encoded (see _field_codec), and the
+    # decode plan of the fast path of from_header (see _fast_values).
     _codecs: ClassVar[tuple[tuple[str, Callable[[Any], Any], Callable[[Any], Any] | None, bool], ...]]
-    _flat: ClassVar[tuple[tuple[str, type], ...] | None]
+    _plan: ClassVar[tuple[_Field, ...]]
+    _build: ClassVar[Callable[..., Any]]  # cls(*values) with every field, unrolled (wire._build)
 
     def to_header(self) -> dict[str, Any]:
         """The msgpack map sent on the wire for this reply."""
@@ -73,17 +140,10 @@ class ReplyMessage:
             StripefsError: PROTOCOL for a header that is not a map, or has
                 missing, extra or mistyped fields (the peer broke the protocol).
         """
-        flat = cls._flat
-        if flat is not None and type(header) is dict and len(header) == len(flat):
-            # Fast path, no reflection: exact types, all fields present (then none is extra).
-            values = []
-            for name, tp in flat:
-                v: Any = header.get(name)
-                if type(v) is not tp or (tp is int and not _INT_MIN <= v < _INT_END):  # type: ignore[operator]
-                    break
-                values.append(v)
-            else:
-                return cls(*values)
+        if type(header) is dict:
+            values = _fast_values(cls._plan, header)
+            if values is not None:
+                return cls._build(*values)
         return cls._decode_checked(header)
 
     @classmethod
@@ -136,24 +196,41 @@ def _field_codec(name: str, tp: Any) -> tuple[Callable[[Any], Any], Callable[[An
     return (lambda v: _check(name, v, tp)), None
 
 
+def _fast_convert(name: str, tp: Any) -> Callable[[Any], Any] | None:
+    """The fast path's rebuild of a value-type field (None for plain fields).
+
+    It may raise any of ``_DECODE_ERRORS``: the fast path then gives way to the
+    checked one, which reports the error.
+    """
+    if isinstance(tp, type) and hasattr(tp, "from_wire"):
+        return tp.from_wire  # type: ignore[no-any-return]
+    if typing.get_origin(tp) is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        if isinstance(item, type) and hasattr(item, "from_wire"):
+            from_wire = item.from_wire
+
+            def rebuild_list(v: Any) -> list[Any]:
+                if type(v) is not list and type(v) is not tuple:
+                    raise TypeError("not a list")
+                return [from_wire(x) for x in v]
+
+            return rebuild_list
+    return None
+
+
 @typing.dataclass_transform(frozen_default=True)  # type checkers see the fields as __init__ arguments
 def reply(cls: type[RT]) -> type[RT]:
     """Class decorator: make a frozen dataclass usable as a reply (see :class:`ReplyMessage`)."""
     cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
     hints = typing.get_type_hints(cls)
     codecs = []
-    flat: list[tuple[str, type]] | None = []
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        tp = hints[f.name]
-        dec, enc = _field_codec(f.name, tp)
+        dec, enc = _field_codec(f.name, hints[f.name])
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         codecs.append((f.name, dec, enc, required))
-        if flat is not None and required and tp in (int, str, bool):
-            flat.append((f.name, tp))
-        else:
-            flat = None
     cls._codecs = tuple(codecs)
-    cls._flat = tuple(flat) if flat is not None else None
+    cls._plan = _decode_plan(cls, hints, _fast_convert)
+    cls._build = staticmethod(positional_builder(cls))  # type: ignore[assignment]
     return cls
 
 
@@ -168,9 +245,13 @@ class Message(Generic[R]):
     # The reply type (the class's type argument); None only for the server's Challenge,
     # which is never answered with a response of its own.
     Reply: ClassVar[type[ReplyMessage] | None]
+    # Set by @message, once: the field names in order, and the decode plan (_fast_values).
+    _names: ClassVar[tuple[str, ...]]
+    _plan: ClassVar[tuple[_Field, ...]]
+    _build: ClassVar[Callable[..., Any]]  # cls(*values) with every field, unrolled (wire._build)
 
     def to_header(self) -> dict[str, Any]:
-        return encode_fields(self)
+        return {name: getattr(self, name) for name in self._names}
 
     def needs_server_role(self) -> bool:
         """Must the sender have authenticated as a server? (:attr:`SERVER_ONLY`, or a field says so.)"""
@@ -178,7 +259,11 @@ class Message(Generic[R]):
 
 
 def encode_fields(msg: object) -> dict[str, Any]:
-    return {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}  # type: ignore[arg-type]
+    """The header map of a dataclass message: its fields by name, in order."""
+    names = getattr(type(msg), "_names", None)
+    if names is None:
+        names = [f.name for f in dataclasses.fields(msg)]  # type: ignore[arg-type]
+    return {name: getattr(msg, name) for name in names}
 
 
 def _check(name: str, value: Any, tp: Any) -> Any:
@@ -234,6 +319,9 @@ def message(msg_id: int, *, mutates: bool = False, answered: bool = True,
         cls.SERVER_ONLY = server_only
         cls.Reply = reply_cls
         cls._hints = typing.get_type_hints(cls)  # type: ignore[attr-defined]
+        cls._names = tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+        cls._plan = _decode_plan(cls, cls._hints, lambda _name, _tp: None)  # type: ignore[attr-defined]
+        cls._build = staticmethod(positional_builder(cls))  # type: ignore[assignment]
         MESSAGES[msg_id] = cls
         return cls
 
@@ -250,6 +338,15 @@ def decode_message(msg_type: int, header: dict[str, Any]) -> Message[Any]:
     cls = MESSAGES.get(msg_type)
     if cls is None:
         raise StripefsError(ErrorCode.PROTOCOL, f"unknown message type {msg_type}")
+    if type(header) is dict:
+        values = _fast_values(cls._plan, header)
+        if values is not None:
+            return cls._build(*values)
+    return _decode_checked(cls, header)
+
+
+def _decode_checked(cls: type[Message[Any]], header: Any) -> Message[Any]:
+    """decode_message's checked path: every rule, by reflection, and the error that names the first broken one."""
     hints = cls._hints  # type: ignore[attr-defined]
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]

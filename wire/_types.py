@@ -6,9 +6,11 @@ rebuilt with validation on the other side (``from_wire``).
 
 from __future__ import annotations
 
+import operator
 import stat as _stat
 from dataclasses import asdict, dataclass, field
 
+from ._build import positional_builder
 from ._errors import ErrorCode, StripefsError
 
 __all__ = [
@@ -90,6 +92,15 @@ class Layout:
 
     @classmethod
     def from_wire(cls, d: object) -> "Layout":
+        """Rebuild and validate a layout map (``to_wire``). Raises EINVAL for a bad one."""
+        if type(d) is dict:
+            fast = _layout_fast(d)
+            if fast is not None:
+                return fast
+        return cls._from_wire_checked(d)
+
+    @classmethod
+    def _from_wire_checked(cls, d: object) -> "Layout":
         if not isinstance(d, dict):
             raise _bad("layout must be a map")
         try:
@@ -143,6 +154,15 @@ class Attr:
 
     @classmethod
     def from_wire(cls, d: object) -> "Attr":
+        """Rebuild an attribute map (``to_wire``). Raises EINVAL for a bad one."""
+        if type(d) is dict:
+            fast = _attr_fast(d)
+            if fast is not None:
+                return fast
+        return cls._from_wire_checked(d)
+
+    @classmethod
+    def _from_wire_checked(cls, d: object) -> "Attr":
         if not isinstance(d, dict):
             raise _bad("attr must be a map")
         try:
@@ -178,9 +198,67 @@ class DirEntry:
 
     @classmethod
     def from_wire(cls, d: object) -> "DirEntry":
+        """Rebuild an entry from ``[name, ino, mode, attr or None]``. Raises EINVAL for a bad one."""
+        if (type(d) is list or type(d) is tuple) and len(d) == 4:  # type: ignore[arg-type]
+            name, ino, mode, attr = d  # type: ignore[misc]
+            if type(name) is str and type(ino) is int and type(mode) is int:
+                if attr is None:
+                    return _new_dir_entry(name, ino, mode, None)  # type: ignore[no-any-return]
+                fast = _attr_fast(attr) if type(attr) is dict else None
+                if fast is not None:
+                    return _new_dir_entry(name, ino, mode, fast)  # type: ignore[no-any-return]
+        return cls._from_wire_checked(d)
+
+    @classmethod
+    def _from_wire_checked(cls, d: object) -> "DirEntry":
         if not isinstance(d, (list, tuple)) or len(d) != 4:
             raise _bad("dir entry must be a 4-list")
         return cls(str(d[0]), int(d[1]), int(d[2]), Attr.from_wire(d[3]) if d[3] is not None else None)
+
+
+# --- fast paths of from_wire ---------------------------------------------------------------
+# A client rebuilds an Attr per reply and one per entry of a readdir page. When every value
+# already has the exact type msgpack yields, these build the object without conversions;
+# anything else (a missing key, a float, a bool, a string) returns None and the checked
+# from_wire decides, so both accept and reject the same maps.
+
+_new_layout = positional_builder(Layout)
+_new_attr = positional_builder(Attr)
+_new_dir_entry = positional_builder(DirEntry)
+_ATTR_INTS = operator.itemgetter("ino", "mode", "nlink", "uid", "gid", "size", "atime_ns", "mtime_ns", "ctime_ns")
+
+
+def _layout_fast(d: dict) -> Layout | None:
+    cs = d.get("chunk_size")
+    chains = d.get("chains")
+    if type(cs) is not int or (type(chains) is not list and type(chains) is not tuple):
+        return None
+    if not MIN_CHUNK <= cs <= MAX_CHUNK or cs & (cs - 1) or not 0 < len(chains) <= MAX_STRIPE:  # type: ignore[arg-type]
+        return None
+    for c in chains:  # type: ignore[union-attr]
+        if type(c) is not int or c < 0:
+            return None
+    return _new_layout(cs, tuple(chains))  # type: ignore[arg-type]
+
+
+def _attr_fast(d: dict) -> Attr | None:
+    try:
+        ino, mode, nlink, uid, gid, size, atime_ns, mtime_ns, ctime_ns = _ATTR_INTS(d)
+    except KeyError:
+        return None
+    rdev = d.get("rdev", 0)
+    truncations = d.get("truncations", 0)
+    if not (type(ino) is int and type(mode) is int and type(nlink) is int and type(uid) is int
+            and type(gid) is int and type(size) is int and type(atime_ns) is int and type(mtime_ns) is int
+            and type(ctime_ns) is int and type(rdev) is int and type(truncations) is int):
+        return None
+    layout = d.get("layout")
+    if layout is not None:
+        layout = _layout_fast(layout) if type(layout) is dict else None
+        if layout is None:
+            return None
+    return _new_attr(ino, mode, nlink, uid, gid, size, atime_ns, mtime_ns, ctime_ns, layout, d.get("target"), rdev,
+                     truncations)
 
 
 @dataclass(frozen=True, slots=True)
