@@ -29,11 +29,13 @@ All integers are big-endian. Two ways to read frames from a
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any, Final
 
 import msgpack
 
+from ._build import positional_builder
 from ._errors import ErrorCode, StripefsError
 
 __all__ = [
@@ -60,6 +62,9 @@ MAX_PAYLOAD: Final = 64 << 20  # one chunk at the largest chunk size
 FLAG_RESPONSE: Final = 0x01
 FLAG_ERROR: Final = 0x02
 _KNOWN_FLAGS: Final = FLAG_RESPONSE | FLAG_ERROR
+_PREFIX_SIZE: Final = PREFIX.size
+_unpack_prefix = PREFIX.unpack_from
+_unpackb = msgpack.unpackb
 
 
 class _NeedData:
@@ -99,11 +104,25 @@ class Frame:
     payload: bytes
 
 
+_new_head = positional_builder(FrameHead)
+# One msgpack Packer per thread, kept: msgpack.packb builds a new one per call, which cost
+# more than packing a small header. A Packer keeps its largest buffer, so a thread that
+# packed an unusually large header drops its Packer rather than hold on to the memory.
+_packers = threading.local()
+_KEEP_PACKER_UP_TO = 256 << 10
+
+
 def _pack_header(header: dict[str, Any]) -> bytes:
-    # surrogateescape: file names are bytes on Linux; undecodable ones travel as they are.
-    body = msgpack.packb(header, use_bin_type=True, unicode_errors="surrogateescape")
-    if len(body) > MAX_HEADER:
-        raise StripefsError(ErrorCode.TOO_BIG, f"header of {len(body)} bytes exceeds {MAX_HEADER}")
+    try:
+        pack = _packers.pack
+    except AttributeError:
+        # surrogateescape: file names are bytes on Linux; undecodable ones travel as they are.
+        pack = _packers.pack = msgpack.Packer(use_bin_type=True, unicode_errors="surrogateescape").pack
+    body: bytes = pack(header)  # on an error the Packer empties its buffer (it stays usable)
+    if len(body) > _KEEP_PACKER_UP_TO:
+        del _packers.pack
+        if len(body) > MAX_HEADER:
+            raise StripefsError(ErrorCode.TOO_BIG, f"header of {len(body)} bytes exceeds {MAX_HEADER}")
     return body
 
 
@@ -185,35 +204,45 @@ class FrameDecoder:
             raise protocol_error("previous frame's payload has not been consumed")
         if self.broken:
             raise protocol_error("decoder is broken after a protocol error")
-        if self.buffered < PREFIX.size:
+        buf, pos = self._buf, self._pos
+        have = len(buf) - pos
+        if have < _PREFIX_SIZE:
             return NEED_DATA
-        magic, version, flags, msg_type, reserved, req_id, hlen, plen = PREFIX.unpack_from(self._buf, self._pos)
-        if magic != MAGIC:
-            raise self._fail(protocol_error(f"bad magic {bytes(magic)!r}"))
-        if version != VERSION:
-            raise self._fail(protocol_error(f"unsupported protocol version {version}"))
-        if flags & ~_KNOWN_FLAGS or reserved:
-            raise self._fail(protocol_error("unknown flags or reserved bits set"))
-        if hlen > self.max_header:
-            raise self._fail(StripefsError(ErrorCode.TOO_BIG, f"header of {hlen} bytes exceeds {self.max_header}"))
-        if plen > self.max_payload:
-            raise self._fail(StripefsError(ErrorCode.TOO_BIG, f"payload of {plen} bytes exceeds {self.max_payload}"))
-        if self.buffered < PREFIX.size + hlen:
+        magic, version, flags, msg_type, reserved, req_id, hlen, plen = _unpack_prefix(buf, pos)
+        if (magic != MAGIC or version != VERSION or flags & ~_KNOWN_FLAGS or reserved or hlen > self.max_header
+                or plen > self.max_payload):
+            raise self._fail(self._bad_prefix(magic, version, flags, reserved, hlen, plen))
+        if have < _PREFIX_SIZE + hlen:
             return NEED_DATA
-        start = self._pos + PREFIX.size
+        start = pos + _PREFIX_SIZE
+        end = start + hlen
         try:
-            header = msgpack.unpackb(
-                memoryview(self._buf)[start : start + hlen], raw=False, strict_map_key=True,
-                unicode_errors="surrogateescape",
-            )
+            # A slice copies the header (not the payload): cheaper than a memoryview for the
+            # small headers of nearly every frame, and a negligible cost next to unpacking a large one.
+            header = _unpackb(buf[start:end], raw=False, strict_map_key=True, unicode_errors="surrogateescape")
         except Exception as exc:  # msgpack raises several unrelated types
             raise self._fail(protocol_error(f"header is not valid msgpack: {exc}")) from exc
         if not isinstance(header, dict):
             raise self._fail(protocol_error("header must be a msgpack map"))
-        self._pos = start + hlen
         self._payload_left = plen
-        self._compact()
-        return FrameHead(msg_type, req_id, flags, header, plen)
+        if end == len(buf) or end > 65536:  # _compact, inline: this runs once per frame
+            del buf[:end]
+            self._pos = 0
+        else:
+            self._pos = end
+        return _new_head(msg_type, req_id, flags, header, plen)  # type: ignore[no-any-return]
+
+    def _bad_prefix(self, magic: bytes, version: int, flags: int, reserved: int, hlen: int, plen: int) -> StripefsError:
+        """The error for a prefix that breaks a rule (the first rule, in this order)."""
+        if magic != MAGIC:
+            return protocol_error(f"bad magic {bytes(magic)!r}")
+        if version != VERSION:
+            return protocol_error(f"unsupported protocol version {version}")
+        if flags & ~_KNOWN_FLAGS or reserved:
+            return protocol_error("unknown flags or reserved bits set")
+        if hlen > self.max_header:
+            return StripefsError(ErrorCode.TOO_BIG, f"header of {hlen} bytes exceeds {self.max_header}")
+        return StripefsError(ErrorCode.TOO_BIG, f"payload of {plen} bytes exceeds {self.max_payload}")
 
     def take_payload(self, dest: memoryview | bytearray | None = None) -> int:
         """Move buffered payload bytes of the current head into ``dest``.

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
+import os
 import struct
 
 import msgpack
@@ -132,3 +134,45 @@ def test_roundtrip_any_split(frames, step: int) -> None:
         while (ev := dec.next_event()) is not NEED_DATA:
             out.append((ev.head.msg_type, ev.head.req_id, ev.head.header, ev.payload, ev.head.flags))
     assert out == list(frames)
+
+
+def test_a_prefix_breaking_several_rules_names_the_first() -> None:
+    frame = encode_frame(11, 1, {"ino": 1})
+    for raw, message in [
+        (b"XX\x09\x80" + frame[4:], "bad magic"),  # also bad version and flags
+        (frame[:2] + b"\x09\x80" + frame[4:], "unsupported protocol version 9"),
+        (frame[:3] + b"\x80" + frame[4:16] + struct.pack("!I", wire.MAX_HEADER + 1) + frame[20:], "unknown flags"),
+    ]:
+        dec = FrameDecoder()
+        dec.feed(raw)
+        with pytest.raises(StripefsError) as exc:
+            dec.next_head()
+        assert exc.value.code == ErrorCode.PROTOCOL and message in exc.value.message
+
+
+def _expected(msg_type: int, req_id: int, header: dict) -> bytes:
+    body = msgpack.packb(header, use_bin_type=True, unicode_errors="surrogateescape")
+    return PREFIX.pack(b"SF", 1, 0, msg_type, 0, req_id, len(body), 0) + body
+
+
+def test_encoder_recovers_from_a_header_it_cannot_pack() -> None:
+    # Each thread keeps one msgpack Packer: a failure must not leave bytes behind in it.
+    with pytest.raises(TypeError):
+        wire.encode_prefix(11, 1, {"ino": 1, "bad": object()})
+    with pytest.raises(OverflowError):
+        wire.encode_prefix(11, 1, {"a": "x" * 100, "ino": 1 << 70})
+    assert wire.encode_prefix(11, 2, {"ino": 5}) == _expected(11, 2, {"ino": 5})
+    big = {"x": "a" * (300 << 10)}  # past what a thread's Packer is kept for
+    assert wire.encode_prefix(11, 3, big) == _expected(11, 3, big)
+    assert wire.encode_prefix(11, 4, {"ino": 6}) == _expected(11, 4, {"ino": 6})
+    name = os.fsdecode(b"caf\xe9")  # an undecodable name travels as its bytes
+    assert wire.encode_prefix(12, 5, {"name": name}) == _expected(12, 5, {"name": name})
+
+
+def test_encoders_in_many_threads_give_exact_bytes() -> None:
+    def work(i: int) -> bool:
+        return all(wire.encode_prefix(11, n, {"ino": i, "name": f"t{i}-{n}"}) == _expected(11, n, {"ino": i, "name": f"t{i}-{n}"})
+                   for n in range(2000))
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(work, range(8)))
