@@ -43,6 +43,7 @@ import itertools
 from typing import Any, Callable, Iterator
 
 from . import _auth as auth
+from ._build import positional_builder
 from ._errors import ErrorCode, StripefsError
 from ._events import (
     BadRequest,
@@ -60,6 +61,9 @@ from ._messages import MESSAGES, Authenticate, Challenge, Message, decode_messag
 __all__ = ["ConnState", "ClientConnection", "ServerConnection"]
 
 _DISCARD_READ = 1 << 20  # largest read a transport needs for bytes that are thrown away
+# The two events of every call, built without the frozen dataclass __init__ (wire._build).
+_request_received = positional_builder(RequestReceived)
+_response_received = positional_builder(ResponseReceived)
 
 
 class ConnState(enum.Enum):
@@ -325,7 +329,7 @@ class ClientConnection(_Machine):
             return self._discard(ResponseCancelled(head.req_id, head.payload_len))
         if head.is_error:
             return self._discard(ErrorReceived(head.req_id, StripefsError.from_wire(head.header), head.payload_len))
-        return ResponseReceived(head.req_id, head.header, head.payload_len)
+        return _response_received(head.req_id, head.header, head.payload_len)  # type: ignore[no-any-return]
 
 
 @functools.lru_cache(maxsize=8)
@@ -396,7 +400,7 @@ class ServerConnection(_Machine):
             return self._discard(BadRequest(head.req_id, exc, head.payload_len, head))
         if self.peer_role != "server" and msg.needs_server_role():
             return self._discard(BadRequest(head.req_id, _server_only(type(msg).__name__), head.payload_len, head))
-        return RequestReceived(head.req_id, msg, head.payload_len, head)
+        return _request_received(head.req_id, msg, head.payload_len, head)  # type: ignore[no-any-return]
 
     def _authenticate(self, head: FrameHead) -> Event:
         try:
