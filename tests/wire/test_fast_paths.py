@@ -266,9 +266,11 @@ def test_positional_builders_make_the_same_objects() -> None:
     from wire._build import positional_builder
 
     assert positional_builder(wire.Attr)(*dataclasses.astuple(_ATTR, tuple_factory=list)[:9], _LAYOUT, None, 0, 4) == _ATTR
-    for cls in [*wire.MESSAGES.values(), *{c.Reply for c in wire.MESSAGES.values() if c.Reply}]:
+    classes = [*wire.MESSAGES.values(), *{c.Reply for c in wire.MESSAGES.values() if c.Reply},
+               wire.Attr, wire.Layout, wire.DirEntry, wire.FrameHead, wire.RequestReceived, wire.ResponseReceived]
+    for cls in classes:
         values = [object() for _ in dataclasses.fields(cls)]
-        built, made = cls._build(*values), cls(*values)
+        built, made = positional_builder(cls)(*values), cls(*values)
         assert type(built) is cls and [getattr(built, f.name) for f in dataclasses.fields(cls)] == values
         assert built == made and hash(built) == hash(made)
         for f in dataclasses.fields(cls)[:1]:
