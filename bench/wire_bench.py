@@ -101,8 +101,10 @@ def _roundtrips(rounds: int, min_time: float) -> list[dict[str, Any]]:
     rows = []
     for name, msg, rep in pairs:
         client, server = _connected()
+        request_header, reply_header = msg.to_header(), rep.to_header()
 
-        def call(msg: m.Message[Any] = msg, rep: m.ReplyMessage = rep) -> object:
+        def call(msg: m.Message[Any] = msg, rep: m.ReplyMessage = rep, client: wire.ClientConnection = client,
+                 server: wire.ServerConnection = server) -> object:
             _, data = client.send_request(msg)
             server.receive_data(data)
             ev = server.next_event()
@@ -114,7 +116,7 @@ def _roundtrips(rounds: int, min_time: float) -> list[dict[str, Any]]:
 
         assert call() == rep
 
-        def floor(request: dict[str, Any] = msg.to_header(), reply: dict[str, Any] = rep.to_header()) -> object:
+        def floor(request: dict[str, Any] = request_header, reply: dict[str, Any] = reply_header) -> object:
             return (msgpack.unpackb(msgpack.packb(request, use_bin_type=True), raw=False),
                     msgpack.unpackb(msgpack.packb(reply, use_bin_type=True), raw=False))
 
