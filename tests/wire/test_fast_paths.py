@@ -83,7 +83,7 @@ def _request_headers(draw: st.DrawFn) -> tuple[int, dict[Any, Any]]:
     return msg_type, header
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(_request_headers())
 def test_request_fast_path_matches_the_checked_path(case: tuple[int, dict[Any, Any]]) -> None:
     msg_type, header = case
