@@ -51,8 +51,10 @@ _PRIMS: dict[Any, tuple[type, ...]] = {
 _INT_MIN = -(1 << 63)
 _INT_END = 1 << 63
 _ABSENT: Any = object()  # a field the header does not carry
-# What a value type's from_wire raises on a malformed map (anything else is a bug, not bad input).
-_DECODE_ERRORS = (StripefsError, TypeError, ValueError, KeyError, AttributeError)
+# What a value type's from_wire raises on a malformed map besides StripefsError (anything
+# else is a bug, not bad input); OverflowError: int() of an infinity, which msgpack carries.
+_VALUE_ERRORS = (TypeError, ValueError, OverflowError, KeyError, AttributeError)
+_DECODE_ERRORS = (StripefsError, *_VALUE_ERRORS)
 
 # One field of a class's decode plan, built once when the class is declared:
 # (name, the exact value types accepted as they are (None: any), a converter for value
@@ -158,7 +160,7 @@ class ReplyMessage:
                     kwargs[field] = dec(header[field])
                 except StripefsError as exc:  # the decoders name the field
                     raise StripefsError(ErrorCode.PROTOCOL, f"{name}: {exc.message}") from None
-                except (TypeError, ValueError, KeyError, AttributeError) as exc:  # a value type's from_wire choked
+                except _VALUE_ERRORS as exc:  # a value type's from_wire choked
                     raise StripefsError(ErrorCode.PROTOCOL, f"{name}: field {field!r}: {exc}") from None
             elif required:
                 raise StripefsError(ErrorCode.PROTOCOL, f"{name}: missing field {field!r}")

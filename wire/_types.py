@@ -105,7 +105,7 @@ class Layout:
             raise _bad("layout must be a map")
         try:
             return cls(int(d["chunk_size"]), tuple(int(c) for c in d["chains"])).validate()
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int() of an infinity
             raise _bad(f"bad layout: {exc}") from exc
 
 
@@ -182,7 +182,7 @@ class Attr:
                 rdev=int(d.get("rdev", 0)),
                 truncations=int(d.get("truncations", 0)),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int() of an infinity
             raise _bad(f"bad attr: {exc}") from exc
 
 
@@ -327,5 +327,5 @@ class Routing:
             servers = {s.server_id: s for s in (ServerInfo.from_wire(x) for x in d["servers"])}
             members = {int(c): tuple((int(t), str(st)) for t, st in ms) for c, ms in d.get("members", [])}
             return cls(int(d["version"]), chains, servers, members, int(d.get("replicas", 1)))
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int() of an infinity
             raise _bad(f"bad routing: {exc}") from exc

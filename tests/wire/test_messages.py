@@ -322,3 +322,16 @@ def test_segments_cut_at_block_boundaries_and_check() -> None:
         with pytest.raises(StripefsError) as info:
             wire.check_segments(payload, 10, sums)
         assert info.value.code == ErrorCode.CHECKSUM
+
+
+@pytest.mark.parametrize("request_cls, header", [
+    (m.GetAttr, {"attr": {**ATTR.to_wire(), "size": float("inf")}}),
+    (m.GetAttr, {"attr": {**ATTR.to_wire(), "layout": {"chunk_size": float("inf"), "chains": [1]}}}),
+    (m.Readdir, {"entries": [["a", float("inf"), 0o100644, None]], "more": False}),
+    (m.Readdir, {"entries": [["a", 7, 0o100644, {**ATTR.to_wire(), "ino": float("-inf")}]], "more": False}),
+])
+def test_an_infinite_number_where_an_int_is_due_is_a_protocol_error(request_cls: type, header: dict) -> None:
+    # msgpack carries IEEE floats, infinities included; int() of one raises OverflowError.
+    with pytest.raises(StripefsError) as exc:
+        wire.decode_reply(request_cls, _over_the_wire(header))
+    assert exc.value.code == ErrorCode.PROTOCOL
