@@ -198,7 +198,11 @@ class DirEntry:
 
     @classmethod
     def from_wire(cls, d: object) -> "DirEntry":
-        """Rebuild an entry from ``[name, ino, mode, attr or None]``. Raises EINVAL for a bad one."""
+        """Rebuild an entry from ``[name, ino, mode, attr or None]``.
+
+        A bad one raises EINVAL, or the TypeError/ValueError/OverflowError of a
+        conversion (``decode_reply`` reports either as PROTOCOL).
+        """
         if (type(d) is list or type(d) is tuple) and len(d) == 4:  # type: ignore[arg-type]
             name, ino, mode, attr = d  # type: ignore[misc]
             if type(name) is str and type(ino) is int and type(mode) is int:
