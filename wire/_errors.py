@@ -99,6 +99,11 @@ _ERRNO: dict[ErrorCode, int] = {
 _FROM_ERRNO: dict[int, ErrorCode] = {}
 for _code, _no in _ERRNO.items():
     _FROM_ERRNO.setdefault(_no, _code)
+# Code value -> (code, errno, default message), once: an error is built for every failed
+# request (a lookup's ENOENT) on both sides of the wire, and ErrorCode(value) is slow.
+_CODES: dict[int, tuple[ErrorCode, int, str]] = {
+    c.value: (c, _ERRNO[c], c.name.lower().replace("_", " ")) for c in ErrorCode
+}
 
 
 class StripefsError(OSError):
@@ -111,24 +116,25 @@ class StripefsError(OSError):
     """
 
     def __new__(cls, code: "ErrorCode | int" = ErrorCode.IO, message: str = "", path: str | None = None):
-        no = _ERRNO.get(ErrorCode(code), _errno.EIO) if code in ErrorCode._value2member_map_ else _errno.EIO
+        known = _CODES.get(code)  # an unknown code is an I/O error
+        no = known[1] if known is not None else _errno.EIO
         if cls is StripefsError:
             cls = _SUBCLASSES.get(no, cls)
         if not message:
-            message = ErrorCode(code).name.lower().replace("_", " ") if code in ErrorCode._value2member_map_ else "i/o error"
+            message = known[2] if known is not None else "i/o error"
         # OSError parses errno/strerror/filename in __new__ when __new__ is overridden.
         if path is None:
-            return super().__new__(cls, no, message or "")
-        return super().__new__(cls, no, message or "", path)
+            return super().__new__(cls, no, message)
+        return super().__new__(cls, no, message, path)
 
     def __init__(self, code: ErrorCode | int, message: str = "", path: str | None = None):
-        code = ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.IO
-        self.code: ErrorCode = code
-        self.message = message or code.name.lower().replace("_", " ")
+        resolved, no, default = _CODES.get(code) or _CODES[ErrorCode.IO]
+        self.code: ErrorCode = resolved
+        self.message = message or default
         if path is None:
-            super().__init__(code.errno, self.message)
+            super().__init__(no, self.message)
         else:
-            super().__init__(code.errno, self.message, path)
+            super().__init__(no, self.message, path)
 
     def as_oserror(self) -> OSError:
         """The builtin ``OSError`` subclass for this errno (FileNotFoundError, ...)."""

@@ -335,3 +335,34 @@ def test_an_infinite_number_where_an_int_is_due_is_a_protocol_error(request_cls:
     with pytest.raises(StripefsError) as exc:
         wire.decode_reply(request_cls, _over_the_wire(header))
     assert exc.value.code == ErrorCode.PROTOCOL
+
+
+@pytest.mark.parametrize("args, cls_name, code, errno_, message, strerror, filename", [
+    ((ErrorCode.NOT_FOUND,), "StripefsFileNotFoundError", ErrorCode.NOT_FOUND, errno.ENOENT, "not found", "not found", None),
+    ((2, "x", "/p"), "StripefsFileExistsError", ErrorCode.EXISTS, errno.EEXIST, "x", "x", "/p"),
+    ((ErrorCode.NAME_TOO_LONG, ""), "StripefsError", ErrorCode.NAME_TOO_LONG, errno.ENAMETOOLONG, "name too long",
+     "name too long", None),
+    ((999,), "StripefsError", ErrorCode.IO, errno.EIO, "io", "i/o error", None),  # an unknown code is an I/O error
+    ((999, "m"), "StripefsError", ErrorCode.IO, errno.EIO, "m", "m", None),
+    ((True,), "StripefsFileNotFoundError", ErrorCode.NOT_FOUND, errno.ENOENT, "not found", "not found", None),
+    ((2.0,), "StripefsFileExistsError", ErrorCode.EXISTS, errno.EEXIST, "exists", "exists", None),
+])
+def test_error_construction(args: tuple, cls_name: str, code: ErrorCode, errno_: int, message: str, strerror: str,
+                            filename: str | None) -> None:
+    exc = StripefsError(*args)
+    assert type(exc).__name__ == cls_name and type(exc.code) is ErrorCode and exc.code == code
+    assert (exc.errno, exc.message, exc.strerror, exc.filename) == (errno_, message, strerror, filename)
+    assert exc.args == (errno_, strerror)
+
+
+def test_every_code_builds_its_error_and_crosses_the_wire() -> None:
+    for code in ErrorCode:
+        exc = StripefsError(code)
+        assert exc.code is code and exc.errno == code.errno and exc.message == code.name.lower().replace("_", " ")
+        back = StripefsError.from_wire(exc.to_wire())
+        assert type(back) is type(exc) and back.code is code and back.message == exc.message
+    assert StripefsError.from_wire({}).code is ErrorCode.IO
+    assert StripefsError.from_wire({"code": "2", "message": 5}).message == "5"  # a bad code is an I/O error
+    assert StripefsError.from_wire({"code": "2"}).code is ErrorCode.IO
+    with pytest.raises(TypeError):
+        StripefsError([1])  # type: ignore[arg-type]
