@@ -90,31 +90,38 @@ def _connected() -> tuple[wire.ClientConnection, wire.ServerConnection]:
 
 def _roundtrips(rounds: int, min_time: float) -> list[dict[str, Any]]:
     """One whole call through both machines, for a few request/reply pairs."""
-    pairs: list[tuple[str, m.Message[Any], m.ReplyMessage]] = [
+    pairs: list[tuple[str, m.Message[Any], m.ReplyMessage | wire.StripefsError]] = [
         ("GetAttr", m.GetAttr(ino=12345), m.AttrReply(attr=_FILE)),
         ("Create", m.Create(parent=1, name="rank-0003.pt", mode=0o100644, uid=1000, gid=1000, exclusive=True),
          m.CreateReply(attr=_FILE, created=True)),
         ("Unlink", m.Unlink(parent=1, name="rank-0003.pt"), m.AttrReply(attr=_FILE)),
         ("ReadChunk", m.ReadChunk(ino=12345, index=7, offset=0, length=4096, chain=3, routing_version=9),
          m.ReadChunkReply(length=4096, chunk_length=4 << 20, crcs=[1])),
+        ("Lookup ENOENT", m.Lookup(parent=1, name="missing"),
+         wire.StripefsError(wire.ErrorCode.NOT_FOUND, "no such file: 'missing'")),
     ]
     rows = []
     for name, msg, rep in pairs:
         client, server = _connected()
-        request_header, reply_header = msg.to_header(), rep.to_header()
+        request_header, reply_header = msg.to_header(), rep.to_wire() if isinstance(rep, Exception) else rep.to_header()
 
-        def call(msg: m.Message[Any] = msg, rep: m.ReplyMessage = rep, client: wire.ClientConnection = client,
-                 server: wire.ServerConnection = server) -> object:
+        def call(msg: m.Message[Any] = msg, rep: m.ReplyMessage | wire.StripefsError = rep,
+                 client: wire.ClientConnection = client, server: wire.ServerConnection = server) -> object:
             _, data = client.send_request(msg)
             server.receive_data(data)
             ev = server.next_event()
             assert isinstance(ev, wire.RequestReceived)
+            if isinstance(rep, wire.StripefsError):  # the service's answer to a failed request
+                client.receive_data(server.send_error(ev.head, rep))
+                failed = client.next_event()
+                assert isinstance(failed, wire.ErrorReceived)
+                return failed.error.code
             client.receive_data(server.send_response(ev.head, rep.to_header()))
             got = client.next_event()
             assert isinstance(got, wire.ResponseReceived)
             return wire.decode_reply(ev.message, got.header)
 
-        assert call() == rep
+        assert call() == (rep.code if isinstance(rep, wire.StripefsError) else rep)
 
         def floor(request: dict[str, Any] = request_header, reply: dict[str, Any] = reply_header) -> object:
             return (msgpack.unpackb(msgpack.packb(request, use_bin_type=True), raw=False),
