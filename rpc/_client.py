@@ -4,8 +4,13 @@ The bulk data path runs on threads with blocking sockets: the kernel copy in
 ``recv_into``/``sendall`` releases the GIL, so several connections use both
 cores (measured on 2-core VMs: ~30% above any single event loop; docs/architecture.md).
 
-A :class:`Connection` has one reader thread that demultiplexes responses by
-request id. A caller may hand a destination ``memoryview`` with the request;
+A :class:`Connection` receives in one thread at a time (the *receive role*): a
+blocking :meth:`Connection.call` that finds nobody receiving receives its own
+reply on the calling thread -- no hand-off to another thread and back, two
+context switches less per request -- and answers any other request whose reply
+comes first. Otherwise (futures from :meth:`Connection.submit`, callers that
+overlap) the connection's reader thread holds the role and demultiplexes
+responses by request id; it parks, out of the socket, when nothing is in flight. A caller may hand a destination ``memoryview`` with the request;
 the response payload is then received with ``recv_into`` straight into it --
 no intermediate ``bytes``. Frames are read with exact-length reads (the state
 machine says how many bytes) so payload bytes never pass through a staging buffer.
@@ -18,7 +23,9 @@ import logging
 import os
 import queue
 import socket
+import struct
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -41,6 +48,11 @@ from ._server import SOCK_BUF
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT = 10.0
+# A receive waits at most this long (SO_RCVTIMEO) before the receiver looks at its
+# deadline and at what is still in flight; shorter deadlines shorten it.
+RECV_SLICE = 1.0
+# Who holds the receive role (only that thread reads the socket).
+_RX_NONE, _RX_READER, _RX_CALLER = 0, 1, 2
 
 
 @dataclass(slots=True)
@@ -54,6 +66,7 @@ class Reply:
 class _Pending:
     future: Future
     dest: memoryview | None
+    req_id: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     cancelled: bool = False
     check: Callable[[dict[str, Any], memoryview], None] | None = None
@@ -77,14 +90,23 @@ def _unlink_pending(fut: Future) -> None:
     fut.conn = None  # type: ignore[attr-defined]
 
 
+def _set_rcvtimeo(sock: socket.socket, seconds: float) -> None:
+    whole = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
+
+
 def abandon(fut: Future) -> None:
     """Give up on a request that timed out, safely for its destination buffer.
 
-    The connection is closed (a late answer must never land in a buffer the
-    caller has reused or freed) and we wait until the reader thread is no
-    longer copying into that buffer.
+    When its answer has not started to arrive, the request is cancelled: the late
+    answer is read and dropped (never copied into the buffer) and the connection
+    stays open. When the answer is arriving right now, the connection is closed (a
+    late answer must never land in a buffer the caller has reused or freed) and we
+    wait until the receiving thread is no longer copying into that buffer.
     """
     pending, conn = getattr(fut, "pending", None), getattr(fut, "conn", None)
+    if conn is not None and pending is not None and conn._cancel(pending):
+        return
     if conn is not None:
         conn.close()
     if pending is not None:
@@ -95,13 +117,16 @@ def abandon(fut: Future) -> None:
 class Connection:
     """One authenticated connection to a stripefs server.
 
-    Thread-safe: any thread may :meth:`submit`; one reader thread completes the
-    futures. When the peer goes away every pending request fails with
+    Thread-safe: any thread may :meth:`submit` or :meth:`call`. One thread at a time
+    receives (see the module docstring): a lone :meth:`call` on its own thread, else
+    the reader thread. When the peer goes away every pending request fails with
     ``UNAVAILABLE`` and :attr:`broken` becomes true; callers open a new one.
 
     The protocol (handshake, request ids, response matching) is the sans-IO
     :class:`wire.ClientConnection`; this class moves bytes. ``_plock`` serialises
-    the calls into the machine that touch its table of requests in flight.
+    the calls into the machine that touch its table of requests in flight, and the
+    hand-over of the receive role (``_rx``); the reader thread parks on ``_wake``
+    (a lock released once per hand-over to it).
     """
 
     def __init__(
@@ -121,6 +146,10 @@ class Connection:
         self._pending: dict[int, _Pending] = {}
         self._plock = threading.Lock()
         self._send_lock = threading.Lock()
+        self._rx = _RX_READER  # the reader thread starts with the role and parks (nothing in flight)
+        self._wake = threading.Lock()
+        self._wake.acquire()
+        self._rcvtimeo = RECV_SLICE
         self.broken = False
         try:
             self.sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT)
@@ -130,6 +159,7 @@ class Connection:
             _tune(self.sock)
             self.role = self._handshake()
             self.sock.settimeout(None)
+            _set_rcvtimeo(self.sock, RECV_SLICE)
         except BaseException:
             self.sock.close()
             raise
@@ -143,14 +173,6 @@ class Connection:
             threading.Thread(target=self._send_loop, name=f"stripefs-tx-{address[1]}", daemon=True).start()
 
     # -- handshake --------------------------------------------------------------------
-    def _feed(self, n: int) -> None:
-        """Read up to ``n`` bytes, what the machine asked for (never payload bytes: those go
-        to their buffer)."""
-        data = self.sock.recv(n)
-        if not data:
-            raise EOFError("connection closed by peer")
-        self._machine.receive_data(data)
-
     def _handshake(self) -> str:
         try:
             while True:
@@ -162,7 +184,10 @@ class Connection:
                     return self._machine.role
                 if event is not wire.NEED_DATA:
                     raise EOFError("connection closed during the handshake")
-                self._feed(max(self._machine.next_read_size(), 1))
+                data = self.sock.recv(max(self._machine.next_read_size(), 1))
+                if not data:
+                    raise EOFError("connection closed by peer")
+                self._machine.receive_data(data)
         except (OSError, EOFError) as exc:
             if isinstance(exc, StripefsError):
                 raise
@@ -180,10 +205,23 @@ class Connection:
         """Send ``msg`` (with an optional payload); the future resolves to a :class:`Reply`.
 
         ``dest``: where the response payload goes (``recv_into``, no copy).
-        ``check(header, received)``: runs on the reader thread once the payload is in
+        ``check(header, received)``: runs on the receiving thread once the payload is in
         ``dest`` (e.g. its checksums); a ``StripefsError`` it raises fails the future.
         Checks of different connections run in parallel (CRC32C releases the GIL).
         """
+        return self._submit(msg, payload, dest, req_id, check, True)
+
+    def _submit(
+        self,
+        msg: wire.Message,
+        payload: memoryview | bytes | None,
+        dest: memoryview | None,
+        req_id: int | None,
+        check: Callable[[dict[str, Any], memoryview], None] | None,
+        reader: bool,
+    ) -> Future:
+        """:meth:`submit`; ``reader``: wake the reader thread when nobody receives (else the
+        caller means to receive its answer itself)."""
         fut: Future = Future()
         if self.broken:
             fut.set_exception(unavailable(self.address, "connection is broken"))
@@ -195,16 +233,22 @@ class Connection:
         fut.conn = self  # type: ignore[attr-defined]
         fut.add_done_callback(_unlink_pending)
         plen = len(payload) if payload is not None else 0
+        wake = False
         try:
             with self._plock:
                 if self.broken:  # checked under the lock: _fail_all may have just emptied the table
                     raise unavailable(self.address, "connection is broken")
                 req_id, prefix = self._machine.send_request(msg, plen, req_id)
+                pending.req_id = req_id
                 self._pending[req_id] = pending
+                if reader and self._rx == _RX_NONE:
+                    self._rx, wake = _RX_READER, True
         except StripefsError as exc:
-            # A machine that failed under the reader means a dead connection, not a bad request.
+            # A machine that failed under the receiver means a dead connection, not a bad request.
             fut.set_exception(unavailable(self.address, exc) if self._machine.state is ConnState.ERROR else exc)
             return fut
+        if wake:
+            self._wake.release()
         try:
             if self._sendq is not None and plen > 65536:
                 # Big payloads go through the send thread so a caller can fan out to many
@@ -247,17 +291,81 @@ class Connection:
         timeout: float | None = 120.0,
         req_id: int | None = None,
     ) -> Reply:
-        fut = self.submit(msg, payload, dest, req_id)
+        """Send ``msg`` and wait for its :class:`Reply`.
+
+        When nobody else is receiving on this connection, the calling thread receives the
+        answer itself (and any other answer that comes first); otherwise it waits for the
+        thread that is. The request is sent before the caller takes the receive role, so
+        a big payload never holds back the answers of others.
+
+        Raises:
+            StripefsError: the server's error; TIMEOUT after ``timeout`` seconds (the request
+            is cancelled: its late answer is dropped and the connection stays open, unless
+            the answer was arriving at that very moment); UNAVAILABLE when the connection is lost.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        fut = self._submit(msg, payload, dest, req_id, None, False)
+        with self._plock:
+            pending: _Pending | None = getattr(fut, "pending", None)
+            mine = self._rx == _RX_NONE and pending is not None and pending.req_id in self._pending
+            if mine:
+                self._rx = _RX_CALLER
+        if mine:
+            assert pending is not None
+            try:
+                self._receive_until(fut, deadline)
+            except TimeoutError:
+                if self._cancel(pending):
+                    raise self._timed_out(msg) from None
+            finally:
+                self._leave()
+            return fut.result(0)
         try:
-            return fut.result(timeout)
+            return fut.result(None if deadline is None else max(deadline - time.monotonic(), 0.0))
         except TimeoutError as exc:
             abandon(fut)
-            raise StripefsError(ErrorCode.TIMEOUT, f"{type(msg).__name__} to {self.address[0]}:{self.address[1]} timed out") from exc
+            raise self._timed_out(msg) from exc
+
+    def _timed_out(self, msg: wire.Message) -> StripefsError:
+        return StripefsError(ErrorCode.TIMEOUT, f"{type(msg).__name__} to {self.address[0]}:{self.address[1]} timed out")
+
+    def _cancel(self, pending: _Pending) -> bool:
+        """Cancel a request whose answer has not begun to arrive (its late answer is then
+        read and dropped); False when it has (or it is over)."""
+        with self._plock:
+            if self._pending.get(pending.req_id) is not pending:
+                return False
+            del self._pending[pending.req_id]
+            self._machine.cancel(pending.req_id)
+        if not pending.future.done():
+            pending.future.set_exception(StripefsError(ErrorCode.TIMEOUT, "request cancelled after a timeout"))
+        return True
+
+    def _leave(self) -> None:
+        """A caller gives up the receive role: to the reader thread when others are in
+        flight (or the connection broke: the reader closes the socket), else to nobody."""
+        if self._rcvtimeo != RECV_SLICE:  # a short deadline shortened it: the reader waits long
+            self._rcvtimeo = RECV_SLICE
+            try:
+                _set_rcvtimeo(self.sock, RECV_SLICE)
+            except OSError:
+                pass
+        with self._plock:
+            if self._pending or self.broken:
+                self._rx = _RX_READER
+                self._wake.release()
+            else:
+                self._rx = _RX_NONE
 
     def _fail_all(self, exc: StripefsError) -> None:
         with self._plock:
             self.broken = True
             pending, self._pending = self._pending, {}
+            wake = self._rx == _RX_NONE  # the reader is parked: wake it to close the socket
+            if wake:
+                self._rx = _RX_READER
+        if wake:
+            self._wake.release()
         for p in pending.values():
             if not p.future.done():
                 p.future.set_exception(exc)
@@ -266,40 +374,95 @@ class Connection:
         except OSError:
             pass
 
-    # -- reader thread ----------------------------------------------------------------
+    # -- receiving (whoever holds the receive role) -------------------------------------
+    def _feed(self, n: int, deadline: float | None = None) -> None:
+        """Read up to ``n`` bytes, what the machine asked for (never payload bytes: those go
+        to their buffer).
+
+        Raises:
+            TimeoutError: nothing came by ``deadline`` (nothing was read).
+        """
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            if left < self._rcvtimeo or (self._rcvtimeo < RECV_SLICE and left > self._rcvtimeo * 2):
+                self._rcvtimeo = min(max(left, 0.001), RECV_SLICE)
+                _set_rcvtimeo(self.sock, self._rcvtimeo)
+        try:
+            data = self.sock.recv(n)
+        except BlockingIOError:  # SO_RCVTIMEO: nothing for a while
+            return
+        if not data:
+            raise EOFError("connection closed by peer")
+        self._machine.receive_data(data)
+
     def _recv_into(self, view: memoryview) -> None:
         while view:
-            k = self.sock.recv_into(view)
+            try:
+                k = self.sock.recv_into(view)
+            except BlockingIOError:  # a payload must be received whole, however slowly
+                continue
             if k == 0:
                 raise EOFError("connection closed by peer")
             view = view[k:]
 
-    def _read_loop(self) -> None:
+    def _step(self, deadline: float | None = None) -> None:
+        """Read what the machine asks for, or handle one event (an answer's payload is moved
+        and its future resolved here)."""
         machine = self._machine
+        n = machine.next_read_size()
+        if n:
+            self._feed(n, deadline)  # also where discarded payloads (cancelled, errors) are dropped
+            return
+        with self._plock:
+            event = machine.next_event()
+            if event is wire.NEED_DATA:
+                return
+            answer = isinstance(event, (ResponseReceived, ErrorReceived, ResponseCancelled))
+            pending = self._pending.pop(event.req_id, None) if answer else None  # type: ignore[union-attr]
+        if isinstance(event, ResponseReceived):
+            assert pending is not None  # the machine matched the id
+            self._complete(pending, event)
+        elif isinstance(event, ErrorReceived):
+            assert pending is not None
+            pending.future.set_exception(event.error)
+        elif isinstance(event, ConnectionClosed):
+            raise EOFError("connection closed by peer")
+
+    def _broke(self, exc: BaseException) -> None:
+        err = exc if isinstance(exc, StripefsError) and exc.code == ErrorCode.PROTOCOL else unavailable(self.address, exc)
+        self._fail_all(err)
+
+    def _receive_until(self, fut: Future, deadline: float | None) -> None:
+        """Receive (holding the role) until ``fut`` resolves.
+
+        Raises:
+            TimeoutError: ``deadline`` passed first (between frames: the stream is intact).
+        """
+        try:
+            while not fut.done():
+                self._step(deadline)
+        except (OSError, EOFError, StripefsError) as exc:
+            if isinstance(exc, TimeoutError):
+                raise
+            self._broke(exc)
+
+    def _read_loop(self) -> None:
         try:
             while True:
-                n = machine.next_read_size()
-                if n:
-                    self._feed(n)  # also where discarded payloads (cancelled, errors) are dropped
-                    continue
                 with self._plock:
-                    event = machine.next_event()
-                    if event is wire.NEED_DATA:
-                        continue
-                    answer = isinstance(event, (ResponseReceived, ErrorReceived, ResponseCancelled))
-                    pending = self._pending.pop(event.req_id, None) if answer else None  # type: ignore[union-attr]
-                if isinstance(event, ResponseReceived):
-                    assert pending is not None  # the machine matched the id
-                    self._complete(pending, event)
-                elif isinstance(event, ErrorReceived):
-                    assert pending is not None
-                    pending.future.set_exception(event.error)
-                elif isinstance(event, ConnectionClosed):
-                    raise EOFError("connection closed by peer")
-                pending = None  # do not pin the last request's buffer while waiting
+                    if self.broken:
+                        return
+                    park = not self._pending
+                    if park:
+                        self._rx = _RX_NONE
+                if park:
+                    self._wake.acquire()  # until the receive role is handed back to this thread
+                    continue
+                self._step()
         except (OSError, EOFError, StripefsError) as exc:
-            err = exc if isinstance(exc, StripefsError) and exc.code == ErrorCode.PROTOCOL else unavailable(self.address, exc)
-            self._fail_all(err)
+            self._broke(exc)
         finally:
             try:
                 self.sock.close()

@@ -1,0 +1,231 @@
+"""The blocking client's receive path: callers that receive their own answers, the reader
+thread for the others, timeouts that keep the connection, and connection loss."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Iterator
+
+import pytest
+import trio
+
+from rpc import Connection, ServerConn, Service, abandon, serve_rpc
+import wire
+from wire import ErrorCode, FrameHead, Message, StripefsError, messages as m
+
+SECRET = "test-secret"
+CLIENT = wire.role_credential(SECRET, "client")
+KILL = 999_999  # ReadChunk.index that makes the server drop the connection
+
+
+class SlowEcho(Service):
+    """ReadChunk answered after ``offset`` ms with ``length`` bytes of ``index % 251``;
+    index KILL tears the connection down instead."""
+
+    role = "storage"
+
+    async def handle(self, conn: ServerConn, head: FrameHead, msg: Message, payload: Any) -> None:
+        if isinstance(msg, m.ReadChunk):
+            if msg.index == KILL:
+                await trio.sleep(msg.offset / 1000)
+                conn._tear()
+                return
+            await trio.sleep(msg.offset / 1000)
+            data = bytes([msg.index % 251]) * msg.length
+            await conn.send(head, {"length": msg.length, "chunk_length": msg.index}, payload=data)
+        else:
+            await conn.send(head, {})
+
+
+@pytest.fixture(scope="module")
+def address() -> Iterator[tuple[str, int]]:
+    holder: dict[str, Any] = {}
+    ready = threading.Event()
+
+    async def main() -> None:
+        holder["token"] = trio.lowlevel.current_trio_token()
+        with trio.CancelScope() as holder["scope"]:
+            async with trio.open_nursery() as nursery:
+                holder["address"] = await nursery.start(lambda task_status: serve_rpc(
+                    SlowEcho(), "127.0.0.1", 0, secret=SECRET, task_status=task_status))
+                ready.set()
+
+    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    yield holder["address"]
+    trio.from_thread.run_sync(holder["scope"].cancel, trio_token=holder["token"])
+    thread.join(10)
+
+
+@pytest.fixture
+def conn(address: tuple[str, int]) -> Iterator[Connection]:
+    c = Connection(address, CLIENT, os.urandom(16), expect_role="storage")
+    yield c
+    c.close()
+
+
+def read(index: int, delay_ms: int = 0, length: int = 64) -> m.ReadChunk:
+    return m.ReadChunk(ino=1, index=index, offset=delay_ms, length=length)
+
+
+def test_concurrent_callers_get_their_own_answers(conn: Connection) -> None:
+    wrong: list[tuple[int, int]] = []
+
+    def caller(t: int) -> None:
+        for i in range(150):
+            index = t * 1000 + i
+            dest = memoryview(bytearray(64))
+            reply = conn.call(read(index, delay_ms=i % 3), dest=dest, timeout=20)
+            if reply.header["chunk_length"] != index or bytes(dest) != bytes([index % 251]) * 64:
+                wrong.append((t, i))
+
+    # Futures (as trio code and pipelined writers use) mixed with blocking callers.
+    futures = [(i, conn.submit(read(50_000 + i, delay_ms=i % 5))) for i in range(100)]
+    threads = [threading.Thread(target=caller, args=(t,)) for t in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not any(th.is_alive() for th in threads)
+    assert wrong == []
+    for i, fut in futures:
+        reply = fut.result(20)
+        assert reply.header["chunk_length"] == 50_000 + i
+        assert reply.payload == bytes([(50_000 + i) % 251]) * 64
+    assert not conn.broken
+
+
+def test_a_lone_caller_alternating_with_futures(conn: Connection) -> None:
+    """The receive role goes back and forth between a caller and the reader thread."""
+    for i in range(200):
+        if i % 3 == 0:
+            fut = conn.submit(read(i))
+            assert conn.call(read(i + 1)).header["chunk_length"] == i + 1
+            assert fut.result(10).header["chunk_length"] == i
+        elif i % 3 == 1:
+            assert conn.submit(read(i)).result(10).header["chunk_length"] == i
+        else:
+            assert conn.call(read(i)).header["chunk_length"] == i
+
+
+def test_a_timed_out_request_keeps_the_connection_and_drops_the_late_answer(conn: Connection) -> None:
+    dest = memoryview(bytearray(b"\xee" * 64))
+    t0 = time.monotonic()
+    with pytest.raises(StripefsError) as exc:
+        conn.call(read(7, delay_ms=400), dest=dest, timeout=0.1)
+    assert exc.value.code == ErrorCode.TIMEOUT
+    assert time.monotonic() - t0 < 0.35
+    # The next requests are answered on the same connection, after the late answer came.
+    time.sleep(0.4)
+    for i in range(3):
+        assert conn.call(read(100 + i), timeout=10).header["chunk_length"] == 100 + i
+    assert not conn.broken
+    assert bytes(dest) == b"\xee" * 64  # the late answer never landed in the caller's buffer
+
+
+def test_a_timeout_while_another_caller_receives(conn: Connection) -> None:
+    """A caller waiting for the receiving thread times out on its own; both go on."""
+    slow: Future = Future()
+
+    def long_call() -> None:
+        try:
+            slow.set_result(conn.call(read(1, delay_ms=500), timeout=10))
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            slow.set_exception(e)
+
+    th = threading.Thread(target=long_call)
+    th.start()
+    time.sleep(0.05)  # the long call holds the receive role by now
+    with pytest.raises(StripefsError) as exc:
+        conn.call(read(2, delay_ms=300), timeout=0.1)
+    assert exc.value.code == ErrorCode.TIMEOUT
+    assert slow.result(10).header["chunk_length"] == 1
+    th.join(10)
+    assert conn.call(read(3), timeout=10).header["chunk_length"] == 3
+    assert not conn.broken
+
+
+def test_abandoned_future_is_cancelled_not_the_connection(conn: Connection) -> None:
+    dest = memoryview(bytearray(64))
+    fut = conn.submit(read(4, delay_ms=200), dest=dest)
+    time.sleep(0.02)
+    abandon(fut)
+    with pytest.raises(StripefsError):
+        fut.result(5)
+    assert conn.call(read(5), timeout=10).header["chunk_length"] == 5
+    time.sleep(0.3)
+    assert conn.call(read(6), timeout=10).header["chunk_length"] == 6
+    assert bytes(dest) == bytes(64) and not conn.broken
+
+
+def test_connection_loss_wakes_every_waiter(conn: Connection) -> None:
+    results: list[BaseException | None] = []
+    lock = threading.Lock()
+
+    def caller(i: int) -> None:
+        try:
+            conn.call(read(i, delay_ms=5000), timeout=30)
+            err: BaseException | None = None
+        except BaseException as e:  # noqa: BLE001
+            err = e
+        with lock:
+            results.append(err)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    futures = [conn.submit(read(10 + i, delay_ms=5000)) for i in range(3)]
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    killer = conn.submit(read(KILL, delay_ms=0))
+    for th in threads:
+        th.join(5)
+    assert time.monotonic() - t0 < 3
+    assert len(results) == 4
+    for err in results:
+        assert isinstance(err, StripefsError) and err.code == ErrorCode.UNAVAILABLE
+    for fut in [*futures, killer]:
+        with pytest.raises(StripefsError) as exc:
+            fut.result(3)
+        assert exc.value.code == ErrorCode.UNAVAILABLE
+    assert conn.broken
+    with pytest.raises(StripefsError) as exc:
+        conn.call(read(1), timeout=5)
+    assert exc.value.code == ErrorCode.UNAVAILABLE
+
+
+def test_close_wakes_a_caller_receiving_its_own_answer(conn: Connection) -> None:
+    err: list[BaseException] = []
+
+    def caller() -> None:
+        try:
+            conn.call(read(1, delay_ms=5000), timeout=30)
+        except BaseException as e:  # noqa: BLE001
+            err.append(e)
+
+    th = threading.Thread(target=caller)
+    th.start()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    conn.close()
+    th.join(5)
+    assert time.monotonic() - t0 < 2
+    assert len(err) == 1 and isinstance(err[0], StripefsError) and err[0].code == ErrorCode.UNAVAILABLE
+
+
+def test_a_lone_caller_receives_its_own_answers(conn: Connection) -> None:
+    """No hand-off per request: the reader thread stays parked (spends no CPU) while
+    one blocking caller calls in a loop."""
+    conn.call(read(0), timeout=10)  # the reader thread is parked by the time this returns
+    reader = next(t for t in threading.enumerate() if t.name.startswith("stripefs-rx-") and t.ident is not None
+                  and getattr(conn, "_reader", None) is t)
+    clock = time.pthread_getcpuclockid(reader.ident)  # type: ignore[arg-type]
+    before = time.clock_gettime(clock)
+    for i in range(300):
+        assert conn.call(read(i), timeout=10).header["chunk_length"] == i
+    spent = time.clock_gettime(clock) - before
+    assert spent < 0.002, f"the reader thread spent {spent * 1e6:.0f} us on 300 lone calls"
