@@ -43,7 +43,7 @@ from wire import (
     StripefsError,
 )
 
-from ._server import SOCK_BUF
+from ._server import MIN_READ, SOCK_BUF
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +62,46 @@ class Reply:
     payload: bytes | None = None  # when no destination buffer was given
 
 
+class _Waiter:
+    """The outcome of one blocking :meth:`Connection.call`: a lock, held from the start,
+    released once when the answer (or error) is in -- lighter than a ``Future`` and
+    its condition variable. Only the one thread that pops the request from the table
+    of requests in flight resolves it."""
+
+    __slots__ = ("_lock", "_done", "_value", "_error")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._done = False
+        self._value: Reply | None = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, value: Reply) -> None:
+        self._value, self._done = value, True
+        self._lock.release()
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._error, self._done = exc, True
+        self._lock.release()
+
+    def wait(self, timeout: float | None) -> bool:
+        """True once resolved; False after ``timeout`` seconds (None: no limit)."""
+        return self._done or self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0))
+
+    def result(self) -> Reply:
+        if self._error is not None:
+            raise self._error
+        assert self._value is not None
+        return self._value
+
+
 @dataclass(slots=True)
 class _Pending:
-    future: Future
+    future: Future | _Waiter
     dest: memoryview | None
     req_id: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -105,13 +142,8 @@ def abandon(fut: Future) -> None:
     wait until the receiving thread is no longer copying into that buffer.
     """
     pending, conn = getattr(fut, "pending", None), getattr(fut, "conn", None)
-    if conn is not None and pending is not None and conn._cancel(pending):
-        return
-    if conn is not None:
-        conn.close()
-    if pending is not None:
-        with pending.lock:
-            pending.dest = None
+    if conn is not None and pending is not None:
+        conn._give_up(pending)
 
 
 class Connection:
@@ -209,29 +241,24 @@ class Connection:
         ``dest`` (e.g. its checksums); a ``StripefsError`` it raises fails the future.
         Checks of different connections run in parallel (CRC32C releases the GIL).
         """
-        return self._submit(msg, payload, dest, req_id, check, True)
-
-    def _submit(
-        self,
-        msg: wire.Message,
-        payload: memoryview | bytes | None,
-        dest: memoryview | None,
-        req_id: int | None,
-        check: Callable[[dict[str, Any], memoryview], None] | None,
-        reader: bool,
-    ) -> Future:
-        """:meth:`submit`; ``reader``: wake the reader thread when nobody receives (else the
-        caller means to receive its answer itself)."""
         fut: Future = Future()
         if self.broken:
             fut.set_exception(unavailable(self.address, "connection is broken"))
             return fut
         pending = _Pending(fut, dest, check=check)
-        # call()/abandon() need the pending record after a timeout; drop the link once
-        # the future resolves so future <-> pending is not a reference cycle.
+        # abandon() needs the pending record after a timeout; drop the link once the
+        # future resolves so future <-> pending is not a reference cycle.
         fut.pending = pending  # type: ignore[attr-defined]
         fut.conn = self  # type: ignore[attr-defined]
         fut.add_done_callback(_unlink_pending)
+        self._send(pending, msg, payload, req_id, True)
+        return fut
+
+    def _send(self, pending: _Pending, msg: wire.Message, payload: memoryview | bytes | None,
+              req_id: int | None, reader: bool) -> None:
+        """Register ``pending`` and send its request (a failure resolves it). ``reader``: wake
+        the reader thread when nobody receives (else the caller receives its answer itself)."""
+        fut = pending.future
         plen = len(payload) if payload is not None else 0
         wake = False
         try:
@@ -246,7 +273,7 @@ class Connection:
         except StripefsError as exc:
             # A machine that failed under the receiver means a dead connection, not a bad request.
             fut.set_exception(unavailable(self.address, exc) if self._machine.state is ConnState.ERROR else exc)
-            return fut
+            return
         if wake:
             self._wake.release()
         try:
@@ -254,7 +281,7 @@ class Connection:
                 # Big payloads go through the send thread so a caller can fan out to many
                 # servers at once; small frames are sent right here (one thread hop less).
                 self._sendq.put((prefix, payload, req_id))
-                return fut
+                return
             with self._send_lock:
                 if plen and plen <= 65536:
                     self.sock.sendall(prefix + bytes(payload))  # type: ignore[arg-type]
@@ -264,7 +291,6 @@ class Connection:
                         self.sock.sendall(payload)  # type: ignore[arg-type]
         except OSError as exc:
             self._fail_all(unavailable(self.address, exc))
-        return fut
 
     def _send_loop(self) -> None:
         assert self._sendq is not None
@@ -304,27 +330,28 @@ class Connection:
             the answer was arriving at that very moment); UNAVAILABLE when the connection is lost.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        fut = self._submit(msg, payload, dest, req_id, None, False)
+        if self.broken:
+            raise unavailable(self.address, "connection is broken")
+        waiter = _Waiter()
+        pending = _Pending(waiter, dest)
+        self._send(pending, msg, payload, req_id, False)
         with self._plock:
-            pending: _Pending | None = getattr(fut, "pending", None)
-            mine = self._rx == _RX_NONE and pending is not None and pending.req_id in self._pending
+            mine = self._rx == _RX_NONE and self._pending.get(pending.req_id) is pending
             if mine:
                 self._rx = _RX_CALLER
         if mine:
-            assert pending is not None
             try:
-                self._receive_until(fut, deadline)
+                self._receive_until(waiter, deadline)
             except TimeoutError:
                 if self._cancel(pending):
                     raise self._timed_out(msg) from None
             finally:
                 self._leave()
-            return fut.result(0)
-        try:
-            return fut.result(None if deadline is None else max(deadline - time.monotonic(), 0.0))
-        except TimeoutError as exc:
-            abandon(fut)
-            raise self._timed_out(msg) from exc
+            return waiter.result()
+        if not waiter.wait(None if deadline is None else deadline - time.monotonic()):
+            self._give_up(pending)
+            raise self._timed_out(msg)
+        return waiter.result()
 
     def _timed_out(self, msg: wire.Message) -> StripefsError:
         return StripefsError(ErrorCode.TIMEOUT, f"{type(msg).__name__} to {self.address[0]}:{self.address[1]} timed out")
@@ -340,6 +367,15 @@ class Connection:
         if not pending.future.done():
             pending.future.set_exception(StripefsError(ErrorCode.TIMEOUT, "request cancelled after a timeout"))
         return True
+
+    def _give_up(self, pending: _Pending) -> None:
+        """After a timeout: cancel the request, or, when its answer is arriving right now,
+        close the connection and wait until nothing is copied into its buffer any more."""
+        if self._cancel(pending):
+            return
+        self.close()
+        with pending.lock:
+            pending.dest = None
 
     def _leave(self) -> None:
         """A caller gives up the receive role: to the reader thread when others are in
@@ -376,8 +412,10 @@ class Connection:
 
     # -- receiving (whoever holds the receive role) -------------------------------------
     def _feed(self, n: int, deadline: float | None = None) -> None:
-        """Read up to ``n`` bytes, what the machine asked for (never payload bytes: those go
-        to their buffer).
+        """Read what the machine asked for (``n`` bytes), or up to ``MIN_READ``: a small
+        answer's prefix and header in one read. The few payload bytes that come with
+        them are copied once (``take_payload``); the rest of a payload goes straight to
+        its buffer.
 
         Raises:
             TimeoutError: nothing came by ``deadline`` (nothing was read).
@@ -390,7 +428,7 @@ class Connection:
                 self._rcvtimeo = min(max(left, 0.001), RECV_SLICE)
                 _set_rcvtimeo(self.sock, self._rcvtimeo)
         try:
-            data = self.sock.recv(n)
+            data = self.sock.recv(max(n, MIN_READ))
         except BlockingIOError:  # SO_RCVTIMEO: nothing for a while
             return
         if not data:
@@ -434,7 +472,7 @@ class Connection:
         err = exc if isinstance(exc, StripefsError) and exc.code == ErrorCode.PROTOCOL else unavailable(self.address, exc)
         self._fail_all(err)
 
-    def _receive_until(self, fut: Future, deadline: float | None) -> None:
+    def _receive_until(self, fut: _Waiter, deadline: float | None) -> None:
         """Receive (holding the role) until ``fut`` resolves.
 
         Raises:
