@@ -182,6 +182,10 @@ class Connection:
         self._wake = threading.Lock()
         self._wake.acquire()
         self._rcvtimeo = RECV_SLICE
+        # The last request came from submit(): the reader thread stays in the socket (up
+        # to RECV_SLICE idle) instead of parking, so futures-only users (trio code) pay no
+        # wake-up of the reader per request.
+        self._linger = False
         self.broken = False
         try:
             self.sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT)
@@ -268,6 +272,7 @@ class Connection:
                 req_id, prefix = self._machine.send_request(msg, plen, req_id)
                 pending.req_id = req_id
                 self._pending[req_id] = pending
+                self._linger = reader
                 if reader and self._rx == _RX_NONE:
                     self._rx, wake = _RX_READER, True
         except StripefsError as exc:
@@ -411,7 +416,7 @@ class Connection:
             pass
 
     # -- receiving (whoever holds the receive role) -------------------------------------
-    def _feed(self, n: int, deadline: float | None = None) -> None:
+    def _feed(self, n: int, deadline: float | None = None) -> bool:
         """Read what the machine asked for (``n`` bytes), or up to ``MIN_READ``: a small
         answer's prefix and header in one read. The few payload bytes that come with
         them are copied once (``take_payload``); the rest of a payload goes straight to
@@ -430,10 +435,11 @@ class Connection:
         try:
             data = self.sock.recv(max(n, MIN_READ))
         except BlockingIOError:  # SO_RCVTIMEO: nothing for a while
-            return
+            return False
         if not data:
             raise EOFError("connection closed by peer")
         self._machine.receive_data(data)
+        return True
 
     def _recv_into(self, view: memoryview) -> None:
         while view:
@@ -445,18 +451,17 @@ class Connection:
                 raise EOFError("connection closed by peer")
             view = view[k:]
 
-    def _step(self, deadline: float | None = None) -> None:
+    def _step(self, deadline: float | None = None) -> bool:
         """Read what the machine asks for, or handle one event (an answer's payload is moved
-        and its future resolved here)."""
+        and its future resolved here). False when a read waited ``RECV_SLICE`` for nothing."""
         machine = self._machine
         n = machine.next_read_size()
         if n:
-            self._feed(n, deadline)  # also where discarded payloads (cancelled, errors) are dropped
-            return
+            return self._feed(n, deadline)  # also where discarded payloads (cancelled, errors) are dropped
         with self._plock:
             event = machine.next_event()
             if event is wire.NEED_DATA:
-                return
+                return True
             answer = isinstance(event, (ResponseReceived, ErrorReceived, ResponseCancelled))
             pending = self._pending.pop(event.req_id, None) if answer else None  # type: ignore[union-attr]
         if isinstance(event, ResponseReceived):
@@ -467,6 +472,7 @@ class Connection:
             pending.future.set_exception(event.error)
         elif isinstance(event, ConnectionClosed):
             raise EOFError("connection closed by peer")
+        return True
 
     def _broke(self, exc: BaseException) -> None:
         err = exc if isinstance(exc, StripefsError) and exc.code == ErrorCode.PROTOCOL else unavailable(self.address, exc)
@@ -492,13 +498,16 @@ class Connection:
                 with self._plock:
                     if self.broken:
                         return
-                    park = not self._pending
+                    park = not self._pending and not self._linger
                     if park:
                         self._rx = _RX_NONE
                 if park:
                     self._wake.acquire()  # until the receive role is handed back to this thread
                     continue
-                self._step()
+                if not self._step():  # RECV_SLICE without a byte
+                    with self._plock:
+                        if not self._pending:
+                            self._linger = False
         except (OSError, EOFError, StripefsError) as exc:
             self._broke(exc)
         finally:

@@ -221,9 +221,21 @@ def test_a_lone_caller_receives_its_own_answers(conn: Connection) -> None:
     """No hand-off per request: the reader thread stays parked (spends no CPU) while
     one blocking caller calls in a loop."""
     conn.call(read(0), timeout=10)  # the reader thread is parked by the time this returns
-    reader = next(t for t in threading.enumerate() if t.name.startswith("stripefs-rx-") and t.ident is not None
-                  and getattr(conn, "_reader", None) is t)
-    clock = time.pthread_getcpuclockid(reader.ident)  # type: ignore[arg-type]
+    clock = time.pthread_getcpuclockid(conn._reader.ident)  # type: ignore[arg-type]
+    before = time.clock_gettime(clock)
+    for i in range(300):
+        assert conn.call(read(i), timeout=10).header["chunk_length"] == i
+    spent = time.clock_gettime(clock) - before
+    assert spent < 0.002, f"the reader thread spent {spent * 1e6:.0f} us on 300 lone calls"
+
+
+def test_the_reader_thread_parks_after_futures_and_a_lone_caller_goes_on_alone(conn: Connection) -> None:
+    """Futures keep the reader thread in the socket for a while (no wake-up per request
+    for trio users); once idle it parks and a lone caller receives its own answers."""
+    for i in range(20):
+        assert conn.submit(read(i)).result(10).header["chunk_length"] == i
+    time.sleep(1.6)  # a RECV_SLICE with nothing in flight: the reader thread parks
+    clock = time.pthread_getcpuclockid(conn._reader.ident)  # type: ignore[arg-type]
     before = time.clock_gettime(clock)
     for i in range(300):
         assert conn.call(read(i), timeout=10).header["chunk_length"] == i
