@@ -135,15 +135,18 @@ def _set_rcvtimeo(sock: socket.socket, seconds: float) -> None:
 def abandon(fut: Future) -> None:
     """Give up on a request that timed out, safely for its destination buffer.
 
-    When its answer has not started to arrive, the request is cancelled: the late
-    answer is read and dropped (never copied into the buffer) and the connection
-    stays open. When the answer is arriving right now, the connection is closed (a
-    late answer must never land in a buffer the caller has reused or freed) and we
-    wait until the receiving thread is no longer copying into that buffer.
+    The connection is closed (a late answer must never land in a buffer the
+    caller has reused or freed; a server that hangs is left behind with it) and we
+    wait until the receiving thread is no longer copying into that buffer. A
+    :meth:`Connection.call` that times out cancels its request instead and keeps
+    the connection.
     """
     pending, conn = getattr(fut, "pending", None), getattr(fut, "conn", None)
-    if conn is not None and pending is not None:
-        conn._give_up(pending)
+    if conn is not None:
+        conn.close()
+    if pending is not None:
+        with pending.lock:
+            pending.dest = None
 
 
 class Connection:
@@ -186,6 +189,7 @@ class Connection:
         # to RECV_SLICE idle) instead of parking, so futures-only users (trio code) pay no
         # wake-up of the reader per request.
         self._linger = False
+        self._cancelled: set[int] = set()  # ids cancelled after a timeout whose answers are still due
         self.broken = False
         try:
             self.sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT)
@@ -264,11 +268,14 @@ class Connection:
         the reader thread when nobody receives (else the caller receives its answer itself)."""
         fut = pending.future
         plen = len(payload) if payload is not None else 0
-        wake = False
+        wake = retry_too_soon = False
         try:
             with self._plock:
                 if self.broken:  # checked under the lock: _fail_all may have just emptied the table
                     raise unavailable(self.address, "connection is broken")
+                if req_id is not None and req_id in self._cancelled:
+                    retry_too_soon = True
+                    raise unavailable(self.address, f"request {req_id} timed out here and its answer is still due")
                 req_id, prefix = self._machine.send_request(msg, plen, req_id)
                 pending.req_id = req_id
                 self._pending[req_id] = pending
@@ -276,6 +283,8 @@ class Connection:
                 if reader and self._rx == _RX_NONE:
                     self._rx, wake = _RX_READER, True
         except StripefsError as exc:
+            if retry_too_soon:  # a retry (same id) of a call that timed out: it goes elsewhere,
+                self.close()   # as it did when a timeout closed the connection
             # A machine that failed under the receiver means a dead connection, not a bad request.
             fut.set_exception(unavailable(self.address, exc) if self._machine.state is ConnState.ERROR else exc)
             return
@@ -369,6 +378,7 @@ class Connection:
                 return False
             del self._pending[pending.req_id]
             self._machine.cancel(pending.req_id)
+            self._cancelled.add(pending.req_id)
         if not pending.future.done():
             pending.future.set_exception(StripefsError(ErrorCode.TIMEOUT, "request cancelled after a timeout"))
         return True
@@ -462,7 +472,10 @@ class Connection:
             event = machine.next_event()
             if event is wire.NEED_DATA:
                 return True
-            answer = isinstance(event, (ResponseReceived, ErrorReceived, ResponseCancelled))
+            if isinstance(event, ResponseCancelled):
+                self._cancelled.discard(event.req_id)
+                return True
+            answer = isinstance(event, (ResponseReceived, ErrorReceived))
             pending = self._pending.pop(event.req_id, None) if answer else None  # type: ignore[union-attr]
         if isinstance(event, ResponseReceived):
             assert pending is not None  # the machine matched the id

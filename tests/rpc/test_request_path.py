@@ -149,17 +149,20 @@ def test_a_timeout_while_another_caller_receives(conn: Connection) -> None:
     assert not conn.broken
 
 
-def test_abandoned_future_is_cancelled_not_the_connection(conn: Connection) -> None:
+def test_abandon_closes_the_connection_and_spares_the_buffer(conn: Connection) -> None:
+    """abandon() (futures: the read ring, trio callers) still leaves a hung server behind:
+    the connection closes, the others in flight fail over, nothing lands in the buffer."""
     dest = memoryview(bytearray(64))
     fut = conn.submit(read(4, delay_ms=200), dest=dest)
+    other = conn.submit(read(5, delay_ms=200))
     time.sleep(0.02)
     abandon(fut)
-    with pytest.raises(StripefsError):
-        fut.result(5)
-    assert conn.call(read(5), timeout=10).header["chunk_length"] == 5
+    for f in (fut, other):
+        with pytest.raises(StripefsError) as exc:
+            f.result(5)
+        assert exc.value.code == ErrorCode.UNAVAILABLE
     time.sleep(0.3)
-    assert conn.call(read(6), timeout=10).header["chunk_length"] == 6
-    assert bytes(dest) == bytes(64) and not conn.broken
+    assert conn.broken and bytes(dest) == bytes(64)
 
 
 def test_connection_loss_wakes_every_waiter(conn: Connection) -> None:
@@ -241,3 +244,23 @@ def test_the_reader_thread_parks_after_futures_and_a_lone_caller_goes_on_alone(c
         assert conn.call(read(i), timeout=10).header["chunk_length"] == i
     spent = time.clock_gettime(clock) - before
     assert spent < 0.002, f"the reader thread spent {spent * 1e6:.0f} us on 300 lone calls"
+
+
+def test_a_retry_with_the_id_of_a_timed_out_call_goes_to_a_new_connection(conn: Connection) -> None:
+    """A retry reuses its request id; while the first try's answer is still due on this
+    connection, the retry fails with UNAVAILABLE and the connection closes (the caller's
+    pool opens another), as when a timeout closed the connection."""
+    with pytest.raises(StripefsError) as exc:
+        conn.call(read(8, delay_ms=300), timeout=0.05, req_id=777_001)
+    assert exc.value.code == ErrorCode.TIMEOUT and not conn.broken
+    with pytest.raises(StripefsError) as exc:
+        conn.call(read(8), timeout=5, req_id=777_001)
+    assert exc.value.code == ErrorCode.UNAVAILABLE and conn.broken
+
+
+def test_an_id_is_free_again_once_the_late_answer_was_dropped(conn: Connection) -> None:
+    with pytest.raises(StripefsError):
+        conn.call(read(9, delay_ms=100), timeout=0.02, req_id=777_002)
+    time.sleep(0.2)
+    assert conn.call(read(10), timeout=5).header["chunk_length"] == 10  # reads (and drops) the late answer
+    assert conn.call(read(11), timeout=5, req_id=777_002).header["chunk_length"] == 11
