@@ -7,13 +7,18 @@ cores (measured on 2-core VMs: ~30% above any single event loop; docs/architectu
 A :class:`Connection` receives in one thread at a time (the *receive role*): a
 blocking :meth:`Connection.call` that finds nobody receiving receives its own
 reply on the calling thread -- no hand-off to another thread and back, two
-context switches less per request -- and answers any other request whose reply
-comes first. Otherwise (futures from :meth:`Connection.submit`, callers that
-overlap) the connection's reader thread holds the role and demultiplexes
-responses by request id; it parks, out of the socket, when nothing is in flight. A caller may hand a destination ``memoryview`` with the request;
-the response payload is then received with ``recv_into`` straight into it --
-no intermediate ``bytes``. Frames are read with exact-length reads (the state
-machine says how many bytes) so payload bytes never pass through a staging buffer.
+context switches less per request -- and completes any other request whose
+reply comes first. Otherwise (futures from :meth:`Connection.submit`, callers
+that overlap) the connection's reader thread holds the role and demultiplexes
+responses by request id; it parks, out of the socket, once nothing is in flight
+(after a while without a byte when the last request was a future, so that
+futures-only users such as trio code pay no wake-up of it per request).
+
+A caller may hand a destination ``memoryview`` with the request; the response
+payload is then received with ``recv_into`` straight into it -- no intermediate
+``bytes``. A frame head is read with one read of at least ``MIN_READ`` bytes (a
+small answer whole); the few payload bytes that come with it are copied once,
+the rest goes straight to its buffer.
 """
 
 from __future__ import annotations
@@ -364,7 +369,8 @@ class Connection:
             return waiter.result()
         if not waiter.wait(None if deadline is None else deadline - time.monotonic()):
             self._give_up(pending)
-            raise self._timed_out(msg)
+            if not waiter.done():
+                raise self._timed_out(msg)
         return waiter.result()
 
     def _timed_out(self, msg: wire.Message) -> StripefsError:
@@ -504,6 +510,9 @@ class Connection:
             if isinstance(exc, TimeoutError):
                 raise
             self._broke(exc)
+        except BaseException as exc:  # e.g. KeyboardInterrupt: maybe in the middle of a payload
+            self._broke(exc)
+            raise
 
     def _read_loop(self) -> None:
         try:
