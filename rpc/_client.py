@@ -278,6 +278,8 @@ class Connection:
             with self._plock:
                 if self.broken:  # checked under the lock: _fail_all may have just emptied the table
                     raise unavailable(self.address, "connection is broken")
+                if self.pid != os.getpid():  # a forked child must not touch its parent's stream
+                    raise unavailable(self.address, "the connection belongs to the parent process")
                 if req_id is not None and req_id in self._cancelled:
                     retry_too_soon = True
                     raise unavailable(self.address, f"request {req_id} timed out here and its answer is still due")

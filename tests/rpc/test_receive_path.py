@@ -278,3 +278,28 @@ def test_small_answers_never_cut_into_big_ones(conn: Connection) -> None:
         reply = fut.result(30)
         assert reply.header == {"length": size, "chunk_length": i}
         assert (reply.payload or b"") == bytes([i % 251]) * size
+
+
+def test_a_forked_child_never_reads_or_writes_its_parents_connection(conn: Connection) -> None:
+    assert conn.call(read(1), timeout=10).header["chunk_length"] == 1
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its parent's connection answers UNAVAILABLE, untouched
+        code = 1
+        try:
+            conn.call(read(2), timeout=2)
+        except StripefsError as exc:
+            code = 0 if exc.code == ErrorCode.UNAVAILABLE else 2
+        except BaseException:  # noqa: BLE001
+            code = 3
+        os.write(w, bytes([code]))
+        os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"\x00"
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    for i in range(20):  # the parent's stream is intact
+        assert conn.call(read(i), timeout=10).header["chunk_length"] == i
+    assert not conn.broken
