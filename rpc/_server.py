@@ -61,7 +61,7 @@ _ACCEPT_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _ACCEPT_PEER = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM}
 MIN_READ = 256  # a whole small request in one read; the few payload bytes past a header are copied once
 SMALL_SEND = 16384  # responses up to this size go out as one write (copying is cheaper than a syscall)
-YIELD_EVERY = 8  # requests read back to back before the reader lets the handlers it started run
+YIELD_EVERY = 8  # the reader passes through the scheduler at least every 8 requests (reads that find bytes do not)
 SOCK_BUF = 4 << 20
 
 
