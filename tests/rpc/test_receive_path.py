@@ -303,3 +303,51 @@ def test_a_forked_child_never_reads_or_writes_its_parents_connection(conn: Conne
     for i in range(20):  # the parent's stream is intact
         assert conn.call(read(i), timeout=10).header["chunk_length"] == i
     assert not conn.broken
+
+
+def test_mixed_callers_timeouts_and_a_kill_never_hang_or_cross_answers(address: tuple[str, int]) -> None:
+    """Callers, futures and short timeouts on shared connections, each connection killed
+    at some point: every request ends (answer, TIMEOUT or UNAVAILABLE) in bounded time,
+    and no caller ever gets another request's answer."""
+    problems: list[str] = []
+    stop = time.monotonic() + 2.5
+
+    def worker(conn: Connection, t: int) -> None:
+        i = 0
+        while time.monotonic() < stop:
+            i += 1
+            index = (t * 100_000 + i) % KILL
+            delay = i % 7 * 3  # 0-18 ms
+            t0 = time.monotonic()
+            try:
+                if i % 4 == 0:
+                    reply = conn.submit(read(index, delay_ms=delay)).result(10)
+                else:
+                    reply = conn.call(read(index, delay_ms=delay), timeout=0.01 if i % 5 == 0 else 10)
+                if reply.header["chunk_length"] != index:
+                    problems.append(f"{t}: asked {index}, got {reply.header['chunk_length']}")
+            except StripefsError as exc:
+                if exc.code not in (ErrorCode.TIMEOUT, ErrorCode.UNAVAILABLE):
+                    problems.append(f"{t}: {exc!r}")
+            if time.monotonic() - t0 > 5:
+                problems.append(f"{t}: a request took {time.monotonic() - t0:.1f} s")
+            if conn.broken:
+                return
+
+    rounds = 0
+    while time.monotonic() < stop:
+        rounds += 1
+        conn = Connection(address, CLIENT, os.urandom(16), expect_role="storage")
+        threads = [threading.Thread(target=worker, args=(conn, t)) for t in range(4)]
+        for th in threads:
+            th.start()
+        time.sleep(0.2 + rounds % 3 * 0.1)
+        if rounds % 2:
+            conn.submit(read(KILL))  # the server drops the connection
+        else:
+            conn.close()
+        for th in threads:
+            th.join(10)
+        assert not any(th.is_alive() for th in threads), "a caller hung after the connection died"
+        conn.close()
+    assert problems == []
