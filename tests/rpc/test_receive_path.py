@@ -4,6 +4,7 @@ thread for the others, timeouts that keep the connection, and connection loss.""
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from concurrent.futures import Future
@@ -31,7 +32,7 @@ class SlowEcho(Service):
         if isinstance(msg, m.ReadChunk):
             if msg.index == KILL:
                 await trio.sleep(msg.offset / 1000)
-                conn._tear()
+                conn.sock.shutdown(socket.SHUT_RDWR)  # the client sees the connection end
                 return
             await trio.sleep(msg.offset / 1000)
             data = bytes([msg.index % 251]) * msg.length
