@@ -79,6 +79,7 @@ class BenchConfig:
     drop_caches: bool = True  # False: clients evict their own files (no global side effect)
     rand_size: int | None = None  # random-read file per client; None: max(size, RAND_MIN)
     metadata_sync: str | None = None  # the local cluster's --metadata-sync (None: full)
+    attr_timeout: float | None = None  # native-library clients' attribute cache (None: theirs)
 
 
 def _quantile(sorted_lat: list[float], q: float) -> float:
@@ -291,6 +292,12 @@ def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
     out["header"]["cold_reads"] = ("drop_caches" if cfg.drop_caches and drop_caches() else
                                    "posix_fadvise (the clients' page cache only)")
     run_id = secrets.token_hex(3)
+    # Clients of the native library (native, fsspec, zerocopy routes) read the variable
+    # when they start; the FUSE daemon is started without it.
+    saved_attr = os.environ.get("STRIPEFS_ATTR_TIMEOUT")
+    if cfg.attr_timeout is not None:
+        os.environ["STRIPEFS_ATTR_TIMEOUT"] = repr(cfg.attr_timeout)
+    out["header"]["attr_timeout"] = float(os.environ.get("STRIPEFS_ATTR_TIMEOUT") or 0)
     workdir = tempfile.mkdtemp(prefix="stripefs-bench-", dir=cfg.workdir)
     t_start, seq = time.monotonic(), [0]
     try:
@@ -346,6 +353,10 @@ def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
                     _remove_tree(cluster_file, f"/bench-{run_id}")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+        if saved_attr is None:
+            os.environ.pop("STRIPEFS_ATTR_TIMEOUT", None)
+        else:
+            os.environ["STRIPEFS_ATTR_TIMEOUT"] = saved_attr
     _add_ratios(out["results"])
     try:
         out["invalid"] = check_validity(out["results"])

@@ -84,7 +84,8 @@ class FuseRoute(Route):
         self.mnt = os.path.join(env.workdir, f"fuse-mnt-{env.servers}")
         os.makedirs(self.mnt, exist_ok=True)
         log = open(os.path.join(env.workdir, "fuse-mount.log"), "ab")
-        self.proc = subprocess.Popen(_cli("mount", self.mnt, "--cluster", cluster, "--foreground"),
+        daemon_env = {k: v for k, v in os.environ.items() if k != "STRIPEFS_ATTR_TIMEOUT"}  # the kernel caches here
+        self.proc = subprocess.Popen(_cli("mount", self.mnt, "--cluster", cluster, "--foreground"), env=daemon_env,
                                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         proc = self.proc

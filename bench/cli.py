@@ -79,6 +79,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--metadata-sync", choices=["full", "normal"],
                     help="the local cluster's metadata store durability (stripefs up --metadata-sync; "
                          "default full); a --cluster keeps its own, recorded in the header")
+    ap.add_argument("--attr-timeout", type=float, metavar="S",
+                    help="attribute cache of the native, fsspec and zerocopy clients "
+                         "(Client(attr_timeout=S); default: $STRIPEFS_ATTR_TIMEOUT, else 0 = none); "
+                         "recorded in the header")
     ap.add_argument("--no-floors", action="store_true", help="skip the floor measurements")
     ap.add_argument("--workdir", help="scratch directory (default: the system temp dir)")
     ap.add_argument("--no-progress", action="store_true", help="no live progress bars")
@@ -104,6 +108,9 @@ def build_config(a: argparse.Namespace) -> BenchConfig:
     if a.metadata_sync and a.cluster:
         raise ValueError("--metadata-sync sets up the local cluster bench starts; a --cluster keeps its own")
     cfg.metadata_sync = a.metadata_sync
+    if a.attr_timeout is not None and not a.attr_timeout >= 0:
+        raise ValueError("--attr-timeout must be >= 0 seconds")
+    cfg.attr_timeout = a.attr_timeout
     cfg.floors = not a.no_floors
     cfg.drop_caches = not a.no_drop_caches
     if min(cfg.clients) < 1 or min(cfg.servers) < 1:

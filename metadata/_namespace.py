@@ -317,13 +317,16 @@ class Namespace:
         limit = min(limit, MAX_READDIR)
         with self._store.transaction() as txn:
             self._dir(txn, ino)
-            rows = txn.list_dentries(ino, after, limit + 1)
-            more = len(rows) > limit
-            rows = rows[:limit]
-            if plus:
-                attrs = [self._inode(txn, e.ino) for e in rows]
-                rows = [DirEntry(e.name, e.ino, a.mode, a) for e, a in zip(rows, attrs)]
-        return rows, more
+            if not plus:
+                rows = txn.list_dentries(ino, after, limit + 1)
+                return rows[:limit], len(rows) > limit
+            found = txn.list_dentries_plus(ino, after, limit + 1)  # entries and inodes in one query
+        out = []
+        for e, a in found[:limit]:
+            if a is None:
+                raise _err(ErrorCode.NOT_FOUND, f"no inode {e.ino}")
+            out.append(DirEntry(e.name, e.ino, a.mode, a))
+        return out, len(found) > limit
 
     def list_names(self, path: str, after: str = "", limit: int = 1000) -> tuple[list[str], bool]:
         """One page of the names in the directory ``path`` resolves to, in name order.

@@ -134,6 +134,11 @@ class Txn(abc.ABC):
         """The names :meth:`list_dentries` would return (a store may skip building entries)."""
         return [e.name for e in self.list_dentries(parent, after, limit)]
 
+    def list_dentries_plus(self, parent: int, after: str, limit: int) -> list[tuple[DirEntry, Attr | None]]:
+        """:meth:`list_dentries` with each entry's inode (None if its row is missing);
+        a store may fetch both in one query."""
+        return [(e, self.get_inode(e.ino)) for e in self.list_dentries(parent, after, limit)]
+
     @abc.abstractmethod
     def get_meta(self, key: str) -> str | None: ...
 
@@ -481,6 +486,20 @@ class SqlTxn(Txn):
         rows = self._q("SELECT name, ino, mode FROM dentries WHERE parent = ? AND name > ? "
                        "ORDER BY name LIMIT ?", (parent, encode_name(after), limit)).fetchall()
         return [DirEntry(decode_name(name), ino, mode) for name, ino, mode in rows]
+
+    def list_dentries_plus(self, parent: int, after: str, limit: int) -> list[tuple[DirEntry, Attr | None]]:
+        cols = ", ".join(f"i.{c}" for c in self._INODE_COLS.split(", "))
+        rows = self._q(f"SELECT d.name, d.ino, d.mode, {cols} FROM dentries d LEFT JOIN inodes i ON i.ino = d.ino "
+                       "WHERE d.parent = ? AND d.name > ? ORDER BY d.name LIMIT ?",
+                       (parent, encode_name(after), limit)).fetchall()
+        out: list[tuple[DirEntry, Attr | None]] = []
+        for name, dino, dmode, ino, _, mode, nlink, uid, gid, size, at, mt, ct, chunk, chains, target, rdev, trunc in rows:
+            attr = None
+            if ino is not None:
+                layout = Layout(chunk, _chains_tuple(chains)) if chunk is not None else None
+                attr = Attr(ino, mode, nlink, uid, gid, size, at, mt, ct, layout, target, rdev, trunc)
+            out.append((DirEntry(decode_name(name), dino, dmode), attr))
+        return out
 
     def list_names(self, parent: int, after: str, limit: int) -> list[str]:
         rows = self._q("SELECT name FROM dentries WHERE parent = ? AND name > ? ORDER BY name LIMIT ?",

@@ -6,6 +6,12 @@ A request's payload is read by its handler *before* the next frame is parsed,
 because the stream is ordered; handlers that do not want the payload get it
 discarded. Responses share one send lock per connection.
 
+Small frames take a short path: a frame head is read straight from the socket
+when bytes are there (the loop is entered only to wait for more), and a small
+response whose connection has no send in progress is written at once. Each
+saves a pass through trio's scheduler per request (trio's socket methods yield
+once more after an operation that succeeded at once).
+
 The protocol itself (handshake, request decoding, payload hand-off) is the
 sans-IO :class:`wire.ServerConnection`; this module only moves bytes. Bulk sends
 go through worker threads (``sendfile`` of a chunk file, or a buffer; see
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import socket
 from collections import OrderedDict, deque
 from typing import Any, Callable
@@ -53,6 +60,8 @@ _ACCEPT_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 # accept() errors about one connection that died in the backlog.
 _ACCEPT_PEER = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM}
 MIN_READ = 256  # a whole small request in one read; the few payload bytes past a header are copied once
+SMALL_SEND = 16384  # responses up to this size go out as one write (copying is cheaper than a syscall)
+YIELD_EVERY = 8  # the reader passes through the scheduler at least every 8 requests (reads that find bytes do not)
 SOCK_BUF = 4 << 20
 
 
@@ -78,6 +87,7 @@ class ServerConn:
         self.peer = peer
         self.machine = machine
         self.send_lock = trio.Lock()
+        self._fd = sock.fileno()
 
     @property
     def client_id(self) -> bytes:
@@ -92,7 +102,43 @@ class ServerConn:
     async def _fill(self, n: int) -> None:
         # Read only a little past the end of the next header when a payload may follow,
         # so the payload goes straight from the socket into its destination buffer.
-        self.machine.receive_data(await self.sock.recv(max(n, MIN_READ)))
+        # The socket is non-blocking: read now, wait in the loop only when nothing is there.
+        while True:
+            try:
+                data = os.read(self._fd, max(n, MIN_READ))
+                break
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self.sock)
+        self.machine.receive_data(data)
+
+    async def _send_small(self, data: bytes) -> None:
+        """Send one whole small frame: written at once when no other send is in progress
+        and the socket takes it all (no pass through the scheduler), else in turn."""
+        lock = self.send_lock
+        if lock.locked():
+            async with lock:
+                await self._sendall_or_tear(data)
+            return
+        lock.acquire_nowait()  # no await since locked(): nobody got in between
+        try:
+            try:
+                n = os.write(self._fd, data)
+            except BlockingIOError:
+                n = 0
+            if n < len(data):
+                await _trio_sendall(self.sock, memoryview(data)[n:])
+        except BaseException:
+            self._tear()
+            raise
+        finally:
+            lock.release()
+
+    async def _sendall_or_tear(self, data: bytes | memoryview) -> None:
+        try:
+            await _trio_sendall(self.sock, data)
+        except BaseException:
+            self._tear()
+            raise
 
     async def next_event(self) -> Event:
         """The next event from the peer (frames the machine answers itself are sent here).
@@ -151,13 +197,14 @@ class ServerConn:
         """Send a response; the payload is a buffer or ``(fd, offset, length)`` to sendfile."""
         plen = len(payload) if payload is not None else (file[2] if file else 0)
         prefix = self.machine.send_response(head, header, plen)
+        if file is None and plen <= SMALL_SEND:
+            await self._send_small(prefix + bytes(payload) if plen else prefix)  # type: ignore[arg-type]
+            return
         async with self.send_lock:
             try:
                 if file is not None:
                     await _trio_sendall(self.sock, prefix)
                     await trio.to_thread.run_sync(sendfile_all, self.sock.fileno(), *file)
-                elif plen <= 16384:  # one send; copying a small payload is cheaper than a syscall
-                    await _trio_sendall(self.sock, prefix + bytes(payload) if plen else prefix)  # type: ignore[arg-type]
                 elif plen < 256 * 1024:
                     await _trio_sendall(self.sock, prefix)
                     await _trio_sendall(self.sock, payload)  # type: ignore[arg-type]
@@ -169,13 +216,7 @@ class ServerConn:
                 raise
 
     async def send_error(self, head: FrameHead, exc: StripefsError) -> None:
-        prefix = self.machine.send_error(head, exc)
-        async with self.send_lock:
-            try:
-                await _trio_sendall(self.sock, prefix)
-            except BaseException:
-                self._tear()
-                raise
+        await self._send_small(self.machine.send_error(head, exc))
 
     async def reply_from_thread(self, head: FrameHead, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(reply, *args)`` on a worker thread that answers ``head`` itself.
@@ -387,7 +428,12 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
                 budget.release(head.payload_len)
 
     async def read_loop(nursery: trio.Nursery) -> None:
+        unyielded = 0
         while True:
+            unyielded += 1
+            if unyielded >= YIELD_EVERY:  # frames were there each time: let the handlers run
+                unyielded = 0
+                await trio.lowlevel.checkpoint()
             event = await conn.next_event()
             if isinstance(event, BadRequest):  # its payload is skipped; the stream goes on
                 await reply_error(event.head, event.error)
@@ -395,7 +441,10 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
             if not isinstance(event, RequestReceived):  # ConnectionClosed
                 return
             head, msg = event.head, event.message
-            await limit.acquire()
+            try:
+                limit.acquire_nowait()
+            except trio.WouldBlock:
+                await limit.acquire()
             # The budget is taken before a byte of the payload is received; a request that
             # would wait too long is refused instead (its payload skipped as it arrives).
             if head.payload_len and not await budget.acquire_within(head.payload_len, busy_after):

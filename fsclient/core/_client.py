@@ -32,7 +32,7 @@ from wire import Attr, DirEntry, ErrorCode, Layout, Message, ReplyMessage, Routi
 from ._config import ClusterConfig, find_cluster
 from ._acall import acall
 from ._attrcache import AttrCache
-from ._core import ClientCore
+from ._core import ClientCore, seconds_setting
 from . import _lease
 from ._file import StripeFile, mode_flags
 from ._lease import Lease
@@ -42,6 +42,7 @@ __all__ = ["Client", "AsyncClient", "normpath", "ROOT_INO"]
 ROOT_INO = 1
 STAT_MANY_MAX = 200  # paths per StatMany request (the service's limit: both frames fit in 1 MiB)
 PREFIX = "stripefs://"
+ATTR_TIMEOUT_ENV = "STRIPEFS_ATTR_TIMEOUT"  # the attr_timeout of clients that do not pass one
 R = TypeVar("R", bound=ReplyMessage)
 
 
@@ -103,22 +104,21 @@ class Client:
         conns_per_server: pipelined connections per storage server.
         max_inflight: chunk requests in flight per read/write call.
         attr_timeout: seconds ``stat`` (and ``exists``, ``isdir``, ``isfile``) may answer
-            from this client's cache; 0 (the default) asks the metadata service every
-            time. This client's own changes show at once; another client's after at most
-            this long, or at ``open`` (close-to-open).
+            from this client's cache; 0 asks the metadata service every time. None:
+            ``$STRIPEFS_ATTR_TIMEOUT``, else 0. This client's own changes show at once;
+            another client's after at most this long, or at ``open`` (close-to-open).
         retry_for: seconds a failing chunk read or write keeps retrying (a server
             down, a chain with no serving target while a server returns) before the
             error reaches the caller; None: ``$STRIPEFS_RETRY_FOR``, else 30.
     """
 
     def __init__(self, cluster: "str | os.PathLike[str] | ClusterConfig | None" = None, *, secret: str | None = None,
-                 conns_per_server: int = 2, max_inflight: int = 32, attr_timeout: float = 0.0,
+                 conns_per_server: int = 2, max_inflight: int = 32, attr_timeout: float | None = None,
                  retry_for: float | None = None):
         self.config = find_cluster(cluster, secret)
         self._core = ClientCore(self.config, conns_per_server=conns_per_server, max_inflight=max_inflight,
                                 retry_for=retry_for)
-        if attr_timeout < 0:
-            raise StripefsError(ErrorCode.INVALID, "attr_timeout must not be negative")
+        attr_timeout = seconds_setting(attr_timeout, ATTR_TIMEOUT_ENV, 0.0, "attr_timeout")
         if attr_timeout > 0:
             self._core.attrs = AttrCache(attr_timeout)
         self._session = os.urandom(16)  # owner of this client's leases

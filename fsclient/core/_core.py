@@ -104,22 +104,31 @@ def split(layout: Layout, offset: int, length: int) -> Iterator[tuple[int, int, 
         pos += n
 
 
+def seconds_setting(value: float | None, env: str, default: float, what: str) -> float:
+    """``value``, else ``$env``, else ``default``: a non-negative number of seconds.
+
+    Raises:
+        StripefsError: INVALID for a negative or non-numeric value.
+    """
+    raw: Any = value
+    if raw is None:
+        raw = os.environ.get(env) or default
+    try:
+        seconds = float(raw)
+    except (TypeError, ValueError) as exc:
+        raise StripefsError(ErrorCode.INVALID, f"{what} must be a number of seconds, got {raw!r}") from exc
+    if not seconds >= 0:  # also refuses NaN
+        raise StripefsError(ErrorCode.INVALID, f"{what} must be >= 0 seconds, got {raw!r}")
+    return seconds
+
+
 def retry_budget(retry_for: float | None = None) -> float:
     """Seconds chunk requests keep retrying: ``retry_for``, else ``$STRIPEFS_RETRY_FOR``, else 30.
 
     Raises:
         StripefsError: INVALID for a negative or non-numeric budget.
     """
-    raw: Any = retry_for
-    if raw is None:
-        raw = os.environ.get(RETRY_ENV) or RETRY_FOR
-    try:
-        value = float(raw)
-    except (TypeError, ValueError) as exc:
-        raise StripefsError(ErrorCode.INVALID, f"retry budget must be a number of seconds, got {raw!r}") from exc
-    if not value >= 0:  # also refuses NaN
-        raise StripefsError(ErrorCode.INVALID, f"retry budget must be >= 0 seconds, got {raw!r}")
-    return value
+    return seconds_setting(retry_for, RETRY_ENV, RETRY_FOR, "retry budget")
 
 
 def busy_delay(attempt: int, rng: random.Random | None = None) -> float:

@@ -244,3 +244,14 @@ def test_cluster_directory_is_cleaned(cluster: Any, report: dict[str, Any]) -> N
     with cluster.client() as c:
         assert not [n for n in c.listdir("/") if n.startswith("bench-")]
     assert os.path.exists(cluster.file)
+
+
+def test_attr_timeout_reaches_the_config_and_the_header(report: dict[str, Any]) -> None:
+    from bench.cli import _parser, build_config
+
+    assert report["header"]["attr_timeout"] == 0.0  # none asked for: every stat crosses the network
+    assert "STRIPEFS_ATTR_TIMEOUT" not in os.environ  # the run put the environment back
+    assert build_config(_parser().parse_args(["--attr-timeout", "1"])).attr_timeout == 1.0
+    assert build_config(_parser().parse_args([])).attr_timeout is None
+    with pytest.raises(ValueError, match="attr-timeout"):
+        build_config(_parser().parse_args(["--attr-timeout", "-1"]))

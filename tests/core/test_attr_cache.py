@@ -83,3 +83,26 @@ def test_no_cache_by_default(client, cluster, testdir: str) -> None:
         assert other.stat(p).size == 3
         client.write_bytes(p, b"abcdef")
         assert other.stat(p).size == 6
+
+
+def test_the_environment_sets_the_default_and_a_bad_value_is_refused(cluster, client, testdir: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from fsclient import Client
+    from wire import StripefsError
+
+    p = f"{testdir}/env"
+    client.write_bytes(p, b"abc")
+    monkeypatch.setenv("STRIPEFS_ATTR_TIMEOUT", "30")
+    with Client(cluster.file) as c:
+        assert c.stat(p).size == 3
+        client.write_bytes(p, b"abcdef")
+        assert c.stat(p).size == 3  # cached: the variable turned the cache on
+    with Client(cluster.file, attr_timeout=0) as c:  # an argument wins over the variable
+        client.write_bytes(p, b"x")
+        assert c.stat(p).size == 1
+    monkeypatch.setenv("STRIPEFS_ATTR_TIMEOUT", "soon")
+    with pytest.raises(StripefsError, match="attr_timeout must be a number") as err:
+        Client(cluster.file)
+    assert isinstance(err.value, OSError)
+    with pytest.raises(StripefsError, match="attr_timeout must be >= 0"):
+        Client(cluster.file, attr_timeout=-1)
