@@ -185,8 +185,16 @@ def _start_routes(names: list[str], env: RunEnv, skipped: list[dict[str, Any]],
         try:
             started.append((route, route.start(env)))
         except RouteSkipped as exc:
+            route.stop()  # whatever it had started (a mount daemon) goes with it
             skipped.append({"path": name, "servers": env.servers, "reason": str(exc)})
             display.log(f"[yellow]skipped {name}: {exc}")
+        except BaseException:
+            for r in [route, *(r for r, _ in reversed(started))]:  # no daemon outlives a failed start
+                try:
+                    r.stop()
+                except Exception as stop_exc:  # noqa: BLE001 - the start's error is the one to report
+                    display.log(f"[red]stopping {r.name} failed: {stop_exc}")
+            raise
     return started
 
 
