@@ -437,10 +437,17 @@ class SqlTxn(Txn):
         self._cur.execute(sql.replace("?", "%s") if self._fmt else sql, params)
         return self._cur
 
+    _LIST_PLUS = (f"SELECT d.name, d.ino, d.mode, {', '.join('i.' + c for c in _INODE_COLS.split(', '))} "
+                  "FROM dentries d LEFT JOIN inodes i ON i.ino = d.ino "
+                  "WHERE d.parent = ? AND d.name > ? ORDER BY d.name LIMIT ?")
+
     def get_inode(self, ino: int) -> Attr | None:
         row = self._q(f"SELECT {self._INODE_COLS} FROM inodes WHERE ino = ?", (ino,)).fetchone()
-        if row is None:
-            return None
+        return None if row is None else self._attr(row)
+
+    @staticmethod
+    def _attr(row: Any) -> Attr:
+        """An inode row (``_INODE_COLS``, in order) as an :class:`Attr`."""
         ino, _, mode, nlink, uid, gid, size, at, mt, ct, chunk, chains, target, rdev, truncations = row
         layout = Layout(chunk, _chains_tuple(chains)) if chunk is not None else None
         return Attr(ino, mode, nlink, uid, gid, size, at, mt, ct, layout, target, rdev, truncations)
@@ -488,18 +495,9 @@ class SqlTxn(Txn):
         return [DirEntry(decode_name(name), ino, mode) for name, ino, mode in rows]
 
     def list_dentries_plus(self, parent: int, after: str, limit: int) -> list[tuple[DirEntry, Attr | None]]:
-        cols = ", ".join(f"i.{c}" for c in self._INODE_COLS.split(", "))
-        rows = self._q(f"SELECT d.name, d.ino, d.mode, {cols} FROM dentries d LEFT JOIN inodes i ON i.ino = d.ino "
-                       "WHERE d.parent = ? AND d.name > ? ORDER BY d.name LIMIT ?",
-                       (parent, encode_name(after), limit)).fetchall()
-        out: list[tuple[DirEntry, Attr | None]] = []
-        for name, dino, dmode, ino, _, mode, nlink, uid, gid, size, at, mt, ct, chunk, chains, target, rdev, trunc in rows:
-            attr = None
-            if ino is not None:
-                layout = Layout(chunk, _chains_tuple(chains)) if chunk is not None else None
-                attr = Attr(ino, mode, nlink, uid, gid, size, at, mt, ct, layout, target, rdev, trunc)
-            out.append((DirEntry(decode_name(name), dino, dmode), attr))
-        return out
+        rows = self._q(self._LIST_PLUS, (parent, encode_name(after), limit)).fetchall()
+        return [(DirEntry(decode_name(row[0]), row[1], row[2]), None if row[3] is None else self._attr(row[3:]))
+                for row in rows]
 
     def list_names(self, parent: int, after: str, limit: int) -> list[str]:
         rows = self._q("SELECT name FROM dentries WHERE parent = ? AND name > ? ORDER BY name LIMIT ?",
