@@ -337,8 +337,11 @@ class Connection:
         dest: memoryview | None = None,
         timeout: float | None = 120.0,
         req_id: int | None = None,
+        check: Callable[[dict[str, Any], memoryview], None] | None = None,
     ) -> Reply:
         """Send ``msg`` and wait for its :class:`Reply`.
+
+        ``dest`` and ``check`` are as for :meth:`submit`.
 
         When nobody else is receiving on this connection, the calling thread receives the
         answer itself (and any other answer that comes first); otherwise it waits for the
@@ -354,7 +357,7 @@ class Connection:
         if self.broken:
             raise unavailable(self.address, "connection is broken")
         waiter = _Waiter()
-        pending = _Pending(waiter, dest)
+        pending = _Pending(waiter, dest, check=check)
         self._send(pending, msg, payload, req_id, False)
         with self._plock:
             mine = self._rx == _RX_NONE and self._pending.get(pending.req_id) is pending

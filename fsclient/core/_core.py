@@ -390,12 +390,15 @@ class ClientCore:
         dest = dest.cast("B") if dest.format != "B" or dest.ndim != 1 else dest
         pieces = [(*p, layout.chain_of(p[0])) for p in split(layout, offset, n)]
 
+        def request(p: tuple[int, int, int, int, int]) -> m.ReadChunk:
+            index, coff, k, _pos, chain = p
+            return m.ReadChunk(ino=ino, index=index, offset=coff, length=k, chain=chain,
+                               routing_version=self.routing().version)
+
         def submit(p: tuple[int, int, int, int, int], attempt: int) -> Future:
             index, coff, k, pos, chain = p
             conn = self.data_conn(self._replica(chain, ino + index, attempt))
-            return conn.submit(m.ReadChunk(ino=ino, index=index, offset=coff, length=k, chain=chain,
-                                           routing_version=self.routing().version), dest=dest[pos : pos + k],
-                               check=functools.partial(check_read, coff=coff))
+            return conn.submit(request(p), dest=dest[pos : pos + k], check=functools.partial(check_read, coff=coff))
 
         def finish(p: tuple[int, int, int, int, int], reply: Reply) -> None:
             _index, coff, k, pos, _chain = p
@@ -406,6 +409,22 @@ class ClientCore:
             if got < k:  # a hole or a chunk shorter than the file length: zeros
                 dest[pos + got : pos + k] = bytes(k - got)
 
+        if len(pieces) == 1:
+            # One chunk (a dataloader's sample): a blocking call, whose thread receives the
+            # answer itself when the connection is idle -- no hand-off from the reader thread.
+            # A failure worth retrying goes through the retry loop below.
+            p = pieces[0]
+            index, coff, k, pos, chain = p
+            try:
+                conn = self.data_conn(self._replica(chain, ino + index, 0))
+                reply = conn.call(request(p), dest=dest[pos : pos + k], timeout=REQUEST_TIMEOUT,
+                                  check=functools.partial(check_read, coff=coff))
+            except StripefsError as exc:
+                if exc.code not in _RETRIED or exc.code == ErrorCode.TIMEOUT:  # a hung server: as below
+                    raise
+            else:
+                finish(p, reply)
+                return n
         self._run_pieces(pieces, submit, finish)
         return n
 

@@ -221,3 +221,31 @@ def test_add_server_rebalances_without_downtime(make_cluster, replicas: int) -> 
         with h.client() as c:
             total_chunks = sum(s.used for s in c.status().servers)
     assert total_chunks == expect
+
+
+def test_one_chunk_reads_check_and_fail_over(make_cluster) -> None:
+    """A read inside one chunk (a dataloader's sample) takes the blocking fast path: its
+    bytes are still checked, a bad copy sends it to the other replica, and a dead server
+    to the one still serving."""
+    h = make_cluster(servers=2, replicas=2)
+    data = os.urandom(TEST_CHUNK * 4)
+    with h.client() as c:
+        c.write_bytes("/one", data)
+        ino = c.stat("/one").ino
+    chunk_dir = os.path.join(h.data["servers"][0]["root"], "chunks", f"{ino:016x}")
+    for name in os.listdir(chunk_dir):  # every copy on server 0 goes bad at byte 100
+        with open(os.path.join(chunk_dir, name), "r+b") as f:
+            f.seek(HEADER_SIZE + 100)
+            b = f.read(1)
+            f.seek(HEADER_SIZE + 100)
+            f.write(bytes([b[0] ^ 0xFF]))
+    with h.client() as c, c.open("/one", "rb") as f:
+        buf = memoryview(bytearray(4096))
+        for k in range(4):  # each chunk, whichever replica its spread picks first
+            off = k * TEST_CHUNK + 64
+            assert c.read_into(f.ino, f.layout, f.size, off, buf) == 4096
+            assert bytes(buf) == data[off : off + 4096]
+    os.kill(h.data["servers"][1]["pid"], signal.SIGKILL)  # the good copies' server: reads now fail closed
+    with h.client(retry_for=2) as c, c.open("/one", "rb") as f, pytest.raises(OSError) as err:
+        c.read_into(f.ino, f.layout, f.size, 64, memoryview(bytearray(4096)))
+    assert err.value.errno is not None
