@@ -33,7 +33,7 @@ from typing import Any, Callable
 import trio
 
 from rpc import ReplayCache, ServerConn, Service, TrioPool, serve_rpc
-from wire import ErrorCode, FrameHead, Message, ReplyMessage, Routing, ServerInfo, StripefsError, role_credential
+from wire import Attr, ErrorCode, FrameHead, Message, ReplyMessage, Routing, ServerInfo, StripefsError, role_credential
 from wire import messages as m
 
 from ._leader import Leadership
@@ -621,6 +621,13 @@ class Membership:
         return sorted(self.table)
 
 
+def _many_reply(found: list[Attr | StripefsError]) -> m.StatManyReply:
+    """The reply to a batch of paths: the attributes that came back, the indexes and codes of the errors."""
+    failed = [i for i, a in enumerate(found) if isinstance(a, StripefsError)]
+    return m.StatManyReply([a for a in found if not isinstance(a, StripefsError)], failed,
+                           [int(found[i].code) for i in failed])  # type: ignore[union-attr]
+
+
 MAX_BATCH = 256  # operations per group commit
 MAX_BATCH_RETRIES = 8  # reruns of a batch that lost a serialization race (PostgreSQL)
 
@@ -875,6 +882,17 @@ class MetadataService(Service):
             return m.EmptyReply()
         if isinstance(msg, m.GetLayout):
             return m.LayoutReply(await self._read(Namespace.get_layout, msg.ino))
+        if isinstance(msg, m.CreateMany):
+            Namespace.check_batch(msg.paths)  # refused before the chain table freezes
+            chains = await self._frozen_chains()
+            found = await self._ns(ns.create_many, list(msg.paths), msg.mode, msg.uid, msg.gid, chains=chains,
+                                   exclusive=msg.exclusive)
+            return _many_reply(found)
+        if isinstance(msg, m.UnlinkMany):
+            Namespace.check_batch(msg.paths)
+            found = await self._ns(ns.unlink_many, list(msg.paths))
+            self._garbage_added()
+            return _many_reply(found)
         if isinstance(msg, m.GetRouting):
             await self.lead.refresh_view()
             return m.RoutingReply(self.members.routing())

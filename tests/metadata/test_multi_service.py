@@ -464,3 +464,23 @@ def test_postgres_inode_numbers_continue_past_an_older_database(pg_schema: str) 
         seen.append(ns.mkdir(1, f"d{len(seen)}", 0o755, 0, 0).ino)
         store.close()
     assert seen[0] >= 1000 and seen[1] > seen[0]
+
+
+def test_a_retried_batch_reaching_another_service_is_not_applied_twice(tmp_path: Path, pg_schema: str) -> None:
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            (a, _), (b, _) = [await _start(nursery, tmp_path / f"s{i}", pg_schema) for i in range(2)]
+            setup = TrioConnection(a, CLIENT)
+            d = (await _call(setup, m.Mkdir(parent=1, name="d", mode=0o755))).attr.ino
+            for k in range(3):  # symlinks: names to unlink that need no storage chains
+                await _call(setup, m.Symlink(parent=d, name=f"l{k}", target="/x"))
+            batch = m.UnlinkMany(paths=["/d/l0", "/d/l1", "/d/missing", "/d/l2"])
+            client = os.urandom(16)
+            first = await _call(TrioConnection(a, CLIENT, client_id=client), batch)
+            again = await _call(TrioConnection(b, CLIENT, client_id=client), batch)  # the same request id
+            assert again == first and first.failed == [2] and len(first.attrs) == 3  # answered, not ENOENT
+            fresh = await _call(TrioConnection(b, CLIENT), batch)  # another client's: a new request
+            assert fresh.failed == [0, 1, 2, 3]
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
