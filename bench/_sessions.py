@@ -60,7 +60,7 @@ class Session(Protocol):
 # --- native ----------------------------------------------------------------------------------
 
 @runtime_checkable
-class BatchedSession(Protocol):
+class BatchedSession(Session, Protocol):
     """What a route with batched metadata calls adds (``native``, ``zerocopy``): many files
     per round trip. Each raises on the first path that failed."""
 
