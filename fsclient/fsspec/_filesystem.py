@@ -248,18 +248,24 @@ class StripeFileSystem(AbstractFileSystem):
         self.invalidate_cache(p)
 
     def rm(self, path: Any, recursive: bool = False, maxdepth: int | None = None) -> None:
-        """Delete files; directories too with ``recursive`` (deepest first).
+        """Delete files; directories too with ``recursive`` (deepest first). With
+        ``recursive``, every non-directory goes first, 200 per round trip
+        (:meth:`Client.unlink_many`), then the directories.
 
         Raises:
             IsADirectoryError: a directory without ``recursive``.
         """
-        for p in reversed(self.expand_path(path, recursive=recursive, maxdepth=maxdepth)):
-            try:
-                self.client.remove(p)
-            except IsADirectoryError:
-                if not recursive:
-                    raise
-                self.client.rmdir(p)
+        paths = list(reversed(self.expand_path(path, recursive=recursive, maxdepth=maxdepth)))
+        if recursive:
+            for p, got in zip(paths, self.client.unlink_many(paths)):
+                if isinstance(got, IsADirectoryError):
+                    self.client.rmdir(p)  # its entries went before it
+                elif isinstance(got, BaseException):
+                    raise got
+                self.invalidate_cache(p)
+            return
+        for p in paths:
+            self.client.remove(p)  # IsADirectoryError for a directory
             self.invalidate_cache(p)
 
     # -- whole-file operations --------------------------------------------------------------

@@ -342,3 +342,20 @@ def test_put_recursive_makes_missing_parents_unless_told_not_to(sfs: StripeFileS
             strict.put(files, [f"{root}/other/x.bin"], recursive=True)
     finally:
         strict.client.close()
+
+
+def test_rm_recursive_unlinks_its_files_in_batches(sfs: StripeFileSystem, root: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    files = [f"{root}/t/f{k:03d}" for k in range(250)] + [f"{root}/t/a/b/deep", f"{root}/t/a/x"]
+    sfs.makedirs(f"{root}/t/a/b")
+    sfs.makedirs(f"{root}/t/empty")
+    sfs.client.create_many(files)
+    sfs.pipe(f"{root}/keep/data", b"kept")
+    sfs.client.symlink(f"{root}/keep", f"{root}/t/a/link")  # removed, never followed
+    sent: list[str] = []
+    call = sfs.client._core.call
+    monkeypatch.setattr(sfs.client._core, "call", lambda msg, *a, **kw: sent.append(type(msg).__name__) or call(msg, *a, **kw))
+    sfs.rm(f"{root}/t", recursive=True)
+    assert sent.count("UnlinkMany") == 2 and "UnlinkPath" not in sent  # 253 names, 200 per request
+    assert not sfs.exists(f"{root}/t") and sfs.cat_file(f"{root}/keep/data") == b"kept"
+    assert sfs.ls(root, detail=False) == [f"{root}/keep"]
