@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import trio
 
 from rpc import BufferPool, Connection
-from wire import Attr, DirEntry, ErrorCode, Layout, Message, ReplyMessage, Routing, StripefsError, messages as m
+from wire import MAX_PATH, Attr, DirEntry, ErrorCode, Layout, Message, ReplyMessage, Routing, StripefsError, messages as m
 
 from ._config import ClusterConfig, find_cluster
 from ._acall import acall
@@ -235,7 +235,16 @@ class Client:
 
     def _many(self, norm: list[str],
               request: "Callable[[list[str]], Message[m.StatManyReply]]") -> list[Attr | StripefsError]:
-        """Send ``request(part)`` for each run of ``CREATE_MANY_MAX`` paths; per path, its answer."""
+        """Send ``request(part)`` for each run of ``CREATE_MANY_MAX`` paths; per path, its answer.
+
+        A path over ``MAX_PATH`` bytes fails here (ENAMETOOLONG, as the service would
+        answer), so that a full request of paths always fits in one frame.
+        """
+        too_long = {i for i, p in enumerate(norm) if len(p.encode("utf-8", "surrogateescape")) > MAX_PATH}
+        if too_long:
+            answers = iter(self._many([p for i, p in enumerate(norm) if i not in too_long], request))
+            return [StripefsError(ErrorCode.NAME_TOO_LONG, f"path longer than {MAX_PATH} bytes", p)
+                    if i in too_long else next(answers) for i, p in enumerate(norm)]
         out: list[Attr | StripefsError] = []
         for start in range(0, len(norm), CREATE_MANY_MAX):
             part = norm[start:start + CREATE_MANY_MAX]

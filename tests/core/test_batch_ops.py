@@ -183,3 +183,12 @@ def test_a_retried_create_many_gets_the_first_answer(cluster, client, testdir: s
         for conn in conns:
             conn.close()
     assert client.listdir(testdir) == []
+
+
+def test_overlong_paths_fail_alone_however_many(client, testdir: str) -> None:
+    long = f"{testdir}/" + "d/" * 3000 + "f"  # 6 KB: 200 of them would not fit in one frame
+    got = client.create_many([long] * 250 + [f"{testdir}/ok"])
+    assert all(isinstance(r, StripefsError) and r.errno == errno.ENAMETOOLONG and r.filename == long for r in got[:-1])
+    assert client.stat(f"{testdir}/ok") == got[-1]
+    gone = client.unlink_many([long] * 250 + [f"{testdir}/ok"])
+    assert all(r.errno == errno.ENAMETOOLONG for r in gone[:-1]) and gone[-1].nlink == 0
