@@ -2,10 +2,10 @@
 
 Every workload is a function ``(session, task, ctx) -> {part: PartResult}``; most have one
 part named like the workload, ``metadata`` has four (``meta_create``, ``meta_stat``,
-``meta_readdir``, ``meta_unlink``; three more, ``meta_*_batch``, where the route batches) and ``mixed`` two (``mixed_read``, ``mixed_write``). All
-clients wait at the same barrier before the timed section and stamp its start and end with
-the system-wide monotonic clock, so the benchmark process can compute the span from the
-first start to the last end.
+``meta_readdir``, ``meta_unlink``; three ``meta_*_batch`` more where the route batches) and
+``mixed`` two (``mixed_read``, ``mixed_write``). All clients wait at the same barrier before
+the timed section and stamp its start and end with the system-wide monotonic clock, so the
+benchmark process can compute the span from the first start to the last end.
 
 Workloads (``size`` is per client, ``block`` the I/O size of sequential workloads):
 

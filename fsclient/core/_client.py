@@ -251,8 +251,10 @@ class Client:
             msg = request(part)
             reply = self._core.call(msg)
             if (len(reply.attrs) + len(reply.failed) != len(part) or len(reply.codes) != len(reply.failed)
-                    or len(set(reply.failed)) != len(reply.failed) or not all(0 <= i < len(part) for i in reply.failed)):
-                raise StripefsError(ErrorCode.PROTOCOL, f"{type(msg).__name__}: answer does not match the paths asked")
+                    or len(set(reply.failed)) != len(reply.failed)
+                    or not all(0 <= i < len(part) for i in reply.failed)):
+                raise StripefsError(ErrorCode.PROTOCOL,
+                                    f"{type(msg).__name__}: answer does not match the paths asked")
             attrs, errors = iter(reply.attrs), dict(zip(reply.failed, reply.codes))
             out.extend(StripefsError(errors[i], "", part[i]) if i in errors else next(attrs)
                        for i in range(len(part)))

@@ -409,7 +409,8 @@ class StripeFileSystem(AbstractFileSystem):
         return None
 
     def _create_files(self, paths: list[str]) -> list[Attr | StripefsError]:
-        """:meth:`Client.create_many` (exclusive); with ``auto_mkdir``, missing parents are made and those paths retried."""
+        """:meth:`Client.create_many` (exclusive); with ``auto_mkdir``, the missing parents
+        are made and their paths tried again."""
         found = self.client.create_many(paths, 0o666, exclusive=True)
         missing = [i for i, got in enumerate(found) if isinstance(got, FileNotFoundError)]
         if missing and self.auto_mkdir:

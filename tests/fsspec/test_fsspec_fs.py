@@ -292,6 +292,19 @@ def test_discarded_transaction_leaves_no_temporary_when_close_fails(sfs: StripeF
     assert not sfs._intrans
 
 
+def requests_sent(sfs: StripeFileSystem, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the metadata requests the filesystem's client sends from now on (still sent)."""
+    sent: list[str] = []
+    call = sfs.client._core.call
+
+    def recording(msg: Any, *args: Any, **kwargs: Any) -> Any:
+        sent.append(type(msg).__name__)
+        return call(msg, *args, **kwargs)
+
+    monkeypatch.setattr(sfs.client._core, "call", recording)
+    return sent
+
+
 def test_put_recursive_creates_its_files_in_one_batch(sfs: StripeFileSystem, root: str, tmp_path: Any,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     src = tmp_path / "tree"
@@ -301,9 +314,7 @@ def test_put_recursive_creates_its_files_in_one_batch(sfs: StripeFileSystem, roo
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         (src / rel).write_bytes(data)
     (src / "emptydir").mkdir()
-    sent: list[str] = []
-    call = sfs.client._core.call
-    monkeypatch.setattr(sfs.client._core, "call", lambda msg, *a, **kw: sent.append(type(msg).__name__) or call(msg, *a, **kw))
+    sent = requests_sent(sfs, monkeypatch)
 
     class Count(Callback):
         def __init__(self) -> None:
@@ -352,9 +363,7 @@ def test_rm_recursive_unlinks_its_files_in_batches(sfs: StripeFileSystem, root: 
     sfs.client.create_many(files)
     sfs.pipe(f"{root}/keep/data", b"kept")
     sfs.client.symlink(f"{root}/keep", f"{root}/t/a/link")  # removed, never followed
-    sent: list[str] = []
-    call = sfs.client._core.call
-    monkeypatch.setattr(sfs.client._core, "call", lambda msg, *a, **kw: sent.append(type(msg).__name__) or call(msg, *a, **kw))
+    sent = requests_sent(sfs, monkeypatch)
     sfs.rm(f"{root}/t", recursive=True)
     assert sent.count("UnlinkMany") == 2 and "UnlinkPath" not in sent  # 253 names, 200 per request
     assert not sfs.exists(f"{root}/t") and sfs.cat_file(f"{root}/keep/data") == b"kept"
