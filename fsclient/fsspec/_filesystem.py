@@ -382,6 +382,8 @@ class StripeFileSystem(AbstractFileSystem):
 
         Caveats:
             * Inside a transaction every file goes through ``put_file`` (a hidden name each).
+            * A failure part way (a local read error) leaves the targets not yet written
+              empty: they were all created up front.
         """
         if not recursive or self._intrans:
             return super().put(lpath, rpath, recursive=recursive, callback=callback, maxdepth=maxdepth, **kwargs)
