@@ -1,0 +1,194 @@
+"""Directory listings the daemon keeps and serves again (docs/fuse.md, "Listings"): a
+listing within the timeouts needs no metadata round trip, yet this mount's own changes
+show in the next listing at once, another client's within the timeouts, and a kept
+listing never hands the kernel attributes older than it was told since."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import threading
+import time
+from typing import Iterator
+
+import pytest
+
+from fsclient import Client
+from fsclient.testing import LocalCluster
+
+from .conftest import do_mount, do_umount
+
+pytestmark = pytest.mark.fuse
+
+LONG = 30.0  # the private mount's timeouts: long enough that nothing expires within a test
+ATTR_TIMEOUT = 1.0  # the shared mount's (the default)
+
+
+class Private:
+    """A private one-server cluster mounted with long timeouts; one directory per test."""
+
+    def __init__(self, cluster: LocalCluster, mnt: str):
+        self.cluster, self.mnt = cluster, mnt
+        self.client = cluster.client()
+        self.n = 0
+
+    def fresh(self) -> tuple[str, str]:
+        """A new directory: (its path for the client, the same seen through the mount)."""
+        self.n += 1
+        path = f"/d{self.n}"
+        self.client.mkdir(path)
+        return path, self.mnt + path
+
+    def metadata_pid(self) -> int:
+        return int(self.cluster.data["metadata"]["pid"])
+
+
+@pytest.fixture(scope="module")
+def private(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Private]:
+    cluster = LocalCluster.start(str(tmp_path_factory.mktemp("listings-cluster")), servers=1, chunk_size=256 * 1024)
+    mnt = str(tmp_path_factory.mktemp("listings-mnt"))
+    try:
+        do_mount(mnt, cluster.file, f"attr_timeout={LONG}", f"entry_timeout={LONG}")
+        p = Private(cluster, mnt)
+        yield p
+        p.client.close()
+    finally:
+        do_umount(mnt)
+        cluster.down()
+
+
+def _listdir_while_paused(pid: int, path: str, wait: float) -> list[str] | None:
+    """List ``path`` while process ``pid`` is stopped; None if that took over ``wait`` s."""
+    got: list[list[str]] = []
+    t = threading.Thread(target=lambda: got.append(sorted(os.listdir(path))), daemon=True)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t.start()
+        t.join(wait)
+        return got[0] if got else None
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        t.join(10)
+
+
+def test_a_listing_within_the_timeouts_needs_no_metadata_round_trip(private: Private) -> None:
+    path, d = private.fresh()
+    names = [f"f{k:03d}" for k in range(40)]
+    for n in names:
+        private.client.write_bytes(f"{path}/{n}", b"")
+    assert sorted(os.listdir(d)) == names  # fetched from the service, and kept
+    # The metadata service stops answering: the next listing is served from the kept one.
+    assert _listdir_while_paused(private.metadata_pid(), d, wait=5.0) == names
+
+
+def test_own_changes_show_in_the_next_listing_at_once(private: Private) -> None:
+    path, d = private.fresh()
+    os.mkdir(f"{d}/other")
+    for n in ("a", "b", "c"):
+        private.client.write_bytes(f"{path}/{n}", b"x")
+
+    def listing() -> list[str]:
+        return sorted(os.listdir(d))
+
+    def check(want: list[str]) -> None:
+        assert listing() == want
+        assert sorted(private.client.listdir(path)) == want
+
+    check(["a", "b", "c", "other"])
+    assert os.listdir(f"{d}/other") == []  # kept too
+    os.close(os.open(f"{d}/new", os.O_CREAT | os.O_WRONLY, 0o644))
+    check(["a", "b", "c", "new", "other"])
+    os.unlink(f"{d}/a")
+    check(["b", "c", "new", "other"])
+    os.mkdir(f"{d}/sub")
+    check(["b", "c", "new", "other", "sub"])
+    os.rmdir(f"{d}/sub")
+    check(["b", "c", "new", "other"])
+    os.rename(f"{d}/b", f"{d}/b2")
+    check(["b2", "c", "new", "other"])
+    os.rename(f"{d}/c", f"{d}/other/c")  # both directories' kept listings
+    check(["b2", "new", "other"])
+    assert os.listdir(f"{d}/other") == ["c"]
+    os.symlink("b2", f"{d}/ln")
+    os.link(f"{d}/new", f"{d}/hard")
+    os.mkfifo(f"{d}/fifo")
+    check(["b2", "fifo", "hard", "ln", "new", "other"])
+    with open(f"{d}/new", "wb") as f:  # an existing name, opened with O_TRUNC: no new name
+        f.write(b"")
+    check(["b2", "fifo", "hard", "ln", "new", "other"])
+
+
+def test_own_attribute_changes_are_not_taken_back_by_a_kept_listing(private: Private) -> None:
+    """Every entry of a listing carries attributes the kernel takes (READDIRPLUS): a kept
+    listing served after this mount changed a file must not hand it the old ones."""
+    path, d = private.fresh()
+    private.client.write_bytes(f"{path}/f", b"12345")
+    f = f"{d}/f"
+
+    def after_listing() -> os.stat_result:
+        os.listdir(d)
+        return os.stat(f)
+
+    assert after_listing().st_size == 5
+    os.chmod(f, 0o600)
+    assert stat.S_IMODE(after_listing().st_mode) == 0o600
+    with open(f, "ab") as fh:
+        fh.write(b"678")
+    time.sleep(0.2)  # release is asynchronous to close()
+    assert after_listing().st_size == 8
+    os.truncate(f, 2)
+    assert after_listing().st_size == 2
+    os.utime(f, ns=(1_000_000_000, 2_000_000_000))
+    assert after_listing().st_mtime_ns == 2_000_000_000
+    os.setxattr(f, "user.k", b"v")
+    assert after_listing().st_ctime_ns == private.client.stat(f"{path}/f").ctime_ns
+    os.link(f, f"{d}/g")
+    assert after_listing().st_nlink == 2
+    os.unlink(f"{d}/g")
+    assert after_listing().st_nlink == 1
+    with open(f, "wb") as fh:  # O_TRUNC of an existing file, then written
+        fh.write(b"abc")
+    time.sleep(0.2)
+    st = after_listing()
+    want = private.client.stat(f"{path}/f")
+    assert (st.st_size, st.st_mtime_ns) == (3, want.mtime_ns)
+
+
+def test_a_kept_listing_does_not_take_back_newer_attributes_seen_since(private: Private) -> None:
+    """Another client rewrote a file; this mount saw the new size (an open fetches it); a
+    listing served from before the rewrite must not hand the kernel the old size again."""
+    path, d = private.fresh()
+    private.client.write_bytes(f"{path}/f", b"old")
+    assert os.listdir(d) == ["f"] and os.stat(f"{d}/f").st_size == 3
+    private.client.write_bytes(f"{path}/f", b"newer bytes")
+    with open(f"{d}/f", "rb") as fh:  # close-to-open: fresh attributes, the kernel's dropped
+        assert fh.read() == b"newer bytes"
+    assert os.stat(f"{d}/f").st_size == 11
+    assert os.listdir(d) == ["f"]
+    assert os.stat(f"{d}/f").st_size == 11
+
+
+def test_a_lookup_that_contradicts_a_kept_listing_drops_it(private: Private) -> None:
+    """Another client removes a name and makes another; a lookup here finds out (the
+    kernel's entry expired, or a new name is asked for): the next listing is fresh."""
+    path, d = private.fresh()
+    private.client.write_bytes(f"{path}/old", b"")
+    assert os.listdir(d) == ["old"]
+    private.client.write_bytes(f"{path}/new", b"")
+    private.client.unlink(f"{path}/old")
+    assert os.path.exists(f"{d}/new")  # a name the kept listing lacks: looked up, found
+    assert sorted(os.listdir(d)) == ["new"]
+
+
+def test_another_clients_create_and_unlink_show_within_the_timeouts(mdir: str, client: Client, testdir: str) -> None:
+    """The shared mount (1 s timeouts): another client's changes show in a listing at most
+    the attribute timeout after this mount listed the directory."""
+    client.write_bytes(f"{testdir}/old", b"")
+    assert os.listdir(mdir) == ["old"]
+    client.write_bytes(f"{testdir}/new", b"")
+    client.unlink(f"{testdir}/old")
+    changed = time.monotonic()
+    while os.listdir(mdir) != ["new"]:
+        assert time.monotonic() - changed < ATTR_TIMEOUT + 0.5, "another client's change did not show in time"
+        time.sleep(0.02)
