@@ -60,10 +60,18 @@ class Listings:
     directories hold that inode are stale). A listing fetched while such a change was in
     flight may predate it and is not kept (:attr:`version`, one counter for all).
 
+    The names of a directory listed in full (one page), or made by this mount (empty),
+    are kept too, for the same ``ttl`` from the fetch (or the mkdir), with this mount's
+    own creates and removals applied: a lookup of a name that is not there is answered
+    "no such name" from them (:meth:`absent`), without a round trip -- the lookup the
+    kernel sends before every create. That is as stale towards other clients as a kept
+    listing: another client's new name may be reported missing for the rest of ``ttl``.
+
     Caveats:
 
     * ``ttl`` is the smaller of the attribute and entry timeouts; 0 keeps nothing.
     * Bounded by :attr:`MAX_ENTRIES` entries in all: past it, everything is forgotten.
+    * Names are kept only for directories of at most one page (1,000 entries).
     """
 
     MAX_ENTRIES = 200_000
@@ -72,6 +80,8 @@ class Listings:
         self.ttl = ttl
         self.pages: dict[int, dict[str, Page]] = {}  # directory ino -> after -> page
         self.entries = 0  # in all the pages kept
+        self.names: dict[int, tuple[set[str], float]] = {}  # directory ino -> (all its names, when asked)
+        self.named = 0  # names in all the sets kept
         self.version = 0  # moves at every drop: see put
 
     def get(self, ino: int, after: str) -> Page | None:
@@ -97,27 +107,9 @@ class Listings:
         self.entries += len(page.entries) - (len(old.entries) if old is not None else 0)
         pages[after] = page
 
-    def contradicts(self, parent: int, name: str, ino: int | None) -> bool:
-        """Does a kept page of ``parent`` disagree with a fresh lookup of ``name``
-        (``ino``, or None: no such name)? Then the pages are dropped: a listing must not
-        show what a later lookup already contradicted."""
-        pages = self.pages.get(parent)
-        if not pages:
-            return False
-        for page in pages.values():
-            i = page.index.get(name)
-            if i is not None:
-                if page.entries[i].ino == ino:
-                    return False
-                break
-        else:
-            if ino is None:
-                return False  # absent everywhere (a name in no kept page may lie between pages: harmless)
-        self.drop(parent)
-        return True
-
     def drop(self, ino: int) -> None:
-        """Forget the pages of directory ``ino`` (this mount changed it)."""
+        """Forget the pages of directory ``ino`` (this mount changed it); its names are
+        kept (see :meth:`added`, :meth:`removed`)."""
         self.version += 1
         pages = self.pages.pop(ino, None)
         if pages:
@@ -128,3 +120,47 @@ class Listings:
         self.version += 1
         self.pages.clear()
         self.entries = 0
+
+    # -- names --------------------------------------------------------------------------
+    def put_names(self, ino: int, names: set[str], asked: float, version: int) -> None:
+        """Keep ``names``, every name of directory ``ino`` as of ``asked`` (trio clock),
+        asked for when :attr:`version` was ``version`` (else not kept, as :meth:`put`)."""
+        if self.ttl <= 0 or version != self.version:
+            return
+        if self.named + len(names) > self.MAX_ENTRIES:
+            self.names.clear()
+            self.named = 0
+        self.forget_names(ino)
+        self.names[ino] = (names, asked)
+        self.named += len(names)
+
+    def absent(self, parent: int, name: str) -> float | None:
+        """The seconds for which ``name`` is known not to be in ``parent``, or None."""
+        hit = self.names.get(parent)
+        if hit is None or name in hit[0]:
+            return None
+        left = hit[1] + self.ttl - trio.current_time()
+        if left <= 0:
+            self.forget_names(parent)
+            return None
+        return left
+
+    def added(self, parent: int, name: str) -> None:
+        """This mount made ``name`` in ``parent``."""
+        hit = self.names.get(parent)
+        if hit is not None and name not in hit[0]:
+            hit[0].add(name)
+            self.named += 1
+
+    def removed(self, parent: int, name: str) -> None:
+        """This mount removed ``name`` from ``parent``."""
+        hit = self.names.get(parent)
+        if hit is not None and name in hit[0]:
+            hit[0].discard(name)
+            self.named -= 1
+
+    def forget_names(self, ino: int) -> None:
+        """Forget the names of ``ino`` (a change of this mount whose outcome is unknown)."""
+        hit = self.names.pop(ino, None)
+        if hit is not None:
+            self.named -= len(hit[0])

@@ -71,6 +71,7 @@ BLKSIZE = 1 << 20  # st_blksize: stdio, Python io and cp size their buffers by i
 READDIR_PAGE = 1000
 OFFSET_BITS = 20  # a readdir offset is (page serial << OFFSET_BITS) + 1 + the entry's position in it
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+R = TypeVar("R")
 
 
 class FuseConfig:
@@ -343,6 +344,21 @@ class StripeOperations(pyfuse3.Operations):
         self.lookups[attr.ino] = self.lookups.get(attr.ino, 0) + 1
         return self._entry(attr)
 
+    async def _named(self, parent: int, name: bytes, request: Awaitable[R]) -> R:
+        """Await ``request``, which makes ``name`` in directory ``parent`` (or opens it):
+        the parent's kept pages go, and its kept names gain ``name`` (or are forgotten
+        when the outcome is unknown)."""
+        try:
+            reply = await request
+        except BaseException:
+            self.listings.forget_names(parent)
+            raise
+        else:
+            self.listings.added(parent, _name(name))
+            return reply
+        finally:
+            self.listings.drop(parent)
+
     async def _attr(self, ino: int) -> Attr:
         return await self.aio.attr(m.GetAttr(ino=ino))
 
@@ -354,13 +370,14 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         version, text = self.dir_attrs.version, _name(name)
-        try:
-            attr = await self.aio.attr(m.Lookup(parent=parent_inode, name=text))
-        except FileNotFoundError:
-            self.listings.contradicts(parent_inode, text, None)  # a listing must not show it again
-            raise
+        left = self.listings.absent(parent_inode, text)
+        if left is not None:  # not among the names this mount knows of parent (see Listings)
+            missing = pyfuse3.EntryAttributes()
+            missing.st_ino = 0  # a negative entry: the kernel keeps "no such name" for the rest of the time
+            missing.entry_timeout = left
+            return missing
+        attr = await self.aio.attr(m.Lookup(parent=parent_inode, name=text))
         self.dir_attrs.put(attr, version)
-        self.listings.contradicts(parent_inode, text, attr.ino)
         return self._looked_up(attr)
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
@@ -513,6 +530,8 @@ class StripeOperations(pyfuse3.Operations):
                 self.dir_attrs.put(e.attr, version)
         page = Page(reply.entries, reply.more, asked)
         self.listings.put(d.ino, after, page, kept_version)
+        if not after and not page.more:  # every name of the directory
+            self.listings.put_names(d.ino, set(page.index), asked, kept_version)
         d.set_page(after, page)
 
     def _told_otherwise(self, attr: Attr) -> bool:
@@ -533,18 +552,24 @@ class StripeOperations(pyfuse3.Operations):
 
     @_errors
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        asked = trio.current_time()
         try:
-            attr = await self.aio.attr(m.Mkdir(parent=parent_inode, name=_name(name), mode=stat.S_IMODE(mode),
-                                               uid=ctx.uid, gid=ctx.gid))
+            attr = await self._named(parent_inode, name, self.aio.attr(
+                m.Mkdir(parent=parent_inode, name=_name(name), mode=stat.S_IMODE(mode), uid=ctx.uid, gid=ctx.gid)))
         finally:
             self.dir_attrs.drop(parent_inode)  # its link count changes too
-            self.listings.drop(parent_inode)
+        self.listings.put_names(attr.ino, set(), asked, self.listings.version)  # new: empty
         return self._looked_up(attr)
 
     @_errors
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         try:
             await self.aio.call(m.Rmdir(parent=parent_inode, name=_name(name)))
+        except BaseException:
+            self.listings.forget_names(parent_inode)
+            raise
+        else:
+            self.listings.removed(parent_inode, _name(name))
         finally:
             self.dir_attrs.clear()  # the parent's link count, and the removed directory
             self.listings.clear()
@@ -553,16 +578,16 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         try:
-            return self._looked_up(await self.aio.attr(m.Symlink(parent=parent_inode, name=_name(name),
-                                                                 target=os.fsdecode(target), uid=ctx.uid, gid=ctx.gid)))
+            return self._looked_up(await self._named(parent_inode, name, self.aio.attr(
+                m.Symlink(parent=parent_inode, name=_name(name), target=os.fsdecode(target), uid=ctx.uid, gid=ctx.gid))))
         finally:
             self.dir_attrs.drop(parent_inode)
-            self.listings.drop(parent_inode)
 
     @_errors
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         try:
-            return self._looked_up(await self.aio.attr(m.Link(ino=inode, new_parent=new_parent_inode, new_name=_name(new_name))))
+            return self._looked_up(await self._named(new_parent_inode, new_name, self.aio.attr(
+                m.Link(ino=inode, new_parent=new_parent_inode, new_name=_name(new_name)))))
         finally:
             self.dir_attrs.drop(new_parent_inode)
             self.listings.clear()  # the inode's link count shows in every listing that holds it
@@ -585,7 +610,10 @@ class StripeOperations(pyfuse3.Operations):
             gone = await self.aio.attr(m.Unlink(parent=parent_inode, name=_name(name)))
         except BaseException:
             self.dir_attrs.drop(parent_inode)  # a reply lost after the unlink happened
+            self.listings.forget_names(parent_inode)
             raise
+        else:
+            self.listings.removed(parent_inode, _name(name))
         finally:
             self.listings.drop(parent_inode)
         self.dir_attrs.touched(parent_inode, gone.ctime_ns)  # the service stamps the parent with the victim's ctime
@@ -614,6 +642,8 @@ class StripeOperations(pyfuse3.Operations):
         finally:
             self.dir_attrs.clear()  # both parents, and a directory moved (its ".." and ctime)
             self.listings.clear()
+            self.listings.forget_names(parent_inode_old)
+            self.listings.forget_names(parent_inode_new)
 
     async def _orphans(self) -> int:
         if self._orphan_dir is None:
@@ -621,6 +651,7 @@ class StripeOperations(pyfuse3.Operations):
                 attr = await self.aio.attr(m.Mkdir(parent=pyfuse3.ROOT_INODE, name=ORPHAN_DIR, mode=0o700))
                 self.dir_attrs.drop(pyfuse3.ROOT_INODE)  # its link count and times changed
                 self.listings.drop(pyfuse3.ROOT_INODE)
+                self.listings.added(pyfuse3.ROOT_INODE, ORPHAN_DIR)
             except FileExistsError:
                 attr = await self.aio.attr(m.Lookup(parent=pyfuse3.ROOT_INODE, name=ORPHAN_DIR))
             self._orphan_dir = attr.ino
@@ -638,6 +669,7 @@ class StripeOperations(pyfuse3.Operations):
         finally:
             self.dir_attrs.drop(orphans)
             self.listings.clear()  # the victim's link count
+            self.listings.forget_names(orphans)
         state.orphan = name
         return True
 
@@ -662,6 +694,8 @@ class StripeOperations(pyfuse3.Operations):
                 parts = name.split("@")
                 if len(parts) >= 4 and parts[-3] == host and not _orphan_owner_alive(parts[-2]):
                     await self.aio.call(m.Unlink(parent=d.ino, name=name))
+                    self.listings.drop(d.ino)
+                    self.listings.removed(d.ino, name)
                     removed += 1
             if not reply.more or not names:
                 return removed
@@ -747,12 +781,10 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        try:
-            reply = await self.aio.call(m.Create(parent=parent_inode, name=_name(name), mode=stat.S_IMODE(mode),
-                                                 uid=ctx.uid, gid=ctx.gid, exclusive=bool(flags & os.O_EXCL),
-                                                 truncate=bool(flags & os.O_TRUNC)))
-        finally:
-            self.listings.drop(parent_inode)  # a new name, or an existing file opened (maybe truncated)
+        # A new name, or an existing file opened (maybe truncated): the parent's pages go.
+        reply = await self._named(parent_inode, name, self.aio.call(
+            m.Create(parent=parent_inode, name=_name(name), mode=stat.S_IMODE(mode), uid=ctx.uid, gid=ctx.gid,
+                     exclusive=bool(flags & os.O_EXCL), truncate=bool(flags & os.O_TRUNC))))
         attr = reply.attr
         if not reply.created and flags & os.O_TRUNC:
             self.listings.clear()  # a truncated file may have other names, in other listings
@@ -767,11 +799,10 @@ class StripeOperations(pyfuse3.Operations):
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         # The node is stored; the kernel gives fifos, sockets and devices their behaviour.
         try:
-            reply = await self.aio.call(m.Mknod(parent=parent_inode, name=_name(name), mode=mode, rdev=rdev,
-                                                uid=ctx.uid, gid=ctx.gid))
+            reply = await self._named(parent_inode, name, self.aio.call(
+                m.Mknod(parent=parent_inode, name=_name(name), mode=mode, rdev=rdev, uid=ctx.uid, gid=ctx.gid)))
         finally:
             self.dir_attrs.drop(parent_inode)
-            self.listings.drop(parent_inode)
         return self._looked_up(reply.attr)
 
     def _state(self, fh: int) -> OpenFile:
@@ -874,6 +905,7 @@ class StripeOperations(pyfuse3.Operations):
             if state.orphan is not None:
                 await self.aio.call(m.Unlink(parent=await self._orphans(), name=state.orphan))
                 self.listings.drop(self._orphan_dir or 0)
+                self.listings.forget_names(self._orphan_dir or 0)
                 self.cached.pop(ino, None)
             elif state.written:  # the (size, mtime) the kernel's pages are of now
                 self.listings.clear()  # closing committed the length

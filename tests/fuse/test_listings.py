@@ -169,18 +169,6 @@ def test_a_kept_listing_does_not_take_back_newer_attributes_seen_since(private: 
     assert os.stat(f"{d}/f").st_size == 11
 
 
-def test_a_lookup_that_contradicts_a_kept_listing_drops_it(private: Private) -> None:
-    """Another client removes a name and makes another; a lookup here finds out (the
-    kernel's entry expired, or a new name is asked for): the next listing is fresh."""
-    path, d = private.fresh()
-    private.client.write_bytes(f"{path}/old", b"")
-    assert os.listdir(d) == ["old"]
-    private.client.write_bytes(f"{path}/new", b"")
-    private.client.unlink(f"{path}/old")
-    assert os.path.exists(f"{d}/new")  # a name the kept listing lacks: looked up, found
-    assert sorted(os.listdir(d)) == ["new"]
-
-
 def test_another_clients_create_and_unlink_show_within_the_timeouts(mdir: str, client: Client, testdir: str) -> None:
     """The shared mount (1 s timeouts): another client's changes show in a listing at most
     the attribute timeout after this mount listed the directory."""
@@ -191,4 +179,56 @@ def test_another_clients_create_and_unlink_show_within_the_timeouts(mdir: str, c
     changed = time.monotonic()
     while os.listdir(mdir) != ["new"]:
         assert time.monotonic() - changed < ATTR_TIMEOUT + 0.5, "another client's change did not show in time"
+        time.sleep(0.02)
+
+
+# -- "no such name" from the names this mount knows -------------------------------------------
+def _exists_while_paused(pid: int, paths: list[str], wait: float) -> list[bool] | None:
+    """``os.path.exists`` of each path while process ``pid`` is stopped; None if that
+    took over ``wait`` s."""
+    got: list[list[bool]] = []
+    t = threading.Thread(target=lambda: got.append([os.path.exists(p) for p in paths]), daemon=True)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t.start()
+        t.join(wait)
+        return got[0] if got else None
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        t.join(10)
+
+
+def test_a_name_missing_from_a_directory_made_or_listed_here_needs_no_round_trip(private: Private) -> None:
+    """The lookup the kernel sends before every create is answered from the names this
+    mount knows: those of a directory it made, or listed in full, with its own changes."""
+    os.mkdir(f"{private.mnt}/made")
+    path, listed = private.fresh()
+    private.client.write_bytes(f"{path}/there", b"")
+    assert os.listdir(listed) == ["there"]
+    for k in range(3):  # this mount's own creates and removals keep the names right
+        os.close(os.open(f"{private.mnt}/made/f{k}", os.O_CREAT | os.O_WRONLY, 0o644))
+    os.unlink(f"{private.mnt}/made/f1")
+    paths = [f"{private.mnt}/made/new", f"{private.mnt}/made/f1", f"{listed}/new", f"{listed}/there",
+             f"{private.mnt}/made/f0"]
+    assert _exists_while_paused(private.metadata_pid(), paths, wait=5.0) == [False, False, False, True, True]
+
+
+def test_another_clients_new_name_in_a_directory_made_here(mdir: str, client: Client, testdir: str) -> None:
+    """The shared mount (1 s timeouts): a name another client makes in a directory this
+    mount made shows within the timeout; an exclusive create of it here fails at once,
+    and a plain one opens the other client's file (the create goes to the service)."""
+    os.mkdir(f"{mdir}/made")
+    assert not os.path.exists(f"{mdir}/made/x")
+    client.write_bytes(f"{testdir}/made/x", b"theirs")
+    client.write_bytes(f"{testdir}/made/y", b"theirs too")
+    with pytest.raises(FileExistsError):
+        os.open(f"{mdir}/made/x", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    fd = os.open(f"{mdir}/made/x", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        assert os.read(fd, 100) == b"theirs"
+    finally:
+        os.close(fd)
+    changed = time.monotonic()
+    while not os.path.exists(f"{mdir}/made/y"):
+        assert time.monotonic() - changed < ATTR_TIMEOUT + 0.5, "another client's new name did not show in time"
         time.sleep(0.02)
