@@ -24,6 +24,10 @@ Semantics (docs/fuse.md has the long form):
 * Directory attributes fetched less than ``attr_timeout`` ago answer the kernel's
   GETATTR (it asks again after every create and unlink), with this mount's own
   changes applied (:class:`~fsclient.fuse._dirattrs.DirAttrs`); never older than ``attr_timeout`` in all.
+* Directory listings, and the names of directories made or listed here, are kept for
+  the smaller of the two timeouts and served again (:class:`~fsclient.fuse._listings.Listings`):
+  a listing, or the lookup before a create, needs no round trip within them; this
+  mount's own changes drop or update what is kept.
 * ``O_APPEND`` handles are ``direct_io``, and the daemon writes each append at the
   committed length (asked at every write), not at the kernel's cached size.
 * Stopping: :meth:`StripeOperations.drain` commits every open file before the
