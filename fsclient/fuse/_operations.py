@@ -474,31 +474,36 @@ class StripeOperations(pyfuse3.Operations):
             entry_timeout = max(0.0, self.config.entry_timeout - age)
             attr_timeout = max(0.0, self.config.attr_timeout - age)
             entries, base = page.entries, page.serial << OFFSET_BITS
+            files, told, lookups, reply_to = self.files, self.told, self.lookups, pyfuse3.readdir_reply
+            k = i
             for k in range(i, len(entries)):
-                e, reply = entries[k], replies[k]
-                if reply is not None:  # else hidden
-                    raw, attrs, seen = reply
-                    attr, ino = e.attr, e.ino
+                reply = replies[k]
+                if reply is None:  # hidden
+                    continue
+                raw, attrs, seen, ino = reply
+                if ino in files:  # open here: this mount's size, maybe orphaned
+                    attr = entries[k].attr
                     assert attr is not None
-                    if ino in self.files:  # open here: this mount's size, maybe orphaned
-                        if d.kept and self._told_otherwise(attr):
+                    if d.kept and self._told_otherwise(attr):
+                        break
+                    attrs = self._entry(attr, age)
+                else:
+                    was = told.get(ino)
+                    if was != seen:
+                        if was is not None and d.kept:
                             break
-                        attrs = self._entry(attr, age)
-                    else:
-                        told = self.told.get(ino)
-                        if told != seen:
-                            if told is not None and d.kept:
-                                break
-                            self.told[ino] = seen
-                        attrs.entry_timeout, attrs.attr_timeout = entry_timeout, attr_timeout
-                    if not pyfuse3.readdir_reply(token, raw, attrs, base + k + 1):
-                        return  # the kernel's buffer is full: it asks again from the last offset it took
-                    self.lookups[ino] = self.lookups.get(ino, 0) + 1
-                after = e.name
+                        told[ino] = seen
+                    attrs.entry_timeout, attrs.attr_timeout = entry_timeout, attr_timeout
+                if not reply_to(token, raw, attrs, base + k + 1):
+                    return  # the kernel's buffer is full: it asks again from the last offset it took
+                lookups[ino] = lookups.get(ino, 0) + 1
             else:
-                if not page.more:
+                if not page.more or not entries:
                     return
+                after = entries[-1].name
                 continue
+            if k > i:
+                after = entries[k - 1].name
             # The kernel was told other (newer) attributes of an entry since the kept page
             # was fetched: it must not go back to older ones. Fetch afresh from here.
             self.listings.drop(d.ino)
@@ -506,7 +511,8 @@ class StripeOperations(pyfuse3.Operations):
 
     def _replies(self, page: Page, ino: int) -> list[Any]:
         """Build, once per page, what each entry tells the kernel: (name, attributes, the
-        (size, mtime) they carry), or None for an entry not shown. Served again, only the timeouts change."""
+        (size, mtime) they carry, inode), or None for an entry not shown. Served again,
+        only the timeouts change."""
         replies: list[Any] = []
         entry_timeout, attr_timeout = self.config.entry_timeout, self.config.attr_timeout
         for e in page.entries:
@@ -515,7 +521,7 @@ class StripeOperations(pyfuse3.Operations):
                 replies.append(None)
             else:
                 replies.append((os.fsencode(e.name), _attributes(attr, attr.size, attr.nlink, entry_timeout, attr_timeout),
-                                (attr.size, attr.mtime_ns)))
+                                (attr.size, attr.mtime_ns), e.ino))
         page.replies = replies
         return replies
 
