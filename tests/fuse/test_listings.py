@@ -10,12 +10,16 @@ import signal
 import stat
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
+import trio
+from trio.testing import MockClock
 
 from fsclient import Client
+from fsclient.fuse._listings import Listings, Page
 from fsclient.testing import LocalCluster
+from wire import DirEntry
 
 from .conftest import do_mount, do_umount
 
@@ -232,3 +236,70 @@ def test_another_clients_new_name_in_a_directory_made_here(mdir: str, client: Cl
     while not os.path.exists(f"{mdir}/made/y"):
         assert time.monotonic() - changed < ATTR_TIMEOUT + 0.5, "another client's new name did not show in time"
         time.sleep(0.02)
+
+
+# -- the bookkeeping itself (no mount) --------------------------------------------------------
+def _in_trio(fn: Callable[[MockClock], None]) -> None:
+    clock = MockClock()
+
+    async def main() -> None:
+        fn(clock)
+
+    trio.run(main, clock=clock)
+
+
+def _page(names: list[str], more: bool = False) -> Page:
+    return Page([DirEntry(n, k + 10, stat.S_IFREG | 0o644) for k, n in enumerate(names)], more, trio.current_time())
+
+
+def test_kept_pages_expire_and_are_not_kept_across_a_change_in_flight() -> None:
+    def check(clock: MockClock) -> None:
+        kept = Listings(ttl=1.0)
+        asked = kept.version
+        kept.drop(99)  # a change of this mount while the listing was in flight
+        kept.put(1, "", _page(["a"]), asked)
+        assert kept.get(1, "") is None
+        kept.put(1, "", _page(["a"]), kept.version)
+        assert [e.name for e in kept.get(1, "").entries] == ["a"]  # type: ignore[union-attr]
+        clock.jump(0.99)
+        assert kept.get(1, "") is not None
+        clock.jump(0.02)
+        assert kept.get(1, "") is None and kept.entries == 0
+
+    _in_trio(check)
+
+
+def test_kept_pages_are_bounded() -> None:
+    def check(clock: MockClock) -> None:
+        kept = Listings(ttl=1.0)
+        kept.MAX_ENTRIES = 10
+        kept.put(1, "", _page([f"n{k}" for k in range(6)]), kept.version)
+        kept.put(2, "", _page([f"n{k}" for k in range(6)]), kept.version)  # over the bound: the rest goes
+        assert kept.get(1, "") is None and kept.get(2, "") is not None and kept.entries == 6
+        kept.clear()
+        assert kept.entries == 0 and not kept.pages
+
+    _in_trio(check)
+
+
+def test_known_names_answer_absent_names_for_the_rest_of_the_time() -> None:
+    def check(clock: MockClock) -> None:
+        kept = Listings(ttl=1.0)
+        kept.put_names(1, {"a", "b"}, trio.current_time(), kept.version)
+        assert kept.absent(1, "a") is None and kept.absent(2, "x") is None
+        clock.jump(0.25)
+        assert kept.absent(1, "x") == pytest.approx(0.75)
+        kept.added(1, "x")
+        kept.removed(1, "a")
+        kept.drop(1)  # the pages go; the names stay, with this mount's changes
+        assert kept.absent(1, "x") is None and kept.absent(1, "a") == pytest.approx(0.75)
+        assert kept.named == 2
+        clock.jump(0.75)
+        assert kept.absent(1, "a") is None and kept.named == 0
+        kept.put_names(3, set(), trio.current_time(), kept.version - 1)  # answered across a change: not kept
+        assert kept.absent(3, "x") is None
+        kept.put_names(3, set(), trio.current_time(), kept.version)
+        kept.forget_names(3)
+        assert kept.absent(3, "x") is None and kept.named == 0
+
+    _in_trio(check)
