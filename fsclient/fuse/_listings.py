@@ -30,7 +30,7 @@ class Page:
         serial: unique in the daemon; readdir offsets name the page by it.
     """
 
-    __slots__ = ("entries", "more", "index", "fetched", "replies", "serial")
+    __slots__ = ("entries", "fetched", "index", "more", "replies", "serial")
 
     def __init__(self, entries: list[DirEntry], more: bool, fetched: float):
         self.entries = entries

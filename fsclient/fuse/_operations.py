@@ -59,7 +59,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 import pyfuse3
 import trio
 
-from wire import Attr, DirEntry, messages as m
+from wire import Attr, messages as m
 
 from ..core import AsyncClient, Client, StripeFile, pid_alive
 from ._dirattrs import DirAttrs

@@ -10,7 +10,7 @@ import signal
 import stat
 import threading
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import trio
