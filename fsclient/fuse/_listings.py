@@ -4,6 +4,7 @@ are recent and this mount has not changed the directory (see :class:`Listings`).
 from __future__ import annotations
 
 import itertools
+import stat
 from typing import Any
 
 import trio
@@ -55,7 +56,8 @@ class Listings:
     in a listing at most ``ttl`` after this mount last fetched it.
 
     This mount's own changes show at once: the daemon drops a directory's pages when it
-    creates, removes or renames a name in it, and every page when it changes an inode's
+    creates, removes or renames a name in it (and the pages of the directories that list
+    it: its times and link count changed), and every page when it changes an inode's
     attributes (setattr, xattrs, links, a file written and closed: the pages of whichever
     directories hold that inode are stale). A listing fetched while such a change was in
     flight may predate it and is not kept (:attr:`version`, one counter for all).
@@ -80,6 +82,7 @@ class Listings:
         self.ttl = ttl
         self.pages: dict[int, dict[str, Page]] = {}  # directory ino -> after -> page
         self.entries = 0  # in all the pages kept
+        self.holders: dict[int, set[int]] = {}  # directory ino -> directories whose kept pages list it
         self.names: dict[int, tuple[set[str], float]] = {}  # directory ino -> (all its names, when asked)
         self.named = 0  # names in all the sets kept
         self.version = 0  # moves at every drop: see put
@@ -106,11 +109,20 @@ class Listings:
         old = pages.get(after)
         self.entries += len(page.entries) - (len(old.entries) if old is not None else 0)
         pages[after] = page
+        for e in page.entries:
+            if stat.S_ISDIR(e.mode):
+                self.holders.setdefault(e.ino, set()).add(ino)
 
     def drop(self, ino: int) -> None:
-        """Forget the pages of directory ``ino`` (this mount changed it); its names are
-        kept (see :meth:`added`, :meth:`removed`)."""
+        """Forget the pages of directory ``ino`` (this mount changed it), and those of
+        the directories that list it (they show its old times and link count); its names
+        are kept (see :meth:`added`, :meth:`removed`)."""
         self.version += 1
+        self._forget_pages(ino)
+        for holder in self.holders.pop(ino, ()):
+            self._forget_pages(holder)
+
+    def _forget_pages(self, ino: int) -> None:
         pages = self.pages.pop(ino, None)
         if pages:
             self.entries -= sum(len(p.entries) for p in pages.values())
@@ -119,6 +131,7 @@ class Listings:
         """Forget every page (this mount changed attributes some of them may show)."""
         self.version += 1
         self.pages.clear()
+        self.holders.clear()
         self.entries = 0
 
     # -- names --------------------------------------------------------------------------

@@ -6,6 +6,7 @@ listing never hands the kernel attributes older than it was told since."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import stat
 import threading
@@ -185,6 +186,75 @@ def test_another_clients_create_and_unlink_show_within_the_timeouts(mdir: str, c
         assert time.monotonic() - changed < ATTR_TIMEOUT + 0.5, "another client's change did not show in time"
         time.sleep(0.02)
 
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_own_changes_always_show_in_the_next_listing_and_stat(private: Private, seed: int) -> None:
+    """A seeded run of this mount's own changes over two directories; after each, both
+    listings and every entry's attributes (taken by the kernel from the listing) are the
+    service's. With 30 s timeouts, any change that failed to drop a kept page shows."""
+    rng = random.Random(seed)
+    path, d = private.fresh()
+    os.mkdir(f"{d}/s")
+    dirs = [("", d), ("/s", f"{d}/s")]
+    names = ["a", "b", "c", "d"]
+
+    def some() -> tuple[str, str]:
+        sub, local = rng.choice(dirs)
+        name = rng.choice(names)
+        return f"{path}{sub}/{name}", f"{local}/{name}"
+
+    def apply() -> None:
+        _, local = some()
+        there = os.path.lexists(local)
+        isfile = there and stat.S_ISREG(os.lstat(local).st_mode)
+        op = rng.choice(["create", "append", "unlink", "mkdir", "rename", "link", "symlink", "chmod", "truncate",
+                         "utime", "xattr"])
+        if op == "create" and not there:
+            os.close(os.open(local, os.O_CREAT | os.O_WRONLY, 0o644))
+        elif op == "append" and (isfile or not there):
+            with open(local, "ab") as f:
+                f.write(os.urandom(rng.randrange(1, 3000)))
+        elif op == "unlink" and there:
+            if stat.S_ISDIR(os.lstat(local).st_mode):
+                if not os.listdir(local):
+                    os.rmdir(local)
+            else:
+                os.unlink(local)
+        elif op == "mkdir" and not there:
+            os.mkdir(local)
+        elif op == "rename" and there and not stat.S_ISDIR(os.lstat(local).st_mode):
+            _, target = some()
+            if not os.path.isdir(target):
+                os.rename(local, target)
+        elif op == "link" and isfile:
+            _, target = some()
+            if not os.path.lexists(target):
+                os.link(local, target)
+        elif op == "symlink" and not there:
+            os.symlink("a", local)
+        elif op == "chmod" and isfile:
+            os.chmod(local, rng.choice([0o600, 0o640, 0o644, 0o755]))
+        elif op == "truncate" and isfile:
+            os.truncate(local, rng.randrange(0, 5000))
+        elif op == "utime" and isfile:
+            os.utime(local, ns=(rng.randrange(1 << 40), rng.randrange(1 << 40)))
+        elif op == "xattr" and isfile:
+            os.setxattr(local, "user.k", os.urandom(4))
+
+    for _ in range(60):
+        apply()
+        for sub, local in dirs:
+            if not os.path.isdir(local):
+                continue
+            listed = sorted(os.listdir(local))
+            assert listed == sorted(private.client.listdir(path + sub)), f"seed {seed}"
+            for name in listed:
+                got, want = os.lstat(f"{local}/{name}"), private.client.lstat(f"{path}{sub}/{name}")
+                assert (got.st_mode, got.st_nlink, got.st_mtime_ns, got.st_ctime_ns) == (
+                    want.mode, want.nlink, want.mtime_ns, want.ctime_ns), f"seed {seed}: {sub}/{name}"
+                if stat.S_ISREG(got.st_mode):
+                    assert got.st_size == want.size, f"seed {seed}: {sub}/{name}"
 
 # -- "no such name" from the names this mount knows -------------------------------------------
 def _exists_while_paused(pid: int, paths: list[str], wait: float) -> list[bool] | None:
