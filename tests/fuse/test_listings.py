@@ -188,6 +188,14 @@ def test_another_clients_create_and_unlink_show_within_the_timeouts(mdir: str, c
 
 
 
+def _exists(client: Client, path: str) -> bool:
+    try:
+        client.lstat(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_random_own_changes_always_show_in_the_next_listing_and_stat(private: Private, seed: int) -> None:
     """A seeded run of this mount's own changes over two directories; after each, both
@@ -205,8 +213,9 @@ def test_random_own_changes_always_show_in_the_next_listing_and_stat(private: Pr
         return f"{path}{sub}/{name}", f"{local}/{name}"
 
     def apply() -> None:
-        _, local = some()
+        remote, local = some()
         there = os.path.lexists(local)
+        assert there == _exists(private.client, remote), f"seed {seed}: {remote}"  # "no such name" from memory
         isfile = there and stat.S_ISREG(os.lstat(local).st_mode)
         op = rng.choice(["create", "append", "unlink", "mkdir", "rename", "link", "symlink", "chmod", "truncate",
                          "utime", "xattr"])
