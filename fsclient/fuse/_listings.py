@@ -76,7 +76,7 @@ class Listings:
     * Names are kept only for directories of at most one page (1,000 entries).
     """
 
-    MAX_ENTRIES = 200_000
+    MAX_ENTRIES = 50_000  # ~0.7 KB each, with its attributes and what it tells the kernel
 
     def __init__(self, ttl: float):
         self.ttl = ttl

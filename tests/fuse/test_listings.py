@@ -382,3 +382,19 @@ def test_known_names_answer_absent_names_for_the_rest_of_the_time() -> None:
         assert kept.absent(3, "x") is None and kept.named == 0
 
     _in_trio(check)
+
+
+def test_with_zero_timeouts_nothing_is_kept(cluster: LocalCluster, client: Client, testdir: str, tmp_path) -> None:
+    """``-o attr_timeout=0``: every listing and every lookup asks the service."""
+    mp = str(tmp_path / "m")
+    do_mount(mp, cluster.file, "attr_timeout=0")
+    try:
+        d = mp + testdir
+        os.mkdir(f"{d}/made")
+        assert os.listdir(d) == ["made"]
+        client.write_bytes(f"{testdir}/new", b"")
+        client.write_bytes(f"{testdir}/made/x", b"")
+        assert sorted(os.listdir(d)) == ["made", "new"]
+        assert os.path.exists(f"{d}/made/x")
+    finally:
+        do_umount(mp)
