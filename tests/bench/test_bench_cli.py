@@ -126,8 +126,9 @@ def test_dataloader_reads_every_file_once(report: dict[str, Any]) -> None:
         assert rec["latency_p50_ms"] <= rec["latency_p99_ms"]
         assert rec["verified_bytes"] >= sizes[0]  # at least one file compared byte for byte
         assert 0 <= rec["cpu_servers_s"] <= rec["cpu_s"] and "cpu_ms_per_op" in rec
-        if path == "native":  # the storage servers did the serving
-            assert rec["cpu_servers_s"] > 0
+        if path == "native":  # the storage servers did the serving: 24 small files are a few
+            # ms of their CPU, under the 10 ms tick that charges it, so look at the whole run
+            assert sum(r.get("cpu_servers_s", 0) for r in report["results"] if r["path"] == "native") > 0
         if path == "local_disk":
             assert rec["cpu_servers_s"] == 0
 
