@@ -27,13 +27,14 @@ import pickle
 import random
 import stat
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import trio
 
-from rpc import ReplayCache, ServerConn, Service, TrioPool, serve_rpc
-from wire import ErrorCode, FrameHead, Message, ReplyMessage, Routing, ServerInfo, StripefsError, role_credential
+from rpc import ServerConn, Service, TrioPool, serve_rpc
+from wire import Attr, ErrorCode, FrameHead, Message, ReplyMessage, Routing, ServerInfo, StripefsError, role_credential
 from wire import messages as m
 
 from ._leader import Leadership
@@ -621,6 +622,42 @@ class Membership:
         return sorted(self.table)
 
 
+class Replies:
+    """Answers to recent mutations by (client id, request id), for retries (as
+    ``rpc.ReplayCache``), bounded by their count and by the attributes they hold.
+
+    A batch's answer (``CreateMany``, ``UnlinkMany``) holds up to 200 attributes, ~160 KB
+    of Python objects: counted as one entry each, 8192 of them would hold over a GB.
+    The newest answer is always kept.
+    """
+
+    def __init__(self, entries: int = 8192, attrs: int = 65536):
+        self.entries, self.attrs = entries, attrs
+        self._d: OrderedDict[tuple[bytes, int], tuple[dict[str, Any] | StripefsError, int]] = OrderedDict()
+        self._weight = 0
+
+    def get(self, key: tuple[bytes, int]) -> dict[str, Any] | StripefsError | None:
+        found = self._d.get(key)
+        return None if found is None else found[0]
+
+    def put(self, key: tuple[bytes, int], value: dict[str, Any] | StripefsError) -> None:
+        old = self._d.pop(key, None)
+        if old is not None:
+            self._weight -= old[1]
+        weight = max(1, len(value.get("attrs", ()))) if isinstance(value, dict) else 1
+        self._d[key] = (value, weight)
+        self._weight += weight
+        while len(self._d) > 1 and (len(self._d) > self.entries or self._weight > self.attrs):
+            self._weight -= self._d.popitem(last=False)[1][1]
+
+
+def _many_reply(found: list[Attr | StripefsError]) -> m.StatManyReply:
+    """The reply to a batch of paths: the attributes that came back, the indexes and codes of the errors."""
+    failed = [i for i, a in enumerate(found) if isinstance(a, StripefsError)]
+    return m.StatManyReply([a for a in found if not isinstance(a, StripefsError)], failed,
+                           [int(found[i].code) for i in failed])  # type: ignore[union-attr]
+
+
 MAX_BATCH = 256  # operations per group commit
 MAX_BATCH_RETRIES = 8  # reruns of a batch that lost a serialization race (PostgreSQL)
 
@@ -650,7 +687,7 @@ class MetadataService(Service):
         self._rns = ns.reading(reader) if reader is not None else ns
         self._reader = StoreThread(run_each, MAX_BATCH) if reader is not None else None
         self._gc_due = 0.0  # monotonic time before which a wake-up finds no removal due
-        self.replay = ReplayCache()
+        self.replay = Replies()
         self._running: dict[tuple[bytes, int], trio.Event] = {}  # mutations being applied, by replay key
         # Calls to storage servers run one at a time, as a server of the cluster (GC, DropChain).
         self.storage = TrioPool(role_credential(secret, "server"), keep=1, role="server")
@@ -875,6 +912,17 @@ class MetadataService(Service):
             return m.EmptyReply()
         if isinstance(msg, m.GetLayout):
             return m.LayoutReply(await self._read(Namespace.get_layout, msg.ino))
+        if isinstance(msg, m.CreateMany):
+            Namespace.check_batch(msg.paths)  # refused before the chain table freezes
+            chains = await self._frozen_chains()
+            found = await self._ns(ns.create_many, list(msg.paths), msg.mode, msg.uid, msg.gid, chains=chains,
+                                   exclusive=msg.exclusive)
+            return _many_reply(found)
+        if isinstance(msg, m.UnlinkMany):
+            Namespace.check_batch(msg.paths)
+            found = await self._ns(ns.unlink_many, list(msg.paths))
+            self._garbage_added()
+            return _many_reply(found)
         if isinstance(msg, m.GetRouting):
             await self.lead.refresh_view()
             return m.RoutingReply(self.members.routing())
