@@ -6,21 +6,32 @@ hop: ~650 µs per 4 KiB read on this kind of machine, where a second hop back
 to the loop costs a visible share of it). The socket is non-blocking (trio
 owns it), so these helpers wait with ``poll`` when the kernel buffer is full.
 
-Frames from different tasks must not interleave, and a ``trio.Lock`` cannot be
-taken from a thread: the trio task holds the connection's send lock around the
-``to_thread`` call and hands the thread a :class:`ThreadReply`, which may send
-one frame. ``rpc._server.ServerConn.reply_from_thread`` does exactly that.
+Frames from different senders must not interleave. Every send of a connection
+holds its *wire lock*, a ``threading.Lock``: trio tasks take it without blocking
+(``acquire(blocking=False)``, retried after short sleeps while a thread holds it),
+threads take it blocking. A ``to_thread`` call made by a trio task that holds the
+lock sends on the task's behalf (``ServerConn.reply_from_thread``); a
+:class:`ConnThread`, the connection's own reply thread, takes the lock per frame.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import queue
 import select
-from typing import Any
+import threading
+from collections import deque
+from typing import Any, Callable
 
+import trio
+
+import wire
 from wire import ErrorCode, FrameHead, ServerConnection, StripefsError
 
-__all__ = ["ThreadReply", "send_all", "sendfile_all"]
+__all__ = ["ConnThread", "ThreadReply", "send_all", "sendfile_all"]
+
+log = logging.getLogger(__name__)
 
 WAIT_MS = 60_000  # a peer that reads nothing for a minute is gone
 
@@ -82,11 +93,16 @@ class ThreadReply:
     Only valid inside the thread call it was made for. ``send`` or ``send_error``
     exactly once. If sending fails after some bytes of the frame went out, the
     stream is corrupt: :attr:`torn` tells the connection to shut down.
+
+    ``lock`` is the connection's wire lock, taken around the frame; None when the
+    caller already holds it on the thread's behalf.
     """
 
-    def __init__(self, sock_fd: int, machine: ServerConnection, head: FrameHead):
+    def __init__(self, sock_fd: int, machine: ServerConnection, head: FrameHead,
+                 lock: threading.Lock | None = None):
         self._fd = sock_fd
         self._machine = machine
+        self._lock = lock
         self.head = head
         self.sent = False
         self.torn = False
@@ -109,6 +125,13 @@ class ThreadReply:
         if self.sent:
             raise RuntimeError("a request is answered once")
         self.sent = True
+        if self._lock is None:
+            self._send_frame(prefix, payload, file)
+        else:
+            with self._lock:
+                self._send_frame(prefix, payload, file)
+
+    def _send_frame(self, prefix: bytes, payload: Any, file: tuple[int, int, int] | None) -> None:
         self.torn = True  # until the whole frame is out
         if file is not None:
             send_all(self._fd, prefix)
@@ -118,3 +141,100 @@ class ThreadReply:
         else:
             send_all(self._fd, prefix)
         self.torn = False
+
+
+def _as_error(exc: Exception, what: str) -> StripefsError:
+    if isinstance(exc, StripefsError):
+        return exc
+    if isinstance(exc, OSError):
+        return wire.error_from_oserror(exc)
+    log.error("%s failed", what, exc_info=exc)  # a bug in a reply function: answer EIO, keep serving
+    return StripefsError(ErrorCode.IO, f"internal error: {type(exc).__name__}: {exc}")
+
+
+class ConnThread:
+    """A connection's own reply thread: runs ``fn(reply, *args)`` jobs one after another,
+    each answering its request itself (a :class:`ThreadReply` that takes the wire lock).
+
+    The trio side submits without awaiting anything and is never woken back: a
+    request served here costs no worker-thread hand-off and no loop wake-up. A job
+    that raises before answering is answered with the error (errno mapping as on the
+    trio side). A frame that went out in part calls ``tear`` (the peer sees EOF, the
+    trio reader its end). :meth:`close` hands the socket's descriptor over: the thread
+    closes it when it ends, so a descriptor number is never reused while the thread
+    may still write to it.
+    """
+
+    def __init__(self, sock_fd: int, machine: ServerConnection, lock: threading.Lock, tear: Callable[[], None],
+                 name: str = "stripefs-conn"):
+        self._fd = sock_fd
+        self._machine = machine
+        self._lock = lock
+        self._tear = tear
+        self._jobs: queue.SimpleQueue[tuple[FrameHead, Callable[..., None], tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._close_fd = -1
+        self.closing = False
+        self._token = trio.lowlevel.current_trio_token()  # made on the loop
+        self._room_waiters: deque[trio.Event] = deque()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def queued(self) -> int:
+        """Jobs submitted and not yet started (approximate while the thread runs)."""
+        return self._jobs.qsize()
+
+    def submit(self, head: FrameHead, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        self._jobs.put((head, fn, args))
+
+    async def wait_for_room(self, most: int) -> None:
+        """Wait (on the loop) until fewer than ``most`` jobs are queued. The thread wakes
+        the loop only when someone waits here."""
+        while self._jobs.qsize() >= most:
+            event = trio.Event()
+            self._room_waiters.append(event)
+            if self._jobs.qsize() < most:  # the thread took one before it could see us
+                return
+            await event.wait()
+
+    def _wake_room_waiters(self) -> None:
+        # After a job left the queue: the waiter appended itself before checking the size,
+        # and we took the job before looking for waiters, so one of the two sees the other.
+        while self._room_waiters:
+            try:
+                self._token.run_sync_soon(self._room_waiters.popleft().set)
+            except (trio.RunFinishedError, IndexError):
+                pass
+
+    def close(self, fd: int, *, abandon: bool) -> None:
+        """No more jobs; close ``fd`` (the connection's detached socket) when the thread ends.
+        ``abandon``: skip the jobs still queued (else they are answered first; a peer that
+        stops reading costs each at most the send timeout, ``WAIT_MS``)."""
+        self._close_fd = fd
+        self.closing = abandon
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        try:
+            while (job := self._jobs.get()) is not None:
+                if self._room_waiters:
+                    self._wake_room_waiters()
+                if not self.closing:
+                    self._one(*job)
+        finally:
+            if self._close_fd >= 0:
+                os.close(self._close_fd)
+
+    def _one(self, head: FrameHead, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+        reply = ThreadReply(self._fd, self._machine, head, self._lock)
+        try:
+            fn(reply, *args)
+            if not reply.sent:
+                raise RuntimeError(f"{getattr(fn, '__name__', fn)} returned without answering")
+        except Exception as exc:
+            if not reply.sent:
+                try:
+                    reply.send_error(_as_error(exc, getattr(fn, "__name__", repr(fn))))
+                except Exception:
+                    pass  # the socket failed: torn below if part of the frame went out
+        if reply.torn:
+            self._tear()

@@ -24,8 +24,10 @@ import errno
 import logging
 import os
 import socket
+import threading
 from collections import OrderedDict, deque
-from typing import Any, Callable
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable
 
 import trio
 
@@ -42,7 +44,7 @@ from wire import (
     StripefsError,
 )
 
-from ._replies import ThreadReply, send_all, sendfile_all
+from ._replies import ConnThread, ThreadReply, send_all, sendfile_all
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,10 @@ MIN_READ = 256  # a whole small request in one read; the few payload bytes past 
 SMALL_SEND = 16384  # responses up to this size go out as one write (copying is cheaper than a syscall)
 YIELD_EVERY = 8  # the reader passes through the scheduler at least every 8 requests (reads that find bytes do not)
 SOCK_BUF = 4 << 20
+# Jobs waiting on a connection's reply thread (ServerConn.reply_in_thread); past this many
+# a request waits for room (its task holds one of the connection's MAX_IN_FLIGHT slots).
+MAX_QUEUED = MAX_IN_FLIGHT
+WIRE_RETRY = (50e-6, 5e-3)  # a trio sender retries a wire lock held by a thread after 50 µs, doubling to 5 ms
 
 
 def tune_socket(sock: Any) -> None:
@@ -86,8 +92,10 @@ class ServerConn:
         self.sock = sock
         self.peer = peer
         self.machine = machine
-        self.send_lock = trio.Lock()
+        self.send_lock = trio.Lock()  # trio senders queue here, in turn
+        self.wire_lock = threading.Lock()  # held by whoever writes a frame, trio task or thread
         self._fd = sock.fileno()
+        self._thread: ConnThread | None = None
 
     @property
     def client_id(self) -> bytes:
@@ -111,12 +119,31 @@ class ServerConn:
                 await trio.lowlevel.wait_readable(self.sock)
         self.machine.receive_data(data)
 
+    async def _take_wire(self) -> None:
+        """Take the wire lock without blocking the loop: at once when free, else retried
+        after short sleeps (a thread holds it for one frame)."""
+        wire_lock = self.wire_lock
+        delay, most = WIRE_RETRY
+        while not wire_lock.acquire(blocking=False):
+            await trio.sleep(delay)
+            delay = min(delay * 2, most)
+
+    @asynccontextmanager
+    async def _sending(self) -> AsyncIterator[None]:
+        """Hold the send lock (trio senders in turn), then the wire lock (against threads)."""
+        async with self.send_lock:
+            await self._take_wire()
+            try:
+                yield
+            finally:
+                self.wire_lock.release()
+
     async def _send_small(self, data: bytes) -> None:
         """Send one whole small frame: written at once when no other send is in progress
         and the socket takes it all (no pass through the scheduler), else in turn."""
         lock = self.send_lock
-        if lock.locked():
-            async with lock:
+        if lock.locked() or not self.wire_lock.acquire(blocking=False):
+            async with self._sending():
                 await self._sendall_or_tear(data)
             return
         lock.acquire_nowait()  # no await since locked(): nobody got in between
@@ -131,6 +158,7 @@ class ServerConn:
             self._tear()
             raise
         finally:
+            self.wire_lock.release()
             lock.release()
 
     async def _sendall_or_tear(self, data: bytes | memoryview) -> None:
@@ -154,7 +182,7 @@ class ServerConn:
             finally:
                 out = self.machine.data_to_send()
                 if out:
-                    async with self.send_lock:
+                    async with self._sending():
                         await _trio_sendall(self.sock, out)
             if event is not NEED_DATA:
                 return event  # type: ignore[return-value]
@@ -200,7 +228,7 @@ class ServerConn:
         if file is None and plen <= SMALL_SEND:
             await self._send_small(prefix + bytes(payload) if plen else prefix)  # type: ignore[arg-type]
             return
-        async with self.send_lock:
+        async with self._sending():
             try:
                 if file is not None:
                     await _trio_sendall(self.sock, prefix)
@@ -221,14 +249,14 @@ class ServerConn:
     async def reply_from_thread(self, head: FrameHead, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(reply, *args)`` on a worker thread that answers ``head`` itself.
 
-        ``reply`` is a :class:`ThreadReply`; the send lock is held (here, in the trio
-        task) for the whole call, so the frame goes out in one piece and in order.
+        ``reply`` is a :class:`ThreadReply`; the send and wire locks are held (here, in
+        the trio task) for the whole call, so the frame goes out in one piece and in order.
         If ``fn`` raises before sending, the caller answers with the error as usual.
 
         Raises:
             RuntimeError: ``fn`` returned without answering.
         """
-        async with self.send_lock:
+        async with self._sending():
             reply = ThreadReply(self.sock.fileno(), self.machine, head)
             try:
                 await trio.to_thread.run_sync(fn, reply, *args)
@@ -237,6 +265,38 @@ class ServerConn:
                     self._tear()
         if not reply.sent:
             raise RuntimeError(f"{getattr(fn, '__name__', fn)} returned without answering")
+
+    async def reply_in_thread(self, head: FrameHead, fn: Callable[..., None], *args: Any) -> None:
+        """Have the connection's own reply thread run ``fn(reply, *args)``, which answers
+        ``head`` itself; returns at once, without a checkpoint.
+
+        The thread (a :class:`ConnThread`, started at the first call, ended when the
+        connection closes) takes the wire lock per frame; an exception from ``fn`` before
+        it answered is answered there (StripefsError as is, OSError by errno, others EIO).
+        No trio worker thread is involved and the loop is not woken when the job is done.
+        With ``MAX_QUEUED`` jobs already waiting, this waits for room (the thread wakes
+        the loop then), so a flooding connection is held back.
+        """
+        thread = self._thread
+        if thread is None:
+            thread = self._thread = ConnThread(self._fd, self.machine, self.wire_lock, self._tear,
+                                               name=f"stripefs-conn-{self._fd}")
+        elif thread.queued() >= MAX_QUEUED:
+            await thread.wait_for_room(MAX_QUEUED)
+        thread.submit(head, fn, args)
+
+    def close(self, *, abandon: bool = True) -> None:
+        """Close the connection. With a reply thread, the socket is shut down (``abandon``:
+        the queued jobs are skipped) or left to answer the queued jobs (the peer ended the
+        stream cleanly), and the thread closes the descriptor when it ends."""
+        thread = self._thread
+        if thread is None:
+            self.sock.close()
+            return
+        if abandon:
+            self._tear()
+        trio.lowlevel.notify_closing(self.sock)
+        thread.close(self.sock.detach(), abandon=abandon)
 
     def _tear(self) -> None:
         """A frame went out in part: nothing more may be sent; the peer sees EOF, not garbage."""
@@ -403,6 +463,7 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
     """Serve one connection. Nothing that happens here may take the server down."""
     conn = ServerConn(sock, peer, ServerConnection(secret, service.role, cluster_id, admit=clients.admit))
     limit = trio.Semaphore(MAX_IN_FLIGHT)
+    clean_end = False  # the peer ended the stream: queued replies are still sent
 
     async def reply_error(head: FrameHead, exc: StripefsError) -> None:
         try:
@@ -473,6 +534,7 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
         async with trio.open_nursery() as nursery:
             try:
                 await read_loop(nursery)
+                clean_end = True
             except _CONN_ERRORS:
                 pass
             except StripefsError as exc:  # protocol violation: stream position is lost
@@ -489,7 +551,7 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
     finally:
         if conn.peer_role:  # admitted: counted in ``clients``
             clients.release(conn.client_id)
-        sock.close()
+        conn.close(abandon=not clean_end)
 
 
 async def serve_rpc(

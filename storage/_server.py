@@ -116,9 +116,9 @@ class StorageService(Service):
                     await conn.send(head, proxied.to_header(), payload=bytes(tail_bytes))
                     return
             if msg.length <= SMALL_READ:
-                # Latency matters for small reads (dataloader samples): read and send in one
-                # worker-thread hop, holding the connection's send lock.
-                await conn.reply_from_thread(head, self._small_read, msg)
+                # Latency matters for small reads (dataloader samples): the connection's own
+                # reply thread reads and sends (no worker-thread hop, no wake-up of the loop).
+                await conn.reply_in_thread(head, self._small_read, msg)
                 return
             fd, off, n, data, clen, crcs = await trio.to_thread.run_sync(
                 store.open_read_checked, msg.ino, msg.index, msg.offset, msg.length)
@@ -175,9 +175,9 @@ class StorageService(Service):
             raise StripefsError(ErrorCode.NOT_SUPPORTED, f"{type(msg).__name__} is not a storage request")
 
     def _small_read(self, reply: ThreadReply, msg: m.ReadChunk) -> None:
-        """Runs in a worker thread with the send lock held: read, then answer.
+        """Runs on the connection's reply thread: read, then answer (the frame under the wire lock).
 
-        A failure to read propagates before anything is sent; the caller answers it.
+        A failure to read propagates before anything is sent; the thread answers it.
         """
         fd, off, n, data, clen, crcs = self.store.open_read_checked(msg.ino, msg.index, msg.offset, msg.length)
         try:
