@@ -266,6 +266,18 @@ class ServerConn:
         if not reply.sent:
             raise RuntimeError(f"{getattr(fn, '__name__', fn)} returned without answering")
 
+    def try_reply_in_thread(self, head: FrameHead, fn: Callable[..., None], *args: Any) -> bool:
+        """:meth:`reply_in_thread` when there is room in the queue (True), else nothing (False).
+        Not async: a :meth:`Service.handle_now` can hand a request over from the reader."""
+        thread = self._thread
+        if thread is None:
+            thread = self._thread = ConnThread(self._fd, self.machine, self.wire_lock, self._tear,
+                                               name=f"stripefs-conn-{self._fd}")
+        elif thread.queued() >= MAX_QUEUED:
+            return False
+        thread.submit(head, fn, args)
+        return True
+
     async def reply_in_thread(self, head: FrameHead, fn: Callable[..., None], *args: Any) -> None:
         """Have the connection's own reply thread run ``fn(reply, *args)``, which answers
         ``head`` itself; returns at once, without a checkpoint.
@@ -277,13 +289,8 @@ class ServerConn:
         With ``MAX_QUEUED`` jobs already waiting, this waits for room (the thread wakes
         the loop then), so a flooding connection is held back.
         """
-        thread = self._thread
-        if thread is None:
-            thread = self._thread = ConnThread(self._fd, self.machine, self.wire_lock, self._tear,
-                                               name=f"stripefs-conn-{self._fd}")
-        elif thread.queued() >= MAX_QUEUED:
-            await thread.wait_for_room(MAX_QUEUED)
-        thread.submit(head, fn, args)
+        while not self.try_reply_in_thread(head, fn, *args):
+            await self._thread.wait_for_room(MAX_QUEUED)  # type: ignore[union-attr]
 
     def close(self, *, abandon: bool = True) -> None:
         """Close the connection. With a reply thread, the socket is shut down (``abandon``:
@@ -319,9 +326,16 @@ class Service:
     ``receive_payload`` runs on the connection's reader task (the stream is
     ordered, so the payload must be read before the next frame); ``handle``
     runs in its own task, so slow requests do not block the connection.
+    ``handle_now`` is asked first about requests without a payload, on the reader.
     """
 
     role: str = "service"
+
+    def handle_now(self, conn: "ServerConn", head: FrameHead, msg: wire.Message) -> bool:
+        """Dispose of a request on the reader itself, without a task: True when it did
+        (typically handed to :meth:`ServerConn.try_reply_in_thread`), False to have
+        ``handle`` serve it. Must not block or await; an exception counts as False."""
+        return False
 
     async def receive_payload(self, conn: "ServerConn", head: FrameHead, msg: wire.Message) -> Any:
         await conn.discard_payload()
@@ -502,6 +516,12 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
             if not isinstance(event, RequestReceived):  # ConnectionClosed
                 return
             head, msg = event.head, event.message
+            if not head.payload_len:
+                try:
+                    if service.handle_now(conn, head, msg):
+                        continue
+                except Exception:  # handle() serves it, and answers whatever went wrong
+                    pass
             try:
                 limit.acquire_nowait()
             except trio.WouldBlock:

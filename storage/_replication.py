@@ -113,6 +113,10 @@ class Replicator:
             self.silences += 1
         self.heard = max(self.heard, asked)
 
+    def confirmed(self, lease: float = SILENCE) -> bool:
+        """Did the metadata service answer within ``lease`` seconds (:meth:`confirm` would return at once)?"""
+        return trio.current_time() - self.heard <= lease
+
     async def confirm(self, lease: float = SILENCE) -> None:
         """Ask for the chain table unless the metadata service answered within ``lease`` seconds.
 

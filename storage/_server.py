@@ -74,6 +74,22 @@ class StorageService(Service):
             raise
         return buf
 
+    def handle_now(self, conn: ServerConn, head: FrameHead, msg: Message) -> bool:
+        """A small read that needs no routing refresh, confirmation, tail proxying or
+        refusal goes from the reader straight to the connection's reply thread (no task)."""
+        if type(msg) is not m.ReadChunk or msg.length > SMALL_READ:
+            return False
+        if msg.chain:
+            repl = self.repl
+            routing = repl.routing
+            if routing is None or msg.routing_version > routing.version or not repl.confirmed():
+                return False
+            if self.server_id not in routing.chains.get(msg.chain, (self.server_id,)):
+                return False  # handle() refuses it
+            if (msg.ino, msg.index) in repl.dirty:
+                return False  # may be proxied to the tail
+        return conn.try_reply_in_thread(head, self._small_read, msg)
+
     async def handle(self, conn: ServerConn, head: FrameHead, msg: Message, payload: Any) -> None:
         store = self.store
         if isinstance(msg, (m.WriteChunk, m.ReadChunk)) and msg.chain:
