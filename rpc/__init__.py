@@ -3,7 +3,8 @@
 * :func:`serve_rpc` / :class:`Service` -- the trio server loop (metadata and storage servers),
   bounded by a :class:`ByteBudget` of payload bytes (BUSY past ``BUSY_AFTER`` seconds of
   waiting), a connection cap, and a per-client connection cap (:class:`ClientSlots`);
-  :meth:`ServerConn.reply_from_thread` / :class:`ThreadReply` answer from a worker thread;
+  :meth:`ServerConn.reply_from_thread` / :class:`ThreadReply` answer from a worker thread,
+  :meth:`ServerConn.reply_in_thread` from the connection's own reply thread;
 * :class:`Connection` -- a blocking, pipelined client connection with in-place receives;
 * :class:`TrioConnection` -- a small trio client for server-to-server control calls;
 * :class:`ConnectionPool` / :class:`TrioPool` -- connections by server (moves, breakage, fork).

@@ -15,7 +15,11 @@ once more after an operation that succeeded at once).
 The protocol itself (handshake, request decoding, payload hand-off) is the
 sans-IO :class:`wire.ServerConnection`; this module only moves bytes. Bulk sends
 go through worker threads (``sendfile`` of a chunk file, or a buffer; see
-``_replies.py``), so no blocking call runs on the trio loop.
+``_replies.py``), so no blocking call runs on the trio loop. Latency-bound replies
+(small reads) go to the connection's own reply thread instead
+(:meth:`ServerConn.reply_in_thread`, :meth:`Service.handle_now`): no worker-thread
+hand-off and no wake-up of the loop per request. Every frame is sent under the
+connection's wire lock (a ``threading.Lock``; trio takes it without blocking).
 """
 
 from __future__ import annotations

@@ -24,20 +24,34 @@ CLIENT = wire.role_credential(SECRET, "client")
 DATA = os.urandom(1 << 20)
 
 # ReadChunk.ino picks what the server does
-THREAD_BUF, THREAD_FILE, TRIO_SEND, FAIL_TYPED, FAIL_OS, FORGET, TEAR, SLOW = range(1, 9)
+THREAD_BUF, THREAD_FILE, TRIO_SEND, FAIL_TYPED, FAIL_OS, FORGET, TEAR, SLOW, NOW_RAISES = range(1, 10)
 
 
 class ThreadService(Service):
-    """ReadChunk of DATA[offset:offset+length], answered as ``ino`` says."""
+    """ReadChunk of DATA[offset:offset+length], answered as ``ino`` says; with ``now``,
+    thread jobs are handed over by ``handle_now`` on the reader (no task), as the storage
+    server does."""
 
     role = "storage"
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, now: bool):
         self.path = path
+        self.now = now
+        self.handled = 0  # requests that went through handle()
+
+    def handle_now(self, conn: ServerConn, head: FrameHead, msg: Message) -> bool:
+        if not self.now or not isinstance(msg, m.ReadChunk) or msg.ino == TRIO_SEND:
+            return False
+        if msg.ino == NOW_RAISES:
+            raise RuntimeError("handle() takes over")
+        return conn.try_reply_in_thread(head, self._job, msg)
 
     async def handle(self, conn: ServerConn, head: FrameHead, msg: Message, payload: Any) -> None:
         assert isinstance(msg, m.ReadChunk)
-        if msg.ino == TRIO_SEND:  # a frame from the trio side, in between the thread's frames
+        self.handled += 1
+        if msg.ino == NOW_RAISES:
+            await conn.send(head, {"from": "handle"})
+        elif msg.ino == TRIO_SEND:  # a frame from the trio side, in between the thread's frames
             await conn.send(head, {"from": "trio"}, payload=DATA[msg.offset : msg.offset + msg.length])
         else:
             await conn.reply_in_thread(head, self._job, msg)
@@ -68,8 +82,9 @@ class Server:
     """The service on a trio run of its own; ``starve`` holds every token of trio's default
     thread limiter, so anything that goes through ``trio.to_thread`` waits forever."""
 
-    def __init__(self, path: str, *, starve: bool = False):
+    def __init__(self, path: str, *, starve: bool = False, now: bool = False):
         ready = threading.Event()
+        self.service = ThreadService(path, now)
 
         async def main() -> None:
             self.token = trio.lowlevel.current_trio_token()
@@ -80,7 +95,7 @@ class Server:
             with trio.CancelScope() as self.scope:
                 async with trio.open_nursery() as nursery:
                     self.address = await nursery.start(lambda task_status: serve_rpc(
-                        ThreadService(path), "127.0.0.1", 0, secret=SECRET, task_status=task_status))
+                        self.service, "127.0.0.1", 0, secret=SECRET, task_status=task_status))
                     ready.set()
 
         self.thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
@@ -101,9 +116,9 @@ def data_file() -> Iterator[str]:
     os.unlink(path)
 
 
-@pytest.fixture
-def server(data_file: str) -> Iterator[Server]:
-    s = Server(data_file)
+@pytest.fixture(params=[False, True], ids=["task", "now"])
+def server(data_file: str, request: pytest.FixtureRequest) -> Iterator[Server]:
+    s = Server(data_file, now=request.param)
     yield s
     s.stop()
 
@@ -125,8 +140,9 @@ def read(ino: int, offset: int = 0, length: int = 4096, index: int = 0) -> m.Rea
     return m.ReadChunk(ino=ino, index=index, offset=offset, length=length)
 
 
-def test_replies_need_no_trio_worker_thread(data_file: str) -> None:
-    server = Server(data_file, starve=True)
+@pytest.mark.parametrize("now", [False, True], ids=["task", "now"])
+def test_replies_need_no_trio_worker_thread(data_file: str, now: bool) -> None:
+    server = Server(data_file, starve=True, now=now)
     conn = Connection(server.address, CLIENT, os.urandom(16), expect_role="storage")
     try:
         futs = [(i, conn.submit(read(THREAD_BUF if i % 2 else THREAD_FILE, offset=i * 4096)))
@@ -134,6 +150,8 @@ def test_replies_need_no_trio_worker_thread(data_file: str) -> None:
         for i, fut in futs:
             assert fut.result(10).payload == DATA[i * 4096 : i * 4096 + 4096]
         assert len(conn_threads()) >= 1
+        if now:  # only those that found the queue full (64 waiting) went through a task
+            assert server.service.handled < 200 - 64
     finally:
         conn.close()
         server.stop()
@@ -166,6 +184,7 @@ def test_failures_in_the_thread_are_answered(server: Server) -> None:
             with pytest.raises(StripefsError) as exc:
                 conn.call(read(ino), timeout=10)
             assert exc.value.code == code
+        assert conn.call(read(NOW_RAISES), timeout=10).header == {"from": "handle"}  # handle_now failed: handle() serves
         assert conn.call(read(THREAD_BUF, 8192), timeout=10).payload == DATA[8192:12288]  # still good
     finally:
         conn.close()
