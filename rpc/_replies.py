@@ -219,7 +219,11 @@ class ConnThread:
                 if self._room_waiters:
                     self._wake_room_waiters()
                 if not self.closing:
-                    self._one(*job)
+                    try:
+                        self._one(*job)
+                    except Exception:  # never leave the jobs behind this one unanswered
+                        log.exception("reply thread job failed")
+                        self._tear()
         finally:
             if self._close_fd >= 0:
                 os.close(self._close_fd)
