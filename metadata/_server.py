@@ -622,7 +622,29 @@ class Membership:
 
 
 MAX_BATCH = 256  # operations per group commit
+# Reads whose cost is bounded by ``INLINE_COST`` run at once on the trio loop, on a read
+# connection of their own, instead of going through the reader thread. Costs are in units of
+# ~0.5 us, what one name of a listing costs (measured on a 2-core VM, the pages in memory).
+# A stat (4 statements) costs ~25 us in SQLite; the hand-off to a thread and back costs ~40 us
+# alone and ~150 us under load (the GIL passes between the threads at every SQLite step). The
+# longest read run here (a page of 2,000 names) holds the loop ~1 ms, about as long as the
+# same read holds the GIL on the thread; longer ones (big pages with attributes, StatMany of
+# many paths) keep the thread.
+INLINE_COST = 2500
+STATEMENT_COST = 16  # one point query (a dentry, an inode)
+NAME_COST = 1  # one name of a ListNames page
+ENTRY_COST = 2  # one entry of a Readdir page
+ENTRY_PLUS_COST = 14  # one entry of a Readdir page with attributes
+# A read on the loop waits this long at most for a lock (only a log recovery holds one
+# against WAL readers); past it the read goes to the reader thread, which waits longer.
+INLINE_BUSY_TIMEOUT = 0.005
 MAX_BATCH_RETRIES = 8  # reruns of a batch that lost a serialization race (PostgreSQL)
+
+
+def _path_cost(path: str) -> int:
+    """What resolving ``path`` costs: a statement per component and one for the inode
+    (symlinks met on the way add theirs: at most 40 of them, see ``Namespace.resolve``)."""
+    return (path.count("/") + 2) * STATEMENT_COST if type(path) is str else INLINE_COST + 1
 
 
 class MetadataService(Service):
@@ -649,6 +671,9 @@ class MetadataService(Service):
         reader = ns.store.reader()
         self._rns = ns.reading(reader) if reader is not None else ns
         self._reader = StoreThread(run_each, MAX_BATCH) if reader is not None else None
+        # Short reads run on the loop itself (``INLINE_COST``), on a third connection.
+        now_reader = ns.store.reader(busy_timeout_s=INLINE_BUSY_TIMEOUT) if reader is not None else None
+        self._lns = ns.reading(now_reader) if now_reader is not None else None
         self._gc_due = 0.0  # monotonic time before which a wake-up finds no removal due
         self.replay = ReplayCache()
         self._running: dict[tuple[bytes, int], trio.Event] = {}  # mutations being applied, by replay key
@@ -702,11 +727,23 @@ class MetadataService(Service):
         """Run ``fn`` in the writer's next batch (group commit)."""
         return await self._stored(self._writer, lambda: fn(*args, **kwargs))
 
-    async def _read(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run the read-only ``Namespace`` method ``fn`` (unbound) on the reader, never
-        behind a write batch's commit; stores without a reader run it in the write batch."""
+    async def _read(self, fn: Callable[..., Any], *args: Any, cost: int | None = None) -> Any:
+        """Run the read-only ``Namespace`` method ``fn`` (unbound) on a reader, never
+        behind a write batch's commit; stores without a reader run it in the write batch.
+
+        Args:
+            cost: the most ``fn`` costs, when its arguments bound it (``INLINE_COST``'s
+                units): up to ``INLINE_COST`` it runs at once, here on the loop.
+        """
         if self._reader is None:
             return await self._store_call(fn, self.ns, *args)
+        if cost is not None and cost <= INLINE_COST and self._lns is not None:
+            try:
+                return fn(self._lns, *args)
+            except StripefsError:
+                raise
+            except Exception:  # e.g. SQLITE_BUSY during a log recovery: the thread waits it out
+                pass
         rns = self._rns
         return await self._stored(self._reader, lambda: fn(rns, *args))
 
@@ -786,11 +823,11 @@ class MetadataService(Service):
     async def _dispatch(self, msg: Message[Any]) -> ReplyMessage:
         ns = self.ns
         if isinstance(msg, m.GetAttr):
-            return m.AttrReply(await self._read(Namespace.getattr, msg.ino))
+            return m.AttrReply(await self._read(Namespace.getattr, msg.ino, cost=STATEMENT_COST))
         if isinstance(msg, m.Lookup):
-            return m.AttrReply(await self._read(Namespace.lookup, msg.parent, msg.name))
+            return m.AttrReply(await self._read(Namespace.lookup, msg.parent, msg.name, cost=3 * STATEMENT_COST))
         if isinstance(msg, m.Resolve):
-            return m.AttrReply(await self._read(Namespace.resolve, msg.path, msg.follow))
+            return m.AttrReply(await self._read(Namespace.resolve, msg.path, msg.follow, cost=_path_cost(msg.path)))
         if isinstance(msg, m.Create):
             chains = await self._frozen_chains()
             attr, created = await self._ns(
@@ -814,12 +851,14 @@ class MetadataService(Service):
             self._garbage_added()
             return m.AttrReply(attr)
         if isinstance(msg, m.StatMany):
-            found = await self._read(Namespace.resolve_many, list(msg.paths), msg.follow)
+            found = await self._read(Namespace.resolve_many, list(msg.paths), msg.follow,
+                                     cost=sum(map(_path_cost, msg.paths)))
             attrs = [a for a in found if not isinstance(a, StripefsError)]
             failed = [i for i, a in enumerate(found) if isinstance(a, StripefsError)]
             return m.StatManyReply(attrs, failed, [int(found[i].code) for i in failed])
         if isinstance(msg, m.ListNames):
-            names, more = await self._read(Namespace.list_names, msg.path, msg.after, msg.limit)
+            names, more = await self._read(Namespace.list_names, msg.path, msg.after, msg.limit,
+                                            cost=_path_cost(msg.path) + msg.limit * NAME_COST)
             return m.NamesReply(names, bool(more))
         if isinstance(msg, m.Mkdir):
             return m.AttrReply(await self._ns(ns.mkdir, msg.parent, msg.name, msg.mode, msg.uid, msg.gid))
@@ -830,11 +869,11 @@ class MetadataService(Service):
             return m.AttrReply(await self._ns(ns.mknod, msg.parent, msg.name, msg.mode, msg.rdev, msg.uid, msg.gid,
                                               chains=chains))
         if isinstance(msg, m.GetXattr):
-            return m.XattrReply(await self._read(Namespace.getxattr, msg.ino, msg.name))
+            return m.XattrReply(await self._read(Namespace.getxattr, msg.ino, msg.name, cost=2 * STATEMENT_COST))
         if isinstance(msg, m.SetXattr):
             return m.AttrReply(await self._ns(ns.setxattr, msg.ino, msg.name, msg.value, msg.flags))
         if isinstance(msg, m.ListXattr):
-            return m.XattrNamesReply(await self._read(Namespace.listxattr, msg.ino))
+            return m.XattrNamesReply(await self._read(Namespace.listxattr, msg.ino, cost=2 * STATEMENT_COST))
         if isinstance(msg, m.RemoveXattr):
             return m.AttrReply(await self._ns(ns.removexattr, msg.ino, msg.name))
         if isinstance(msg, m.AcquireLock):
@@ -843,11 +882,13 @@ class MetadataService(Service):
         if isinstance(msg, m.ReleaseLock):
             return m.ReleaseLockReply(await self._ns(self.leases.release, msg.key, msg.owner))
         if isinstance(msg, m.Readlink):
-            return m.ReadlinkReply(await self._read(Namespace.readlink, msg.ino))
+            return m.ReadlinkReply(await self._read(Namespace.readlink, msg.ino, cost=STATEMENT_COST))
         if isinstance(msg, m.Link):
             return m.AttrReply(await self._ns(ns.link, msg.ino, msg.new_parent, msg.new_name))
         if isinstance(msg, m.Readdir):
-            entries, more = await self._read(Namespace.readdir, msg.ino, msg.after, msg.limit, msg.plus)
+            per_entry = ENTRY_PLUS_COST if msg.plus else ENTRY_COST
+            entries, more = await self._read(Namespace.readdir, msg.ino, msg.after, msg.limit, msg.plus,
+                                              cost=STATEMENT_COST + msg.limit * per_entry)
             return m.ReaddirReply(list(entries), bool(more))
         if isinstance(msg, m.Unlink):
             attr = await self._ns(ns.unlink, msg.parent, msg.name)
@@ -874,7 +915,7 @@ class MetadataService(Service):
             await self._ns(ns.set_layout, msg.ino, msg.chunk_size, msg.stripe)
             return m.EmptyReply()
         if isinstance(msg, m.GetLayout):
-            return m.LayoutReply(await self._read(Namespace.get_layout, msg.ino))
+            return m.LayoutReply(await self._read(Namespace.get_layout, msg.ino, cost=2 * STATEMENT_COST))
         if isinstance(msg, m.GetRouting):
             await self.lead.refresh_view()
             return m.RoutingReply(self.members.routing())

@@ -236,13 +236,16 @@ class Store(abc.ABC):
         """
         yield
 
-    def reader(self) -> "Store | None":
-        """A store for read-only transactions on another thread, or None.
+    def reader(self, *, busy_timeout_s: float = 5.0) -> "Store | None":
+        """A new store for read-only transactions on another thread, or None.
 
         Its transactions may run while this store's writes (batches) are in
         progress, and see only committed state: a read that starts after a
-        write was acknowledged sees it. None (the default) means reads must go
-        through this store, serialised with the writes.
+        write was acknowledged sees it. Each call opens another one (its own
+        connection: one per thread that reads); :meth:`close` closes them all.
+        None (the default) means reads must go through this store, serialised
+        with the writes. ``busy_timeout_s``: how long a read waits out a lock
+        (a WAL reader meets one only while a connection recovers the log).
         """
         return None
 
@@ -709,7 +712,7 @@ class SqliteStore(Store):
             raise
         self._open = False
         self._batching = False
-        self._reader: _SqliteReader | None = None
+        self._readers: list[_SqliteReader] = []
 
     @property
     def synchronous(self) -> str:
@@ -717,12 +720,12 @@ class SqliteStore(Store):
         level = self._conn.execute("PRAGMA synchronous").fetchone()[0]
         return next(name for name, value in SYNC_MODES.items() if value == level)
 
-    def reader(self) -> "Store | None":
+    def reader(self, *, busy_timeout_s: float = 5.0) -> "Store | None":
         if self.path == ":memory:" or self.path.startswith("file:"):
             return None  # a private in-memory database has no second connection
-        if self._reader is None:
-            self._reader = _SqliteReader(self.path)
-        return self._reader
+        reader = _SqliteReader(self.path, busy_timeout_s)
+        self._readers.append(reader)
+        return reader
 
     def _skip_reserved(self) -> None:
         """Move every counter past its reserved bound (numbers below it may have been
@@ -811,8 +814,8 @@ class SqliteStore(Store):
             self._open = False
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.close()
+        for reader in self._readers:
+            reader.close()
         self._conn.close()
 
 
@@ -820,8 +823,8 @@ class _SqliteReader(Store):
     """A second, query-only connection to a WAL database: each transaction reads one
     committed snapshot and never waits for the writer (WAL readers do not block)."""
 
-    def __init__(self, path: str) -> None:
-        self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    def __init__(self, path: str, busy_timeout_s: float = 5.0) -> None:
+        self._conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
         self._conn.execute("PRAGMA query_only=1")
         self._open = False
 

@@ -106,3 +106,46 @@ def test_a_full_page_of_young_removals_does_not_make_every_unlink_rescan(tmp_pat
         trio.run(main)
     finally:
         store.close()
+
+
+def test_small_reads_are_answered_on_the_loop_and_big_listings_on_the_reader_thread(tmp_path) -> None:
+    """A point read (stat, lookup, a short listing) is answered at once from the loop's own
+    read connection, even while the reader thread is busy; a listing too big to run on the
+    loop still waits for the reader thread."""
+    svc, store = _service(tmp_path)
+    gate = threading.Event()
+    started = threading.Event()
+    assert svc._reader is not None
+
+    def slow_read() -> None:  # stands in for a long listing holding the reader thread
+        started.set()
+        gate.wait(10)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.run_batches)
+            nursery.start_soon(svc._reader.submit, slow_read)
+            while not started.is_set():
+                await trio.sleep(0.01)
+            try:
+                with trio.fail_after(3):
+                    d = (await svc._dispatch(m.Resolve(path="/d"))).attr
+                    assert (await svc._dispatch(m.Lookup(parent=1, name="d"))).attr.ino == d.ino
+                    assert (await svc._dispatch(m.GetAttr(ino=d.ino))).attr.is_dir
+                    names = await svc._dispatch(m.ListNames(path="/", after="", limit=100))
+                    assert names.names == ["d"]
+                big = None
+                with trio.move_on_after(0.3):
+                    big = await svc._dispatch(m.Readdir(ino=1, after="", limit=10_000, plus=True))
+                assert big is None  # queued behind the busy reader thread, not run on the loop
+            finally:
+                gate.set()
+            with trio.fail_after(3):
+                big = await svc._dispatch(m.Readdir(ino=1, after="", limit=10_000, plus=True))
+            assert [e.name for e in big.entries] == ["d"]
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        store.close()
