@@ -641,6 +641,38 @@ INLINE_BUSY_TIMEOUT = 0.005
 MAX_BATCH_RETRIES = 8  # reruns of a batch that lost a serialization race (PostgreSQL)
 
 
+def _stat_many_reply(found: list[Any]) -> m.StatManyReply:
+    attrs = [a for a in found if not isinstance(a, StripefsError)]
+    failed = [i for i, a in enumerate(found) if isinstance(a, StripefsError)]
+    return m.StatManyReply(attrs, failed, [int(found[i].code) for i in failed])
+
+
+def _page_reply(kind: Callable[[list[Any], bool], ReplyMessage]) -> Callable[[tuple[Any, Any]], ReplyMessage]:
+    return lambda page: kind(list(page[0]), bool(page[1]))
+
+
+ReadPlan = tuple[Callable[..., Any], tuple[Any, ...], int, Callable[[Any], ReplyMessage]]
+
+# The read requests: the ``Namespace`` method answering one, its arguments, what it costs at
+# most (``INLINE_COST`` units) and the reply made of its result.
+_READS: dict[type, Callable[[Any], ReadPlan]] = {
+    m.GetAttr: lambda q: (Namespace.getattr, (q.ino,), STATEMENT_COST, m.AttrReply),
+    m.Lookup: lambda q: (Namespace.lookup, (q.parent, q.name), 3 * STATEMENT_COST, m.AttrReply),
+    m.Resolve: lambda q: (Namespace.resolve, (q.path, q.follow), _path_cost(q.path), m.AttrReply),
+    m.StatMany: lambda q: (Namespace.resolve_many, (list(q.paths), q.follow), sum(map(_path_cost, q.paths)),
+                           _stat_many_reply),
+    m.ListNames: lambda q: (Namespace.list_names, (q.path, q.after, q.limit), _path_cost(q.path) + q.limit * NAME_COST,
+                            _page_reply(m.NamesReply)),
+    m.Readdir: lambda q: (Namespace.readdir, (q.ino, q.after, q.limit, q.plus),
+                          STATEMENT_COST + q.limit * (ENTRY_PLUS_COST if q.plus else ENTRY_COST),
+                          _page_reply(m.ReaddirReply)),
+    m.GetXattr: lambda q: (Namespace.getxattr, (q.ino, q.name), 2 * STATEMENT_COST, m.XattrReply),
+    m.ListXattr: lambda q: (Namespace.listxattr, (q.ino,), 2 * STATEMENT_COST, m.XattrNamesReply),
+    m.Readlink: lambda q: (Namespace.readlink, (q.ino,), STATEMENT_COST, m.ReadlinkReply),
+    m.GetLayout: lambda q: (Namespace.get_layout, (q.ino,), 2 * STATEMENT_COST, m.LayoutReply),
+}
+
+
 def _path_cost(path: str) -> int:
     """What resolving ``path`` costs: a statement per component and one for the inode
     (symlinks met on the way add theirs: at most 40 of them, see ``Namespace.resolve``)."""
@@ -737,15 +769,39 @@ class MetadataService(Service):
         """
         if self._reader is None:
             return await self._store_call(fn, self.ns, *args)
-        if cost is not None and cost <= INLINE_COST and self._lns is not None:
-            try:
-                return fn(self._lns, *args)
-            except StripefsError:
-                raise
-            except Exception:  # e.g. SQLITE_BUSY during a log recovery: the thread waits it out
-                pass
+        if cost is not None:
+            done, result = self._read_now(fn, args, cost)
+            if done:
+                return result
         rns = self._rns
         return await self._stored(self._reader, lambda: fn(rns, *args))
+
+    def _read_now(self, fn: Callable[..., Any], args: tuple[Any, ...], cost: int) -> tuple[bool, Any]:
+        """``(True, fn(...))`` run here on the loop's read connection when ``cost`` allows,
+        else ``(False, None)``: the read goes to the reader thread.
+
+        Raises:
+            StripefsError: the read's own error.
+        """
+        if cost > INLINE_COST or self._lns is None:
+            return False, None
+        try:
+            return True, fn(self._lns, *args)
+        except StripefsError:
+            raise
+        except Exception:  # e.g. SQLITE_BUSY during a log recovery: the thread waits it out
+            return False, None
+
+    def answer_now(self, conn: ServerConn, head: FrameHead, msg: Message) -> dict[str, Any] | None:
+        """Short reads, answered from the loop (see ``INLINE_COST``); None for the rest.
+
+        No membership is persisted first: a read's answer says nothing of it."""
+        plan = _READS.get(type(msg))
+        if plan is None or self._lns is None:
+            return None
+        fn, args, cost, reply = plan(msg)
+        done, result = self._read_now(fn, args, cost)
+        return reply(result).to_header() if done else None
 
     @staticmethod
     async def _stored(thread: StoreThread, fn: Callable[[], Any]) -> Any:
@@ -822,12 +878,10 @@ class MetadataService(Service):
 
     async def _dispatch(self, msg: Message[Any]) -> ReplyMessage:
         ns = self.ns
-        if isinstance(msg, m.GetAttr):
-            return m.AttrReply(await self._read(Namespace.getattr, msg.ino, cost=STATEMENT_COST))
-        if isinstance(msg, m.Lookup):
-            return m.AttrReply(await self._read(Namespace.lookup, msg.parent, msg.name, cost=3 * STATEMENT_COST))
-        if isinstance(msg, m.Resolve):
-            return m.AttrReply(await self._read(Namespace.resolve, msg.path, msg.follow, cost=_path_cost(msg.path)))
+        plan = _READS.get(type(msg))
+        if plan is not None:
+            fn, args, cost, reply = plan(msg)
+            return reply(await self._read(fn, *args, cost=cost))
         if isinstance(msg, m.Create):
             chains = await self._frozen_chains()
             attr, created = await self._ns(
@@ -850,16 +904,6 @@ class MetadataService(Service):
             attr = await self._ns(ns.unlink_path, msg.path)
             self._garbage_added()
             return m.AttrReply(attr)
-        if isinstance(msg, m.StatMany):
-            found = await self._read(Namespace.resolve_many, list(msg.paths), msg.follow,
-                                     cost=sum(map(_path_cost, msg.paths)))
-            attrs = [a for a in found if not isinstance(a, StripefsError)]
-            failed = [i for i, a in enumerate(found) if isinstance(a, StripefsError)]
-            return m.StatManyReply(attrs, failed, [int(found[i].code) for i in failed])
-        if isinstance(msg, m.ListNames):
-            names, more = await self._read(Namespace.list_names, msg.path, msg.after, msg.limit,
-                                            cost=_path_cost(msg.path) + msg.limit * NAME_COST)
-            return m.NamesReply(names, bool(more))
         if isinstance(msg, m.Mkdir):
             return m.AttrReply(await self._ns(ns.mkdir, msg.parent, msg.name, msg.mode, msg.uid, msg.gid))
         if isinstance(msg, m.Symlink):
@@ -868,12 +912,8 @@ class MetadataService(Service):
             chains = await self._frozen_chains() if stat.S_ISREG(msg.mode) else []
             return m.AttrReply(await self._ns(ns.mknod, msg.parent, msg.name, msg.mode, msg.rdev, msg.uid, msg.gid,
                                               chains=chains))
-        if isinstance(msg, m.GetXattr):
-            return m.XattrReply(await self._read(Namespace.getxattr, msg.ino, msg.name, cost=2 * STATEMENT_COST))
         if isinstance(msg, m.SetXattr):
             return m.AttrReply(await self._ns(ns.setxattr, msg.ino, msg.name, msg.value, msg.flags))
-        if isinstance(msg, m.ListXattr):
-            return m.XattrNamesReply(await self._read(Namespace.listxattr, msg.ino, cost=2 * STATEMENT_COST))
         if isinstance(msg, m.RemoveXattr):
             return m.AttrReply(await self._ns(ns.removexattr, msg.ino, msg.name))
         if isinstance(msg, m.AcquireLock):
@@ -881,15 +921,8 @@ class MetadataService(Service):
             return m.LockReply(row.token, row.expires_ns)
         if isinstance(msg, m.ReleaseLock):
             return m.ReleaseLockReply(await self._ns(self.leases.release, msg.key, msg.owner))
-        if isinstance(msg, m.Readlink):
-            return m.ReadlinkReply(await self._read(Namespace.readlink, msg.ino, cost=STATEMENT_COST))
         if isinstance(msg, m.Link):
             return m.AttrReply(await self._ns(ns.link, msg.ino, msg.new_parent, msg.new_name))
-        if isinstance(msg, m.Readdir):
-            per_entry = ENTRY_PLUS_COST if msg.plus else ENTRY_COST
-            entries, more = await self._read(Namespace.readdir, msg.ino, msg.after, msg.limit, msg.plus,
-                                              cost=STATEMENT_COST + msg.limit * per_entry)
-            return m.ReaddirReply(list(entries), bool(more))
         if isinstance(msg, m.Unlink):
             attr = await self._ns(ns.unlink, msg.parent, msg.name)
             self._garbage_added()
@@ -914,8 +947,6 @@ class MetadataService(Service):
         if isinstance(msg, m.SetLayout):
             await self._ns(ns.set_layout, msg.ino, msg.chunk_size, msg.stripe)
             return m.EmptyReply()
-        if isinstance(msg, m.GetLayout):
-            return m.LayoutReply(await self._read(Namespace.get_layout, msg.ino, cost=2 * STATEMENT_COST))
         if isinstance(msg, m.GetRouting):
             await self.lead.refresh_view()
             return m.RoutingReply(self.members.routing())

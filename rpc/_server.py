@@ -1,7 +1,9 @@
 """The trio server loop shared by the metadata service and the storage servers.
 
 One task per connection reads frames; each request is handled in its own task
-(many in flight per connection, answered in any order, matched by request id).
+(many in flight per connection, answered in any order, matched by request id),
+unless the service answers it at once (``Service.answer_now``: a short read the
+service holds no lock for), which the reader task then sends itself.
 A request's payload is read by its handler *before* the next frame is parsed,
 because the stream is ordered; handlers that do not want the payload get it
 discarded. Responses share one send lock per connection.
@@ -270,6 +272,16 @@ class Service:
     async def handle(self, conn: "ServerConn", head: FrameHead, msg: wire.Message, payload: Any) -> None:
         raise NotImplementedError
 
+    def answer_now(self, conn: "ServerConn", head: FrameHead, msg: wire.Message) -> dict[str, Any] | None:
+        """The response header to a request without payload that can be answered at once,
+        with no await (the reader task sends it: no task is started for it); None to have
+        :meth:`handle` answer it in a task of its own, as every request by default.
+
+        Raises:
+            StripefsError: the request's answer is this error.
+        """
+        return None
+
 
 class ByteBudget:
     """Payload bytes a whole server holds at once: acquired before a request's payload
@@ -410,18 +422,24 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
         except (*_CONN_ERRORS, OSError):
             pass  # the peer is gone; nobody to tell
 
+    def failure(msg: wire.Message, exc: Exception) -> StripefsError:
+        """The answer to a request whose handler raised ``exc``."""
+        if isinstance(exc, StripefsError):
+            return exc
+        if isinstance(exc, OSError):
+            return wire.error_from_oserror(exc)
+        log.error("%s failed", type(msg).__name__, exc_info=exc)  # a bug: answer EIO, keep serving
+        return StripefsError(ErrorCode.IO, f"internal error: {type(exc).__name__}: {exc}")
+
     async def run_one(head: FrameHead, msg: wire.Message, payload: Any) -> None:
         try:
             await service.handle(conn, head, msg, payload)
-        except StripefsError as exc:
+        except StripefsError as exc:  # before _CONN_ERRORS: some codes are ConnectionErrors too
             await reply_error(head, exc)
         except _CONN_ERRORS:
             pass
-        except OSError as exc:
-            await reply_error(head, wire.error_from_oserror(exc))
-        except Exception as exc:  # a bug in a handler: answer EIO, keep serving
-            log.exception("%s failed", type(msg).__name__)
-            await reply_error(head, StripefsError(ErrorCode.IO, f"internal error: {type(exc).__name__}: {exc}"))
+        except Exception as exc:
+            await reply_error(head, failure(msg, exc))
         finally:
             limit.release()
             if head.payload_len:
@@ -441,6 +459,15 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
             if not isinstance(event, RequestReceived):  # ConnectionClosed
                 return
             head, msg = event.head, event.message
+            if not head.payload_len:
+                try:
+                    header = service.answer_now(conn, head, msg)
+                except Exception as exc:
+                    await reply_error(head, failure(msg, exc))
+                    continue
+                if header is not None:
+                    await conn.send(head, header)
+                    continue
             try:
                 limit.acquire_nowait()
             except trio.WouldBlock:

@@ -149,3 +149,21 @@ def test_small_reads_are_answered_on_the_loop_and_big_listings_on_the_reader_thr
         trio.run(main)
     finally:
         store.close()
+
+
+def test_answer_now_takes_short_reads_and_leaves_the_rest_to_tasks(tmp_path) -> None:
+    svc, store = _service(tmp_path)
+    try:
+        stat = m.Resolve(path="/d")
+        assert m.decode_reply(stat, svc.answer_now(None, None, stat)).attr.is_dir  # type: ignore[arg-type]
+        names = m.ListNames(path="/", after="", limit=2000)
+        assert m.decode_reply(names, svc.answer_now(None, None, names)).names == ["d"]  # type: ignore[arg-type]
+        with pytest.raises(FileNotFoundError):
+            svc.answer_now(None, None, m.Resolve(path="/nothing"))  # type: ignore[arg-type]
+        for later in (m.Mkdir(parent=1, name="e", mode=0o755, uid=0, gid=0),
+                      m.Readdir(ino=1, after="", limit=10_000, plus=True), m.Ping()):
+            assert svc.answer_now(None, None, later) is None  # type: ignore[arg-type]
+        with pytest.raises(FileNotFoundError):  # the Mkdir was left alone, not applied
+            svc.answer_now(None, None, m.Resolve(path="/e"))  # type: ignore[arg-type]
+    finally:
+        store.close()
