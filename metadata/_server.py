@@ -635,6 +635,11 @@ STATEMENT_COST = 16  # one point query (a dentry, an inode)
 NAME_COST = 1  # one name of a ListNames page
 ENTRY_COST = 2  # one entry of a Readdir page
 ENTRY_PLUS_COST = 14  # one entry of a Readdir page with attributes
+# Under ``--metadata-sync normal`` a mutation commits on the loop (no fsync: a write of the
+# log to the page cache), saving the hand-off to the writer thread and back; the log is then
+# checkpointed on the writer thread after this many commits (SQLite's automatic checkpoint,
+# run inside a commit, fsyncs: ~1,000 pages, what this many creates write).
+CHECKPOINT_EVERY = 256
 # A read on the loop waits this long at most for a lock (only a log recovery holds one
 # against WAL readers); past it the read goes to the reader thread, which waits longer.
 INLINE_BUSY_TIMEOUT = 0.005
@@ -673,6 +678,10 @@ _READS: dict[type, Callable[[Any], ReadPlan]] = {
 }
 
 
+def _nothing() -> None:
+    return None
+
+
 def _path_cost(path: str) -> int:
     """What resolving ``path`` costs: a statement per component and one for the inode
     (symlinks met on the way add theirs: at most 40 of them, see ``Namespace.resolve``)."""
@@ -700,6 +709,12 @@ class MetadataService(Service):
         # has a reader, to another, on their own connection: they never wait behind a
         # batch's durable commit, and see every write acknowledged before they started.
         self._writer = StoreThread(self._run_batch, MAX_BATCH)
+        self._writing = 0  # writer-thread calls not yet returned: the loop leaves the connection alone
+        # Mutations commit on the loop when their commit needs no fsync (``CHECKPOINT_EVERY``).
+        self._write_now = isinstance(ns.store, SqliteStore) and ns.store.synchronous_mode == "normal"
+        if self._write_now:
+            ns.store.take_checkpoints()
+        self._checkpoint_due = trio.Event()
         reader = ns.store.reader()
         self._rns = ns.reading(reader) if reader is not None else ns
         self._reader = StoreThread(run_each, MAX_BATCH) if reader is not None else None
@@ -736,7 +751,26 @@ class MetadataService(Service):
         if key is not None and self.shared:
             _REQUEST.set(None)  # later calls of the same request are not the mutation itself
             return await self._store_call(self._once, key, functools.partial(fn, *args, **kwargs))
+        if self._write_now and not self._writing:
+            done, result = self._commit_now(functools.partial(fn, *args, **kwargs))
+            if done:
+                return result
         return await self._store_call(fn, *args, **kwargs)
+
+    def _commit_now(self, fn: Callable[[], Any]) -> tuple[bool, Any]:
+        """``(True, fn())`` committed here on the loop when that needs no fsync, else
+        ``(False, None)``, nothing applied: the writer thread runs it."""
+        store = self.ns.store
+        assert isinstance(store, SqliteStore)
+        try:
+            done, result = store.commit_unsynced(fn)
+        except StripefsError:
+            raise
+        except Exception:  # the store failed (e.g. disk full): the thread's batch reports it
+            return False, None
+        if store.unchecked >= CHECKPOINT_EVERY:
+            self._checkpoint_due.set()
+        return done, result
 
     def _once(self, key: tuple[bytes, int], fn: Callable[[], Any]) -> Any:
         """Apply ``fn`` unless request ``key`` was applied already (by any service); its
@@ -757,7 +791,11 @@ class MetadataService(Service):
 
     async def _store_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` in the writer's next batch (group commit)."""
-        return await self._stored(self._writer, lambda: fn(*args, **kwargs))
+        self._writing += 1
+        try:
+            return await self._stored(self._writer, lambda: fn(*args, **kwargs))
+        finally:
+            self._writing -= 1
 
     async def _read(self, fn: Callable[..., Any], *args: Any, cost: int | None = None) -> Any:
         """Run the read-only ``Namespace`` method ``fn`` (unbound) on a reader, never
@@ -820,6 +858,15 @@ class MetadataService(Service):
             nursery.start_soon(self._writer.run)
             if self._reader is not None:
                 nursery.start_soon(self._reader.run)
+            if self._write_now:
+                nursery.start_soon(self._checkpoints)
+
+    async def _checkpoints(self) -> None:
+        """Checkpoint the log on the writer thread when commits on the loop call for it."""
+        while True:
+            await self._checkpoint_due.wait()
+            self._checkpoint_due = trio.Event()
+            await self._store_call(_nothing)  # the batch ends with the checkpoint (_run_batch)
 
     def _run_batch(self, jobs: list[Job]) -> None:
         store = self.ns.store
@@ -835,6 +882,8 @@ class MetadataService(Service):
                             if store.retryable(exc):  # lost a race with another service: rerun the batch
                                 raise
                             job.exc = exc  # this operation fails alone (its savepoint rolled back)
+                if self._write_now and store.unchecked >= CHECKPOINT_EVERY:
+                    self._checkpoint(store)
                 return
             except Exception as exc:  # nothing of the batch is durable
                 if store.retryable(exc) and attempt < MAX_BATCH_RETRIES:
@@ -845,6 +894,13 @@ class MetadataService(Service):
                         job.result = None
                         job.exc = StripefsError(ErrorCode.IO, f"metadata commit failed: {exc}")
                 return
+
+    @staticmethod
+    def _checkpoint(store: Any) -> None:
+        try:
+            store.checkpoint()
+        except Exception:  # the next commits call for it again
+            log.warning("checkpoint of the metadata log failed", exc_info=True)
 
     async def handle(self, conn: ServerConn, head: FrameHead, msg: Message, payload: Any) -> None:
         if not msg.MUTATES:

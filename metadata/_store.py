@@ -38,12 +38,14 @@ import stat
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from wire._errors import ErrorCode, StripefsError
 from wire._types import Attr, DirEntry, Layout
 
 __all__ = ["DirRow", "GarbageItem", "Txn", "Store", "MemoryStore", "SqliteStore"]
+
+T = TypeVar("T")
 
 # Version 1: the tables before membership and replies moved into the store.
 SCHEMA_VERSION = 2
@@ -713,6 +715,9 @@ class SqliteStore(Store):
         self._open = False
         self._batching = False
         self._readers: list[_SqliteReader] = []
+        # Commits since the last checkpoint, once the owner runs them (:meth:`take_checkpoints`).
+        self.unchecked = 0
+        self._checkpoints_by_owner = False
 
     @property
     def synchronous(self) -> str:
@@ -740,6 +745,7 @@ class SqliteStore(Store):
 
     def _commit(self) -> None:
         self._conn.execute("COMMIT")
+        self.unchecked += 1
         if self.durable_commit:
             self.durable_commit = False
             # ``normal`` wrote the commit to the WAL without an fsync: do that one now.
@@ -759,6 +765,55 @@ class SqliteStore(Store):
             self._conn.execute("ALTER TABLE inodes ADD COLUMN rdev INTEGER NOT NULL DEFAULT 0")
         if "truncations" not in cols:  # the truncate count writers' commits are checked against
             self._conn.execute("ALTER TABLE inodes ADD COLUMN truncations INTEGER NOT NULL DEFAULT 0")
+
+    def commit_unsynced(self, fn: Callable[[], T]) -> tuple[bool, T | None]:
+        """Run ``fn`` (whose transactions join one batch) and commit it, if that commit
+        needs no fsync: under ``normal`` with no counter crossing its reserved bound and
+        :meth:`take_checkpoints` in force (a checkpoint fsyncs). For callers that must not
+        wait on the disk (the metadata service's event loop).
+
+        Returns:
+            ``(True, result)`` once committed; ``(False, None)`` with nothing applied when
+            the commit would need an fsync (run it in :meth:`batch` on a thread).
+
+        Raises:
+            Exception: what ``fn`` raised (nothing of it kept).
+        """
+        if self.synchronous_mode != "normal" or not self._checkpoints_by_owner:
+            return False, None
+        if self._open or self._batching:
+            raise RuntimeError("batches do not nest")
+        self._batching = True
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+            result = fn()
+            if self.durable_commit:  # a reserve bound moved: that commit is fsynced, on a thread
+                self.durable_commit = False
+                self._conn.execute("ROLLBACK")
+                return False, None
+            self._conn.execute("COMMIT")
+            self.unchecked += 1
+            return True, result
+        except BaseException:
+            self.durable_commit = False
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+            raise
+        finally:
+            self._batching = False
+
+    def take_checkpoints(self) -> None:
+        """Stop SQLite's automatic checkpoints (run at a commit, they fsync): the owner
+        calls :meth:`checkpoint` instead, off its event loop, every so many commits
+        (:attr:`unchecked` counts them)."""
+        self._conn.execute("PRAGMA wal_autocheckpoint=0")
+        self._checkpoints_by_owner = True
+
+    def checkpoint(self) -> None:
+        """Copy the log into the database (as far as no reader still needs it), so the
+        log is written from its start again; fsyncs. Outside any transaction."""
+        self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        self.unchecked = 0
 
     @contextmanager
     def batch(self) -> Iterator[None]:
