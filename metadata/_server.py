@@ -1,8 +1,9 @@
 """The metadata service: namespace, storage membership, chain table, garbage collection.
 
-Namespace operations run one at a time on a single worker thread (the store is
-a transactional database; SQLite serialises writers anyway), so the trio loop
-never blocks. Storage servers register and heartbeat here; the chain table
+Namespace mutations run in batches on a writer thread (group commit: one durable
+commit per batch), reads on a reader thread, so the trio loop never waits on the
+disk; what needs no disk wait runs on the loop itself: short reads (``INLINE_COST``)
+and, under ``--metadata-sync normal``, mutations whose commit needs no fsync. Storage servers register and heartbeat here; the chain table
 (chain id -> ordered target ids) is derived from membership. With replication
 factor 1 every server is one chain of one target; chains are lists so chain
 replication can extend them.
