@@ -715,6 +715,7 @@ class SqliteStore(Store):
         self._open = False
         self._batching = False
         self._readers: list[_SqliteReader] = []
+        self._bare: list[bool] | None = None  # commit_unsynced's transactions: False = needed a savepoint
         # Commits since the last checkpoint, once the owner runs them (:meth:`take_checkpoints`).
         self.unchecked = 0
         self._checkpoints_by_owner = False
@@ -784,10 +785,13 @@ class SqliteStore(Store):
         if self._open or self._batching:
             raise RuntimeError("batches do not nest")
         self._batching = True
+        self._bare = []
         try:
             self._conn.execute("BEGIN IMMEDIATE")
             result = fn()
-            if self.durable_commit:  # a reserve bound moved: that commit is fsynced, on a thread
+            # A reserve bound moved (that commit is fsynced, on a thread), or a transaction
+            # without its savepoint failed or had company: roll back, the thread reruns it.
+            if self.durable_commit or not all(self._bare):
                 self.durable_commit = False
                 self._conn.execute("ROLLBACK")
                 return False, None
@@ -801,6 +805,7 @@ class SqliteStore(Store):
             raise
         finally:
             self._batching = False
+            self._bare = None
 
     def take_checkpoints(self) -> None:
         """Stop SQLite's automatic checkpoints (run at a commit, they fsync): the owner
@@ -836,6 +841,10 @@ class SqliteStore(Store):
         if self._open:
             raise RuntimeError("transactions do not nest")
         if self._batching:
+            if self._bare is not None:  # commit_unsynced: its one transaction needs no savepoint
+                with self._unsaved() as txn:
+                    yield txn
+                return
             with self._savepoint() as txn:
                 yield txn
             return
@@ -850,6 +859,23 @@ class SqliteStore(Store):
             if self._conn.in_transaction:
                 self._conn.execute("ROLLBACK")
             raise
+        finally:
+            self._open = False
+
+    @contextmanager
+    def _unsaved(self) -> Iterator[Txn]:
+        """A transaction of :meth:`commit_unsynced`, with no savepoint of its own: one that
+        fails (or a second one) makes the whole batch roll back (``_bare``)."""
+        self._open = True
+        try:
+            if self._bare:
+                self._bare.append(False)  # a second transaction: it could need its savepoint
+            self._bare.append(True)
+            try:
+                yield _SqliteTxn(self._conn.cursor(), self)
+            except BaseException:
+                self._bare.append(False)
+                raise
         finally:
             self._open = False
 

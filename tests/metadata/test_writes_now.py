@@ -88,3 +88,32 @@ def test_the_log_is_checkpointed_when_writes_commit_on_the_loop(tmp_path) -> Non
     finally:
         store.close()
     assert RESERVE > 3000  # no mkdir above needed a durable commit
+
+
+def test_commit_unsynced_refuses_what_would_need_a_savepoint(tmp_path) -> None:
+    """One transaction runs without a savepoint; a failure caught inside ``fn``, or a
+    second transaction, rolls everything back and is refused (the thread's batch, with
+    savepoints, runs it)."""
+    store = SqliteStore(tmp_path / "meta.db", synchronous="normal")
+    ns = Namespace(store)
+    ns.mkdir(1, "first", 0o755, 0, 0)
+    store.take_checkpoints()
+    statements: list[str] = []
+    store._conn.set_trace_callback(statements.append)
+
+    def caught() -> None:
+        ns.mkdir(1, "kept?", 0o755, 0, 0)
+        try:
+            ns.mkdir(1, "first", 0o755, 0, 0)
+        except FileExistsError:
+            pass
+
+    assert store.commit_unsynced(caught) == (False, None)
+    assert store.commit_unsynced(lambda: [ns.mkdir(1, "x", 0o755, 0, 0), ns.mkdir(1, "y", 0o755, 0, 0)]) == (False, None)
+    for name in ("kept?", "x", "y"):
+        with pytest.raises(FileNotFoundError):
+            ns.lookup(1, name)
+    statements.clear()
+    done, _ = store.commit_unsynced(lambda: ns.mkdir(1, "z", 0o755, 0, 0))
+    assert done and not [s for s in statements if s.startswith(("SAVEPOINT", "RELEASE"))]
+    store.close()
