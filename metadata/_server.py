@@ -712,9 +712,10 @@ class MetadataService(Service):
         self._writer = StoreThread(self._run_batch, MAX_BATCH)
         self._writing = 0  # writer-thread calls not yet returned: the loop leaves the connection alone
         # Mutations commit on the loop when their commit needs no fsync (``CHECKPOINT_EVERY``).
-        self._write_now = isinstance(ns.store, SqliteStore) and ns.store.synchronous_mode == "normal"
-        if self._write_now:
-            ns.store.take_checkpoints()
+        store = ns.store
+        self._write_now = isinstance(store, SqliteStore) and store.synchronous_mode == "normal"
+        if isinstance(store, SqliteStore) and self._write_now:
+            store.take_checkpoints()
         self._checkpoint_due = trio.Event()
         reader = ns.store.reader()
         self._rns = ns.reading(reader) if reader is not None else ns
@@ -767,7 +768,7 @@ class MetadataService(Service):
             done, result = store.commit_unsynced(fn)
         except StripefsError:
             raise
-        except Exception:  # the store failed (e.g. disk full): the thread's batch reports it
+        except Exception:  # noqa: BLE001 -- the store failed (e.g. disk full): the thread's batch reports it
             return False, None
         if store.unchecked >= CHECKPOINT_EVERY:
             self._checkpoint_due.set()
@@ -828,7 +829,7 @@ class MetadataService(Service):
             return True, fn(self._lns, *args)
         except StripefsError:
             raise
-        except Exception:  # e.g. SQLITE_BUSY during a log recovery: the thread waits it out
+        except Exception:  # noqa: BLE001 -- e.g. SQLITE_BUSY during a log recovery: the thread waits it out
             return False, None
 
     def answer_now(self, conn: ServerConn, head: FrameHead, msg: Message) -> dict[str, Any] | None:
@@ -883,7 +884,7 @@ class MetadataService(Service):
                             if store.retryable(exc):  # lost a race with another service: rerun the batch
                                 raise
                             job.exc = exc  # this operation fails alone (its savepoint rolled back)
-                if self._write_now and store.unchecked >= CHECKPOINT_EVERY:
+                if self._write_now and getattr(store, "unchecked", 0) >= CHECKPOINT_EVERY:
                     self._checkpoint(store)
                 return
             except Exception as exc:  # nothing of the batch is durable

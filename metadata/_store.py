@@ -35,10 +35,10 @@ import abc
 import os
 import sqlite3
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from wire._errors import ErrorCode, StripefsError
 from wire._types import Attr, DirEntry, Layout
@@ -866,15 +866,17 @@ class SqliteStore(Store):
     def _unsaved(self) -> Iterator[Txn]:
         """A transaction of :meth:`commit_unsynced`, with no savepoint of its own: one that
         fails (or a second one) makes the whole batch roll back (``_bare``)."""
+        bare = self._bare
+        assert bare is not None
         self._open = True
         try:
-            if self._bare:
-                self._bare.append(False)  # a second transaction: it could need its savepoint
-            self._bare.append(True)
+            if bare:
+                bare.append(False)  # a second transaction: it could need its savepoint
+            bare.append(True)
             try:
                 yield _SqliteTxn(self._conn.cursor(), self)
             except BaseException:
-                self._bare.append(False)
+                bare.append(False)
                 raise
         finally:
             self._open = False

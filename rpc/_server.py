@@ -272,7 +272,7 @@ class Service:
     async def handle(self, conn: "ServerConn", head: FrameHead, msg: wire.Message, payload: Any) -> None:
         raise NotImplementedError
 
-    def answer_now(self, conn: "ServerConn", head: FrameHead, msg: wire.Message) -> dict[str, Any] | None:
+    def answer_now(self, conn: ServerConn, head: FrameHead, msg: wire.Message) -> dict[str, Any] | None:
         """The response header to a request without payload that can be answered at once,
         with no await (the reader task sends it: no task is started for it); None to have
         :meth:`handle` answer it in a task of its own, as every request by default.
@@ -438,7 +438,7 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
             await reply_error(head, exc)
         except _CONN_ERRORS:
             pass
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- answered as failure() says
             await reply_error(head, failure(msg, exc))
         finally:
             limit.release()
@@ -462,7 +462,7 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
             if not head.payload_len:
                 try:
                     header = service.answer_now(conn, head, msg)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 -- answered as failure() says
                     await reply_error(head, failure(msg, exc))
                     continue
                 if header is not None:

@@ -50,19 +50,18 @@ def test_commit_unsynced_commits_what_needs_no_fsync_and_nothing_else(tmp_path) 
 
 
 def test_normal_applies_mutations_on_the_loop_and_full_on_the_writer_thread(tmp_path) -> None:
+    async def mkdir_without_store_threads(svc: MetadataService) -> bool:
+        # No store thread runs: only a mutation applied on the loop can finish.
+        with trio.move_on_after(0.5):
+            await svc._dispatch(m.Mkdir(parent=1, name="e", mode=0o755, uid=0, gid=0))
+            return True
+        return False
+
     for sync in ("normal", "full"):
         os.makedirs(tmp_path / sync)
         svc, store = _service(tmp_path / sync, sync)
-
-        async def main() -> None:
-            # No store thread runs: only a mutation applied on the loop can finish.
-            made = None
-            with trio.move_on_after(0.5):
-                made = await svc._dispatch(m.Mkdir(parent=1, name="e", mode=0o755, uid=0, gid=0))
-            assert (made is not None) == (sync == "normal")
-
         try:
-            trio.run(main)
+            assert trio.run(mkdir_without_store_threads, svc) == (sync == "normal")
         finally:
             store.close()
 
@@ -78,7 +77,7 @@ def test_the_log_is_checkpointed_when_writes_commit_on_the_loop(tmp_path) -> Non
             for k in range(3000):
                 await svc._dispatch(m.Mkdir(parent=d.ino, name=f"f{k}", mode=0o755, uid=0, gid=0))
                 if k % 100 == 0:
-                    await trio.sleep(0)  # let the checkpoint task run
+                    await trio.lowlevel.checkpoint()  # let the checkpoint task run
             nursery.cancel_scope.cancel()
 
     try:

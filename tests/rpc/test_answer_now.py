@@ -6,14 +6,16 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import trio
 
 import wire
 from rpc import Connection, ServerConn, Service, serve_rpc
-from wire import ErrorCode, FrameHead, Message, StripefsError, messages as m
+from wire import ErrorCode, FrameHead, Message, StripefsError
+from wire import messages as m
 
 SECRET = "test-secret"
 CLIENT = wire.role_credential(SECRET, "client")
