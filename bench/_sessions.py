@@ -24,9 +24,9 @@ from __future__ import annotations
 import errno
 import os
 import posixpath
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Session", "Writer", "Reader", "open_session"]
+__all__ = ["Session", "BatchedSession", "Writer", "Reader", "open_session"]
 
 
 class Writer(Protocol):
@@ -58,6 +58,23 @@ class Session(Protocol):
 
 
 # --- native ----------------------------------------------------------------------------------
+
+@runtime_checkable
+class BatchedSession(Session, Protocol):
+    """What a route with batched metadata calls adds (``native``, ``zerocopy``): many files
+    per round trip. Each raises on the first path that failed."""
+
+    def create_many(self, paths: list[str]) -> None: ...
+    def sizes(self, paths: list[str]) -> list[int]: ...
+    def unlink_many(self, paths: list[str]) -> None: ...
+
+
+def _all_done(results: list[Any]) -> list[Any]:
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
 
 class NativeSession:
     """fsclient.Client; its StripeFile already has write/pwrite/fsync/pread_into."""
@@ -101,6 +118,15 @@ class NativeSession:
 
     def rename(self, src: str, dst: str) -> None:
         self.client.rename(self._p(src), self._p(dst))
+
+    def create_many(self, paths: list[str]) -> None:
+        _all_done(self.client.create_many([self._p(p) for p in paths]))
+
+    def sizes(self, paths: list[str]) -> list[int]:
+        return [a.size for a in _all_done(self.client.stat_many([self._p(p) for p in paths]))]
+
+    def unlink_many(self, paths: list[str]) -> None:
+        _all_done(self.client.unlink_many([self._p(p) for p in paths]))
 
     def close(self) -> None:
         self.client.close()

@@ -15,19 +15,21 @@ from ._seed import SEED, SEED_CLEANUP, SEED_PREPARE
 from ._sessions import Session
 from ._workloads import CLASSIC, CLASSIC_PREPARE, ClientContext, PartResult
 
-__all__ = ["WORKLOADS", "PREPARE", "CLEANUP", "run_workload", "record_names"]
+__all__ = ["WORKLOADS", "PREPARE", "CLEANUP", "BATCH_PARTS", "run_workload", "record_names"]
 
 WORKLOADS = {**CLASSIC, **SEED}
 PREPARE = {**CLASSIC_PREPARE, **SEED_PREPARE}
 CLEANUP = dict(SEED_CLEANUP)
 
-_PARTS = {"metadata": ["meta_create", "meta_stat", "meta_readdir", "meta_unlink"],
+# Produced only by routes whose sessions batch metadata calls (bench._sessions.BatchedSession).
+BATCH_PARTS = ["meta_create_batch", "meta_stat_batch", "meta_unlink_batch"]
+_PARTS = {"metadata": ["meta_create", "meta_stat", "meta_readdir", "meta_unlink", *BATCH_PARTS],
           "mixed": ["mixed_read", "mixed_write"],
           "burst_interference": ["burst_alone", "burst_interference", "burst_write"]}
 
 
 def record_names(workload: str) -> list[str]:
-    """The record names a workload produces."""
+    """The record names a workload produces (``BATCH_PARTS`` on batching routes only)."""
     return _PARTS.get(workload, [workload])
 
 

@@ -2,10 +2,10 @@
 
 Every workload is a function ``(session, task, ctx) -> {part: PartResult}``; most have one
 part named like the workload, ``metadata`` has four (``meta_create``, ``meta_stat``,
-``meta_readdir``, ``meta_unlink``) and ``mixed`` two (``mixed_read``, ``mixed_write``). All
-clients wait at the same barrier before the timed section and stamp its start and end with
-the system-wide monotonic clock, so the benchmark process can compute the span from the
-first start to the last end.
+``meta_readdir``, ``meta_unlink``; three ``meta_*_batch`` more where the route batches) and
+``mixed`` two (``mixed_read``, ``mixed_write``). All clients wait at the same barrier before
+the timed section and stamp its start and end with the system-wide monotonic clock, so the
+benchmark process can compute the span from the first start to the last end.
 
 Workloads (``size`` is per client, ``block`` the I/O size of sequential workloads):
 
@@ -19,7 +19,9 @@ rand_read_4k/64k/  random aligned reads of 4 KiB / 64 KiB / 1 MiB from the clien
                    client readahead window) for ``duration`` seconds (dataloader sampling)
 checkpoint         all clients at once write ``shards`` files each (total ``size``), fsync,
                    rename into place (the atomic-commit pattern)
-metadata           mdtest-style: create, stat, readdir, unlink ``files`` empty files
+metadata           mdtest-style: create, stat, readdir, unlink ``files`` empty files, one
+                   call per file; then, on routes with batched calls (native, zerocopy), the
+                   same files created, stat'ed and unlinked 200 per call (``*_batch`` parts)
 mixed              half the clients run random 1 MiB reads while the rest write a
                    checkpoint burst ("training with background traffic")
 seq_read_cached    ``seq_read`` / ``rand_read_4k`` right after an untimed read of the same
@@ -52,13 +54,14 @@ from typing import Any, Callable
 import numpy as np
 
 from ._pattern import PAGE, Pattern, VerifyError, file_id
-from ._sessions import Reader, Session, Writer
+from ._sessions import BatchedSession, Reader, Session, Writer
 
 __all__ = ["CLASSIC", "CLASSIC_PREPARE", "ClientContext", "PartResult", "clock", "aligned",
            "write_range", "read_back", "check_size", "checkpoint_files", "evict"]
 
 EXACT_EVERY = 8  # exact byte comparison for every 8th sequential block (stamps: all blocks)
 RAND_EXACT_EVERY = 64
+META_BATCH = 200  # files per call in the batched metadata parts (one request each on native)
 
 
 def clock() -> float:
@@ -405,6 +408,34 @@ def metadata(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, 
     phase("meta_unlink", lambda n: s.unlink(f"{d}/{n}"), names)
     if s.listdir(d):
         raise VerifyError(f"{d}: entries left after unlink")
+    if isinstance(s, BatchedSession):
+        parts.update(_metadata_batched(s, d, names, ctx))
+    return parts
+
+
+def _metadata_batched(s: BatchedSession, d: str, names: list[str], ctx: ClientContext) -> dict[str, PartResult]:
+    """The same files created, stat'ed and unlinked ``META_BATCH`` per call: ``ops`` counts files."""
+    paths = [f"{d}/{n}" for n in names]
+    batches = [paths[k:k + META_BATCH] for k in range(0, len(paths), META_BATCH)]
+    parts = {k: PartResult() for k in ("meta_create_batch", "meta_stat_batch", "meta_unlink_batch")}
+
+    def stat(batch: list[str]) -> None:
+        if any(s.sizes(batch)):
+            raise VerifyError(f"{d}: an empty file has a size")
+
+    for name, op in (("meta_create_batch", s.create_many), ("meta_stat_batch", stat),
+                     ("meta_unlink_batch", s.unlink_many)):
+        part = parts[name]
+        ctx.wait()
+        part.t0 = clock()
+        for batch in batches:
+            op(batch)
+            part.ops += len(batch)
+        part.t1 = clock()
+        if name == "meta_create_batch" and sorted(s.listdir(d)) != names:  # untimed
+            raise VerifyError(f"{d}: the batched creates did not make {len(names)} files")
+    if s.listdir(d):
+        raise VerifyError(f"{d}: entries left after the batched unlink")
     return parts
 
 

@@ -43,6 +43,9 @@ MAX_READDIR = 10_000
 # Paths per StatMany: 200 paths of 4 KiB, or 200 attributes with 4 KiB symlink targets, fit in
 # one frame header (1 MiB).
 MAX_STAT_MANY = 200
+# Paths per CreateMany / UnlinkMany: the same bound (the request carries the paths, the reply
+# one attribute per path).
+MAX_CREATE_MANY = 200
 # Names per ListNames page: 2000 names of 255 bytes fit in one frame header.
 MAX_LIST_NAMES = 2000
 XATTR_CREATE, XATTR_REPLACE = 1, 2  # setxattr(2) flags
@@ -412,6 +415,86 @@ class Namespace:
         attr = self._new_inode(txn, parent.ino, name, stat.S_IFREG | (mode & 0o7777), uid, gid, layout=layout)
         self._touch_dir(txn, parent.ino, attr.ctime_ns, dir_attr=parent)
         return attr, True
+
+    def create_many(self, paths: list[str], mode: int, uid: int, gid: int, *, chains: list[int],
+                    exclusive: bool = True) -> list[Attr | StripefsError]:
+        """:meth:`create_path` of each path (empty files, never truncated), in one transaction.
+
+        Each path has the single create's semantics and fails alone (a failing path
+        writes nothing); a file made earlier in the batch exists for the later paths.
+        Each parent that gained a file has its mtime/ctime stamped once, with the time
+        of its last creation.
+
+        Returns:
+            Per path, the file's attributes (an existing one's when not ``exclusive``)
+            or the error creating it raised.
+
+        Raises:
+            StripefsError: EINVAL for more than ``MAX_CREATE_MANY`` paths or a path that is not text.
+        """
+        self.check_batch(paths)
+        out: list[Attr | StripefsError] = []
+        with self._store.transaction() as txn:
+            heads = _Heads(self, txn)
+            for path in paths:
+                try:
+                    parent, name = heads.parent(path)
+                    entry = txn.get_dentry(parent.ino, name)
+                    if entry is not None:
+                        out.append(self._open_existing(txn, entry, exclusive, False))
+                        continue
+                    layout = self._pick_layout(txn, parent.ino, chains)
+                    attr = self._new_inode(txn, parent.ino, name, stat.S_IFREG | (mode & 0o7777), uid, gid,
+                                           layout=layout)
+                    heads.changed(parent, attr.ctime_ns)
+                    out.append(attr)
+                except StripefsError as exc:
+                    out.append(exc)
+            heads.stamp()
+        return out
+
+    def unlink_many(self, paths: list[str]) -> list[Attr | StripefsError]:
+        """:meth:`unlink_path` of each path, in one transaction; each fails alone, parents
+        are stamped once (see :meth:`create_many`).
+
+        Returns:
+            Per path, the attributes with the new link count (0: removal queued) or the error.
+
+        Raises:
+            StripefsError: EINVAL for more than ``MAX_CREATE_MANY`` paths or a path that is not text.
+        """
+        self.check_batch(paths)
+        out: list[Attr | StripefsError] = []
+        with self._store.transaction() as txn:
+            heads = _Heads(self, txn)
+            for path in paths:
+                try:
+                    parent, name = heads.parent(path)
+                    attr = self._inode(txn, self._entry(txn, parent.ino, name).ino)
+                    if attr.is_dir:
+                        raise _err(ErrorCode.IS_DIR, f"is a directory: {name!r}")
+                    now = time.time_ns()
+                    txn.delete_dentry(parent.ino, name)
+                    if attr.is_symlink:
+                        heads.forget()  # a head resolved through it must not resolve again
+                    heads.changed(parent, now)
+                    out.append(self._drop_link(txn, attr, now))
+                except StripefsError as exc:
+                    out.append(exc)
+            heads.stamp()
+        return out
+
+    @staticmethod
+    def check_batch(paths: list[str]) -> None:
+        """Refuse a batch of paths as a whole: more than ``MAX_CREATE_MANY``, or one not text.
+
+        Raises:
+            StripefsError: EINVAL.
+        """
+        if len(paths) > MAX_CREATE_MANY:
+            raise _err(ErrorCode.INVALID, f"at most {MAX_CREATE_MANY} paths per request, got {len(paths)}")
+        if not all(isinstance(p, str) for p in paths):
+            raise _err(ErrorCode.INVALID, "paths must be text")
 
     def _open_existing(self, txn: Txn, entry: DirEntry, exclusive: bool, truncate: bool) -> Attr:
         attr = self._inode(txn, entry.ino)
@@ -808,3 +891,41 @@ class Namespace:
             "dirs": by_type.get(stat.S_IFDIR, (0, 0))[0],
             "bytes": by_type.get(stat.S_IFREG, (0, 0))[1],
         }
+
+
+class _Heads:
+    """The parent directories of one batch's paths inside its transaction: each head path
+    walked once, and each parent that changed stamped once at the end.
+
+    A head resolved to a directory stays valid while the batch only adds and removes
+    non-directories, except through a symlink the batch removes (:meth:`forget`).
+    """
+
+    def __init__(self, ns: Namespace, txn: Txn):
+        self._ns, self._txn = ns, txn
+        self._dirs: dict[str, Attr] = {}
+        self._changed: dict[int, tuple[Attr, int]] = {}  # ino -> (attr as read, latest change)
+
+    def parent(self, path: str) -> tuple[Attr, str]:
+        """As ``Namespace._parent_dir``: the directory and the last name, validated."""
+        ns = self._ns
+        head, name = ns._split(path)
+        ns._check_path(path)
+        parent = self._dirs.get(head)
+        if parent is None:
+            parent = ns._walk(self._txn, head, True)
+            if not parent.is_dir:
+                raise _err(ErrorCode.NOT_DIR, "parent is not a directory")
+            self._dirs[head] = parent
+        validate_name(name)
+        return parent, name
+
+    def forget(self) -> None:
+        self._dirs.clear()
+
+    def changed(self, parent: Attr, now: int) -> None:
+        self._changed[parent.ino] = (parent, now)
+
+    def stamp(self) -> None:
+        for parent, now in self._changed.values():
+            self._ns._touch_dir(self._txn, parent.ino, now, dir_attr=parent)

@@ -28,13 +28,14 @@ import pickle
 import random
 import stat
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import trio
 
-from rpc import ReplayCache, ServerConn, Service, TrioPool, serve_rpc
-from wire import ErrorCode, FrameHead, Message, ReplyMessage, Routing, ServerInfo, StripefsError, role_credential
+from rpc import ServerConn, Service, TrioPool, serve_rpc
+from wire import Attr, ErrorCode, FrameHead, Message, ReplyMessage, Routing, ServerInfo, StripefsError, role_credential
 from wire import messages as m
 
 from ._leader import Leadership
@@ -622,7 +623,45 @@ class Membership:
         return sorted(self.table)
 
 
+class Replies:
+    """Answers to recent mutations by (client id, request id), for retries (as
+    ``rpc.ReplayCache``), bounded by their count and by the attributes they hold.
+
+    A batch's answer (``CreateMany``, ``UnlinkMany``) holds up to 200 attributes, ~160 KB
+    of Python objects: counted as one entry each, 8192 of them would hold over a GB.
+    The newest answer is always kept.
+    """
+
+    def __init__(self, entries: int = 8192, attrs: int = 65536):
+        self.entries, self.attrs = entries, attrs
+        self._d: OrderedDict[tuple[bytes, int], tuple[dict[str, Any] | StripefsError, int]] = OrderedDict()
+        self._weight = 0
+
+    def get(self, key: tuple[bytes, int]) -> dict[str, Any] | StripefsError | None:
+        found = self._d.get(key)
+        return None if found is None else found[0]
+
+    def put(self, key: tuple[bytes, int], value: dict[str, Any] | StripefsError) -> None:
+        old = self._d.pop(key, None)
+        if old is not None:
+            self._weight -= old[1]
+        weight = max(1, len(value.get("attrs", ()))) if isinstance(value, dict) else 1
+        self._d[key] = (value, weight)
+        self._weight += weight
+        while len(self._d) > 1 and (len(self._d) > self.entries or self._weight > self.attrs):
+            self._weight -= self._d.popitem(last=False)[1][1]
+
+
+def _many_reply(found: list[Attr | StripefsError]) -> m.StatManyReply:
+    """The reply to a batch of paths: the attributes that came back, the indexes and codes of the errors."""
+    failed = [i for i, a in enumerate(found) if isinstance(a, StripefsError)]
+    return m.StatManyReply([a for a in found if not isinstance(a, StripefsError)], failed,
+                           [int(found[i].code) for i in failed])  # type: ignore[union-attr]
+
+
 MAX_BATCH = 256  # operations per group commit
+MAX_BATCH_RETRIES = 8  # reruns of a batch that lost a serialization race (PostgreSQL)
+
 # Reads whose cost is bounded by ``INLINE_COST`` run at once on the trio loop, on a read
 # connection of their own, instead of going through the reader thread. Costs are in units of
 # ~0.5 us, what one name of a listing costs (measured on a 2-core VM, the pages in memory).
@@ -644,13 +683,6 @@ CHECKPOINT_EVERY = 256
 # A read on the loop waits this long at most for a lock (only a log recovery holds one
 # against WAL readers); past it the read goes to the reader thread, which waits longer.
 INLINE_BUSY_TIMEOUT = 0.005
-MAX_BATCH_RETRIES = 8  # reruns of a batch that lost a serialization race (PostgreSQL)
-
-
-def _stat_many_reply(found: list[Any]) -> m.StatManyReply:
-    attrs = [a for a in found if not isinstance(a, StripefsError)]
-    failed = [i for i, a in enumerate(found) if isinstance(a, StripefsError)]
-    return m.StatManyReply(attrs, failed, [int(found[i].code) for i in failed])
 
 
 def _page_reply(kind: Callable[[list[Any], bool], ReplyMessage]) -> Callable[[tuple[Any, Any]], ReplyMessage]:
@@ -666,7 +698,7 @@ _READS: dict[type, Callable[[Any], ReadPlan]] = {
     m.Lookup: lambda q: (Namespace.lookup, (q.parent, q.name), 3 * STATEMENT_COST, m.AttrReply),
     m.Resolve: lambda q: (Namespace.resolve, (q.path, q.follow), _path_cost(q.path), m.AttrReply),
     m.StatMany: lambda q: (Namespace.resolve_many, (list(q.paths), q.follow), sum(map(_path_cost, q.paths)),
-                           _stat_many_reply),
+                           _many_reply),
     m.ListNames: lambda q: (Namespace.list_names, (q.path, q.after, q.limit), _path_cost(q.path) + q.limit * NAME_COST,
                             _page_reply(m.NamesReply)),
     m.Readdir: lambda q: (Namespace.readdir, (q.ino, q.after, q.limit, q.plus),
@@ -724,7 +756,7 @@ class MetadataService(Service):
         now_reader = ns.store.reader(busy_timeout_s=INLINE_BUSY_TIMEOUT) if reader is not None else None
         self._lns = ns.reading(now_reader) if now_reader is not None else None
         self._gc_due = 0.0  # monotonic time before which a wake-up finds no removal due
-        self.replay = ReplayCache()
+        self.replay = Replies()
         self._running: dict[tuple[bytes, int], trio.Event] = {}  # mutations being applied, by replay key
         # Calls to storage servers run one at a time, as a server of the cluster (GC, DropChain).
         self.storage = TrioPool(role_credential(secret, "server"), keep=1, role="server")
@@ -743,17 +775,18 @@ class MetadataService(Service):
         self.gc_wakeup.set()
         self.admission_wakeup.set()
 
-    async def _ns(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def _ns(self, fn: Callable[..., Any], *args: Any, _now: bool = True, **kwargs: Any) -> Any:
         """Run one namespace operation; operations queued meanwhile commit together.
 
         Inside a mutation on a shared store the first call is applied at most once per
-        request id, across services (:meth:`_once`).
+        request id, across services (:meth:`_once`). ``_now``: it may commit here on the
+        loop when that needs no fsync (False for operations on many paths: too long).
         """
         key = _REQUEST.get()
         if key is not None and self.shared:
             _REQUEST.set(None)  # later calls of the same request are not the mutation itself
             return await self._store_call(self._once, key, functools.partial(fn, *args, **kwargs))
-        if self._write_now and not self._writing:
+        if _now and self._write_now and not self._writing:
             done, result = self._commit_now(functools.partial(fn, *args, **kwargs))
             if done:
                 return result
@@ -1005,6 +1038,17 @@ class MetadataService(Service):
         if isinstance(msg, m.SetLayout):
             await self._ns(ns.set_layout, msg.ino, msg.chunk_size, msg.stripe)
             return m.EmptyReply()
+        if isinstance(msg, m.CreateMany):
+            Namespace.check_batch(msg.paths)  # refused before the chain table freezes
+            chains = await self._frozen_chains()
+            found = await self._ns(ns.create_many, list(msg.paths), msg.mode, msg.uid, msg.gid, chains=chains,
+                                   exclusive=msg.exclusive, _now=False)
+            return _many_reply(found)
+        if isinstance(msg, m.UnlinkMany):
+            Namespace.check_batch(msg.paths)
+            found = await self._ns(ns.unlink_many, list(msg.paths), _now=False)
+            self._garbage_added()
+            return _many_reply(found)
         if isinstance(msg, m.GetRouting):
             await self.lead.refresh_view()
             return m.RoutingReply(self.members.routing())

@@ -31,15 +31,6 @@ EXTRA_COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def parse_size(text: str) -> int:
-    """``4M``, ``64KiB``, ``1G``, ``4194304`` -> bytes."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    if t and t[-1] in mult:
-        return int(float(t[:-1]) * mult[t[-1]])
-    return int(t)
-
-
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -56,6 +47,8 @@ def _progress(total: int, desc: str) -> Any:
 
 # -- cluster commands ----------------------------------------------------------------------
 def cmd_up(a: argparse.Namespace) -> int:
+    from bench.floors import parse_size  # the one size parser; lazily, as bench is heavy to import
+
     c = testing.up(a.root, servers=a.servers, replicas=a.replicas, chunk_size=parse_size(a.chunk_size), stripe=a.stripe,
                    metadata_store=a.metadata_store, postgres_url=a.postgres_url,
                    metadata_services=a.metadata_services, metadata_sync=a.metadata_sync)

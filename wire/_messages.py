@@ -1001,3 +1001,27 @@ class ListNames(Message[NamesReply]):
     path: str
     after: str = ""
     limit: int = 1000
+
+
+@message(64, mutates=True)
+class CreateMany(Message[StatManyReply]):
+    """``CreatePath`` of up to 200 paths in one round trip and one store transaction: empty
+    regular files, each with ``mode``, ``uid``, ``gid``. ``exclusive``: an existing name is
+    EEXIST; otherwise an existing file is answered as it is (never truncated). Answered like
+    ``StatMany``: the attributes of each path that succeeded, in order, the indexes of the
+    others and their error codes. More than 200 paths, or a path that is not text, refuse the
+    whole request (EINVAL); a bad path (missing parent, name too long...) fails alone."""
+
+    paths: list[str]
+    mode: int
+    uid: int = 0
+    gid: int = 0
+    exclusive: bool = True
+
+
+@message(65, mutates=True)
+class UnlinkMany(Message[StatManyReply]):
+    """``UnlinkPath`` of up to 200 paths in one round trip and one store transaction,
+    answered like ``CreateMany`` (each attribute with its new link count)."""
+
+    paths: list[str]

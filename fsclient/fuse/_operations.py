@@ -24,6 +24,10 @@ Semantics (docs/fuse.md has the long form):
 * Directory attributes fetched less than ``attr_timeout`` ago answer the kernel's
   GETATTR (it asks again after every create and unlink), with this mount's own
   changes applied (:class:`~fsclient.fuse._dirattrs.DirAttrs`); never older than ``attr_timeout`` in all.
+* Directory listings, and the names of directories made or listed here, are kept for
+  the smaller of the two timeouts and served again (:class:`~fsclient.fuse._listings.Listings`):
+  a listing, or the lookup before a create, needs no round trip within them; this
+  mount's own changes drop or update what is kept.
 * ``O_APPEND`` handles are ``direct_io``, and the daemon writes each append at the
   committed length (asked at every write), not at the kernel's cached size.
 * Stopping: :meth:`StripeOperations.drain` commits every open file before the
@@ -55,10 +59,11 @@ from typing import Any, Awaitable, Callable, TypeVar
 import pyfuse3
 import trio
 
-from wire import Attr, DirEntry, messages as m
+from wire import Attr, messages as m
 
 from ..core import AsyncClient, Client, StripeFile, pid_alive
 from ._dirattrs import DirAttrs
+from ._listings import Listings, Page
 from ._mounts import process_start
 
 __all__ = ["StripeOperations", "FuseConfig", "ORPHAN_DIR"]
@@ -68,7 +73,9 @@ log = logging.getLogger(__name__)
 ORPHAN_DIR = ".stripefs-orphans"
 BLKSIZE = 1 << 20  # st_blksize: stdio, Python io and cp size their buffers by it
 READDIR_PAGE = 1000
+OFFSET_BITS = 20  # a readdir offset is (page serial << OFFSET_BITS) + 1 + the entry's position in it
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+R = TypeVar("R")
 
 
 class FuseConfig:
@@ -237,48 +244,52 @@ class OpenFile:
 
 
 class _Dir:
-    """A directory handle: name cursors behind the offsets given to the kernel, and one page.
+    """A directory handle: the pages it listed, the offsets given to the kernel, its page.
 
     The metadata service lists a directory in name order, a page at a time, resuming
-    ``after`` a name. Each offset handed to the kernel stands for "after this name"
-    (offset 0: from the start), so a listing resumed at any offset -- the next
-    ``getdents``, or a ``seekdir`` back to a ``telldir`` -- continues right after the
-    entry it stopped at, however the directory changed meanwhile: no entry twice,
-    none skipped, and one page fetched rather than the listing read again from the
-    start. Offsets are stable: the same name always gets the same offset in a handle.
+    ``after`` a name. Each offset handed to the kernel stands for "after this entry of
+    this page" (offset 0: from the start; see :meth:`Page.offset`), so a listing resumed
+    at any offset -- the next ``getdents``, or a ``seekdir`` back to a ``telldir`` --
+    continues right after the entry it stopped at, however the directory changed
+    meanwhile: no entry twice, none skipped, and one page fetched rather than the
+    listing read again from the start. The handle keeps every page it listed from, so
+    that its offsets stay valid until ``closedir``.
     """
 
     def __init__(self, ino: int):
         self.ino = ino
-        self.after_name: dict[int, str] = {0: ""}  # offset -> the name a listing resumes after
-        self.offset_of: dict[str, int] = {}  # name -> its offset (the inverse)
+        self.listed: dict[int, Page] = {}  # serial -> a page this handle listed from
         self.page_after: str | None = None  # the cursor ``page`` was fetched for
-        self.page: list[DirEntry] = []
-        self.index: dict[str, int] = {}  # name -> position in ``page``
-        self.more = False  # another page follows ``page``
+        self.page: Page | None = None
+        self.kept = False  # ``page`` came from the daemon's kept listings, not this handle's fetch
 
-    def offset(self, name: str) -> int:
-        """The offset that resumes the listing after ``name``."""
-        off = self.offset_of.get(name)
-        if off is None:
-            off = self.offset_of[name] = len(self.after_name)
-            self.after_name[off] = name
-        return off
+    def resume(self, offset: int) -> str | None:
+        """The name a listing at ``offset`` resumes after ("": from the start), or None
+        for an offset this handle never gave out."""
+        if offset == 0:
+            return ""
+        page = self.listed.get(offset >> OFFSET_BITS)
+        k = (offset & ((1 << OFFSET_BITS) - 1)) - 1
+        if page is None or not 0 <= k < len(page.entries):
+            return None
+        return page.entries[k].name
 
     def find(self, after: str) -> int | None:
-        """Where the entries after ``after`` start in the cached page, or None if not cached."""
-        if self.page_after is None:
+        """Where the entries after ``after`` start in the page, or None if not there."""
+        page = self.page
+        if page is None:
             return None
         if after == self.page_after:
             return 0
-        i = self.index.get(after)
-        if i is None or (i == len(self.page) - 1 and self.more):
+        i = page.index.get(after)
+        if i is None or (i == len(page.entries) - 1 and page.more):
             return None  # not in this page, or its last entry: the next page is needed
         return i + 1
 
-    def set_page(self, after: str, entries: list[DirEntry], more: bool) -> None:
-        self.page_after, self.page, self.more = after, entries, more and bool(entries)
-        self.index = {e.name: i for i, e in enumerate(entries)}
+    def set_page(self, after: str, page: Page | None, kept: bool = False) -> None:
+        self.page_after, self.page, self.kept = after, page, kept
+        if page is not None:
+            self.listed[page.serial] = page
 
 
 class StripeOperations(pyfuse3.Operations):
@@ -305,6 +316,7 @@ class StripeOperations(pyfuse3.Operations):
         self.unprivileged: set[int] = set()  # fhs opened by a non-root user: their writes clear setuid/setgid
         self.dirs: dict[int, _Dir] = {}
         self.dir_attrs = DirAttrs(self.config.attr_timeout)
+        self.listings = Listings(min(self.config.attr_timeout, self.config.entry_timeout))
         self.lookups: dict[int, int] = {}
         self.told: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime) last given to the kernel
         self.cached: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime) of the kernel's page cache
@@ -318,31 +330,38 @@ class StripeOperations(pyfuse3.Operations):
         self._no_xattr: dict[tuple[int, bytes], float] = {}
 
     # -- helpers ------------------------------------------------------------------------
-    def _entry(self, attr: Attr) -> pyfuse3.EntryAttributes:
-        size = attr.size
+    def _entry(self, attr: Attr, age: float = 0.0) -> pyfuse3.EntryAttributes:
+        """The kernel's view of ``attr``, given ``age`` seconds after the service gave it:
+        the timeouts are what is left of them."""
+        size, nlink = attr.size, attr.nlink
         state = self.files.get(attr.ino)
         if state is not None:
             size = max(size, state.length())
-        e = pyfuse3.EntryAttributes()
-        e.st_ino = attr.ino
-        e.generation = 0
-        e.entry_timeout = self.config.entry_timeout
-        e.attr_timeout = self.config.attr_timeout
-        e.st_mode = attr.mode
-        # An orphaned (silly-renamed) inode is unlinked as far as users can tell.
-        e.st_nlink = attr.nlink - 1 if state is not None and state.orphan else attr.nlink
-        e.st_uid, e.st_gid, e.st_rdev = attr.uid, attr.gid, attr.rdev
-        e.st_size = size
-        e.st_blksize = BLKSIZE
-        e.st_blocks = (size + 511) // 512
-        e.st_atime_ns, e.st_mtime_ns, e.st_ctime_ns = attr.atime_ns, attr.mtime_ns, attr.ctime_ns
+            if state.orphan:  # an orphaned (silly-renamed) inode is unlinked as far as users can tell
+                nlink -= 1
         self.told[attr.ino] = (size, attr.mtime_ns)
-        return e
+        return _attributes(attr, size, nlink, max(0.0, self.config.entry_timeout - age),
+                           max(0.0, self.config.attr_timeout - age))
 
     def _looked_up(self, attr: Attr) -> pyfuse3.EntryAttributes:
         """An entry reply that raises the kernel's lookup count by one."""
         self.lookups[attr.ino] = self.lookups.get(attr.ino, 0) + 1
         return self._entry(attr)
+
+    async def _named(self, parent: int, name: bytes, request: Awaitable[R]) -> R:
+        """Await ``request``, which makes ``name`` in directory ``parent`` (or opens it):
+        the parent's kept pages go, and its kept names gain ``name`` (or are forgotten
+        when the outcome is unknown)."""
+        try:
+            reply = await request
+        except BaseException:
+            self.listings.forget_names(parent)
+            raise
+        else:
+            self.listings.added(parent, _name(name))
+            return reply
+        finally:
+            self.listings.drop(parent)
 
     async def _attr(self, ino: int) -> Attr:
         return await self.aio.attr(m.GetAttr(ino=ino))
@@ -354,8 +373,14 @@ class StripeOperations(pyfuse3.Operations):
     # -- lookups ------------------------------------------------------------------------
     @_errors
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        version = self.dir_attrs.version
-        attr = await self.aio.attr(m.Lookup(parent=parent_inode, name=_name(name)))
+        version, text = self.dir_attrs.version, _name(name)
+        left = self.listings.absent(parent_inode, text)
+        if left is not None:  # not among the names this mount knows of parent (see Listings)
+            missing = pyfuse3.EntryAttributes()
+            missing.st_ino = 0  # a negative entry: the kernel keeps "no such name" for the rest of the time
+            missing.entry_timeout = left
+            return missing
+        attr = await self.aio.attr(m.Lookup(parent=parent_inode, name=text))
         self.dir_attrs.put(attr, version)
         return self._looked_up(attr)
 
@@ -384,6 +409,13 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
                       fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        try:
+            return await self._setattr(inode, attr, fields, ctx)
+        finally:
+            self.listings.clear()  # whichever listings show the inode (also after a partial change)
+
+    async def _setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+                       ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         state = self.files.get(inode)
         if state is not None:  # buffered writes land (and commit their mtime) before the change
             await self._locked(state, state.sync)
@@ -427,28 +459,100 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         d = self.dirs[fh]
-        after = d.after_name.get(start_id)
+        after = d.resume(start_id)
         if after is None:  # not an offset this handle gave out (a bogus seekdir): end of listing
             return
         while True:
             i = d.find(after)
             if i is None:
-                version = self.dir_attrs.version
-                reply = await self.aio.call(m.Readdir(ino=d.ino, after=after, limit=READDIR_PAGE, plus=True))
-                for e in reply.entries:  # fresh (a page kept for the handle is not: put only now)
-                    if e.attr is not None:
-                        self.dir_attrs.put(e.attr, version)
-                d.set_page(after, reply.entries, reply.more)
+                await self._load_page(d, after)
                 i = 0
-            for e in d.page[i:]:
-                hidden = d.ino == pyfuse3.ROOT_INODE and e.name == ORPHAN_DIR or e.attr is None
-                if not hidden:
-                    if not pyfuse3.readdir_reply(token, os.fsencode(e.name), self._entry(e.attr), d.offset(e.name)):
-                        return  # the kernel's buffer is full: it asks again from the last offset it took
-                    self.lookups[e.ino] = self.lookups.get(e.ino, 0) + 1
-                after = e.name
-            if not d.more:
-                return
+            page = d.page
+            assert page is not None
+            replies = page.replies if page.replies is not None else self._replies(page, d.ino)
+            age = trio.current_time() - page.fetched
+            entry_timeout = max(0.0, self.config.entry_timeout - age)
+            attr_timeout = max(0.0, self.config.attr_timeout - age)
+            entries, base = page.entries, page.serial << OFFSET_BITS
+            files, told, lookups, reply_to = self.files, self.told, self.lookups, pyfuse3.readdir_reply
+            k = i
+            for k in range(i, len(entries)):
+                reply = replies[k]
+                if reply is None:  # hidden
+                    continue
+                raw, attrs, seen, ino = reply
+                if ino in files:  # open here: this mount's size, maybe orphaned
+                    attr = entries[k].attr
+                    assert attr is not None
+                    if d.kept and self._told_otherwise(attr):
+                        break
+                    attrs = self._entry(attr, age)
+                else:
+                    was = told.get(ino)
+                    if was != seen:
+                        if was is not None and d.kept:
+                            break
+                        told[ino] = seen
+                    attrs.entry_timeout, attrs.attr_timeout = entry_timeout, attr_timeout
+                if not reply_to(token, raw, attrs, base + k + 1):
+                    return  # the kernel's buffer is full: it asks again from the last offset it took
+                lookups[ino] = lookups.get(ino, 0) + 1
+            else:
+                if not page.more or not entries:
+                    return
+                after = entries[-1].name
+                continue
+            if k > i:
+                after = entries[k - 1].name
+            # The kernel was told other (newer) attributes of an entry since the kept page
+            # was fetched: it must not go back to older ones. Fetch afresh from here.
+            self.listings.drop(d.ino)
+            d.set_page(after, None)
+
+    def _replies(self, page: Page, ino: int) -> list[Any]:
+        """Build, once per page, what each entry tells the kernel: (name, attributes, the
+        (size, mtime) they carry, inode), or None for an entry not shown. Served again,
+        only the timeouts change."""
+        replies: list[Any] = []
+        entry_timeout, attr_timeout = self.config.entry_timeout, self.config.attr_timeout
+        for e in page.entries:
+            attr = e.attr
+            if attr is None or (ino == pyfuse3.ROOT_INODE and e.name == ORPHAN_DIR):
+                replies.append(None)
+            else:
+                replies.append((os.fsencode(e.name), _attributes(attr, attr.size, attr.nlink, entry_timeout, attr_timeout),
+                                (attr.size, attr.mtime_ns), e.ino))
+        page.replies = replies
+        return replies
+
+    async def _load_page(self, d: _Dir, after: str) -> None:
+        """Give handle ``d`` the page after ``after``: a kept one (see Listings), or one
+        fetched from the metadata service now (and kept)."""
+        page = self.listings.get(d.ino, after)
+        if page is not None:
+            d.set_page(after, page, kept=True)
+            return
+        version, kept_version = self.dir_attrs.version, self.listings.version
+        asked = trio.current_time()  # the timeouts count from the question: the answer is no older
+        reply = await self.aio.call(m.Readdir(ino=d.ino, after=after, limit=READDIR_PAGE, plus=True))
+        for e in reply.entries:  # fresh (a page kept for the handle is not: put only now)
+            if e.attr is not None:
+                self.dir_attrs.put(e.attr, version)
+        page = Page(reply.entries, reply.more, asked)
+        self.listings.put(d.ino, after, page, kept_version)
+        if not after and not page.more:  # every name of the directory
+            self.listings.put_names(d.ino, set(page.index), asked, kept_version)
+        d.set_page(after, page)
+
+    def _told_otherwise(self, attr: Attr) -> bool:
+        """Were the kernel's attributes of ``attr``'s inode set to something else last
+        (a later lookup or getattr, or this mount's own change)?"""
+        told = self.told.get(attr.ino)
+        if told is None:
+            return False
+        state = self.files.get(attr.ino)
+        size = attr.size if state is None else max(attr.size, state.length())
+        return told != (size, attr.mtime_ns)
 
     async def releasedir(self, fh: int) -> None:
         self.dirs.pop(fh, None)
@@ -458,35 +562,45 @@ class StripeOperations(pyfuse3.Operations):
 
     @_errors
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        asked = trio.current_time()
         try:
-            attr = await self.aio.attr(m.Mkdir(parent=parent_inode, name=_name(name), mode=stat.S_IMODE(mode),
-                                               uid=ctx.uid, gid=ctx.gid))
+            attr = await self._named(parent_inode, name, self.aio.attr(
+                m.Mkdir(parent=parent_inode, name=_name(name), mode=stat.S_IMODE(mode), uid=ctx.uid, gid=ctx.gid)))
         finally:
             self.dir_attrs.drop(parent_inode)  # its link count changes too
+        self.listings.put_names(attr.ino, set(), asked, self.listings.version)  # new: empty
         return self._looked_up(attr)
 
     @_errors
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         try:
             await self.aio.call(m.Rmdir(parent=parent_inode, name=_name(name)))
+        except BaseException:
+            self.listings.forget_names(parent_inode)
+            raise
+        else:
+            self.listings.removed(parent_inode, _name(name))
         finally:
             self.dir_attrs.clear()  # the parent's link count, and the removed directory
+            self.listings.clear()
 
     # -- names ------------------------------------------------------------------------------
     @_errors
     async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         try:
-            return self._looked_up(await self.aio.attr(m.Symlink(parent=parent_inode, name=_name(name),
-                                                                 target=os.fsdecode(target), uid=ctx.uid, gid=ctx.gid)))
+            return self._looked_up(await self._named(parent_inode, name, self.aio.attr(
+                m.Symlink(parent=parent_inode, name=_name(name), target=os.fsdecode(target), uid=ctx.uid, gid=ctx.gid))))
         finally:
             self.dir_attrs.drop(parent_inode)
 
     @_errors
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         try:
-            return self._looked_up(await self.aio.attr(m.Link(ino=inode, new_parent=new_parent_inode, new_name=_name(new_name))))
+            return self._looked_up(await self._named(new_parent_inode, new_name, self.aio.attr(
+                m.Link(ino=inode, new_parent=new_parent_inode, new_name=_name(new_name)))))
         finally:
             self.dir_attrs.drop(new_parent_inode)
+            self.listings.clear()  # the inode's link count shows in every listing that holds it
 
     @_errors
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
@@ -506,8 +620,15 @@ class StripeOperations(pyfuse3.Operations):
             gone = await self.aio.attr(m.Unlink(parent=parent_inode, name=_name(name)))
         except BaseException:
             self.dir_attrs.drop(parent_inode)  # a reply lost after the unlink happened
+            self.listings.forget_names(parent_inode)
             raise
+        else:
+            self.listings.removed(parent_inode, _name(name))
+        finally:
+            self.listings.drop(parent_inode)
         self.dir_attrs.touched(parent_inode, gone.ctime_ns)  # the service stamps the parent with the victim's ctime
+        if gone.nlink:  # other names of it remain, in listings that show its old link count
+            self.listings.clear()
 
     @_errors
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
@@ -530,12 +651,17 @@ class StripeOperations(pyfuse3.Operations):
             raise
         finally:
             self.dir_attrs.clear()  # both parents, and a directory moved (its ".." and ctime)
+            self.listings.clear()
+            self.listings.forget_names(parent_inode_old)
+            self.listings.forget_names(parent_inode_new)
 
     async def _orphans(self) -> int:
         if self._orphan_dir is None:
             try:
                 attr = await self.aio.attr(m.Mkdir(parent=pyfuse3.ROOT_INODE, name=ORPHAN_DIR, mode=0o700))
                 self.dir_attrs.drop(pyfuse3.ROOT_INODE)  # its link count and times changed
+                self.listings.drop(pyfuse3.ROOT_INODE)
+                self.listings.added(pyfuse3.ROOT_INODE, ORPHAN_DIR)
             except FileExistsError:
                 attr = await self.aio.attr(m.Lookup(parent=pyfuse3.ROOT_INODE, name=ORPHAN_DIR))
             self._orphan_dir = attr.ino
@@ -548,8 +674,12 @@ class StripeOperations(pyfuse3.Operations):
             return False
         name = f"{victim.ino}@{self.mount_id}"  # host@pid: a later mount can tell it is stale
         orphans = await self._orphans()
-        await self.aio.call(m.Link(ino=victim.ino, new_parent=orphans, new_name=name))
-        self.dir_attrs.drop(orphans)
+        try:
+            await self.aio.call(m.Link(ino=victim.ino, new_parent=orphans, new_name=name))
+        finally:
+            self.dir_attrs.drop(orphans)
+            self.listings.clear()  # the victim's link count
+            self.listings.forget_names(orphans)
         state.orphan = name
         return True
 
@@ -574,6 +704,8 @@ class StripeOperations(pyfuse3.Operations):
                 parts = name.split("@")
                 if len(parts) >= 4 and parts[-3] == host and not _orphan_owner_alive(parts[-2]):
                     await self.aio.call(m.Unlink(parent=d.ino, name=name))
+                    self.listings.drop(d.ino)
+                    self.listings.removed(d.ino, name)
                     removed += 1
             if not reply.more or not names:
                 return removed
@@ -607,7 +739,10 @@ class StripeOperations(pyfuse3.Operations):
         if uid != 0:
             self.unprivileged.add(fh)
         if flags & os.O_TRUNC and (attr.size or state.length()):
-            await self._locked(state, state.truncate, 0)
+            try:
+                await self._locked(state, state.truncate, 0)
+            finally:
+                self.listings.clear()  # listings that show the file show its old size
             stamp = None
             if uid != 0:
                 await self._kill_privs(state, ino)
@@ -656,9 +791,13 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        reply = await self.aio.call(m.Create(parent=parent_inode, name=_name(name), mode=stat.S_IMODE(mode), uid=ctx.uid,
-                                             gid=ctx.gid, exclusive=bool(flags & os.O_EXCL), truncate=bool(flags & os.O_TRUNC)))
+        # A new name, or an existing file opened (maybe truncated): the parent's pages go.
+        reply = await self._named(parent_inode, name, self.aio.call(
+            m.Create(parent=parent_inode, name=_name(name), mode=stat.S_IMODE(mode), uid=ctx.uid, gid=ctx.gid,
+                     exclusive=bool(flags & os.O_EXCL), truncate=bool(flags & os.O_TRUNC))))
         attr = reply.attr
+        if not reply.created and flags & os.O_TRUNC:
+            self.listings.clear()  # a truncated file may have other names, in other listings
         if reply.created:  # the parent is stamped with the new inode's time
             self.dir_attrs.touched(parent_inode, attr.ctime_ns)
         await self._wait_closing(attr.ino)
@@ -670,8 +809,8 @@ class StripeOperations(pyfuse3.Operations):
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         # The node is stored; the kernel gives fifos, sockets and devices their behaviour.
         try:
-            reply = await self.aio.call(m.Mknod(parent=parent_inode, name=_name(name), mode=mode, rdev=rdev,
-                                                uid=ctx.uid, gid=ctx.gid))
+            reply = await self._named(parent_inode, name, self.aio.call(
+                m.Mknod(parent=parent_inode, name=_name(name), mode=mode, rdev=rdev, uid=ctx.uid, gid=ctx.gid)))
         finally:
             self.dir_attrs.drop(parent_inode)
         return self._looked_up(reply.attr)
@@ -729,7 +868,10 @@ class StripeOperations(pyfuse3.Operations):
         """
         if _killed(state.mode) == state.mode:
             return
-        attr = await self.aio.attr(m.SetAttr(ino=ino, mode=stat.S_IMODE(_killed(state.mode))))
+        try:
+            attr = await self.aio.attr(m.SetAttr(ino=ino, mode=stat.S_IMODE(_killed(state.mode))))
+        finally:
+            self.listings.clear()
         state.mode = attr.mode
         await trio.to_thread.run_sync(_invalidate, ino)  # the kernel's cached mode still shows the bits
 
@@ -738,14 +880,20 @@ class StripeOperations(pyfuse3.Operations):
         state = self._state(fh)
         if not (state.written or state.lock.locked()):
             return  # nothing was ever written through this state: nothing to send or commit
-        await self._locked(state, state.sync)
+        await self._sync(state)
 
     @_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
         state = self._state(fh)
         if not (state.written or state.lock.locked()):
             return
-        await self._locked(state, state.sync)
+        await self._sync(state)
+
+    async def _sync(self, state: OpenFile) -> None:
+        try:
+            await self._locked(state, state.sync)
+        finally:
+            self.listings.clear()  # the committed length and mtime: listings holding the file show the old ones
 
     async def release(self, fh: int) -> None:
         ino = self.handles.pop(fh, None)
@@ -766,8 +914,11 @@ class StripeOperations(pyfuse3.Operations):
                 await self._locked(state, state.close)
             if state.orphan is not None:
                 await self.aio.call(m.Unlink(parent=await self._orphans(), name=state.orphan))
+                self.listings.drop(self._orphan_dir or 0)
+                self.listings.forget_names(self._orphan_dir or 0)
                 self.cached.pop(ino, None)
             elif state.written:  # the (size, mtime) the kernel's pages are of now
+                self.listings.clear()  # closing committed the length
                 attr = await self._attr(ino)
                 self.cached[ino] = (attr.size, attr.mtime_ns)
             # Never written here: the pages are of the (size, mtime) recorded at the last
@@ -829,6 +980,7 @@ class StripeOperations(pyfuse3.Operations):
             await self.aio.call(m.SetXattr(ino=inode, name=name, value=value))
         finally:
             self.dir_attrs.drop(inode)  # its ctime changes
+            self.listings.clear()
 
     @_errors
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
@@ -855,6 +1007,24 @@ class StripeOperations(pyfuse3.Operations):
             await self.aio.call(m.RemoveXattr(ino=inode, name=name))
         finally:
             self.dir_attrs.drop(inode)
+            self.listings.clear()
+
+
+def _attributes(attr: Attr, size: int, nlink: int, entry_timeout: float, attr_timeout: float) -> pyfuse3.EntryAttributes:
+    """What the kernel is told of ``attr`` (``size`` and ``nlink`` as this mount sees them)."""
+    e = pyfuse3.EntryAttributes()
+    e.st_ino = attr.ino
+    e.generation = 0
+    e.entry_timeout = entry_timeout
+    e.attr_timeout = attr_timeout
+    e.st_mode = attr.mode
+    e.st_nlink = nlink
+    e.st_uid, e.st_gid, e.st_rdev = attr.uid, attr.gid, attr.rdev
+    e.st_size = size
+    e.st_blksize = BLKSIZE
+    e.st_blocks = (size + 511) // 512
+    e.st_atime_ns, e.st_mtime_ns, e.st_ctime_ns = attr.atime_ns, attr.mtime_ns, attr.ctime_ns
+    return e
 
 
 def _killed(mode: int) -> int:

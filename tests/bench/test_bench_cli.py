@@ -18,13 +18,14 @@ from bench import BenchConfig, run_bench
 from bench._pattern import Pattern, VerifyError, file_id
 from bench._routes import RouteSkipped, RunEnv, make_route
 from bench._seed import dataset_sizes
-from bench._tasks import WORKLOADS, record_names
+from bench._tasks import BATCH_PARTS, WORKLOADS, record_names
 from bench.cli import main
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZE, BLOCK, CLIENTS = 1 * MiB, 256 * KiB, 2
 DL_FILES, SW_FILES = 24, 6
 ROUTES = ["native", "fsspec", "zerocopy", "fuse", "local_disk"]
+BATCHING = {"native", "zerocopy"}  # routes whose sessions batch metadata calls
 FIXED = {"workload", "path", "clients", "servers", "bytes", "seconds", "gbps"}
 
 
@@ -62,6 +63,9 @@ def test_each_workload_on_each_route(report: dict[str, Any], workload: str) -> N
         if (path, workload) in skipped:
             continue
         for name in record_names(workload):
+            if name in BATCH_PARTS and path not in BATCHING:
+                assert records(report, path, name) == []  # no batched calls: no such record
+                continue
             [rec] = records(report, path, name)
             assert FIXED <= rec.keys()
             assert rec["servers"] == 4 and rec["seconds"] > 0
@@ -100,6 +104,10 @@ def test_metadata_and_mixed_parts(report: dict[str, Any]) -> None:
         for phase in ("meta_create", "meta_stat", "meta_unlink"):
             [rec] = records(report, path, phase)
             assert rec["ops"] == CLIENTS * 8 and rec["bytes"] == 0
+        for phase in BATCH_PARTS:  # files, not calls
+            found = records(report, path, phase)
+            assert [(r["ops"], r["bytes"], r["clients"]) for r in found] == \
+                ([(CLIENTS * 8, 0, CLIENTS)] if path in BATCHING else [])
         [rd] = records(report, path, "mixed_read")
         [wr] = records(report, path, "mixed_write")
         assert rd["clients"] + wr["clients"] == CLIENTS
@@ -118,8 +126,9 @@ def test_dataloader_reads_every_file_once(report: dict[str, Any]) -> None:
         assert rec["latency_p50_ms"] <= rec["latency_p99_ms"]
         assert rec["verified_bytes"] >= sizes[0]  # at least one file compared byte for byte
         assert 0 <= rec["cpu_servers_s"] <= rec["cpu_s"] and "cpu_ms_per_op" in rec
-        if path == "native":  # the storage servers did the serving
-            assert rec["cpu_servers_s"] > 0
+        if path == "native":  # the storage servers did the serving: 24 small files are a few
+            # ms of their CPU, under the 10 ms tick that charges it, so look at the whole run
+            assert sum(r.get("cpu_servers_s", 0) for r in report["results"] if r["path"] == "native") > 0
         if path == "local_disk":
             assert rec["cpu_servers_s"] == 0
 

@@ -290,3 +290,81 @@ def test_discarded_transaction_leaves_no_temporary_when_close_fails(sfs: StripeF
             failing_close(f3)
     assert sfs.ls(root, refresh=True, detail=False) == []
     assert not sfs._intrans
+
+
+def requests_sent(sfs: StripeFileSystem, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the metadata requests the filesystem's client sends from now on (still sent)."""
+    sent: list[str] = []
+    call = sfs.client._core.call
+
+    def recording(msg: Any, *args: Any, **kwargs: Any) -> Any:
+        sent.append(type(msg).__name__)
+        return call(msg, *args, **kwargs)
+
+    monkeypatch.setattr(sfs.client._core, "call", recording)
+    return sent
+
+
+def test_put_recursive_creates_its_files_in_one_batch(sfs: StripeFileSystem, root: str, tmp_path: Any,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "tree"
+    want = {f"f{k:02d}.bin": os.urandom(k * 100) for k in range(30)}  # f00 is empty
+    want.update({"sub/a.bin": os.urandom(TEST_CHUNK + 9), "sub/deeper/b.bin": b"b"})
+    for rel, data in want.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    (src / "emptydir").mkdir()
+    sent = requests_sent(sfs, monkeypatch)
+
+    class Count(Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.done = 0
+
+        def relative_update(self, inc: int = 1) -> None:
+            self.done += inc
+
+    progress = Count()
+    sfs.put(str(src), f"{root}/up", recursive=True, callback=progress)
+    assert sent.count("CreateMany") == 1 and "CreatePath" not in sent  # every file in one request
+    assert progress.size == progress.done == len(want) + 4  # files and directories, as fsspec counts them
+    for rel, data in want.items():
+        assert sfs.cat_file(f"{root}/up/{rel}") == data
+    assert sfs.isdir(f"{root}/up/emptydir")
+    assert sorted(sfs.ls(f"{root}/up/sub", detail=False)) == [f"{root}/up/sub/a.bin", f"{root}/up/sub/deeper"]
+
+    (src / "f29.bin").write_bytes(b"shorter")  # a second put overwrites: existing files are truncated
+    sfs.put(str(src) + "/", f"{root}/up", recursive=True)
+    assert sfs.cat_file(f"{root}/up/f29.bin") == b"shorter" and sfs.cat_file(f"{root}/up/f03.bin") == want["f03.bin"]
+    with pytest.raises(FileExistsError):
+        sfs.put(str(src) + "/", f"{root}/up", recursive=True, mode="create")
+
+
+def test_put_recursive_makes_missing_parents_unless_told_not_to(sfs: StripeFileSystem, root: str,
+                                                                tmp_path: Any, cluster: Any) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.bin").write_bytes(b"x")
+    files = [str(tmp_path / "a" / "x.bin")]
+    sfs.put(files, [f"{root}/new/deep/x.bin"], recursive=True)  # lists: no directory entries given
+    assert sfs.cat_file(f"{root}/new/deep/x.bin") == b"x"
+    strict = StripeFileSystem(cluster.file, auto_mkdir=False, skip_instance_cache=True)
+    try:
+        with pytest.raises(FileNotFoundError):
+            strict.put(files, [f"{root}/other/x.bin"], recursive=True)
+    finally:
+        strict.client.close()
+
+
+def test_rm_recursive_unlinks_its_files_in_batches(sfs: StripeFileSystem, root: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    files = [f"{root}/t/f{k:03d}" for k in range(250)] + [f"{root}/t/a/b/deep", f"{root}/t/a/x"]
+    sfs.makedirs(f"{root}/t/a/b")
+    sfs.makedirs(f"{root}/t/empty")
+    sfs.client.create_many(files)
+    sfs.pipe(f"{root}/keep/data", b"kept")
+    sfs.client.symlink(f"{root}/keep", f"{root}/t/a/link")  # removed, never followed
+    sent = requests_sent(sfs, monkeypatch)
+    sfs.rm(f"{root}/t", recursive=True)
+    assert sent.count("UnlinkMany") == 2 and "UnlinkPath" not in sent  # 253 names, 200 per request
+    assert not sfs.exists(f"{root}/t") and sfs.cat_file(f"{root}/keep/data") == b"kept"
+    assert sfs.ls(root, detail=False) == [f"{root}/keep"]

@@ -344,6 +344,31 @@ def pg_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         LocalPostgres(str(root)).destroy()  # as root its data lives under /var/tmp, not the test's directory
 
 
+def test_a_retried_create_many_on_another_service_gets_the_first_answer(pg_cluster: Any) -> None:
+    # Before the kill test below: every service of the module's cluster is up.
+    from fsclient import Client
+    from rpc import Connection
+
+    with pg_cluster.client() as fs:
+        fs.makedirs("/many")
+        fs.write_bytes("/many/first", b"x")  # through the leader: the chain table is frozen now
+    secret = role_credential(pg_cluster.data["secret"], "client")
+    addrs = [(s["host"], s["port"]) for s in pg_cluster.data["metadata_services"]]
+    client = os.urandom(16)
+    conns = [Connection(a, secret, client, expect_role="metadata") for a in addrs[:2]]
+    try:
+        msg = m.CreateMany(paths=[f"/many/f{k}" for k in range(50)] + ["/many/first"], mode=0o644)
+        first = m.decode_reply(msg, conns[0].submit(msg, req_id=424242).result(30).header)
+        again = m.decode_reply(msg, conns[1].submit(msg, req_id=424242).result(30).header)
+        assert again == first and first.failed == [50] and first.codes == [int(ErrorCode.EXISTS)]
+    finally:
+        for conn in conns:
+            conn.close()
+    with Client(f"{addrs[2][0]}:{addrs[2][1]}", secret=secret) as fs:
+        assert sorted(fs.listdir("/many")) == sorted(["first"] + [f"f{k}" for k in range(50)])
+        assert [a.ino for a in fs.stat_many(msg.paths[:50])] == [a.ino for a in first.attrs]
+
+
 def test_kill_9_the_leading_metadata_service_under_two_clients(pg_cluster: Any) -> None:
     import signal
 
@@ -464,3 +489,23 @@ def test_postgres_inode_numbers_continue_past_an_older_database(pg_schema: str) 
         seen.append(ns.mkdir(1, f"d{len(seen)}", 0o755, 0, 0).ino)
         store.close()
     assert seen[0] >= 1000 and seen[1] > seen[0]
+
+
+def test_a_retried_batch_reaching_another_service_is_not_applied_twice(tmp_path: Path, pg_schema: str) -> None:
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            (a, _), (b, _) = [await _start(nursery, tmp_path / f"s{i}", pg_schema) for i in range(2)]
+            setup = TrioConnection(a, CLIENT)
+            d = (await _call(setup, m.Mkdir(parent=1, name="d", mode=0o755))).attr.ino
+            for k in range(3):  # symlinks: names to unlink that need no storage chains
+                await _call(setup, m.Symlink(parent=d, name=f"l{k}", target="/x"))
+            batch = m.UnlinkMany(paths=["/d/l0", "/d/l1", "/d/missing", "/d/l2"])
+            client = os.urandom(16)
+            first = await _call(TrioConnection(a, CLIENT, client_id=client), batch)
+            again = await _call(TrioConnection(b, CLIENT, client_id=client), batch)  # the same request id
+            assert again == first and first.failed == [2] and len(first.attrs) == 3  # answered, not ENOENT
+            fresh = await _call(TrioConnection(b, CLIENT), batch)  # another client's: a new request
+            assert fresh.failed == [0, 1, 2, 3]
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

@@ -115,7 +115,7 @@ REPLY_OF = {
     "Mknod": "AttrReply", "GetXattr": "XattrReply", "SetXattr": "AttrReply", "ListXattr": "XattrNamesReply",
     "RemoveXattr": "AttrReply", "AcquireLock": "LockReply", "ReleaseLock": "ReleaseLockReply",
     "CreatePath": "CreateReply", "UnlinkPath": "AttrReply", "StatMany": "StatManyReply",
-    "ListNames": "NamesReply",
+    "ListNames": "NamesReply", "CreateMany": "StatManyReply", "UnlinkMany": "StatManyReply",
 }
 
 LAYOUT = wire.Layout(1 << 20, (3, 1, 2))

@@ -1,0 +1,179 @@
+"""Directory listings the FUSE daemon serves again, without a round trip, while they
+are recent and this mount has not changed the directory (see :class:`Listings`)."""
+
+from __future__ import annotations
+
+import itertools
+import stat
+from typing import Any
+
+import trio
+
+from wire import DirEntry
+
+__all__ = ["Listings", "Page"]
+
+_serials = itertools.count(1)
+
+
+class Page:
+    """One page of a directory listing as the metadata service gave it: the entries
+    after the name ``after``, in the service's name order, with their attributes.
+
+    Attributes:
+        entries: the entries, in name order.
+        more: another page follows this one.
+        index: name -> position in ``entries``.
+        fetched: when the service was asked (trio clock): what the timeouts handed to
+            the kernel count from, however often the page is served.
+        replies: what the daemon tells the kernel of each entry, built at the first
+            listing that serves the page (the daemon's business).
+        serial: unique in the daemon; readdir offsets name the page by it.
+    """
+
+    __slots__ = ("entries", "fetched", "index", "more", "replies", "serial")
+
+    def __init__(self, entries: list[DirEntry], more: bool, fetched: float):
+        self.entries = entries
+        self.more = more and bool(entries)
+        self.index = {e.name: i for i, e in enumerate(entries)}
+        self.fetched = fetched
+        self.replies: list[Any] | None = None
+        self.serial = next(_serials)  # names the page in the offsets handed to the kernel
+
+
+class Listings:
+    """Pages of directory listings kept for at most ``ttl`` seconds after the metadata
+    service gave them, unless this mount changes the directory meanwhile.
+
+    ``os.listdir`` through the mount is OPENDIR + READDIRPLUS: every listing was a
+    round trip that carries every entry's attributes (the service reads and the daemon
+    decodes them all), by far the largest cost of listing a directory. A page kept here
+    serves the next listings of the same directory for the rest of ``ttl``; the daemon
+    hands the kernel only the seconds of its attribute and entry timeouts that are left
+    since the page was fetched, so nothing reaches the kernel older than the timeouts
+    allow, as if the kernel had cached it itself. Another client's create or unlink shows
+    in a listing at most ``ttl`` after this mount last fetched it.
+
+    This mount's own changes show at once: the daemon drops a directory's pages when it
+    creates, removes or renames a name in it (and the pages of the directories that list
+    it: its times and link count changed), and every page when it changes an inode's
+    attributes (setattr, xattrs, links, a file written and closed: the pages of whichever
+    directories hold that inode are stale). A listing fetched while such a change was in
+    flight may predate it and is not kept (:attr:`version`, one counter for all).
+
+    The names of a directory listed in full (one page), or made by this mount (empty),
+    are kept too, for the same ``ttl`` from the fetch (or the mkdir), with this mount's
+    own creates and removals applied: a lookup of a name that is not there is answered
+    "no such name" from them (:meth:`absent`), without a round trip -- the lookup the
+    kernel sends before every create. That is as stale towards other clients as a kept
+    listing: another client's new name may be reported missing for the rest of ``ttl``.
+
+    Caveats:
+
+    * ``ttl`` is the smaller of the attribute and entry timeouts; 0 keeps nothing.
+    * Bounded by :attr:`MAX_ENTRIES` entries in all: past it, everything is forgotten.
+    * Names are kept only for directories of at most one page (1,000 entries).
+    """
+
+    MAX_ENTRIES = 50_000  # ~0.7 KB each, with its attributes and what it tells the kernel
+
+    def __init__(self, ttl: float):
+        self.ttl = ttl
+        self.pages: dict[int, dict[str, Page]] = {}  # directory ino -> after -> page
+        self.entries = 0  # in all the pages kept
+        self.holders: dict[int, set[int]] = {}  # directory ino -> directories whose kept pages list it
+        self.names: dict[int, tuple[set[str], float]] = {}  # directory ino -> (all its names, when asked)
+        self.named = 0  # names in all the sets kept
+        self.version = 0  # moves at every drop: see put
+
+    def get(self, ino: int, after: str) -> Page | None:
+        """The page of ``ino`` after ``after`` if it is younger than ``ttl``, else None."""
+        pages = self.pages.get(ino)
+        page = pages.get(after) if pages is not None else None
+        if page is None:
+            return None
+        if trio.current_time() - page.fetched >= self.ttl:
+            self.drop(ino)  # its other pages are no younger in general: fetch them afresh too
+            return None
+        return page
+
+    def put(self, ino: int, after: str, page: Page, version: int) -> None:
+        """Keep ``page`` of ``ino``, asked for when :attr:`version` was ``version``; an
+        answer that crossed a change of this mount in flight may predate it: not kept."""
+        if self.ttl <= 0 or version != self.version:
+            return
+        if self.entries + len(page.entries) > self.MAX_ENTRIES:  # bounded: forget rather than grow
+            self.clear()
+        pages = self.pages.setdefault(ino, {})
+        old = pages.get(after)
+        self.entries += len(page.entries) - (len(old.entries) if old is not None else 0)
+        pages[after] = page
+        for e in page.entries:
+            if stat.S_ISDIR(e.mode):
+                self.holders.setdefault(e.ino, set()).add(ino)
+
+    def drop(self, ino: int) -> None:
+        """Forget the pages of directory ``ino`` (this mount changed it), and those of
+        the directories that list it (they show its old times and link count); its names
+        are kept (see :meth:`added`, :meth:`removed`)."""
+        self.version += 1
+        self._forget_pages(ino)
+        for holder in self.holders.pop(ino, ()):
+            self._forget_pages(holder)
+
+    def _forget_pages(self, ino: int) -> None:
+        pages = self.pages.pop(ino, None)
+        if pages:
+            self.entries -= sum(len(p.entries) for p in pages.values())
+
+    def clear(self) -> None:
+        """Forget every page (this mount changed attributes some of them may show)."""
+        self.version += 1
+        self.pages.clear()
+        self.holders.clear()
+        self.entries = 0
+
+    # -- names --------------------------------------------------------------------------
+    def put_names(self, ino: int, names: set[str], asked: float, version: int) -> None:
+        """Keep ``names``, every name of directory ``ino`` as of ``asked`` (trio clock),
+        asked for when :attr:`version` was ``version`` (else not kept, as :meth:`put`)."""
+        if self.ttl <= 0 or version != self.version:
+            return
+        if self.named + len(names) > self.MAX_ENTRIES:
+            self.names.clear()
+            self.named = 0
+        self.forget_names(ino)
+        self.names[ino] = (names, asked)
+        self.named += len(names)
+
+    def absent(self, parent: int, name: str) -> float | None:
+        """The seconds for which ``name`` is known not to be in ``parent``, or None."""
+        hit = self.names.get(parent)
+        if hit is None or name in hit[0]:
+            return None
+        left = hit[1] + self.ttl - trio.current_time()
+        if left <= 0:
+            self.forget_names(parent)
+            return None
+        return left
+
+    def added(self, parent: int, name: str) -> None:
+        """This mount made ``name`` in ``parent``."""
+        hit = self.names.get(parent)
+        if hit is not None and name not in hit[0]:
+            hit[0].add(name)
+            self.named += 1
+
+    def removed(self, parent: int, name: str) -> None:
+        """This mount removed ``name`` from ``parent``."""
+        hit = self.names.get(parent)
+        if hit is not None and name in hit[0]:
+            hit[0].discard(name)
+            self.named -= 1
+
+    def forget_names(self, ino: int) -> None:
+        """Forget the names of ``ino`` (a change of this mount whose outcome is unknown)."""
+        hit = self.names.pop(ino, None)
+        if hit is not None:
+            self.named -= len(hit[0])
