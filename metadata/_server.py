@@ -754,7 +754,7 @@ class MetadataService(Service):
         self._reader = StoreThread(run_each, MAX_BATCH) if reader is not None else None
         # Short reads run on the loop itself (``INLINE_COST``), on a third connection.
         now_reader = ns.store.reader(busy_timeout_s=INLINE_BUSY_TIMEOUT) if reader is not None else None
-        self._lns = ns.reading(now_reader) if now_reader is not None else None
+        self._lns = ns.reading(now_reader, remember_dirs=True) if now_reader is not None else None
         self._gc_due = 0.0  # monotonic time before which a wake-up finds no removal due
         self.replay = Replies()
         self._running: dict[tuple[bytes, int], trio.Event] = {}  # mutations being applied, by replay key
@@ -864,6 +864,12 @@ class MetadataService(Service):
             raise
         except Exception:  # noqa: BLE001 -- e.g. SQLITE_BUSY during a log recovery: the thread waits it out
             return False, None
+
+    def _forget_dirs(self) -> None:
+        """A directory may have been renamed or removed (committed, nobody told yet): the
+        loop's reads forget the directory entries they remember."""
+        if self._lns is not None:
+            self._lns.forget_dirs()
 
     def answer_now(self, conn: ServerConn, head: FrameHead, msg: Message) -> dict[str, Any] | None:
         """Short reads, answered from the loop (see ``INLINE_COST``); None for the rest.
@@ -1019,10 +1025,16 @@ class MetadataService(Service):
             self._garbage_added()
             return m.AttrReply(attr)
         if isinstance(msg, m.Rmdir):
-            await self._ns(ns.rmdir, msg.parent, msg.name)
+            try:
+                await self._ns(ns.rmdir, msg.parent, msg.name)
+            finally:
+                self._forget_dirs()
             return m.EmptyReply()
         if isinstance(msg, m.Rename):
-            await self._ns(ns.rename, msg.parent, msg.name, msg.new_parent, msg.new_name, msg.flags)
+            try:
+                await self._ns(ns.rename, msg.parent, msg.name, msg.new_parent, msg.new_name, msg.flags)
+            finally:
+                self._forget_dirs()
             self._garbage_added()
             return m.EmptyReply()
         if isinstance(msg, m.SetAttr):

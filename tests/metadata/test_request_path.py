@@ -167,3 +167,48 @@ def test_answer_now_takes_short_reads_and_leaves_the_rest_to_tasks(tmp_path) -> 
             svc.answer_now(None, None, m.Resolve(path="/e"))  # type: ignore[arg-type]
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("sync", ["full", "normal"])
+def test_reads_on_the_loop_follow_renamed_and_replaced_directories(tmp_path, sync: str) -> None:
+    """Directories met on the way are remembered by the loop's reads (fewer statements per
+    stat); a rename or rmdir is seen by the very next read."""
+    store = SqliteStore(tmp_path / "meta.db", synchronous=sync)
+    ns = Namespace(store)
+    a = ns.mkdir(1, "a", 0o755, 0, 0)
+    ns.mkdir(a.ino, "x", 0o755, 0, 0)
+    svc = MetadataService(ns, lambda doc, restarted: Membership(None, doc=doc, restarted=restarted), "secret",
+                          sync=sync)
+    statements: list[str] = []
+    svc._lns.store._conn.set_trace_callback(statements.append)  # type: ignore[union-attr]
+
+    def stat(path: str) -> int:
+        return m.decode_reply(m.Resolve(path=path), svc.answer_now(None, None, m.Resolve(path=path))).attr.ino  # type: ignore[arg-type]
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.run_batches)
+            x = stat("/a/x")
+            statements.clear()
+            assert stat("/a/x") == x
+            assert len([s for s in statements if s.startswith("SELECT")]) == 1  # the entries from memory: the inode
+            await svc._dispatch(m.Rename(parent=1, name="a", new_parent=1, new_name="b", flags=0))
+            with pytest.raises(FileNotFoundError):
+                stat("/a/x")
+            assert stat("/b/x") == x
+            await svc._dispatch(m.Rmdir(parent=a.ino, name="x"))
+            with pytest.raises(FileNotFoundError):
+                stat("/b/x")
+            again = (await svc._dispatch(m.Mkdir(parent=a.ino, name="x", mode=0o755, uid=0, gid=0))).attr
+            assert stat("/b/x/.") == again.ino != x
+            # a directory replaced by a rename over it
+            await svc._dispatch(m.Mkdir(parent=1, name="c", mode=0o755, uid=0, gid=0))
+            stat("/c")
+            await svc._dispatch(m.Rename(parent=1, name="b", new_parent=1, new_name="c", flags=0))
+            assert stat("/c/x") == again.ino
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        store.close()
