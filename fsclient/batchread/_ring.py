@@ -31,10 +31,10 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from rpc import abandon
-from wire import ErrorCode, Layout, StripefsError, check_segments, messages as m
+from wire import Attr, ErrorCode, Layout, StripefsError, check_segments, messages as m
 
 from ..core import ClusterConfig, split
 from ._mounted import resolve_mounted
@@ -143,6 +143,12 @@ def as_dest(buf: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+def _registered(attr: Attr, path: str) -> RegisteredFile:
+    if not attr.is_file or attr.layout is None:
+        raise StripefsError(ErrorCode.IS_DIR if attr.is_dir else ErrorCode.INVALID, "not a regular file", path)
+    return RegisteredFile(attr.ino, attr.layout, attr.size, path)
+
+
 class ReadRing:
     """A submission/completion ring for batched zero-copy reads.
 
@@ -199,10 +205,19 @@ class ReadRing:
     # -- files ------------------------------------------------------------------------------
     def open(self, path: str) -> RegisteredFile:
         """Register a stripefs file by path (one metadata round trip)."""
-        attr = self.client.stat(path)
-        if not attr.is_file or attr.layout is None:
-            raise StripefsError(ErrorCode.IS_DIR if attr.is_dir else ErrorCode.INVALID, "not a regular file", path)
-        return RegisteredFile(attr.ino, attr.layout, attr.size, path)
+        return _registered(self.client.stat(path), path)
+
+    def open_many(self, paths: Sequence[str]) -> list[RegisteredFile]:
+        """Register many files by path, 200 per metadata round trip (``StatMany``).
+
+        Raises:
+            StripefsError: the first path, in order, that is missing or not a regular file.
+        """
+        found = self.client.stat_many(paths)
+        for path, attr in zip(paths, found):
+            if isinstance(attr, StripefsError):
+                raise attr
+        return [_registered(attr, path) for path, attr in zip(paths, found)]  # type: ignore[arg-type]
 
     def open_mounted(self, path: str, **kw: Any) -> RegisteredFile:
         """Register a file by its path under a stripefs FUSE mount (``hf3fs_reg_fd``).

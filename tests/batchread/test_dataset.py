@@ -79,3 +79,35 @@ def test_index_dataset_ragged_batches(cluster, records) -> None:
     batches = list(loader(ds, batch_size=2, num_workers=2, multiprocessing_context="fork"))
     assert [bb.lengths.tolist() for bb in batches] == [[10, 1000], [0, 3]]
     assert collate_batch(b) is b
+
+
+def test_files_register_in_batches_and_a_bad_one_is_named(cluster, records, monkeypatch) -> None:
+    """A dataset of many files registers them 200 per metadata round trip (StatMany),
+    not one stat each; a missing path or a directory fails naming that path."""
+    from fsclient.batchread import ReadRing
+
+    paths, _ = records
+    client = Client(cluster.file)
+    sent: list[str] = []
+    call = client._core.call
+
+    def recording(msg, *args, **kwargs):
+        sent.append(type(msg).__name__)
+        return call(msg, *args, **kwargs)
+
+    monkeypatch.setattr(client._core, "call", recording)
+    ring = ReadRing(client, entries=1)
+    try:
+        many = paths * 250  # 500 registrations
+        files = ring.open_many(many)
+        assert [f.path for f in files] == many
+        assert [f.size for f in files[:2]] == [client.stat(p).size for p in paths]
+        assert sent.count("StatMany") == 3 and "Resolve" not in sent[:3]
+        with pytest.raises(FileNotFoundError) as err:
+            ring.open_many([paths[0], "/records/none.bin"])
+        assert err.value.filename == "/records/none.bin"
+        with pytest.raises(IsADirectoryError):
+            ring.open_many(["/records"])
+    finally:
+        ring.close()
+        client.close()
