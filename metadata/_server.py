@@ -742,7 +742,7 @@ class MetadataService(Service):
         # has a reader, to another, on their own connection: they never wait behind a
         # batch's durable commit, and see every write acknowledged before they started.
         self._writer = StoreThread(self._run_batch, MAX_BATCH)
-        self._writing = 0  # writer-thread calls not yet returned: the loop leaves the connection alone
+        self._writing = 0  # writer-thread jobs queued or running: the loop leaves the connection alone
         # Mutations commit on the loop when their commit needs no fsync (``CHECKPOINT_EVERY``).
         store = ns.store
         self._write_now = isinstance(store, SqliteStore) and store.synchronous_mode == "normal"
@@ -826,11 +826,11 @@ class MetadataService(Service):
 
     async def _store_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` in the writer's next batch (group commit)."""
-        self._writing += 1
-        try:
-            return await self._stored(self._writer, lambda: fn(*args, **kwargs))
-        finally:
-            self._writing -= 1
+        self._writing += 1  # until the job ran, even if this caller is cancelled meanwhile
+        return await self._stored(self._writer, lambda: fn(*args, **kwargs), self._written)
+
+    def _written(self) -> None:
+        self._writing -= 1
 
     async def _read(self, fn: Callable[..., Any], *args: Any, cost: int | None = None) -> Any:
         """Run the read-only ``Namespace`` method ``fn`` (unbound) on a reader, never
@@ -883,9 +883,9 @@ class MetadataService(Service):
         return reply(result).to_header() if done else None
 
     @staticmethod
-    async def _stored(thread: StoreThread, fn: Callable[[], Any]) -> Any:
+    async def _stored(thread: StoreThread, fn: Callable[[], Any], on_done: Callable[[], None] | None = None) -> Any:
         try:
-            return await thread.submit(fn)
+            return await thread.submit(fn, on_done)
         except StripefsError:
             raise
         except Exception as exc:  # the store itself failed (PostgreSQL went away)

@@ -26,13 +26,14 @@ import trio
 class Job:
     """One unit of store work and, once run, its result or exception."""
 
-    __slots__ = ("fn", "result", "exc", "done")
+    __slots__ = ("fn", "result", "exc", "done", "on_done")
 
-    def __init__(self, fn: Callable[[], Any]):
+    def __init__(self, fn: Callable[[], Any], on_done: Callable[[], None] | None = None):
         self.fn = fn
         self.result: Any = None
         self.exc: BaseException | None = None
         self.done = trio.Event()
+        self.on_done = on_done
 
 
 def run_each(jobs: list[Job]) -> None:
@@ -47,6 +48,8 @@ def run_each(jobs: list[Job]) -> None:
 def _deliver(jobs: list[Job]) -> None:
     for job in jobs:
         job.done.set()
+        if job.on_done is not None:
+            job.on_done()
 
 
 class StoreThread:
@@ -62,9 +65,11 @@ class StoreThread:
         self.max_batch = max_batch
         self._q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
 
-    async def submit(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn()`` on the thread; its result, or its exception raised here."""
-        job = Job(fn)
+    async def submit(self, fn: Callable[[], Any], on_done: Callable[[], None] | None = None) -> Any:
+        """Run ``fn()`` on the thread; its result, or its exception raised here.
+
+        ``on_done()`` runs on the loop once the job ran, even if this call was cancelled."""
+        job = Job(fn, on_done)
         self._q.put(job)
         await job.done.wait()
         if job.exc is not None:

@@ -116,3 +116,40 @@ def test_commit_unsynced_refuses_what_would_need_a_savepoint(tmp_path) -> None:
     done, _ = store.commit_unsynced(lambda: ns.mkdir(1, "z", 0o755, 0, 0))
     assert done and not [s for s in statements if s.startswith(("SAVEPOINT", "RELEASE"))]
     store.close()
+
+
+def test_a_write_whose_caller_gave_up_still_keeps_the_loop_off_the_connection(tmp_path) -> None:
+    """A caller cancelled while its job waits for (or runs on) the writer thread does not
+    free the writing connection: mutations go on queueing behind that job until it ran."""
+    import threading
+
+    svc, store = _service(tmp_path, "normal")
+    gate, started = threading.Event(), threading.Event()
+
+    def slow() -> None:
+        started.set()
+        gate.wait(10)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.run_batches)
+            with trio.move_on_after(0.2):
+                await svc._store_call(slow)  # the caller gives up; the job keeps running
+            assert started.is_set()
+            assert svc._writing == 1  # counted until the job ran, not until its caller left
+            made = None
+            with trio.move_on_after(0.3):
+                made = await svc._dispatch(m.Mkdir(parent=1, name="e", mode=0o755, uid=0, gid=0))
+            assert made is None  # queued behind the job, not committed beside it on the loop
+            gate.set()
+            with trio.fail_after(5):
+                while svc._writing:
+                    await trio.sleep(0.01)
+                await svc._dispatch(m.Mkdir(parent=1, name="f", mode=0o755, uid=0, gid=0))
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        gate.set()
+        store.close()
