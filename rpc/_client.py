@@ -337,8 +337,11 @@ class Connection:
         dest: memoryview | None = None,
         timeout: float | None = 120.0,
         req_id: int | None = None,
+        check: Callable[[dict[str, Any], memoryview], None] | None = None,
     ) -> Reply:
         """Send ``msg`` and wait for its :class:`Reply`.
+
+        ``dest`` and ``check`` are as for :meth:`submit`.
 
         When nobody else is receiving on this connection, the calling thread receives the
         answer itself (and any other answer that comes first); otherwise it waits for the
@@ -354,7 +357,7 @@ class Connection:
         if self.broken:
             raise unavailable(self.address, "connection is broken")
         waiter = _Waiter()
-        pending = _Pending(waiter, dest)
+        pending = _Pending(waiter, dest, check=check)
         self._send(pending, msg, payload, req_id, False)
         with self._plock:
             mine = self._rx == _RX_NONE and self._pending.get(pending.req_id) is pending
@@ -487,7 +490,14 @@ class Connection:
             pending = self._pending.pop(event.req_id, None) if answer else None  # type: ignore[union-attr]
         if isinstance(event, ResponseReceived):
             assert pending is not None  # the machine matched the id
-            self._complete(pending, event)
+            try:
+                self._complete(pending, event)
+            except BaseException as exc:
+                # The answer stopped short (the server died while sending it): this request
+                # is out of the table already, so it fails here, as _fail_all fails the rest.
+                if not pending.future.done():
+                    pending.future.set_exception(self._lost(exc))
+                raise
         elif isinstance(event, ErrorReceived):
             assert pending is not None
             pending.future.set_exception(event.error)
@@ -495,9 +505,13 @@ class Connection:
             raise EOFError("connection closed by peer")
         return True
 
+    def _lost(self, exc: BaseException) -> StripefsError:
+        """What a request lost with the connection fails with: a protocol error as it is,
+        anything else (end of stream, a socket error) as UNAVAILABLE."""
+        return exc if isinstance(exc, StripefsError) and exc.code == ErrorCode.PROTOCOL else unavailable(self.address, exc)
+
     def _broke(self, exc: BaseException) -> None:
-        err = exc if isinstance(exc, StripefsError) and exc.code == ErrorCode.PROTOCOL else unavailable(self.address, exc)
-        self._fail_all(err)
+        self._fail_all(self._lost(exc))
 
     def _receive_until(self, fut: _Waiter, deadline: float | None) -> None:
         """Receive (holding the role) until ``fut`` resolves.

@@ -390,12 +390,27 @@ class ClientCore:
         dest = dest.cast("B") if dest.format != "B" or dest.ndim != 1 else dest
         pieces = [(*p, layout.chain_of(p[0])) for p in split(layout, offset, n)]
 
+        lone = len(pieces) == 1
+
         def submit(p: tuple[int, int, int, int, int], attempt: int) -> Future:
             index, coff, k, pos, chain = p
             conn = self.data_conn(self._replica(chain, ino + index, attempt))
-            return conn.submit(m.ReadChunk(ino=ino, index=index, offset=coff, length=k, chain=chain,
-                                           routing_version=self.routing().version), dest=dest[pos : pos + k],
-                               check=functools.partial(check_read, coff=coff))
+            msg = m.ReadChunk(ino=ino, index=index, offset=coff, length=k, chain=chain,
+                              routing_version=self.routing().version)
+            check = functools.partial(check_read, coff=coff)
+            if not lone:
+                return conn.submit(msg, dest=dest[pos : pos + k], check=check)
+            # One chunk (a dataloader's sample): a blocking call, whose thread receives the
+            # answer itself when the connection is idle -- no hand-off from the reader
+            # thread. Its outcome goes through the same retry loop as a future's.
+            done: Future = Future()
+            t0 = time.monotonic()
+            try:
+                done.set_result(conn.call(msg, dest=dest[pos : pos + k], timeout=REQUEST_TIMEOUT, check=check))
+            except StripefsError as exc:
+                ours = exc.code == ErrorCode.TIMEOUT and time.monotonic() - t0 >= REQUEST_TIMEOUT
+                done.set_exception(TimeoutError() if ours else exc)  # our own timeout: as a future's
+            return done
 
         def finish(p: tuple[int, int, int, int, int], reply: Reply) -> None:
             _index, coff, k, pos, _chain = p

@@ -221,3 +221,77 @@ def test_add_server_rebalances_without_downtime(make_cluster, replicas: int) -> 
         with h.client() as c:
             total_chunks = sum(s.used for s in c.status().servers)
     assert total_chunks == expect
+
+
+def test_one_chunk_reads_check_and_fail_over(make_cluster) -> None:
+    """A read inside one chunk (a dataloader's sample) takes the blocking fast path: its
+    bytes are still checked, a bad copy sends it to the other replica, and a dead server
+    to the one still serving."""
+    h = make_cluster(servers=2, replicas=2)
+    data = os.urandom(TEST_CHUNK * 4)
+    with h.client() as c:
+        c.write_bytes("/one", data)
+        ino = c.stat("/one").ino
+    chunk_dir = os.path.join(h.data["servers"][0]["root"], "chunks", f"{ino:016x}")
+    for name in os.listdir(chunk_dir):  # every copy on server 0 goes bad at byte 100
+        with open(os.path.join(chunk_dir, name), "r+b") as f:
+            f.seek(HEADER_SIZE + 100)
+            b = f.read(1)
+            f.seek(HEADER_SIZE + 100)
+            f.write(bytes([b[0] ^ 0xFF]))
+    with h.client() as c, c.open("/one", "rb") as f:
+        buf = memoryview(bytearray(4096))
+        for k in range(4):  # each chunk, whichever replica its spread picks first
+            off = k * TEST_CHUNK + 64
+            assert c.read_into(f.ino, f.layout, f.size, off, buf) == 4096
+            assert bytes(buf) == data[off : off + 4096]
+    os.kill(h.data["servers"][1]["pid"], signal.SIGKILL)  # the good copies' server: reads now fail closed
+    with h.client(retry_for=2) as c, c.open("/one", "rb") as f, pytest.raises(OSError) as err:
+        c.read_into(f.ino, f.layout, f.size, 64, memoryview(bytearray(4096)))
+    assert err.value.errno is not None
+
+
+def test_one_chunk_reads_go_on_when_the_server_answering_them_is_killed(make_cluster) -> None:
+    """A server killed while it answers one-chunk reads (32 MiB answers: almost surely
+    halfway through one): the read being answered fails over to the other replica like
+    any other, and reads go on succeeding, with the right bytes, within a bound."""
+    chunk = 32 << 20
+    h = make_cluster(servers=3, replicas=2, chunk_size=chunk)
+    data = os.urandom(chunk)
+    log: list[tuple[float, bool]] = []  # (end, right bytes) of every read
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    with h.client() as c:
+        c.write_bytes("/big", data)
+        attr = c.stat("/big")
+        pl = c.placement("/big")[0]
+        victim = pl["replicas"][attr.ino % len(pl["replicas"])]  # the replica reads of chunk 0 go to first
+
+    def read() -> None:
+        buf = memoryview(bytearray(chunk))
+        with h.client(retry_for=20) as rc:
+            while not stop.is_set():
+                try:
+                    n = rc.read_into(attr.ino, attr.layout, attr.size, 0, buf)
+                    log.append((time.monotonic(), n == chunk and buf == data))
+                except BaseException as exc:  # noqa: BLE001 -- anything a read raises fails the test
+                    errors.append(exc)
+                    return
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 20
+        while len(log) < 5 and time.monotonic() < deadline and reader.is_alive():
+            time.sleep(0.01)
+        os.kill(server_pid(h, victim), signal.SIGKILL)
+        t_kill = time.monotonic()
+        while time.monotonic() < t_kill + 20 and reader.is_alive() and sum(e > t_kill for e, _ in log) < 5:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        reader.join(60)
+    assert not reader.is_alive() and errors == []
+    after = [e for e, _ in log if e > t_kill]
+    assert len(after) >= 5, f"{len(after)} reads succeeded in the 20 s after the kill"
+    assert after[0] - t_kill < 12 and all(ok for _, ok in log)

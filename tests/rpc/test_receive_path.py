@@ -20,11 +20,12 @@ from wire import ErrorCode, FrameHead, Message, StripefsError, messages as m
 SECRET = "test-secret"
 CLIENT = wire.role_credential(SECRET, "client")
 KILL = 999_999  # ReadChunk.index that makes the server drop the connection
+CUT = 999_998  # ... that makes it drop the connection halfway through an answer's payload
 
 
 class SlowEcho(Service):
     """ReadChunk answered after ``offset`` ms with ``length`` bytes of ``index % 251``;
-    index KILL tears the connection down instead."""
+    index KILL tears the connection down instead, index CUT after half the payload."""
 
     role = "storage"
 
@@ -35,6 +36,11 @@ class SlowEcho(Service):
                 conn.sock.shutdown(socket.SHUT_RDWR)  # the client sees the connection end
                 return
             await trio.sleep(msg.offset / 1000)
+            if msg.index == CUT:  # a server killed while it sends: the answer stops short
+                prefix = conn.machine.send_response(head, {"length": msg.length}, msg.length)
+                await conn.sock.send(prefix + bytes(msg.length // 2))
+                conn.sock.shutdown(socket.SHUT_RDWR)
+                return
             data = bytes([msg.index % 251]) * msg.length
             await conn.send(head, {"length": msg.length, "chunk_length": msg.index}, payload=data)
         else:
@@ -351,3 +357,23 @@ def test_mixed_callers_timeouts_and_a_kill_never_hang_or_cross_answers(address: 
         assert not any(th.is_alive() for th in threads), "a caller hung after the connection died"
         conn.close()
     assert problems == []
+
+
+@pytest.mark.parametrize("how", ["call", "future"])
+def test_a_connection_lost_in_the_middle_of_a_payload_fails_that_request(address: tuple[str, int], how: str) -> None:
+    """A server that dies while it sends an answer (SIGKILL halfway through a chunk): the
+    request being received fails with UNAVAILABLE at once, like every other in flight --
+    not a hang until its timeout, nor an answer that was never filled in."""
+    conn = Connection(address, CLIENT, os.urandom(16), expect_role="storage")
+    try:
+        dest = memoryview(bytearray(1 << 16))
+        t0 = time.monotonic()
+        with pytest.raises(StripefsError) as exc:
+            if how == "call":
+                conn.call(read(CUT, length=len(dest)), dest=dest, timeout=20)
+            else:
+                conn.submit(read(CUT, length=len(dest)), dest=dest).result(20)
+        assert exc.value.code == ErrorCode.UNAVAILABLE
+        assert time.monotonic() - t0 < 5 and conn.broken
+    finally:
+        conn.close()
