@@ -580,6 +580,10 @@ class SqlTxn(Txn):
         self._q("DELETE FROM replies WHERE created_ns < ?", (before_ns,))
 
 
+# Directory entries and counters are written by every create and unlink: WITHOUT ROWID keeps
+# each in one B-tree (a table with a separate key index writes two pages per change; measured
+# in the store alone: create 101 -> 93 us, unlink 81 -> 72). Databases made before keep their
+# tables: the same statements work on both.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS inodes (
     ino INTEGER PRIMARY KEY, ftype INTEGER NOT NULL, mode INTEGER NOT NULL,
@@ -591,11 +595,11 @@ CREATE TABLE IF NOT EXISTS dirs (
     ino INTEGER PRIMARY KEY, parent INTEGER NOT NULL, chunk_size INTEGER, stripe INTEGER);
 CREATE TABLE IF NOT EXISTS dentries (
     parent INTEGER NOT NULL, name BLOB NOT NULL, ino INTEGER NOT NULL, mode INTEGER NOT NULL,
-    PRIMARY KEY (parent, name));
+    PRIMARY KEY (parent, name)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS garbage (
     id INTEGER PRIMARY KEY, kind TEXT NOT NULL, ino INTEGER NOT NULL, length INTEGER NOT NULL,
     chunk_size INTEGER NOT NULL, chains TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS xattrs (
     ino INTEGER NOT NULL, name BLOB NOT NULL, value BLOB NOT NULL, PRIMARY KEY (ino, name));
 CREATE TABLE IF NOT EXISTS locks (

@@ -153,3 +153,31 @@ def test_a_write_whose_caller_gave_up_still_keeps_the_loop_off_the_connection(tm
     finally:
         gate.set()
         store.close()
+
+
+def test_entries_and_counters_are_one_btree_each_and_older_databases_still_work(tmp_path) -> None:
+    """A new database keeps directory entries and counters without a rowid (one B-tree each:
+    an entry written or looked up touches one tree, not a table and its key index); one
+    made with the older tables works on unchanged."""
+    import sqlite3
+
+    with SqliteStore(tmp_path / "new.db") as store:
+        tables = dict(store._conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table'").fetchall())
+    assert "WITHOUT ROWID" in tables["dentries"] and "WITHOUT ROWID" in tables["meta"]
+
+    old = sqlite3.connect(tmp_path / "old.db")
+    old.executescript("""
+        CREATE TABLE dentries (parent INTEGER NOT NULL, name BLOB NOT NULL, ino INTEGER NOT NULL,
+                               mode INTEGER NOT NULL, PRIMARY KEY (parent, name));
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    """)
+    old.close()
+    with SqliteStore(tmp_path / "old.db", synchronous="normal") as store:
+        ns = Namespace(store)
+        d = ns.mkdir(1, "d", 0o755, 0, 0)
+        made, _ = ns.create_path("/d/f", 0o644, 0, 0, chains=[1])
+        assert ns.resolve("/d/f").ino == made.ino and ns.list_names("/d") == (["f"], False)
+        ns.unlink_path("/d/f")
+        assert ns.readdir(d.ino) == ([], False)
+        tables = dict(store._conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table'").fetchall())
+        assert "WITHOUT ROWID" not in tables["dentries"]  # left as it was
