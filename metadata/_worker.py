@@ -25,7 +25,6 @@ from typing import Any, Callable
 
 import trio
 
-
 STOP_WAIT = 30.0  # seconds a cancelled run waits for the batch in hand (a commit's fsync)
 
 
@@ -116,7 +115,7 @@ class StoreThread:
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(life.stopped.wait, STOP_WAIT)
 
-    def _loop(self, token: trio.lowlevel.TrioToken, life: "_Life") -> None:
+    def _loop(self, token: trio.lowlevel.TrioToken, life: _Life) -> None:
         if not life.start():
             return
         try:
