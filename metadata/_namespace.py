@@ -48,6 +48,8 @@ MAX_STAT_MANY = 200
 MAX_CREATE_MANY = 200
 # Names per ListNames page: 2000 names of 255 bytes fit in one frame header.
 MAX_LIST_NAMES = 2000
+# Directory entries a remembering reader keeps (see ``Namespace.reading``): ~200 bytes each.
+DIRS_KEPT = 65536
 XATTR_CREATE, XATTR_REPLACE = 1, 2  # setxattr(2) flags
 _NODE_TYPES = frozenset({stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK, stat.S_IFREG})
 
@@ -80,6 +82,7 @@ class Namespace:
     def __init__(self, store: Store, *, default_chunk_size: int = 4 * 1024 * 1024,
                  max_stripe: int = 16) -> None:
         self._store = store
+        self._dirs: dict[tuple[int, str], DirEntry] | None = None  # see reading(remember_dirs=True)
         self.default_chunk_size = _check_chunk_size(default_chunk_size)
         self.max_stripe = _check_stripe(max_stripe)
         with store.transaction() as txn:
@@ -168,13 +171,26 @@ class Namespace:
     def store(self) -> Store:
         return self._store
 
-    def reading(self, store: Store) -> "Namespace":
+    def reading(self, store: Store, *, remember_dirs: bool = False) -> "Namespace":
         """The same namespace over ``store`` (e.g. ``self.store.reader()``), for read
         operations only: ``getattr``, ``lookup``, ``resolve``, ``readdir``, ``readlink``,
-        the xattr reads, ``get_layout``, ``garbage``, ``counts``."""
+        the xattr reads, ``get_layout``, ``garbage``, ``counts``.
+
+        ``remember_dirs``: path walks remember the directory entries they meet (up to
+        ``DIRS_KEPT``; a stat of ``/a/b/f`` then reads one entry, not three). For a
+        caller that calls :meth:`forget_dirs` whenever a directory may have been
+        renamed or removed (only those change what a directory's name leads to), once
+        that change committed and before anyone hears of it.
+        """
         other = copy.copy(self)
         other._store = store
+        other._dirs = {} if remember_dirs else None
         return other
+
+    def forget_dirs(self) -> None:
+        """Drop the directory entries :meth:`reading` remembers."""
+        if self._dirs is not None:
+            self._dirs.clear()
 
     def getattr(self, ino: int) -> Attr:
         with self._store.transaction() as txn:
@@ -220,7 +236,14 @@ class Namespace:
                 ino = row.parent if row else ROOT_INO
                 continue
             validate_name(comp)
-            entry = self._entry(txn, ino, comp)
+            dirs = self._dirs
+            entry = dirs.get((ino, comp)) if dirs is not None else None
+            if entry is None:
+                entry = self._entry(txn, ino, comp)
+                if dirs is not None and stat.S_ISDIR(entry.mode):
+                    if len(dirs) >= DIRS_KEPT:
+                        dirs.clear()
+                    dirs[(ino, comp)] = entry
             if stat.S_ISLNK(entry.mode) and (todo or follow or must_be_dir):
                 links += 1
                 if links > MAX_SYMLINKS:

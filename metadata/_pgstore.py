@@ -29,8 +29,9 @@ from ._store import _SCHEMA, SCHEMA_VERSION, SqlTxn, Store, Txn, check_schema_ve
 __all__ = ["PostgresStore", "PG_SCHEMA"]
 
 # The SQLite schema in PostgreSQL's types: every integer 64-bit (inode numbers, times in
-# nanoseconds), byte strings as BYTEA. One schema, so a column added there is added here.
-PG_SCHEMA = _SCHEMA.replace("INTEGER", "BIGINT").replace("BLOB", "BYTEA")
+# nanoseconds), byte strings as BYTEA, without SQLite's table options (WITHOUT ROWID). One
+# schema, so a column added there is added here.
+PG_SCHEMA = _SCHEMA.replace("INTEGER", "BIGINT").replace("BLOB", "BYTEA").replace(" WITHOUT ROWID", "")
 # dentries' primary key (parent, name) is also the index readdir pages through, in
 # byte order of name (BYTEA compares bytewise, as SQLite's BLOB does).
 

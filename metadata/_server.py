@@ -1,8 +1,9 @@
 """The metadata service: namespace, storage membership, chain table, garbage collection.
 
-Namespace operations run one at a time on a single worker thread (the store is
-a transactional database; SQLite serialises writers anyway), so the trio loop
-never blocks. Storage servers register and heartbeat here; the chain table
+Namespace mutations run in batches on a writer thread (group commit: one durable
+commit per batch), reads on a reader thread, so the trio loop never waits on the
+disk; what needs no disk wait runs on the loop itself: short reads (``INLINE_COST``)
+and, under ``--metadata-sync normal``, mutations whose commit needs no fsync. Storage servers register and heartbeat here; the chain table
 (chain id -> ordered target ids) is derived from membership. With replication
 factor 1 every server is one chain of one target; chains are lists so chain
 replication can extend them.
@@ -661,6 +662,64 @@ def _many_reply(found: list[Attr | StripefsError]) -> m.StatManyReply:
 MAX_BATCH = 256  # operations per group commit
 MAX_BATCH_RETRIES = 8  # reruns of a batch that lost a serialization race (PostgreSQL)
 
+# Reads whose cost is bounded by ``INLINE_COST`` run at once on the trio loop, on a read
+# connection of their own, instead of going through the reader thread. Costs are in units of
+# ~0.5 us, what one name of a listing costs (measured on a 2-core VM, the pages in memory).
+# A stat (4 statements) costs ~25 us in SQLite; the hand-off to a thread and back costs ~40 us
+# alone and ~150 us under load (the GIL passes between the threads at every SQLite step). The
+# longest read run here (a page of 2,000 names) holds the loop ~1 ms, about as long as the
+# same read holds the GIL on the thread; longer ones (big pages with attributes, StatMany of
+# many paths) keep the thread.
+INLINE_COST = 2500
+STATEMENT_COST = 16  # one point query (a dentry, an inode)
+NAME_COST = 1  # one name of a ListNames page
+ENTRY_COST = 2  # one entry of a Readdir page
+ENTRY_PLUS_COST = 14  # one entry of a Readdir page with attributes
+# Under ``--metadata-sync normal`` a mutation commits on the loop (no fsync: a write of the
+# log to the page cache), saving the hand-off to the writer thread and back; the log is then
+# checkpointed on the writer thread after this many commits (SQLite's automatic checkpoint,
+# run inside a commit, fsyncs: ~1,000 pages, what this many creates write).
+CHECKPOINT_EVERY = 256
+# A read on the loop waits this long at most for a lock (only a log recovery holds one
+# against WAL readers); past it the read goes to the reader thread, which waits longer.
+INLINE_BUSY_TIMEOUT = 0.005
+
+
+def _page_reply(kind: Callable[[list[Any], bool], ReplyMessage]) -> Callable[[tuple[Any, Any]], ReplyMessage]:
+    return lambda page: kind(list(page[0]), bool(page[1]))
+
+
+ReadPlan = tuple[Callable[..., Any], tuple[Any, ...], int, Callable[[Any], ReplyMessage]]
+
+# The read requests: the ``Namespace`` method answering one, its arguments, what it costs at
+# most (``INLINE_COST`` units) and the reply made of its result.
+_READS: dict[type, Callable[[Any], ReadPlan]] = {
+    m.GetAttr: lambda q: (Namespace.getattr, (q.ino,), STATEMENT_COST, m.AttrReply),
+    m.Lookup: lambda q: (Namespace.lookup, (q.parent, q.name), 3 * STATEMENT_COST, m.AttrReply),
+    m.Resolve: lambda q: (Namespace.resolve, (q.path, q.follow), _path_cost(q.path), m.AttrReply),
+    m.StatMany: lambda q: (Namespace.resolve_many, (list(q.paths), q.follow), sum(map(_path_cost, q.paths)),
+                           _many_reply),
+    m.ListNames: lambda q: (Namespace.list_names, (q.path, q.after, q.limit), _path_cost(q.path) + q.limit * NAME_COST,
+                            _page_reply(m.NamesReply)),
+    m.Readdir: lambda q: (Namespace.readdir, (q.ino, q.after, q.limit, q.plus),
+                          STATEMENT_COST + q.limit * (ENTRY_PLUS_COST if q.plus else ENTRY_COST),
+                          _page_reply(m.ReaddirReply)),
+    m.GetXattr: lambda q: (Namespace.getxattr, (q.ino, q.name), 2 * STATEMENT_COST, m.XattrReply),
+    m.ListXattr: lambda q: (Namespace.listxattr, (q.ino,), 2 * STATEMENT_COST, m.XattrNamesReply),
+    m.Readlink: lambda q: (Namespace.readlink, (q.ino,), STATEMENT_COST, m.ReadlinkReply),
+    m.GetLayout: lambda q: (Namespace.get_layout, (q.ino,), 2 * STATEMENT_COST, m.LayoutReply),
+}
+
+
+def _nothing() -> None:
+    return None
+
+
+def _path_cost(path: str) -> int:
+    """What resolving ``path`` costs: a statement per component and one for the inode
+    (symlinks met on the way add theirs: at most 40 of them, see ``Namespace.resolve``)."""
+    return (path.count("/") + 2) * STATEMENT_COST if type(path) is str else INLINE_COST + 1
+
 
 class MetadataService(Service):
     role = "metadata"
@@ -683,9 +742,19 @@ class MetadataService(Service):
         # has a reader, to another, on their own connection: they never wait behind a
         # batch's durable commit, and see every write acknowledged before they started.
         self._writer = StoreThread(self._run_batch, MAX_BATCH)
+        self._writing = 0  # writer-thread jobs queued or running: the loop leaves the connection alone
+        # Mutations commit on the loop when their commit needs no fsync (``CHECKPOINT_EVERY``).
+        store = ns.store
+        self._write_now = isinstance(store, SqliteStore) and store.synchronous_mode == "normal"
+        if isinstance(store, SqliteStore) and self._write_now:
+            store.take_checkpoints()
+        self._checkpoint_due = trio.Event()
         reader = ns.store.reader()
         self._rns = ns.reading(reader) if reader is not None else ns
         self._reader = StoreThread(run_each, MAX_BATCH) if reader is not None else None
+        # Short reads run on the loop itself (``INLINE_COST``), on a third connection.
+        now_reader = ns.store.reader(busy_timeout_s=INLINE_BUSY_TIMEOUT) if reader is not None else None
+        self._lns = ns.reading(now_reader, remember_dirs=True) if now_reader is not None else None
         self._gc_due = 0.0  # monotonic time before which a wake-up finds no removal due
         self.replay = Replies()
         self._running: dict[tuple[bytes, int], trio.Event] = {}  # mutations being applied, by replay key
@@ -706,17 +775,37 @@ class MetadataService(Service):
         self.gc_wakeup.set()
         self.admission_wakeup.set()
 
-    async def _ns(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def _ns(self, fn: Callable[..., Any], *args: Any, _now: bool = True, **kwargs: Any) -> Any:
         """Run one namespace operation; operations queued meanwhile commit together.
 
         Inside a mutation on a shared store the first call is applied at most once per
-        request id, across services (:meth:`_once`).
+        request id, across services (:meth:`_once`). ``_now``: it may commit here on the
+        loop when that needs no fsync (False for operations on many paths: too long).
         """
         key = _REQUEST.get()
         if key is not None and self.shared:
             _REQUEST.set(None)  # later calls of the same request are not the mutation itself
             return await self._store_call(self._once, key, functools.partial(fn, *args, **kwargs))
+        if _now and self._write_now and not self._writing:
+            done, result = self._commit_now(functools.partial(fn, *args, **kwargs))
+            if done:
+                return result
         return await self._store_call(fn, *args, **kwargs)
+
+    def _commit_now(self, fn: Callable[[], Any]) -> tuple[bool, Any]:
+        """``(True, fn())`` committed here on the loop when that needs no fsync, else
+        ``(False, None)``, nothing applied: the writer thread runs it."""
+        store = self.ns.store
+        assert isinstance(store, SqliteStore)
+        try:
+            done, result = store.commit_unsynced(fn)
+        except StripefsError:
+            raise
+        except Exception:  # noqa: BLE001 -- the store failed (e.g. disk full): the thread's batch reports it
+            return False, None
+        if store.unchecked >= CHECKPOINT_EVERY:
+            self._checkpoint_due.set()
+        return done, result
 
     def _once(self, key: tuple[bytes, int], fn: Callable[[], Any]) -> Any:
         """Apply ``fn`` unless request ``key`` was applied already (by any service); its
@@ -737,20 +826,66 @@ class MetadataService(Service):
 
     async def _store_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` in the writer's next batch (group commit)."""
-        return await self._stored(self._writer, lambda: fn(*args, **kwargs))
+        self._writing += 1  # until the job ran, even if this caller is cancelled meanwhile
+        return await self._stored(self._writer, lambda: fn(*args, **kwargs), self._written)
 
-    async def _read(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run the read-only ``Namespace`` method ``fn`` (unbound) on the reader, never
-        behind a write batch's commit; stores without a reader run it in the write batch."""
+    def _written(self) -> None:
+        self._writing -= 1
+
+    async def _read(self, fn: Callable[..., Any], *args: Any, cost: int | None = None) -> Any:
+        """Run the read-only ``Namespace`` method ``fn`` (unbound) on a reader, never
+        behind a write batch's commit; stores without a reader run it in the write batch.
+
+        Args:
+            cost: the most ``fn`` costs, when its arguments bound it (``INLINE_COST``'s
+                units): up to ``INLINE_COST`` it runs at once, here on the loop.
+        """
         if self._reader is None:
             return await self._store_call(fn, self.ns, *args)
+        if cost is not None:
+            done, result = self._read_now(fn, args, cost)
+            if done:
+                return result
         rns = self._rns
         return await self._stored(self._reader, lambda: fn(rns, *args))
 
-    @staticmethod
-    async def _stored(thread: StoreThread, fn: Callable[[], Any]) -> Any:
+    def _read_now(self, fn: Callable[..., Any], args: tuple[Any, ...], cost: int) -> tuple[bool, Any]:
+        """``(True, fn(...))`` run here on the loop's read connection when ``cost`` allows,
+        else ``(False, None)``: the read goes to the reader thread.
+
+        Raises:
+            StripefsError: the read's own error.
+        """
+        if cost > INLINE_COST or self._lns is None:
+            return False, None
         try:
-            return await thread.submit(fn)
+            return True, fn(self._lns, *args)
+        except StripefsError:
+            raise
+        except Exception:  # noqa: BLE001 -- e.g. SQLITE_BUSY during a log recovery: the thread waits it out
+            return False, None
+
+    def _forget_dirs(self) -> None:
+        """A directory may have been renamed or removed (committed, nobody told yet): the
+        loop's reads forget the directory entries they remember."""
+        if self._lns is not None:
+            self._lns.forget_dirs()
+
+    def answer_now(self, conn: ServerConn, head: FrameHead, msg: Message) -> dict[str, Any] | None:
+        """Short reads, answered from the loop (see ``INLINE_COST``); None for the rest.
+
+        No membership is persisted first: a read's answer says nothing of it."""
+        plan = _READS.get(type(msg))
+        if plan is None or self._lns is None:
+            return None
+        fn, args, cost, reply = plan(msg)
+        done, result = self._read_now(fn, args, cost)
+        return reply(result).to_header() if done else None
+
+    @staticmethod
+    async def _stored(thread: StoreThread, fn: Callable[[], Any], on_done: Callable[[], None] | None = None) -> Any:
+        try:
+            return await thread.submit(fn, on_done)
         except StripefsError:
             raise
         except Exception as exc:  # the store itself failed (PostgreSQL went away)
@@ -764,6 +899,15 @@ class MetadataService(Service):
             nursery.start_soon(self._writer.run)
             if self._reader is not None:
                 nursery.start_soon(self._reader.run)
+            if self._write_now:
+                nursery.start_soon(self._checkpoints)
+
+    async def _checkpoints(self) -> None:
+        """Checkpoint the log on the writer thread when commits on the loop call for it."""
+        while True:
+            await self._checkpoint_due.wait()
+            self._checkpoint_due = trio.Event()
+            await self._store_call(_nothing)  # the batch ends with the checkpoint (_run_batch)
 
     def _run_batch(self, jobs: list[Job]) -> None:
         store = self.ns.store
@@ -779,6 +923,8 @@ class MetadataService(Service):
                             if store.retryable(exc):  # lost a race with another service: rerun the batch
                                 raise
                             job.exc = exc  # this operation fails alone (its savepoint rolled back)
+                if self._write_now and getattr(store, "unchecked", 0) >= CHECKPOINT_EVERY:
+                    self._checkpoint(store)
                 return
             except Exception as exc:  # nothing of the batch is durable
                 if store.retryable(exc) and attempt < MAX_BATCH_RETRIES:
@@ -789,6 +935,13 @@ class MetadataService(Service):
                         job.result = None
                         job.exc = StripefsError(ErrorCode.IO, f"metadata commit failed: {exc}")
                 return
+
+    @staticmethod
+    def _checkpoint(store: Any) -> None:
+        try:
+            store.checkpoint()
+        except Exception:  # the next commits call for it again
+            log.warning("checkpoint of the metadata log failed", exc_info=True)
 
     async def handle(self, conn: ServerConn, head: FrameHead, msg: Message, payload: Any) -> None:
         if not msg.MUTATES:
@@ -822,12 +975,10 @@ class MetadataService(Service):
 
     async def _dispatch(self, msg: Message[Any]) -> ReplyMessage:
         ns = self.ns
-        if isinstance(msg, m.GetAttr):
-            return m.AttrReply(await self._read(Namespace.getattr, msg.ino))
-        if isinstance(msg, m.Lookup):
-            return m.AttrReply(await self._read(Namespace.lookup, msg.parent, msg.name))
-        if isinstance(msg, m.Resolve):
-            return m.AttrReply(await self._read(Namespace.resolve, msg.path, msg.follow))
+        plan = _READS.get(type(msg))
+        if plan is not None:
+            fn, args, cost, reply = plan(msg)
+            return reply(await self._read(fn, *args, cost=cost))
         if isinstance(msg, m.Create):
             chains = await self._frozen_chains()
             attr, created = await self._ns(
@@ -850,14 +1001,6 @@ class MetadataService(Service):
             attr = await self._ns(ns.unlink_path, msg.path)
             self._garbage_added()
             return m.AttrReply(attr)
-        if isinstance(msg, m.StatMany):
-            found = await self._read(Namespace.resolve_many, list(msg.paths), msg.follow)
-            attrs = [a for a in found if not isinstance(a, StripefsError)]
-            failed = [i for i, a in enumerate(found) if isinstance(a, StripefsError)]
-            return m.StatManyReply(attrs, failed, [int(found[i].code) for i in failed])
-        if isinstance(msg, m.ListNames):
-            names, more = await self._read(Namespace.list_names, msg.path, msg.after, msg.limit)
-            return m.NamesReply(names, bool(more))
         if isinstance(msg, m.Mkdir):
             return m.AttrReply(await self._ns(ns.mkdir, msg.parent, msg.name, msg.mode, msg.uid, msg.gid))
         if isinstance(msg, m.Symlink):
@@ -866,12 +1009,8 @@ class MetadataService(Service):
             chains = await self._frozen_chains() if stat.S_ISREG(msg.mode) else []
             return m.AttrReply(await self._ns(ns.mknod, msg.parent, msg.name, msg.mode, msg.rdev, msg.uid, msg.gid,
                                               chains=chains))
-        if isinstance(msg, m.GetXattr):
-            return m.XattrReply(await self._read(Namespace.getxattr, msg.ino, msg.name))
         if isinstance(msg, m.SetXattr):
             return m.AttrReply(await self._ns(ns.setxattr, msg.ino, msg.name, msg.value, msg.flags))
-        if isinstance(msg, m.ListXattr):
-            return m.XattrNamesReply(await self._read(Namespace.listxattr, msg.ino))
         if isinstance(msg, m.RemoveXattr):
             return m.AttrReply(await self._ns(ns.removexattr, msg.ino, msg.name))
         if isinstance(msg, m.AcquireLock):
@@ -879,22 +1018,23 @@ class MetadataService(Service):
             return m.LockReply(row.token, row.expires_ns)
         if isinstance(msg, m.ReleaseLock):
             return m.ReleaseLockReply(await self._ns(self.leases.release, msg.key, msg.owner))
-        if isinstance(msg, m.Readlink):
-            return m.ReadlinkReply(await self._read(Namespace.readlink, msg.ino))
         if isinstance(msg, m.Link):
             return m.AttrReply(await self._ns(ns.link, msg.ino, msg.new_parent, msg.new_name))
-        if isinstance(msg, m.Readdir):
-            entries, more = await self._read(Namespace.readdir, msg.ino, msg.after, msg.limit, msg.plus)
-            return m.ReaddirReply(list(entries), bool(more))
         if isinstance(msg, m.Unlink):
             attr = await self._ns(ns.unlink, msg.parent, msg.name)
             self._garbage_added()
             return m.AttrReply(attr)
         if isinstance(msg, m.Rmdir):
-            await self._ns(ns.rmdir, msg.parent, msg.name)
+            try:
+                await self._ns(ns.rmdir, msg.parent, msg.name)
+            finally:
+                self._forget_dirs()
             return m.EmptyReply()
         if isinstance(msg, m.Rename):
-            await self._ns(ns.rename, msg.parent, msg.name, msg.new_parent, msg.new_name, msg.flags)
+            try:
+                await self._ns(ns.rename, msg.parent, msg.name, msg.new_parent, msg.new_name, msg.flags)
+            finally:
+                self._forget_dirs()
             self._garbage_added()
             return m.EmptyReply()
         if isinstance(msg, m.SetAttr):
@@ -910,17 +1050,15 @@ class MetadataService(Service):
         if isinstance(msg, m.SetLayout):
             await self._ns(ns.set_layout, msg.ino, msg.chunk_size, msg.stripe)
             return m.EmptyReply()
-        if isinstance(msg, m.GetLayout):
-            return m.LayoutReply(await self._read(Namespace.get_layout, msg.ino))
         if isinstance(msg, m.CreateMany):
             Namespace.check_batch(msg.paths)  # refused before the chain table freezes
             chains = await self._frozen_chains()
             found = await self._ns(ns.create_many, list(msg.paths), msg.mode, msg.uid, msg.gid, chains=chains,
-                                   exclusive=msg.exclusive)
+                                   exclusive=msg.exclusive, _now=False)
             return _many_reply(found)
         if isinstance(msg, m.UnlinkMany):
             Namespace.check_batch(msg.paths)
-            found = await self._ns(ns.unlink_many, list(msg.paths))
+            found = await self._ns(ns.unlink_many, list(msg.paths), _now=False)
             self._garbage_added()
             return _many_reply(found)
         if isinstance(msg, m.GetRouting):

@@ -10,7 +10,9 @@ request costs one queue hand-off each way instead of a ``trio.to_thread`` call
 Caveats:
 
 * The thread belongs to the task running :meth:`StoreThread.run`; when that task
-  is cancelled the thread finishes the batch in hand and exits.
+  is cancelled the thread finishes the batch in hand and exits, and ``run`` returns
+  once it has (after ``STOP_WAIT`` seconds at most): the caller may then close the
+  store, no thread still uses it.
 * A job whose awaiting task was cancelled still runs (the store's transaction is
   not interruptible); its result is dropped.
 """
@@ -18,21 +20,25 @@ Caveats:
 from __future__ import annotations
 
 import queue
+import threading
 from typing import Any, Callable
 
 import trio
+
+STOP_WAIT = 30.0  # seconds a cancelled run waits for the batch in hand (a commit's fsync)
 
 
 class Job:
     """One unit of store work and, once run, its result or exception."""
 
-    __slots__ = ("fn", "result", "exc", "done")
+    __slots__ = ("fn", "result", "exc", "done", "on_done")
 
-    def __init__(self, fn: Callable[[], Any]):
+    def __init__(self, fn: Callable[[], Any], on_done: Callable[[], None] | None = None):
         self.fn = fn
         self.result: Any = None
         self.exc: BaseException | None = None
         self.done = trio.Event()
+        self.on_done = on_done
 
 
 def run_each(jobs: list[Job]) -> None:
@@ -47,6 +53,30 @@ def run_each(jobs: list[Job]) -> None:
 def _deliver(jobs: list[Job]) -> None:
     for job in jobs:
         job.done.set()
+        if job.on_done is not None:
+            job.on_done()
+
+
+class _Life:
+    """Whether a store thread started, and when it stopped: ``start`` (the thread) and
+    ``end`` (its owner, cancelled) decide under one lock which came first."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._started = self._ended = False
+        self.stopped = threading.Event()
+
+    def start(self) -> bool:
+        """True: run (the owner waits for :attr:`stopped`); False: the owner left already."""
+        with self._lock:
+            self._started = not self._ended
+            return self._started
+
+    def end(self) -> bool:
+        """True when the thread started, so the owner must wait for it to stop."""
+        with self._lock:
+            self._ended = True
+            return self._started
 
 
 class StoreThread:
@@ -62,9 +92,11 @@ class StoreThread:
         self.max_batch = max_batch
         self._q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
 
-    async def submit(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn()`` on the thread; its result, or its exception raised here."""
-        job = Job(fn)
+    async def submit(self, fn: Callable[[], Any], on_done: Callable[[], None] | None = None) -> Any:
+        """Run ``fn()`` on the thread; its result, or its exception raised here.
+
+        ``on_done()`` runs on the loop once the job ran, even if this call was cancelled."""
+        job = Job(fn, on_done)
         self._q.put(job)
         await job.done.wait()
         if job.exc is not None:
@@ -72,14 +104,26 @@ class StoreThread:
         return job.result
 
     async def run(self) -> None:
-        """Serve jobs until cancelled."""
+        """Serve jobs until cancelled; then wait for the batch in hand (see Caveats)."""
         token = trio.lowlevel.current_trio_token()
+        life = _Life()
         try:
-            await trio.to_thread.run_sync(self._loop, token, abandon_on_cancel=True)
+            await trio.to_thread.run_sync(self._loop, token, life, abandon_on_cancel=True)
         finally:
             self._q.put(None)  # the abandoned thread exits after the batch in hand
+            if life.end():  # it started: wait for it (one cancelled before it started never will)
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(life.stopped.wait, STOP_WAIT)
 
-    def _loop(self, token: trio.lowlevel.TrioToken) -> None:
+    def _loop(self, token: trio.lowlevel.TrioToken, life: _Life) -> None:
+        if not life.start():
+            return
+        try:
+            self._serve(token)
+        finally:
+            life.stopped.set()
+
+    def _serve(self, token: trio.lowlevel.TrioToken) -> None:
         while True:
             job = self._q.get()
             if job is None:

@@ -1,7 +1,9 @@
 """The trio server loop shared by the metadata service and the storage servers.
 
 One task per connection reads frames; each request is handled in its own task
-(many in flight per connection, answered in any order, matched by request id).
+(many in flight per connection, answered in any order, matched by request id),
+unless the service answers it at once (``Service.answer_now``: a short read the
+service holds no lock for), which the reader task then sends itself.
 A request's payload is read by its handler *before* the next frame is parsed,
 because the stream is ordered; handlers that do not want the payload get it
 discarded. Responses share one send lock per connection.
@@ -330,7 +332,8 @@ class Service:
     ``receive_payload`` runs on the connection's reader task (the stream is
     ordered, so the payload must be read before the next frame); ``handle``
     runs in its own task, so slow requests do not block the connection.
-    ``handle_now`` is asked first about requests without a payload, on the reader.
+    About a request without a payload the reader asks ``handle_now`` first (hand it
+    over, e.g. to the connection's reply thread), then ``answer_now`` (answer it at once).
     """
 
     role: str = "service"
@@ -338,7 +341,7 @@ class Service:
     def handle_now(self, conn: "ServerConn", head: FrameHead, msg: wire.Message) -> bool:
         """Dispose of a request on the reader itself, without a task: True when it did
         (typically handed to :meth:`ServerConn.try_reply_in_thread`), False to have
-        ``handle`` serve it. Must not block or await; an exception counts as False."""
+        ``answer_now`` or ``handle`` serve it. Must not block or await; an exception counts as False."""
         return False
 
     async def receive_payload(self, conn: "ServerConn", head: FrameHead, msg: wire.Message) -> Any:
@@ -347,6 +350,16 @@ class Service:
 
     async def handle(self, conn: "ServerConn", head: FrameHead, msg: wire.Message, payload: Any) -> None:
         raise NotImplementedError
+
+    def answer_now(self, conn: ServerConn, head: FrameHead, msg: wire.Message) -> dict[str, Any] | None:
+        """The response header to a request without payload that can be answered at once,
+        with no await (the reader task sends it: no task is started for it); None to have
+        :meth:`handle` answer it in a task of its own, as every request by default.
+
+        Raises:
+            StripefsError: the request's answer is this error.
+        """
+        return None
 
 
 class ByteBudget:
@@ -489,18 +502,24 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
         except (*_CONN_ERRORS, OSError):
             pass  # the peer is gone; nobody to tell
 
+    def failure(msg: wire.Message, exc: Exception) -> StripefsError:
+        """The answer to a request whose handler raised ``exc``."""
+        if isinstance(exc, StripefsError):
+            return exc
+        if isinstance(exc, OSError):
+            return wire.error_from_oserror(exc)
+        log.error("%s failed", type(msg).__name__, exc_info=exc)  # a bug: answer EIO, keep serving
+        return StripefsError(ErrorCode.IO, f"internal error: {type(exc).__name__}: {exc}")
+
     async def run_one(head: FrameHead, msg: wire.Message, payload: Any) -> None:
         try:
             await service.handle(conn, head, msg, payload)
-        except StripefsError as exc:
+        except StripefsError as exc:  # before _CONN_ERRORS: some codes are ConnectionErrors too
             await reply_error(head, exc)
         except _CONN_ERRORS:
             pass
-        except OSError as exc:
-            await reply_error(head, wire.error_from_oserror(exc))
-        except Exception as exc:  # a bug in a handler: answer EIO, keep serving
-            log.exception("%s failed", type(msg).__name__)
-            await reply_error(head, StripefsError(ErrorCode.IO, f"internal error: {type(exc).__name__}: {exc}"))
+        except Exception as exc:  # noqa: BLE001 -- answered as failure() says
+            await reply_error(head, failure(msg, exc))
         finally:
             limit.release()
             if head.payload_len:
@@ -524,8 +543,16 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
                 try:
                     if service.handle_now(conn, head, msg):
                         continue
-                except Exception:  # handle() serves it, and answers whatever went wrong
+                except Exception:  # answer_now or handle() serves it, and answers whatever went wrong
                     pass
+                try:
+                    header = service.answer_now(conn, head, msg)
+                except Exception as exc:  # noqa: BLE001 -- answered as failure() says
+                    await reply_error(head, failure(msg, exc))
+                    continue
+                if header is not None:
+                    await conn.send(head, header)
+                    continue
             try:
                 limit.acquire_nowait()
             except trio.WouldBlock:

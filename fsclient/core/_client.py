@@ -73,6 +73,20 @@ def normpath(path: str) -> str:
 
 
 _UMASK_LOCK = threading.Lock()
+_STATUS: tuple[int, int] | None = None  # (pid, descriptor of that process's /proc status)
+
+
+def _status_fd() -> int:
+    """A descriptor of ``/proc/self/status`` kept open (one per process: ``self`` names the
+    process that opened it, so a forked child opens its own)."""
+    global _STATUS
+    status, pid = _STATUS, os.getpid()
+    if status is not None and status[0] == pid:
+        return status[1]
+    with _UMASK_LOCK:
+        if _STATUS is None or _STATUS[0] != pid:
+            _STATUS = (pid, os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC))
+        return _STATUS[1]
 
 
 def _umask() -> int:
@@ -80,15 +94,16 @@ def _umask() -> int:
 
     ``os.umask`` can only read the mask by setting another one, and a file that
     another thread creates in between would get the wrong mode; Linux (4.7+)
-    shows the mask in ``/proc/self/status``. The set-and-restore fallback is
-    serialised at least against this module's own readers.
+    shows the mask in ``/proc/self/status``, read afresh at each call (one
+    ``pread`` of a descriptor kept open: half the CPU of opening it each time,
+    which every create paid). The set-and-restore fallback is serialised at
+    least against this module's own readers.
     """
     try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Umask:"):
-                    return int(line.split()[1], 8) & 0o777
-    except (OSError, ValueError, IndexError):
+        data = os.pread(_status_fd(), 8192, 0)
+        at = data.index(b"Umask:") + 6
+        return int(data[at:data.index(b"\n", at)], 8) & 0o777
+    except (OSError, ValueError):
         pass
     with _UMASK_LOCK:
         mask = os.umask(0o022)

@@ -423,3 +423,27 @@ def test_statfs_reports_usable_space_not_raw_capacity(client: Client, make_clust
         assert st.free == max(0, st.capacity - st.used)
         if r > 1:
             c.close()
+
+
+def test_the_umask_is_read_afresh_and_per_process(umask: Callable[[int], None]) -> None:
+    """The client reads the umask through a descriptor it keeps: every change shows, and a
+    forked child reads its own, not its parent's."""
+    from fsclient.core._client import _umask
+
+    for mask in (0o027, 0o002, 0o077):
+        umask(mask)
+        assert _umask() == mask
+    umask(0o022)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: another mask than its parent's
+        os.umask(0o037)
+        os.write(w, b"%o" % _umask())
+        os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 16) == b"37"
+        assert _umask() == 0o022  # the parent's own, unchanged
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)

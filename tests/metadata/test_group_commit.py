@@ -43,3 +43,38 @@ def test_a_failed_batch_commits_nothing(tmp_path) -> None:
             ns.mkdir(1, "x", 0o755, 0, 0)
             raise RuntimeError("crash before the commit")
     assert [e.name for e in ns.readdir(1)[0]] == []
+
+
+def test_stopping_waits_for_the_batch_in_hand(tmp_path) -> None:
+    """Once ``run_batches`` returns no store thread uses the store any more (the service
+    closes it next): a cancelled run waits for the batch in hand."""
+    import threading
+    import time
+
+    import trio
+
+    from metadata._server import Membership, MetadataService
+
+    store = SqliteStore(tmp_path / "meta.db")
+    svc = MetadataService(Namespace(store), lambda doc, restarted: Membership(None, doc=doc, restarted=restarted),
+                          "secret")
+    started, finished = threading.Event(), threading.Event()
+
+    def slow() -> None:
+        started.set()
+        time.sleep(0.3)
+        finished.set()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.run_batches)
+            nursery.start_soon(svc._store_call, slow)
+            while not started.is_set():
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+        assert finished.is_set()
+
+    try:
+        trio.run(main)
+    finally:
+        store.close()

@@ -106,3 +106,109 @@ def test_a_full_page_of_young_removals_does_not_make_every_unlink_rescan(tmp_pat
         trio.run(main)
     finally:
         store.close()
+
+
+def test_small_reads_are_answered_on_the_loop_and_big_listings_on_the_reader_thread(tmp_path) -> None:
+    """A point read (stat, lookup, a short listing) is answered at once from the loop's own
+    read connection, even while the reader thread is busy; a listing too big to run on the
+    loop still waits for the reader thread."""
+    svc, store = _service(tmp_path)
+    gate = threading.Event()
+    started = threading.Event()
+    assert svc._reader is not None
+
+    def slow_read() -> None:  # stands in for a long listing holding the reader thread
+        started.set()
+        gate.wait(10)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.run_batches)
+            nursery.start_soon(svc._reader.submit, slow_read)
+            while not started.is_set():
+                await trio.sleep(0.01)
+            try:
+                with trio.fail_after(3):
+                    d = (await svc._dispatch(m.Resolve(path="/d"))).attr
+                    assert (await svc._dispatch(m.Lookup(parent=1, name="d"))).attr.ino == d.ino
+                    assert (await svc._dispatch(m.GetAttr(ino=d.ino))).attr.is_dir
+                    names = await svc._dispatch(m.ListNames(path="/", after="", limit=100))
+                    assert names.names == ["d"]
+                big = None
+                with trio.move_on_after(0.3):
+                    big = await svc._dispatch(m.Readdir(ino=1, after="", limit=10_000, plus=True))
+                assert big is None  # queued behind the busy reader thread, not run on the loop
+            finally:
+                gate.set()
+            with trio.fail_after(3):
+                big = await svc._dispatch(m.Readdir(ino=1, after="", limit=10_000, plus=True))
+            assert [e.name for e in big.entries] == ["d"]
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        store.close()
+
+
+def test_answer_now_takes_short_reads_and_leaves_the_rest_to_tasks(tmp_path) -> None:
+    svc, store = _service(tmp_path)
+    try:
+        stat = m.Resolve(path="/d")
+        assert m.decode_reply(stat, svc.answer_now(None, None, stat)).attr.is_dir  # type: ignore[arg-type]
+        names = m.ListNames(path="/", after="", limit=2000)
+        assert m.decode_reply(names, svc.answer_now(None, None, names)).names == ["d"]  # type: ignore[arg-type]
+        with pytest.raises(FileNotFoundError):
+            svc.answer_now(None, None, m.Resolve(path="/nothing"))  # type: ignore[arg-type]
+        for later in (m.Mkdir(parent=1, name="e", mode=0o755, uid=0, gid=0),
+                      m.Readdir(ino=1, after="", limit=10_000, plus=True), m.Ping()):
+            assert svc.answer_now(None, None, later) is None  # type: ignore[arg-type]
+        with pytest.raises(FileNotFoundError):  # the Mkdir was left alone, not applied
+            svc.answer_now(None, None, m.Resolve(path="/e"))  # type: ignore[arg-type]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("sync", ["full", "normal"])
+def test_reads_on_the_loop_follow_renamed_and_replaced_directories(tmp_path, sync: str) -> None:
+    """Directories met on the way are remembered by the loop's reads (fewer statements per
+    stat); a rename or rmdir is seen by the very next read."""
+    store = SqliteStore(tmp_path / "meta.db", synchronous=sync)
+    ns = Namespace(store)
+    a = ns.mkdir(1, "a", 0o755, 0, 0)
+    ns.mkdir(a.ino, "x", 0o755, 0, 0)
+    svc = MetadataService(ns, lambda doc, restarted: Membership(None, doc=doc, restarted=restarted), "secret",
+                          sync=sync)
+    statements: list[str] = []
+    svc._lns.store._conn.set_trace_callback(statements.append)  # type: ignore[union-attr]
+
+    def stat(path: str) -> int:
+        return m.decode_reply(m.Resolve(path=path), svc.answer_now(None, None, m.Resolve(path=path))).attr.ino  # type: ignore[arg-type]
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.run_batches)
+            x = stat("/a/x")
+            statements.clear()
+            assert stat("/a/x") == x
+            assert len([s for s in statements if s.startswith("SELECT")]) == 1  # the entries from memory: the inode
+            await svc._dispatch(m.Rename(parent=1, name="a", new_parent=1, new_name="b", flags=0))
+            with pytest.raises(FileNotFoundError):
+                stat("/a/x")
+            assert stat("/b/x") == x
+            await svc._dispatch(m.Rmdir(parent=a.ino, name="x"))
+            with pytest.raises(FileNotFoundError):
+                stat("/b/x")
+            again = (await svc._dispatch(m.Mkdir(parent=a.ino, name="x", mode=0o755, uid=0, gid=0))).attr
+            assert stat("/b/x/.") == again.ino != x
+            # a directory replaced by a rename over it
+            await svc._dispatch(m.Mkdir(parent=1, name="c", mode=0o755, uid=0, gid=0))
+            stat("/c")
+            await svc._dispatch(m.Rename(parent=1, name="b", new_parent=1, new_name="c", flags=0))
+            assert stat("/c/x") == again.ino
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        store.close()

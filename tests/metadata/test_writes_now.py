@@ -1,0 +1,183 @@
+"""Mutations under ``--metadata-sync normal`` commit on the trio loop when their commit
+needs no fsync; anything that would (``full``, a counter's reserve running out, a
+checkpoint) still goes through the writer thread."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import trio
+
+from metadata import Namespace, SqliteStore
+from metadata._server import Membership, MetadataService
+from metadata._store import RESERVE
+from wire import messages as m
+
+
+def _service(tmp_path, sync: str) -> tuple[MetadataService, SqliteStore]:
+    store = SqliteStore(tmp_path / "meta.db", synchronous=sync)
+    ns = Namespace(store)
+    ns.mkdir(1, "d", 0o755, 0, 0)
+    return MetadataService(ns, lambda doc, restarted: Membership(None, doc=doc, restarted=restarted), "secret",
+                           sync=sync), store
+
+
+def test_commit_unsynced_commits_what_needs_no_fsync_and_nothing_else(tmp_path) -> None:
+    store = SqliteStore(tmp_path / "meta.db", synchronous="normal")
+    ns = Namespace(store)
+    ns.mkdir(1, "first", 0o755, 0, 0)  # the first number handed out moves the reserve: fsynced
+    assert store.commit_unsynced(lambda: ns.mkdir(1, "a", 0o755, 0, 0)) == (False, None)  # autocheckpoints fsync
+    store.take_checkpoints()
+    done, made = store.commit_unsynced(lambda: ns.mkdir(1, "a", 0o755, 0, 0))
+    assert done and ns.lookup(1, "a").ino == made.ino
+    with pytest.raises(FileExistsError):  # the operation's own error, nothing kept
+        store.commit_unsynced(lambda: ns.mkdir(1, "a", 0o755, 0, 0))
+    # A counter reaching its reserved bound must be fsynced: refused, rolled back.
+    with store.transaction() as txn:
+        txn.put_meta("next_ino.reserved", txn.get_meta("next_ino") or "0")
+    assert store.commit_unsynced(lambda: ns.mkdir(1, "b", 0o755, 0, 0)) == (False, None)
+    with pytest.raises(FileNotFoundError):
+        ns.lookup(1, "b")
+    assert not store.durable_commit
+    store.close()
+    with SqliteStore(tmp_path / "full.db") as full:
+        fns = Namespace(full)
+        full.take_checkpoints()
+        assert full.commit_unsynced(lambda: fns.mkdir(1, "a", 0o755, 0, 0)) == (False, None)
+        with pytest.raises(FileNotFoundError):
+            fns.lookup(1, "a")
+
+
+def test_normal_applies_mutations_on_the_loop_and_full_on_the_writer_thread(tmp_path) -> None:
+    async def mkdir_without_store_threads(svc: MetadataService) -> bool:
+        # No store thread runs: only a mutation applied on the loop can finish.
+        with trio.move_on_after(0.5):
+            await svc._dispatch(m.Mkdir(parent=1, name="e", mode=0o755, uid=0, gid=0))
+            return True
+        return False
+
+    for sync in ("normal", "full"):
+        os.makedirs(tmp_path / sync)
+        svc, store = _service(tmp_path / sync, sync)
+        try:
+            assert trio.run(mkdir_without_store_threads, svc) == (sync == "normal")
+        finally:
+            store.close()
+
+
+def test_the_log_is_checkpointed_when_writes_commit_on_the_loop(tmp_path) -> None:
+    svc, store = _service(tmp_path, "normal")
+    wal = f"{tmp_path / 'meta.db'}-wal"
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.run_batches)
+            d = (await svc._dispatch(m.Resolve(path="/d"))).attr
+            for k in range(3000):
+                await svc._dispatch(m.Mkdir(parent=d.ino, name=f"f{k}", mode=0o755, uid=0, gid=0))
+                if k % 100 == 0:
+                    await trio.lowlevel.checkpoint()  # let the checkpoint task run
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+        # Without checkpoints 3,000 mkdirs grow the log past 40 MB; with them it is reused.
+        assert os.path.getsize(wal) < 12 << 20, os.path.getsize(wal)
+    finally:
+        store.close()
+    assert RESERVE > 3000  # no mkdir above needed a durable commit
+
+
+def test_commit_unsynced_refuses_what_would_need_a_savepoint(tmp_path) -> None:
+    """One transaction runs without a savepoint; a failure caught inside ``fn``, or a
+    second transaction, rolls everything back and is refused (the thread's batch, with
+    savepoints, runs it)."""
+    store = SqliteStore(tmp_path / "meta.db", synchronous="normal")
+    ns = Namespace(store)
+    ns.mkdir(1, "first", 0o755, 0, 0)
+    store.take_checkpoints()
+    statements: list[str] = []
+    store._conn.set_trace_callback(statements.append)
+
+    def caught() -> None:
+        ns.mkdir(1, "kept?", 0o755, 0, 0)
+        try:
+            ns.mkdir(1, "first", 0o755, 0, 0)
+        except FileExistsError:
+            pass
+
+    assert store.commit_unsynced(caught) == (False, None)
+    assert store.commit_unsynced(lambda: [ns.mkdir(1, "x", 0o755, 0, 0), ns.mkdir(1, "y", 0o755, 0, 0)]) == (False, None)
+    for name in ("kept?", "x", "y"):
+        with pytest.raises(FileNotFoundError):
+            ns.lookup(1, name)
+    statements.clear()
+    done, _ = store.commit_unsynced(lambda: ns.mkdir(1, "z", 0o755, 0, 0))
+    assert done and not [s for s in statements if s.startswith(("SAVEPOINT", "RELEASE"))]
+    store.close()
+
+
+def test_a_write_whose_caller_gave_up_still_keeps_the_loop_off_the_connection(tmp_path) -> None:
+    """A caller cancelled while its job waits for (or runs on) the writer thread does not
+    free the writing connection: mutations go on queueing behind that job until it ran."""
+    import threading
+
+    svc, store = _service(tmp_path, "normal")
+    gate, started = threading.Event(), threading.Event()
+
+    def slow() -> None:
+        started.set()
+        gate.wait(10)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.run_batches)
+            with trio.move_on_after(0.2):
+                await svc._store_call(slow)  # the caller gives up; the job keeps running
+            assert started.is_set()
+            assert svc._writing == 1  # counted until the job ran, not until its caller left
+            made = None
+            with trio.move_on_after(0.3):
+                made = await svc._dispatch(m.Mkdir(parent=1, name="e", mode=0o755, uid=0, gid=0))
+            assert made is None  # queued behind the job, not committed beside it on the loop
+            gate.set()
+            with trio.fail_after(5):
+                while svc._writing:
+                    await trio.sleep(0.01)
+                await svc._dispatch(m.Mkdir(parent=1, name="f", mode=0o755, uid=0, gid=0))
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        gate.set()
+        store.close()
+
+
+def test_entries_and_counters_are_one_btree_each_and_older_databases_still_work(tmp_path) -> None:
+    """A new database keeps directory entries and counters without a rowid (one B-tree each:
+    an entry written or looked up touches one tree, not a table and its key index); one
+    made with the older tables works on unchanged."""
+    import sqlite3
+
+    with SqliteStore(tmp_path / "new.db") as store:
+        tables = dict(store._conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table'").fetchall())
+    assert "WITHOUT ROWID" in tables["dentries"] and "WITHOUT ROWID" in tables["meta"]
+
+    old = sqlite3.connect(tmp_path / "old.db")
+    old.executescript("""
+        CREATE TABLE dentries (parent INTEGER NOT NULL, name BLOB NOT NULL, ino INTEGER NOT NULL,
+                               mode INTEGER NOT NULL, PRIMARY KEY (parent, name));
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    """)
+    old.close()
+    with SqliteStore(tmp_path / "old.db", synchronous="normal") as store:
+        ns = Namespace(store)
+        d = ns.mkdir(1, "d", 0o755, 0, 0)
+        made, _ = ns.create_path("/d/f", 0o644, 0, 0, chains=[1])
+        assert ns.resolve("/d/f").ino == made.ino and ns.list_names("/d") == (["f"], False)
+        ns.unlink_path("/d/f")
+        assert ns.readdir(d.ino) == ([], False)
+        tables = dict(store._conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table'").fetchall())
+        assert "WITHOUT ROWID" not in tables["dentries"]  # left as it was
