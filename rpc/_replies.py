@@ -22,7 +22,8 @@ import queue
 import select
 import threading
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import trio
 
@@ -234,11 +235,11 @@ class ConnThread:
             fn(reply, *args)
             if not reply.sent:
                 raise RuntimeError(f"{getattr(fn, '__name__', fn)} returned without answering")
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- answered with the error, as handlers' failures are
             if not reply.sent:
                 try:
                     reply.send_error(_as_error(exc, getattr(fn, "__name__", repr(fn))))
-                except Exception:
-                    pass  # the socket failed: torn below if part of the frame went out
+                except Exception:  # noqa: BLE001, S110 -- the socket failed: torn below if part of the frame went out
+                    pass
         if reply.torn:
             self._tear()

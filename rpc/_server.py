@@ -32,8 +32,9 @@ import os
 import socket
 import threading
 from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import trio
 
@@ -338,7 +339,7 @@ class Service:
 
     role: str = "service"
 
-    def handle_now(self, conn: "ServerConn", head: FrameHead, msg: wire.Message) -> bool:
+    def handle_now(self, conn: ServerConn, head: FrameHead, msg: wire.Message) -> bool:
         """Dispose of a request on the reader itself, without a task: True when it did
         (typically handed to :meth:`ServerConn.try_reply_in_thread`), False to have
         ``answer_now`` or ``handle`` serve it. Must not block or await; an exception counts as False."""
@@ -543,7 +544,7 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
                 try:
                     if service.handle_now(conn, head, msg):
                         continue
-                except Exception:  # answer_now or handle() serves it, and answers whatever went wrong
+                except Exception:  # noqa: BLE001, S110 -- answer_now or handle() serves it and answers any failure
                     pass
                 try:
                     header = service.answer_now(conn, head, msg)

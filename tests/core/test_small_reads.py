@@ -26,7 +26,7 @@ def test_small_reads_among_writes_and_large_reads_on_shared_connections(client: 
                     n = rng.choice((1, 100, 4096, 4096, 65536, TEST_CHUNK + 4096))  # small, and split large
                     off = rng.randrange(len(data) - n)
                     assert f.pread(n, off) == data[off : off + n]
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 -- reported by the main thread
             errors.append(exc)
 
     def writer(seed: int) -> None:
@@ -41,7 +41,7 @@ def test_small_reads_among_writes_and_large_reads_on_shared_connections(client: 
                     expect += piece
             with client.open(mine, "rb") as f:
                 assert f.read() == bytes(expect)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 -- reported by the main thread
             errors.append(exc)
 
     threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]

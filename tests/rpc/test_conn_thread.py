@@ -10,14 +10,16 @@ import random
 import tempfile
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import trio
 
-from rpc import Connection, ServerConn, Service, ThreadReply, serve_rpc
 import wire
-from wire import ErrorCode, FrameHead, Message, StripefsError, messages as m
+from rpc import Connection, ServerConn, Service, ThreadReply, serve_rpc
+from wire import ErrorCode, FrameHead, Message, StripefsError
+from wire import messages as m
 
 SECRET = "test-secret"
 CLIENT = wire.role_credential(SECRET, "client")
