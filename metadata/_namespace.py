@@ -327,13 +327,14 @@ class Namespace:
         return attr.target or ""
 
     def readdir(self, ino: int, after: str = "", limit: int = 1000,
-                plus: bool = False) -> tuple[list[DirEntry], bool]:
+                plus: bool = False, layouts: bool = True) -> tuple[list[DirEntry], bool]:
         """One page of a directory, in name (UTF-8 byte) order.
 
         Args:
             after: continue after this name (the last one of the previous page).
             limit: page size, capped at 10000.
             plus: also fill ``DirEntry.attr`` (and the full ``mode``).
+            layouts: with ``plus``, files' attributes carry their layouts (False: None).
 
         Returns:
             ``(entries, more)``; ``more`` says a further page exists.
@@ -346,7 +347,7 @@ class Namespace:
             if not plus:
                 rows = txn.list_dentries(ino, after, limit + 1)
                 return rows[:limit], len(rows) > limit
-            found = txn.list_dentries_plus(ino, after, limit + 1)  # entries and inodes in one query
+            found = txn.list_dentries_plus(ino, after, limit + 1, layouts)  # entries and inodes in one query
         out = []
         for e, a in found[:limit]:
             if a is None:

@@ -701,7 +701,7 @@ _READS: dict[type, Callable[[Any], ReadPlan]] = {
                            _many_reply),
     m.ListNames: lambda q: (Namespace.list_names, (q.path, q.after, q.limit), _path_cost(q.path) + q.limit * NAME_COST,
                             _page_reply(m.NamesReply)),
-    m.Readdir: lambda q: (Namespace.readdir, (q.ino, q.after, q.limit, q.plus),
+    m.Readdir: lambda q: (Namespace.readdir, (q.ino, q.after, q.limit, q.plus, q.layouts),
                           STATEMENT_COST + q.limit * (ENTRY_PLUS_COST if q.plus else ENTRY_COST),
                           _page_reply(m.ReaddirReply)),
     m.GetXattr: lambda q: (Namespace.getxattr, (q.ino, q.name), 2 * STATEMENT_COST, m.XattrReply),

@@ -32,6 +32,7 @@ Caveats:
 from __future__ import annotations
 
 import abc
+import dataclasses
 import os
 import sqlite3
 import stat
@@ -136,10 +137,15 @@ class Txn(abc.ABC):
         """The names :meth:`list_dentries` would return (a store may skip building entries)."""
         return [e.name for e in self.list_dentries(parent, after, limit)]
 
-    def list_dentries_plus(self, parent: int, after: str, limit: int) -> list[tuple[DirEntry, Attr | None]]:
+    def list_dentries_plus(self, parent: int, after: str, limit: int,
+                           layouts: bool = True) -> list[tuple[DirEntry, Attr | None]]:
         """:meth:`list_dentries` with each entry's inode (None if its row is missing);
-        a store may fetch both in one query."""
-        return [(e, self.get_inode(e.ino)) for e in self.list_dentries(parent, after, limit)]
+        a store may fetch both in one query. ``layouts=False``: the attributes carry no
+        layout (a store may skip reading and decoding them)."""
+        out = [(e, self.get_inode(e.ino)) for e in self.list_dentries(parent, after, limit)]
+        if not layouts:
+            out = [(e, a if a is None or a.layout is None else dataclasses.replace(a, layout=None)) for e, a in out]
+        return out
 
     @abc.abstractmethod
     def get_meta(self, key: str) -> str | None: ...
@@ -445,6 +451,8 @@ class SqlTxn(Txn):
     _LIST_PLUS = (f"SELECT d.name, d.ino, d.mode, {', '.join('i.' + c for c in _INODE_COLS.split(', '))} "
                   "FROM dentries d LEFT JOIN inodes i ON i.ino = d.ino "
                   "WHERE d.parent = ? AND d.name > ? ORDER BY d.name LIMIT ?")
+    # The same without the layout columns (NULLs in their place: no layout is decoded).
+    _LIST_PLUS_BARE = _LIST_PLUS.replace("i.chunk_size, i.chains,", "NULL, NULL,")
 
     def get_inode(self, ino: int) -> Attr | None:
         row = self._q(f"SELECT {self._INODE_COLS} FROM inodes WHERE ino = ?", (ino,)).fetchone()
@@ -499,8 +507,10 @@ class SqlTxn(Txn):
                        "ORDER BY name LIMIT ?", (parent, encode_name(after), limit)).fetchall()
         return [DirEntry(decode_name(name), ino, mode) for name, ino, mode in rows]
 
-    def list_dentries_plus(self, parent: int, after: str, limit: int) -> list[tuple[DirEntry, Attr | None]]:
-        rows = self._q(self._LIST_PLUS, (parent, encode_name(after), limit)).fetchall()
+    def list_dentries_plus(self, parent: int, after: str, limit: int,
+                           layouts: bool = True) -> list[tuple[DirEntry, Attr | None]]:
+        rows = self._q(self._LIST_PLUS if layouts else self._LIST_PLUS_BARE,
+                       (parent, encode_name(after), limit)).fetchall()
         return [(DirEntry(decode_name(row[0]), row[1], row[2]), None if row[3] is None else self._attr(row[3:]))
                 for row in rows]
 

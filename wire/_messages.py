@@ -654,10 +654,15 @@ class Link(Message[AttrReply]):
 
 @message(19)
 class Readdir(Message[ReaddirReply]):
+    """A page of a directory's entries; ``plus`` adds each entry's attributes, and
+    ``layouts=False`` leaves files' layouts out of those (a FUSE daemon hands the kernel
+    attributes only: the layouts are most of a page's bytes and decoding)."""
+
     ino: int
     after: str = ""
     limit: int = 1000
     plus: bool = False
+    layouts: bool = True
 
 
 @message(20, mutates=True)

@@ -534,7 +534,7 @@ class StripeOperations(pyfuse3.Operations):
             return
         version, kept_version = self.dir_attrs.version, self.listings.version
         asked = trio.current_time()  # the timeouts count from the question: the answer is no older
-        reply = await self.aio.call(m.Readdir(ino=d.ino, after=after, limit=READDIR_PAGE, plus=True))
+        reply = await self.aio.call(m.Readdir(ino=d.ino, after=after, limit=READDIR_PAGE, plus=True, layouts=False))
         for e in reply.entries:  # fresh (a page kept for the handle is not: put only now)
             if e.attr is not None:
                 self.dir_attrs.put(e.attr, version)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import sqlite3
 import stat
@@ -518,6 +519,10 @@ def test_readdir_plus_and_errors(ns: Namespace, monkeypatch: pytest.MonkeyPatch)
         ("a", stat.S_IFDIR, None), ("b", stat.S_IFREG, None), ("c", stat.S_IFLNK, None)]
     plus, _ = ns.readdir(ROOT_INO, plus=True)
     assert plus[1].attr == f and plus[1].mode == f.mode
+    assert f.layout is not None
+    bare, _ = ns.readdir(ROOT_INO, plus=True, layouts=False)  # what a FUSE daemon asks: no layouts
+    assert bare[1].attr == dataclasses.replace(f, layout=None)
+    assert [(e.name, e.attr) for e in bare[::2]] == [(e.name, e.attr) for e in plus[::2]]  # the dir, the symlink
     assert ns.readdir(ROOT_INO, after="a", limit=1) == ([plain[1]], True)
     with raises(errno.ENOTDIR):
         ns.readdir(f.ino)
