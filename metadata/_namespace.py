@@ -26,6 +26,7 @@ import dataclasses
 import random
 import stat
 import time
+from collections.abc import Callable
 
 from wire._errors import ErrorCode, StripefsError
 from wire._types import (MAX_CHUNK, MAX_FILE_SIZE, MAX_PATH, MAX_STRIPE, MAX_XATTR_NAME, MAX_XATTR_TOTAL,
@@ -456,26 +457,17 @@ class Namespace:
         Raises:
             StripefsError: EINVAL for more than ``MAX_CREATE_MANY`` paths or a path that is not text.
         """
-        self.check_batch(paths)
-        out: list[Attr | StripefsError] = []
-        with self._store.transaction() as txn:
-            heads = _Heads(self, txn)
-            for path in paths:
-                try:
-                    parent, name = heads.parent(path)
-                    entry = txn.get_dentry(parent.ino, name)
-                    if entry is not None:
-                        out.append(self._open_existing(txn, entry, exclusive, False))
-                        continue
-                    layout = self._pick_layout(txn, parent.ino, chains)
-                    attr = self._new_inode(txn, parent.ino, name, stat.S_IFREG | (mode & 0o7777), uid, gid,
-                                           layout=layout)
-                    heads.changed(parent, attr.ctime_ns)
-                    out.append(attr)
-                except StripefsError as exc:
-                    out.append(exc)
-            heads.stamp()
-        return out
+        def one(txn: Txn, heads: _Heads, path: str) -> Attr:
+            parent, name = heads.parent(path)
+            entry = txn.get_dentry(parent.ino, name)
+            if entry is not None:
+                return self._open_existing(txn, entry, exclusive, False)
+            layout = self._pick_layout(txn, parent.ino, chains)
+            attr = self._new_inode(txn, parent.ino, name, stat.S_IFREG | (mode & 0o7777), uid, gid, layout=layout)
+            heads.changed(parent, attr.ctime_ns)
+            return attr
+
+        return self._each_path(paths, one)
 
     def unlink_many(self, paths: list[str]) -> list[Attr | StripefsError]:
         """:meth:`unlink_path` of each path, in one transaction; each fails alone, parents
@@ -487,22 +479,30 @@ class Namespace:
         Raises:
             StripefsError: EINVAL for more than ``MAX_CREATE_MANY`` paths or a path that is not text.
         """
+        def one(txn: Txn, heads: _Heads, path: str) -> Attr:
+            parent, name = heads.parent(path)
+            attr = self._inode(txn, self._entry(txn, parent.ino, name).ino)
+            if attr.is_dir:
+                raise _err(ErrorCode.IS_DIR, f"is a directory: {name!r}")
+            now = time.time_ns()
+            txn.delete_dentry(parent.ino, name)
+            if attr.is_symlink:
+                heads.forget()  # a head resolved through it must not resolve again
+            heads.changed(parent, now)
+            return self._drop_link(txn, attr, now)
+
+        return self._each_path(paths, one)
+
+    def _each_path(self, paths: list[str], one: Callable[[Txn, _Heads, str], Attr]) -> list[Attr | StripefsError]:
+        """``one(txn, heads, path)`` for each path of a checked batch in one transaction;
+        a path's error is its result; parents are stamped once at the end."""
         self.check_batch(paths)
         out: list[Attr | StripefsError] = []
         with self._store.transaction() as txn:
             heads = _Heads(self, txn)
             for path in paths:
                 try:
-                    parent, name = heads.parent(path)
-                    attr = self._inode(txn, self._entry(txn, parent.ino, name).ino)
-                    if attr.is_dir:
-                        raise _err(ErrorCode.IS_DIR, f"is a directory: {name!r}")
-                    now = time.time_ns()
-                    txn.delete_dentry(parent.ino, name)
-                    if attr.is_symlink:
-                        heads.forget()  # a head resolved through it must not resolve again
-                    heads.changed(parent, now)
-                    out.append(self._drop_link(txn, attr, now))
+                    out.append(one(txn, heads, path))
                 except StripefsError as exc:
                     out.append(exc)
             heads.stamp()
