@@ -30,6 +30,7 @@ from wire import ErrorCode, StripefsError
 from wire import messages as m
 
 from ..conftest import TEST_CHUNK
+from ..rpc.threaded import ThreadedServer
 
 TOKEN = "cd" * 32
 
@@ -180,7 +181,7 @@ def test_cluster_directory_from_before_roles_starts_and_is_upgraded(tmp_path: An
         h.down()
 
 
-class _Impostor:
+class _Impostor(ThreadedServer):
     """A 'storage server' built from what a client holds (the client credential), on a thread.
 
     It answers ``TargetInfo`` exactly as the registered server would; only the
@@ -188,11 +189,7 @@ class _Impostor:
     """
 
     def __init__(self, credential: str, root: str):
-        import threading
-
-        import trio
-
-        from rpc import Service, serve_rpc
+        from rpc import Service
 
         self.server_id: int | None = None
         impostor = self
@@ -205,24 +202,7 @@ class _Impostor:
                                                         used=0, chunks=0, root=root, syncing=False,
                                                         sync_progress={}).to_header())
 
-        ready = threading.Event()
-
-        async def main() -> None:
-            self.token = trio.lowlevel.current_trio_token()
-            with trio.CancelScope() as self.scope:
-                async with trio.open_nursery() as nursery:
-                    self.address = await nursery.start(lambda task_status: serve_rpc(
-                        Answers(), "127.0.0.1", 0, secret=credential, task_status=task_status))
-                    ready.set()
-
-        self._trio = trio
-        self.thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
-        self.thread.start()
-        assert ready.wait(10)
-
-    def stop(self) -> None:
-        self._trio.from_thread.run_sync(self.scope.cancel, trio_token=self.token)
-        self.thread.join(10)
+        super().__init__(Answers(), credential)
 
 
 def test_connect_back_needs_the_server_credential(pair: LocalCluster) -> None:

@@ -23,10 +23,12 @@ import rpc
 from bench.load_bench import run as run_load
 from fsclient.batchread import ReadRing
 from fsclient.core._core import BUSY_DELAY, BUSY_DELAY_MAX, busy_delay
-from rpc import ByteBudget, ClientSlots, Connection, ServerConn, Service, serve_rpc
+from rpc import ByteBudget, ClientSlots, Connection, ServerConn, Service
 from storage.__main__ import CLIENT_CONNECTIONS_ENV
 from wire import ErrorCode, FrameHead, Message, StripefsError, role_credential
 from wire import messages as m
+
+from .threaded import ThreadedServer
 
 SECRET = "bounded-load"
 CLIENT = role_credential(SECRET, "client")
@@ -152,32 +154,14 @@ class HoldService(Service):
         await conn.send(head, m.EmptyReply().to_header())
 
 
-class HoldServer:
+class HoldServer(ThreadedServer):
     """A trio server on a thread: a 1 MiB budget, BUSY after 0.3 s, 2 connections per client."""
 
     def __init__(self) -> None:
-        self.service = HoldService()
-        ready = threading.Event()
-
-        async def main() -> None:
-            self.token = trio.lowlevel.current_trio_token()
-            with trio.CancelScope() as self.scope:
-                async with trio.open_nursery() as nursery:
-                    self.address = await nursery.start(lambda task_status: serve_rpc(
-                        self.service, "127.0.0.1", 0, secret=SECRET, payload_budget=1 << 20, busy_after=0.3,
-                        max_client_connections=2, task_status=task_status))
-                    ready.set()
-
-        self.thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
-        self.thread.start()
-        assert ready.wait(10)
+        super().__init__(HoldService(), SECRET, payload_budget=1 << 20, busy_after=0.3, max_client_connections=2)
 
     def release(self) -> None:
-        trio.from_thread.run_sync(self.service.gate.set, trio_token=self.token)
-
-    def stop(self) -> None:
-        trio.from_thread.run_sync(self.scope.cancel, trio_token=self.token)
-        self.thread.join(10)
+        self.run_sync(self.service.gate.set)
 
 
 @pytest.fixture

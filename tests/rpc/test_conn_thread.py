@@ -17,9 +17,11 @@ import pytest
 import trio
 
 import wire
-from rpc import Connection, ServerConn, Service, ThreadReply, serve_rpc
+from rpc import Connection, ServerConn, Service, ThreadReply
 from wire import ErrorCode, FrameHead, Message, StripefsError
 from wire import messages as m
+
+from .threaded import ThreadedServer
 
 SECRET = "test-secret"
 CLIENT = wire.role_credential(SECRET, "client")
@@ -80,33 +82,18 @@ class ThreadService(Service):
             os.close(fd)
 
 
-class Server:
+async def _starve() -> None:
+    limiter = trio.to_thread.current_default_thread_limiter()
+    for i in range(int(limiter.total_tokens)):
+        await limiter.acquire_on_behalf_of(("starved", i))
+
+
+class Server(ThreadedServer):
     """The service on a trio run of its own; ``starve`` holds every token of trio's default
     thread limiter, so anything that goes through ``trio.to_thread`` waits forever."""
 
     def __init__(self, path: str, *, starve: bool = False, now: bool = False):
-        ready = threading.Event()
-        self.service = ThreadService(path, now)
-
-        async def main() -> None:
-            self.token = trio.lowlevel.current_trio_token()
-            if starve:
-                limiter = trio.to_thread.current_default_thread_limiter()
-                for i in range(int(limiter.total_tokens)):
-                    await limiter.acquire_on_behalf_of(("starved", i))
-            with trio.CancelScope() as self.scope:
-                async with trio.open_nursery() as nursery:
-                    self.address = await nursery.start(lambda task_status: serve_rpc(
-                        self.service, "127.0.0.1", 0, secret=SECRET, task_status=task_status))
-                    ready.set()
-
-        self.thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
-        self.thread.start()
-        assert ready.wait(10)
-
-    def stop(self) -> None:
-        trio.from_thread.run_sync(self.scope.cancel, trio_token=self.token)
-        self.thread.join(10)
+        super().__init__(ThreadService(path, now), SECRET, before=_starve if starve else None)
 
 
 @pytest.fixture(scope="module")

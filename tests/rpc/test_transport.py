@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import os
 import tempfile
-import threading
 from typing import Any, Iterator
 
 import pytest
 import trio
 
-from rpc import Connection, ConnectionPool, ServerConn, Service, ThreadReply, TrioConnection, TrioPool, serve_rpc
+from rpc import Connection, ConnectionPool, ServerConn, Service, ThreadReply, TrioConnection, TrioPool
 import wire
 from wire import ErrorCode, FrameHead, Message, StripefsError, messages as m
+
+from .threaded import ThreadedServer
 
 SECRET = "test-secret"  # the cluster secret: what servers hold
 CLIENT = wire.role_credential(SECRET, "client")  # what clients hold
@@ -46,29 +47,12 @@ class EchoService(Service):
         reply.send({"length": msg.length, "how": "buffer"}, payload=DATA[msg.index : msg.index + msg.length])
 
 
-class Server:
-    """A trio server on a thread; stop() cancels it."""
+class Server(ThreadedServer):
+    """The echo service on a trio server of its own thread; stop() cancels it."""
 
     def __init__(self, path: str):
         self.path = path
-        self.address: tuple[str, int] = ("", 0)
-        ready = threading.Event()
-
-        async def main() -> None:
-            self.token = trio.lowlevel.current_trio_token()
-            with trio.CancelScope() as self.scope:
-                async with trio.open_nursery() as nursery:
-                    self.address = await nursery.start(lambda task_status: serve_rpc(
-                        EchoService(path), "127.0.0.1", 0, secret=SECRET, task_status=task_status))
-                    ready.set()
-
-        self.thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
-        self.thread.start()
-        assert ready.wait(10)
-
-    def stop(self) -> None:
-        trio.from_thread.run_sync(self.scope.cancel, trio_token=self.token)
-        self.thread.join(10)
+        super().__init__(EchoService(path), SECRET)
 
 
 @pytest.fixture(scope="module")
