@@ -12,6 +12,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import pytest
 import trio
@@ -25,6 +26,7 @@ from wire import DirEntry
 from .conftest import do_mount, do_umount
 
 pytestmark = pytest.mark.fuse
+T = TypeVar("T")
 
 LONG = 30.0  # the private mount's timeouts: long enough that nothing expires within a test
 ATTR_TIMEOUT = 1.0  # the shared mount's (the default)
@@ -63,10 +65,11 @@ def private(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Private]:
         cluster.down()
 
 
-def _listdir_while_paused(pid: int, path: str, wait: float) -> list[str] | None:
-    """List ``path`` while process ``pid`` is stopped; None if that took over ``wait`` s."""
-    got: list[list[str]] = []
-    t = threading.Thread(target=lambda: got.append(sorted(os.listdir(path))), daemon=True)
+def _while_paused(pid: int, fn: Callable[[], T], wait: float) -> T | None:
+    """``fn()`` on another thread while process ``pid`` is stopped; None if that took
+    over ``wait`` s."""
+    got: list[T] = []
+    t = threading.Thread(target=lambda: got.append(fn()), daemon=True)
     os.kill(pid, signal.SIGSTOP)
     try:
         t.start()
@@ -75,6 +78,11 @@ def _listdir_while_paused(pid: int, path: str, wait: float) -> list[str] | None:
     finally:
         os.kill(pid, signal.SIGCONT)
         t.join(10)
+
+
+def _listdir_while_paused(pid: int, path: str, wait: float) -> list[str] | None:
+    """List ``path`` while process ``pid`` is stopped; None if that took over ``wait`` s."""
+    return _while_paused(pid, lambda: sorted(os.listdir(path)), wait)
 
 
 def test_a_listing_within_the_timeouts_needs_no_metadata_round_trip(private: Private) -> None:
@@ -269,16 +277,7 @@ def test_random_own_changes_always_show_in_the_next_listing_and_stat(private: Pr
 def _exists_while_paused(pid: int, paths: list[str], wait: float) -> list[bool] | None:
     """``os.path.exists`` of each path while process ``pid`` is stopped; None if that
     took over ``wait`` s."""
-    got: list[list[bool]] = []
-    t = threading.Thread(target=lambda: got.append([os.path.exists(p) for p in paths]), daemon=True)
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        t.start()
-        t.join(wait)
-        return got[0] if got else None
-    finally:
-        os.kill(pid, signal.SIGCONT)
-        t.join(10)
+    return _while_paused(pid, lambda: [os.path.exists(p) for p in paths], wait)
 
 
 def test_a_name_missing_from_a_directory_made_or_listed_here_needs_no_round_trip(private: Private) -> None:

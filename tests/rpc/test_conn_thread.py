@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import os
 import random
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ from rpc import Connection, ServerConn, Service, ThreadReply
 from wire import ErrorCode, FrameHead, Message, StripefsError
 from wire import messages as m
 
-from .threaded import ThreadedServer
+from .threaded import ThreadedServer, temp_file
 
 SECRET = "test-secret"
 CLIENT = wire.role_credential(SECRET, "client")
@@ -98,11 +97,7 @@ class Server(ThreadedServer):
 
 @pytest.fixture(scope="module")
 def data_file() -> Iterator[str]:
-    fd, path = tempfile.mkstemp()
-    os.write(fd, DATA)
-    os.close(fd)
-    yield path
-    os.unlink(path)
+    yield from temp_file(DATA)
 
 
 @pytest.fixture(params=[False, True], ids=["task", "now"])

@@ -4,7 +4,6 @@ threads, connection pools (moves, breakage, several per server, fork, close)."""
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any, Iterator
 
 import pytest
@@ -14,7 +13,7 @@ from rpc import Connection, ConnectionPool, ServerConn, Service, ThreadReply, Tr
 import wire
 from wire import ErrorCode, FrameHead, Message, StripefsError, messages as m
 
-from .threaded import ThreadedServer
+from .threaded import ThreadedServer, temp_file
 
 SECRET = "test-secret"  # the cluster secret: what servers hold
 CLIENT = wire.role_credential(SECRET, "client")  # what clients hold
@@ -57,11 +56,7 @@ class Server(ThreadedServer):
 
 @pytest.fixture(scope="module")
 def data_file() -> Iterator[str]:
-    fd, path = tempfile.mkstemp()
-    os.write(fd, DATA)
-    os.close(fd)
-    yield path
-    os.unlink(path)
+    yield from temp_file(DATA)
 
 
 @pytest.fixture

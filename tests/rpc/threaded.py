@@ -3,7 +3,10 @@ with the blocking client from the test's thread."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import trio
@@ -47,3 +50,12 @@ class ThreadedServer:
     def stop(self) -> None:
         self.run_sync(self.scope.cancel)
         self.thread.join(10)
+
+
+def temp_file(data: bytes) -> Iterator[str]:
+    """A temporary file holding ``data``, removed afterwards (for a yield-fixture)."""
+    fd, path = tempfile.mkstemp()
+    os.write(fd, data)
+    os.close(fd)
+    yield path
+    os.unlink(path)
