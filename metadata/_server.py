@@ -43,7 +43,7 @@ from ._admission import MAX_SERVER_ID, NOT_YET, connect_back, same_token, token_
 from ._leases import Leases
 from ._namespace import Namespace
 from ._store import GarbageItem, SqliteStore, Store, check_sync
-from ._worker import Job, StoreThread, run_each
+from ._worker import Job, LogSync, StoreThread, run_each
 
 log = logging.getLogger(__name__)
 
@@ -743,11 +743,15 @@ class MetadataService(Service):
         # batch's durable commit, and see every write acknowledged before they started.
         self._writer = StoreThread(self._run_batch, MAX_BATCH)
         self._writing = 0  # writer-thread jobs queued or running: the loop leaves the connection alone
-        # Mutations commit on the loop when their commit needs no fsync (``CHECKPOINT_EVERY``).
+        # Mutations commit on the loop, a write of the log to the page cache (``CHECKPOINT_EVERY``);
+        # under ``full`` they are acknowledged once a group fsync of the log covers them.
         store = ns.store
-        self._write_now = isinstance(store, SqliteStore) and store.synchronous_mode == "normal"
-        if isinstance(store, SqliteStore) and self._write_now:
-            store.take_checkpoints()
+        self._write_now = isinstance(store, SqliteStore)
+        self._log_sync: LogSync | None = None
+        if isinstance(store, SqliteStore):
+            store.sync_log_by_owner()
+            if store.log_by_owner:
+                self._log_sync = LogSync(store.sync_log)
         self._checkpoint_due = trio.Event()
         reader = ns.store.reader()
         self._rns = ns.reading(reader) if reader is not None else ns
@@ -789,8 +793,30 @@ class MetadataService(Service):
         if _now and self._write_now and not self._writing:
             done, result = self._commit_now(functools.partial(fn, *args, **kwargs))
             if done:
+                await self._made_durable()
                 return result
-        return await self._store_call(fn, *args, **kwargs)
+        return await self._store_call(fn, *args, **kwargs)  # durable when it returns
+
+    async def _made_durable(self) -> None:
+        """Return once the commits made on the loop so far are durable (``full``: the group
+        fsync of the log that covers them; ``normal``: at once). Nothing a mutation did is
+        answered before this (nor recorded for replay: ``handle``).
+
+        Raises:
+            StripefsError: IO when the log could not be fsynced (the mutation may be lost).
+        """
+        if self._log_sync is None:
+            return
+        try:
+            await self._log_sync.durable()
+        except OSError as exc:
+            log.error("fsync of the metadata log failed: %s; mutations are refused until a restart", exc)
+            raise StripefsError(ErrorCode.IO, f"metadata log could not be made durable: {exc}") from exc
+
+    @property
+    def log_syncs(self) -> int:
+        """Group fsyncs of the log run so far (``full``)."""
+        return 0 if self._log_sync is None else self._log_sync.syncs
 
     def _commit_now(self, fn: Callable[[], Any]) -> tuple[bool, Any]:
         """``(True, fn())`` committed here on the loop when that needs no fsync, else
@@ -899,6 +925,8 @@ class MetadataService(Service):
             nursery.start_soon(self._writer.run)
             if self._reader is not None:
                 nursery.start_soon(self._reader.run)
+            if self._log_sync is not None:
+                nursery.start_soon(self._log_sync.run)
             if self._write_now:
                 nursery.start_soon(self._checkpoints)
 

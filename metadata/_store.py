@@ -661,7 +661,8 @@ def check_sync(mode: str) -> str:
 
 
 class _SqliteTxn(SqlTxn):
-    """:class:`SqlTxn` whose counters, under ``normal``, stay below a durably recorded bound."""
+    """:class:`SqlTxn` whose counters, under ``normal`` (or ``full`` with the log synced by
+    its owner, see :meth:`SqliteStore.sync_log_by_owner`), stay below a durably recorded bound."""
 
     def __init__(self, cursor: Any, store: SqliteStore) -> None:
         super().__init__(cursor)
@@ -669,7 +670,7 @@ class _SqliteTxn(SqlTxn):
 
     def allocate(self, key: str) -> int:
         value = super().allocate(key)
-        if self._store.synchronous_mode == "normal":
+        if self._store.synchronous_mode == "normal" or self._store.log_by_owner:
             bound = int(self.get_meta(f"{key}.reserved") or "0")
             if value >= bound:
                 self.put_meta(f"{key}.reserved", str(value + RESERVE))
@@ -730,6 +731,10 @@ class SqliteStore(Store):
         self._batching = False
         self._readers: list[_SqliteReader] = []
         self._bare: list[bool] | None = None  # commit_unsynced's transactions: False = needed a savepoint
+        # ``full`` with the log fsynced by the owner (:meth:`sync_log_by_owner`).
+        self.log_by_owner = False
+        self._dir_synced = False
+        self._changes = 0  # total_changes when the open transaction began: a commit that wrote nothing needs no fsync
         # Commits since the last checkpoint, once the owner runs them (:meth:`take_checkpoints`).
         self.unchecked = 0
         self._checkpoints_by_owner = False
@@ -737,6 +742,8 @@ class SqliteStore(Store):
     @property
     def synchronous(self) -> str:
         """The durability setting in force on the writing connection (``full`` or ``normal``)."""
+        if self.log_by_owner:
+            return "full"  # SQLite's own setting is NORMAL: the owner fsyncs (sync_log_by_owner)
         level = self._conn.execute("PRAGMA synchronous").fetchone()[0]
         return next(name for name, value in SYNC_MODES.items() if value == level)
 
@@ -758,20 +765,60 @@ class SqliteStore(Store):
                 self._conn.execute("INSERT INTO meta (key, value) VALUES (?, ?) "
                                    "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (counter, str(bound)))
 
+    def _begin(self) -> None:
+        self._conn.execute("BEGIN IMMEDIATE")
+        self._changes = self._conn.total_changes
+
     def _commit(self) -> None:
         self._conn.execute("COMMIT")
         self.unchecked += 1
-        if self.durable_commit:
+        if self.durable_commit or (self.log_by_owner and self._conn.total_changes != self._changes):
             self.durable_commit = False
-            # ``normal`` wrote the commit to the WAL without an fsync: do that one now.
+            # SQLite's NORMAL wrote the commit to the WAL without an fsync: do that one now.
+            self.sync_log()
+
+    def sync_log(self) -> None:
+        """Make every commit that returned before this call durable: fsync the log (WAL).
+
+        Safe on any thread while the writing connection commits (its own descriptor; the
+        fsync covers at least every write that completed before it started). The first
+        call also fsyncs the directory, so the log's own name is durable.
+
+        Raises:
+            OSError: the fsync failed (what the log holds may not be on disk).
+        """
+        try:
+            fd = os.open(self.path + "-wal", os.O_RDONLY)
+        except FileNotFoundError:
+            return  # an in-memory database: nothing is durable anyway
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if not self._dir_synced:
+            dfd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY | os.O_DIRECTORY)
             try:
-                fd = os.open(self.path + "-wal", os.O_RDONLY)
-            except FileNotFoundError:
-                return  # an in-memory database: nothing is durable anyway
-            try:
-                os.fsync(fd)
+                os.fsync(dfd)
             finally:
-                os.close(fd)
+                os.close(dfd)
+            self._dir_synced = True
+
+    def sync_log_by_owner(self) -> None:
+        """Under ``full``: let the owner make commits durable, many at a time.
+
+        SQLite then runs at NORMAL (a commit writes the log to the page cache; checkpoints
+        still fsync the log first and the database after, and a reused log's header is
+        fsynced): :meth:`commit_unsynced` commits and the owner acknowledges those
+        commits only after a :meth:`sync_log` that started after them returned. Every
+        other commit (:meth:`transaction`, :meth:`batch`) calls :meth:`sync_log` itself
+        before it returns, as ``full`` did. Also :meth:`take_checkpoints`. Does nothing
+        under ``normal``.
+        """
+        self.take_checkpoints()
+        if self.synchronous_mode != "full":
+            return
+        self._conn.execute(f"PRAGMA synchronous={SYNC_MODES['normal']}")
+        self.log_by_owner = True
 
     def _migrate(self) -> None:
         """Bring a database written by an older version up to this schema (idempotent)."""
@@ -784,8 +831,10 @@ class SqliteStore(Store):
     def commit_unsynced(self, fn: Callable[[], T]) -> tuple[bool, T | None]:
         """Run ``fn`` (whose transactions join one batch) and commit it, if that commit
         needs no fsync: under ``normal`` with no counter crossing its reserved bound and
-        :meth:`take_checkpoints` in force (a checkpoint fsyncs). For callers that must not
-        wait on the disk (the metadata service's event loop).
+        :meth:`take_checkpoints` in force (a checkpoint fsyncs). Under ``full`` only after
+        :meth:`sync_log_by_owner`: the commit is durable once a :meth:`sync_log` that
+        started after this call returned has returned. For callers that must not wait on
+        the disk (the metadata service's event loop).
 
         Returns:
             ``(True, result)`` once committed; ``(False, None)`` with nothing applied when
@@ -794,7 +843,7 @@ class SqliteStore(Store):
         Raises:
             Exception: what ``fn`` raised (nothing of it kept).
         """
-        if self.synchronous_mode != "normal" or not self._checkpoints_by_owner:
+        if not self._checkpoints_by_owner or (self.synchronous_mode != "normal" and not self.log_by_owner):
             return False, None
         if self._open or self._batching:
             raise RuntimeError("batches do not nest")
@@ -840,7 +889,7 @@ class SqliteStore(Store):
             raise RuntimeError("batches do not nest")
         self._batching = True
         try:
-            self._conn.execute("BEGIN IMMEDIATE")
+            self._begin()
             yield
             self._commit()  # one fsync for every transaction of the batch (under ``full``)
         except BaseException:
@@ -866,7 +915,7 @@ class SqliteStore(Store):
         try:
             # IMMEDIATE takes the write lock up front: a read-then-write transaction
             # cannot then fail half way with SQLITE_BUSY on lock upgrade.
-            self._conn.execute("BEGIN IMMEDIATE")
+            self._begin()
             yield _SqliteTxn(self._conn.cursor(), self)
             self._commit()
         except BaseException:

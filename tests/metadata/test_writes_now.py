@@ -49,9 +49,10 @@ def test_commit_unsynced_commits_what_needs_no_fsync_and_nothing_else(tmp_path) 
             fns.lookup(1, "a")
 
 
-def test_normal_applies_mutations_on_the_loop_and_full_on_the_writer_thread(tmp_path) -> None:
+def test_mutations_commit_on_the_loop_and_full_answers_after_the_log_fsync(tmp_path) -> None:
     async def mkdir_without_store_threads(svc: MetadataService) -> bool:
-        # No store thread runs: only a mutation applied on the loop can finish.
+        # No store thread runs (nor the log's fsync thread): only a mutation applied on the
+        # loop can finish, and under ``full`` it is not answered before the log is fsynced.
         with trio.move_on_after(0.5):
             await svc._dispatch(m.Mkdir(parent=1, name="e", mode=0o755, uid=0, gid=0))
             return True
@@ -61,7 +62,10 @@ def test_normal_applies_mutations_on_the_loop_and_full_on_the_writer_thread(tmp_
         os.makedirs(tmp_path / sync)
         svc, store = _service(tmp_path / sync, sync)
         try:
+            with store.transaction() as txn:  # the next number handed out needs no durable commit
+                txn.put_meta("next_ino.reserved", str(RESERVE))
             assert trio.run(mkdir_without_store_threads, svc) == (sync == "normal")
+            assert svc.ns.lookup(svc.ns.resolve("/").ino, "e").is_dir  # committed on the loop either way
         finally:
             store.close()
 
