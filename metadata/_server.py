@@ -786,6 +786,9 @@ class MetadataService(Service):
         request id, across services (:meth:`_once`). ``_now``: it may commit here on the
         loop when that needs no fsync (False for operations on many paths: too long).
         """
+        if self._log_sync is not None and self._log_sync.failed is not None:
+            raise StripefsError(ErrorCode.IO, f"metadata log could not be made durable: {self._log_sync.failed}; "
+                                "restart the metadata service")
         key = _REQUEST.get()
         if key is not None and self.shared:
             _REQUEST.set(None)  # later calls of the same request are not the mutation itself

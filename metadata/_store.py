@@ -879,9 +879,24 @@ class SqliteStore(Store):
 
     def checkpoint(self) -> None:
         """Copy the log into the database (as far as no reader still needs it), so the
-        log is written from its start again; fsyncs. Outside any transaction."""
-        self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        log is written from its start again; fsyncs. Outside any transaction.
+
+        When the whole log was copied, one small commit follows here: the first commit
+        into a log started again fsyncs its new header (SQLite, at ``NORMAL``), and that
+        fsync belongs on the caller's thread, not in the next :meth:`commit_unsynced`."""
+        busy, logged, copied = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
         self.unchecked = 0
+        if not busy and logged == copied and logged > 0:
+            self._begin()
+            try:
+                self._conn.execute("INSERT INTO meta (key, value) VALUES ('log_restarts', '1') "
+                                   "ON CONFLICT (key) DO UPDATE SET value = CAST(value AS INTEGER) + 1")
+                self._commit()
+            except BaseException:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                raise
+            self.unchecked = 0
 
     @contextmanager
     def batch(self) -> Iterator[None]:

@@ -185,3 +185,28 @@ def test_entries_and_counters_are_one_btree_each_and_older_databases_still_work(
         assert ns.readdir(d.ino) == ([], False)
         tables = dict(store._conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table'").fetchall())
         assert "WITHOUT ROWID" not in tables["dentries"]  # left as it was
+
+
+def test_a_checkpoint_starts_the_log_again_itself(tmp_path) -> None:
+    """The first commit into a log started again fsyncs its new header: that commit is made
+    by the checkpoint (on the writer thread), so the next commit on the loop needs no fsync."""
+    import struct
+
+    for sync in ("normal", "full"):
+        path = tmp_path / f"{sync}.db"
+        store = SqliteStore(path, synchronous=sync)
+        store.sync_log_by_owner()
+        ns = Namespace(store)
+        for k in range(20):
+            ns.mkdir(1, f"d{k}", 0o755, 0, 0)
+
+        def restarts() -> int:  # the WAL header's checkpoint sequence number: +1 per log started again
+            with open(f"{path}-wal", "rb") as f:
+                return struct.unpack(">I", f.read(16)[12:16])[0]
+
+        before = restarts()
+        store.checkpoint()
+        assert restarts() == before + 1
+        done, _ = store.commit_unsynced(lambda: ns.mkdir(1, "after", 0o755, 0, 0))
+        assert done and restarts() == before + 1
+        store.close()
