@@ -176,3 +176,39 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def test_a_failed_log_fsync_fails_the_mutation_and_refuses_later_ones(tmp_path) -> None:
+    import errno
+
+    import pytest
+
+    from wire import ErrorCode, StripefsError
+
+    failing = False
+
+    def sync(store: SqliteStore) -> None:
+        if failing:
+            raise OSError(errno.EIO, "injected")
+        SqliteStore.sync_log(store)
+
+    svc, store = _service(tmp_path, sync_log=sync)
+
+    async def main() -> None:
+        nonlocal failing
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.run_batches)
+            await svc._dispatch(_mkdir("warm"))
+            failing = True
+            for name in ("lost", "refused"):
+                with pytest.raises(StripefsError) as info, trio.fail_after(5):
+                    await svc._dispatch(_mkdir(name))
+                assert info.value.code == ErrorCode.IO and "durable" in info.value.message
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+        with pytest.raises(FileNotFoundError):
+            svc.ns.lookup(1, "refused")  # refused before it was applied
+    finally:
+        store.close()
