@@ -669,13 +669,32 @@ class _SqliteTxn(SqlTxn):
         self._store = store
 
     def allocate(self, key: str) -> int:
-        value = super().allocate(key)
-        if self._store.synchronous_mode == "normal" or self._store.log_by_owner:
-            bound = int(self.get_meta(f"{key}.reserved") or "0")
-            if value >= bound:
-                self.put_meta(f"{key}.reserved", str(value + RESERVE))
-                self._store.durable_commit = True  # this commit is fsynced before anyone hears of it
+        store = self._store
+        if not store.reserving:
+            return super().allocate(key)
+        # Under a reserve the counter lives in memory between reserve moves: numbers below
+        # the durable bound are never reused (an open moves every counter past its bound),
+        # so writing the counter at each number would buy nothing. A number taken by a
+        # transaction that rolls back is skipped (gaps are allowed).
+        value = store.counters.get(key)
+        if value is None:
+            value = int(self.get_meta(key) or "1")
+        bound = store.bounds.get(key)
+        if bound is None:
+            bound = store.bounds[key] = int(self.get_meta(f"{key}.reserved") or "0")
+        store.counters[key] = value + 1
+        if value >= bound:
+            SqlTxn.put_meta(self, key, str(value + 1))
+            SqlTxn.put_meta(self, f"{key}.reserved", str(value + RESERVE))
+            del store.bounds[key]  # read again: this commit may yet roll back
+            store.durable_commit = True  # this commit is fsynced before anyone hears of it
         return value
+
+    def put_meta(self, key: str, value: str) -> None:
+        super().put_meta(key, value)
+        counter = key.removesuffix(".reserved")  # set from outside allocate: read it again
+        self._store.counters.pop(counter, None)
+        self._store.bounds.pop(counter, None)
 
 
 class SqliteStore(Store):
@@ -735,9 +754,18 @@ class SqliteStore(Store):
         self.log_by_owner = False
         self._dir_synced = False
         self._changes = 0  # total_changes when the open transaction began: a commit that wrote nothing needs no fsync
+        # Counters kept in memory under a reserve (``_SqliteTxn.allocate``): next numbers, durable bounds.
+        self.counters: dict[str, int] = {}
+        self.bounds: dict[str, int] = {}
         # Commits since the last checkpoint, once the owner runs them (:meth:`take_checkpoints`).
         self.unchecked = 0
         self._checkpoints_by_owner = False
+
+    @property
+    def reserving(self) -> bool:
+        """Whether counters are handed out below a durably recorded bound: under ``normal``,
+        and under ``full`` once the owner fsyncs the log (:meth:`sync_log_by_owner`)."""
+        return self.synchronous_mode == "normal" or self.log_by_owner
 
     @property
     def synchronous(self) -> str:

@@ -210,3 +210,32 @@ def test_a_checkpoint_starts_the_log_again_itself(tmp_path) -> None:
         done, _ = store.commit_unsynced(lambda: ns.mkdir(1, "after", 0o755, 0, 0))
         assert done and restarts() == before + 1
         store.close()
+
+
+def test_a_create_or_unlink_on_the_loop_reads_and_writes_no_counter_row(tmp_path) -> None:
+    """Under a durably recorded reserve the counters live in memory between reserve moves:
+    a create or an unlink touches no ``meta`` row, and numbers stay unique across a reopen."""
+    for sync in ("normal", "full"):
+        path = tmp_path / f"{sync}.db"
+        store = SqliteStore(path, synchronous=sync)
+        store.sync_log_by_owner()
+        ns = Namespace(store)
+        for warm in ("/first", "/second"):  # the first moves the reserves (durable commits)
+            ns.create_path(warm, 0o644, 0, 0, chains=[1])
+            ns.unlink_path(warm)
+        statements: list[str] = []
+        store._conn.set_trace_callback(statements.append)
+        made = []
+        for k in range(5):
+            done, (attr, _) = store.commit_unsynced(lambda: ns.create_path(f"/f{k}", 0o644, 0, 0, chains=[1]))
+            assert done
+            made.append(attr.ino)
+        done, _ = store.commit_unsynced(lambda: ns.unlink_path("/f0"))
+        assert done
+        store._conn.set_trace_callback(None)
+        assert not [s for s in statements if " meta " in s], [s for s in statements if " meta " in s]
+        assert made == sorted(set(made))
+        store.close()
+        with SqliteStore(path, synchronous=sync) as again:  # a restart moves past the reserve
+            again.sync_log_by_owner()
+            assert Namespace(again).create_path("/after", 0o644, 0, 0, chains=[1])[0].ino > max(made)
