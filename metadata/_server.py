@@ -759,6 +759,10 @@ class MetadataService(Service):
         # Short reads run on the loop itself (``INLINE_COST``), on a third connection.
         now_reader = ns.store.reader(busy_timeout_s=INLINE_BUSY_TIMEOUT) if reader is not None else None
         self._lns = ns.reading(now_reader, remember_dirs=True) if now_reader is not None else None
+        if isinstance(store, SqliteStore):
+            # The one writer's path walks remember directories too (a create in a known
+            # directory reads no entry of its path); a batch rolled back forgets them (_run_batch).
+            ns.remember_dirs()
         self._gc_due = 0.0  # monotonic time before which a wake-up finds no removal due
         self.replay = Replies()
         self._running: dict[tuple[bytes, int], trio.Event] = {}  # mutations being applied, by replay key
@@ -958,6 +962,7 @@ class MetadataService(Service):
                     self._checkpoint(store)
                 return
             except Exception as exc:  # nothing of the batch is durable
+                self.ns.forget_dirs()  # a directory it renamed may be remembered under its new name
                 if store.retryable(exc) and attempt < MAX_BATCH_RETRIES:
                     time.sleep(random.uniform(0, 0.002 * 2 ** attempt))  # worker thread: spread the rerun
                     continue

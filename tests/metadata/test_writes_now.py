@@ -12,6 +12,7 @@ import trio
 from metadata import Namespace, SqliteStore
 from metadata._server import Membership, MetadataService
 from metadata._store import RESERVE
+from wire import StripefsError
 from wire import messages as m
 
 
@@ -239,3 +240,83 @@ def test_a_create_or_unlink_on_the_loop_reads_and_writes_no_counter_row(tmp_path
         with SqliteStore(path, synchronous=sync) as again:  # a restart moves past the reserve
             again.sync_log_by_owner()
             assert Namespace(again).create_path("/after", 0o644, 0, 0, chains=[1])[0].ino > max(made)
+
+
+def test_writes_on_the_loop_remember_the_directories_they_walk_until_one_changes(tmp_path) -> None:
+    """A create or unlink by path walks the parent's path by entries it remembers (one dentry
+    lookup, the new name's, per create in a known directory); a rename or rmdir forgets them,
+    so a path then leads where the namespace says, not where it led before."""
+    svc, store = _service(tmp_path, "full")
+    svc.members.table, svc.members.frozen = {1: [1]}, True  # one chain: files can be made
+
+    def create(path: str) -> m.CreatePath:
+        return m.CreatePath(path=path, mode=0o644, uid=0, gid=0)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.run_batches)
+            a = (await svc._dispatch(m.Mkdir(parent=1, name="a", mode=0o755, uid=0, gid=0))).attr
+            b = (await svc._dispatch(m.Mkdir(parent=a.ino, name="b", mode=0o755, uid=0, gid=0))).attr
+            await svc._dispatch(create("/a/b/f0"))
+            await svc._dispatch(m.UnlinkPath(path="/a/b/f0"))  # the first removal moves a reserve: on the thread
+            statements: list[str] = []
+            store._conn.set_trace_callback(statements.append)
+            await svc._dispatch(create("/a/b/f1"))
+            await svc._dispatch(m.UnlinkPath(path="/a/b/f1"))
+            store._conn.set_trace_callback(None)
+            assert len([s for s in statements if s.startswith("SELECT ino, mode FROM dentries")]) == 2, "\n".join(statements)
+            # A rename: the old path leads nowhere, the new one to the same directory.
+            await svc._dispatch(m.Rename(parent=a.ino, name="b", new_parent=a.ino, new_name="c", flags=0))
+            with pytest.raises(FileNotFoundError):
+                await svc._dispatch(create("/a/b/f2"))
+            made = (await svc._dispatch(create("/a/c/f2"))).attr
+            assert svc.ns.lookup(b.ino, "f2").ino == made.ino
+            # An rmdir and a new directory of the same name: the path leads into the new one.
+            x = (await svc._dispatch(m.Mkdir(parent=a.ino, name="x", mode=0o755, uid=0, gid=0))).attr
+            await svc._dispatch(create("/a/x/f"))
+            await svc._dispatch(m.UnlinkPath(path="/a/x/f"))
+            await svc._dispatch(m.Rmdir(parent=a.ino, name="x"))
+            y = (await svc._dispatch(m.Mkdir(parent=a.ino, name="x", mode=0o755, uid=0, gid=0))).attr
+            made = (await svc._dispatch(create("/a/x/g"))).attr
+            assert y.ino != x.ino and svc.ns.lookup(y.ino, "g").ino == made.ino
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        store.close()
+
+
+def test_a_failed_batch_leaves_no_remembered_directory_behind(tmp_path) -> None:
+    """A directory renamed and walked through in a batch that then fails to commit is not
+    remembered under its new name: a later create there is ENOENT, not a file in the
+    directory that kept its old name."""
+    svc, store = _service(tmp_path, "full")
+    svc.members.table, svc.members.frozen = {1: [1]}, True  # one chain: files can be made
+    ns = svc.ns
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.run_batches)
+            d = ns.resolve("/d")
+            await svc._dispatch(m.Mkdir(parent=d.ino, name="old", mode=0o755, uid=0, gid=0))
+            await svc._dispatch(m.CreatePath(path="/d/old/warm", mode=0o644, uid=0, gid=0))
+
+            def renamed_then_failed() -> None:
+                ns.rename(d.ino, "old", d.ino, "new")
+                ns.create_path("/d/new/f", 0o644, 0, 0, chains=[1])
+                # SQLite rolls a batch back by itself on some errors (SQLITE_FULL, an I/O
+                # error): then the batch's COMMIT fails and nothing of it exists.
+                store._conn.execute("ROLLBACK")
+
+            with pytest.raises(StripefsError):
+                await svc._store_call(renamed_then_failed)
+            with pytest.raises(FileNotFoundError):
+                await svc._dispatch(m.CreatePath(path="/d/new/g", mode=0o644, uid=0, gid=0))
+            await svc._dispatch(m.CreatePath(path="/d/old/g", mode=0o644, uid=0, gid=0))
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        store.close()
