@@ -4,6 +4,7 @@ checkpoint) still goes through the writer thread."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -201,14 +202,14 @@ def test_a_checkpoint_starts_the_log_again_itself(tmp_path) -> None:
         for k in range(20):
             ns.mkdir(1, f"d{k}", 0o755, 0, 0)
 
-        def restarts() -> int:  # the WAL header's checkpoint sequence number: +1 per log started again
-            with open(f"{path}-wal", "rb") as f:
+        def restarts(wal: str = f"{path}-wal") -> int:  # the log header's checkpoint sequence: +1 per restart
+            with open(wal, "rb") as f:
                 return struct.unpack(">I", f.read(16)[12:16])[0]
 
         before = restarts()
         store.checkpoint()
         assert restarts() == before + 1
-        done, _ = store.commit_unsynced(lambda: ns.mkdir(1, "after", 0o755, 0, 0))
+        done, _ = store.commit_unsynced(functools.partial(ns.mkdir, 1, "after", 0o755, 0, 0))
         assert done and restarts() == before + 1
         store.close()
 
@@ -228,10 +229,11 @@ def test_a_create_or_unlink_on_the_loop_reads_and_writes_no_counter_row(tmp_path
         store._conn.set_trace_callback(statements.append)
         made = []
         for k in range(5):
-            done, (attr, _) = store.commit_unsynced(lambda: ns.create_path(f"/f{k}", 0o644, 0, 0, chains=[1]))
+            done, (attr, _) = store.commit_unsynced(functools.partial(ns.create_path, f"/f{k}", 0o644, 0, 0,
+                                                                      chains=[1]))
             assert done
             made.append(attr.ino)
-        done, _ = store.commit_unsynced(lambda: ns.unlink_path("/f0"))
+        done, _ = store.commit_unsynced(functools.partial(ns.unlink_path, "/f0"))
         assert done
         store._conn.set_trace_callback(None)
         assert not [s for s in statements if " meta " in s], [s for s in statements if " meta " in s]
