@@ -157,7 +157,9 @@ class LogSync:
     The thread runs ``sync()`` (an fsync of the log) whenever a commit waits: every
     commit made before an fsync starts is acknowledged when that fsync returns; commits
     arriving while one runs wait for the next. One fsync serves as many commits as the
-    loop made meanwhile.
+    loop made meanwhile. The request to the thread leaves once the tasks that were ready
+    to run alongside the first waiting commit have run too (two passes of the scheduler,
+    no system call): requests that arrived together commit together.
 
     A failed fsync leaves the log in doubt (the kernel may have dropped the pages it
     could not write): every waiter then, and every later :meth:`durable`, raises
@@ -178,6 +180,7 @@ class LogSync:
         self.syncs = 0  # fsyncs run (loop's count)
         self.failed: OSError | None = None
         self._waiters: deque[tuple[int, trio.Event]] = deque()
+        self._asked = trio.Event()  # a commit waits: the kicker asks the thread (run)
 
     async def durable(self) -> None:
         """Return once every commit made so far on the loop is durable.
@@ -190,9 +193,7 @@ class LogSync:
         seq = self.committed = self.committed + 1
         done = trio.Event()
         self._waiters.append((seq, done))
-        with self._cond:
-            self._wanted = seq
-            self._cond.notify()
+        self._asked.set()
         await done.wait()
         if self.failed is not None and self.synced < seq:
             raise self.failed
@@ -202,7 +203,9 @@ class LogSync:
         token = trio.lowlevel.current_trio_token()
         life = _Life()
         try:
-            await trio.to_thread.run_sync(self._loop, token, life, abandon_on_cancel=True)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._kicker)
+                await trio.to_thread.run_sync(self._loop, token, life, abandon_on_cancel=True)
         finally:
             with self._cond:
                 self._stop = True
@@ -210,6 +213,17 @@ class LogSync:
             if life.end():
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(life.stopped.wait, STOP_WAIT)
+
+    async def _kicker(self) -> None:
+        """Ask the thread for an fsync covering every commit made so far, once the tasks
+        ready to run beside the first waiting commit have had their turn."""
+        while True:
+            await self._asked.wait()
+            self._asked = trio.Event()
+            await trio.lowlevel.checkpoint()  # the tasks ready now run (and may commit) first
+            with self._cond:
+                self._wanted = self.committed
+                self._cond.notify()
 
     def _loop(self, token: trio.lowlevel.TrioToken, life: _Life) -> None:
         if not life.start():
