@@ -3,7 +3,9 @@
 Namespace mutations run in batches on a writer thread (group commit: one durable
 commit per batch), reads on a reader thread, so the trio loop never waits on the
 disk; what needs no disk wait runs on the loop itself: short reads (``INLINE_COST``)
-and, under ``--metadata-sync normal``, mutations whose commit needs no fsync. Storage servers register and heartbeat here; the chain table
+and single-path mutations, whose commit writes the log to the page cache (under
+``--metadata-sync full`` they are answered once a group fsync of the log by a third
+thread covers them: ``LogSync``). Storage servers register and heartbeat here; the chain table
 (chain id -> ordered target ids) is derived from membership. With replication
 factor 1 every server is one chain of one target; chains are lists so chain
 replication can extend them.
@@ -788,7 +790,9 @@ class MetadataService(Service):
 
         Inside a mutation on a shared store the first call is applied at most once per
         request id, across services (:meth:`_once`). ``_now``: it may commit here on the
-        loop when that needs no fsync (False for operations on many paths: too long).
+        loop (False for operations on many paths: too long). Returns once the operation
+        is durable, either way: the writer thread's batch fsyncs before it answers, a
+        commit on the loop waits in :meth:`_made_durable`.
         """
         if self._log_sync is not None and self._log_sync.failed is not None:
             raise StripefsError(ErrorCode.IO, f"metadata log could not be made durable: {self._log_sync.failed}; "
@@ -994,8 +998,10 @@ class MetadataService(Service):
             done = self._running[key] = trio.Event()
             request = _REQUEST.set(key)
             try:
-                reply = await self._dispatch(msg)
+                reply = await self._dispatch(msg)  # returns once what it changed is durable (_ns)
                 await self.lead.persist()
+                # Durable, not yet answered nor recorded: a step that must come between (telling
+                # other clients' caches) goes here.
                 prior = reply.to_header()  # the encoded header: resent as is
             except StripefsError as exc:
                 prior = exc
