@@ -27,6 +27,9 @@ Caveats:
 * Neither store is thread-safe: the caller serialises transactions (the metadata
   server runs them one at a time from its event loop).
 * Transactions do not nest.
+* One writing :class:`SqliteStore` per database: under a durable reserve its counters
+  live in memory between reserve moves (``_SqliteTxn.allocate``), so a second writer
+  process on the same file could hand out a number twice.
 """
 
 from __future__ import annotations
