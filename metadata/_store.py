@@ -705,6 +705,16 @@ class _SqliteTxn(SqlTxn):
             store.durable_commit = True  # this commit is fsynced before anyone hears of it
         return value
 
+    def delete_inode(self, ino: int) -> None:
+        if self._store.any_xattrs:
+            super().delete_inode(ino)
+        else:  # no inode has extended attributes: nothing of them to delete
+            self._q("DELETE FROM inodes WHERE ino = ?", (ino,))
+
+    def put_xattr(self, ino: int, name: bytes, value: bytes) -> None:
+        self._store.any_xattrs = True  # before the row: a rollback leaves it set, which is safe
+        super().put_xattr(ino, name, value)
+
     def put_meta(self, key: str, value: str) -> None:
         super().put_meta(key, value)
         counter = key.removesuffix(".reserved")  # set from outside allocate: read it again
@@ -754,6 +764,8 @@ class SqliteStore(Store):
                     self._conn.execute(statement)
             self._migrate()
             self._skip_reserved()
+            # Whether any inode may have extended attributes (an unlink then deletes them too).
+            self.any_xattrs = self._conn.execute("SELECT 1 FROM xattrs LIMIT 1").fetchone() is not None
             self._conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?) "
                                "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
             self._conn.execute("COMMIT")

@@ -322,3 +322,25 @@ def test_a_failed_batch_leaves_no_remembered_directory_behind(tmp_path) -> None:
         trio.run(main)
     finally:
         store.close()
+
+
+def test_an_unlink_skips_the_xattr_cleanup_only_while_no_file_has_any(tmp_path) -> None:
+    with SqliteStore(tmp_path / "meta.db") as store:
+        ns = Namespace(store)
+        ns.create_path("/plain", 0o644, 0, 0, chains=[1])
+        statements: list[str] = []
+        store._conn.set_trace_callback(statements.append)
+        ns.unlink_path("/plain")
+        store._conn.set_trace_callback(None)
+        assert not [s for s in statements if "xattrs" in s]
+        tagged = ns.create_path("/tagged", 0o644, 0, 0, chains=[1])[0]
+        ns.setxattr(tagged.ino, b"user.k", b"v", 0)
+        ns.unlink_path("/tagged")
+        assert store._conn.execute("SELECT COUNT(*) FROM xattrs").fetchone()[0] == 0
+    with SqliteStore(tmp_path / "meta.db") as again:  # a database holding xattrs: known at open
+        ns = Namespace(again)
+        kept = ns.create_path("/kept", 0o644, 0, 0, chains=[1])[0]
+        ns.setxattr(kept.ino, b"user.k", b"v", 0)
+    with SqliteStore(tmp_path / "meta.db") as third:
+        Namespace(third).unlink_path("/kept")
+        assert third._conn.execute("SELECT COUNT(*) FROM xattrs").fetchone()[0] == 0
