@@ -215,6 +215,36 @@ class StripeFile(io.RawIOBase):
             return n
         return None
 
+    def buffered_view(self, offset: int, size: int) -> memoryview | None:
+        """Like :meth:`read_buffered`, without the copy: a view of up to ``size`` bytes
+        at ``offset`` inside a filled readahead window, or None.
+
+        The view is valid until the next call on this file object (that may recycle
+        the window), so the caller must be done with it first: an event loop that
+        copies it into a reply before any other task runs (the FUSE daemon).
+        """
+        if self._wlen or self._inflight:
+            return None
+        length = self._length()
+        n = max(0, min(size, length - offset))
+        for pass_ in (0, 1):
+            for start, blen, buf, fut in self._ra:
+                if not (start <= offset and offset + n <= start + blen and (fut is None or fut.done())):
+                    continue
+                if fut is not None and fut.exception() is not None:
+                    return None  # pread_into raises it
+                if pass_ == 0:
+                    if all(w[3] is None or w[3].done() for w in self._ra):
+                        # Keep the next window coming; it may recycle an older window, so
+                        # look for this one again after it.
+                        self._prefetch(start + blen, length)
+                    break
+                self._seq_end = offset + n
+                return memoryview(buf)[offset - start : offset - start + n]
+            else:
+                return None
+        return None
+
     def in_window(self, offset: int) -> bool:
         """Is ``offset`` inside a readahead window (filled or being filled)?"""
         return self._in_window(offset)
