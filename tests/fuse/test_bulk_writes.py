@@ -9,8 +9,10 @@ one, run by tests/fuse/loop_probe.py, which counts the hops of write requests.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -175,3 +177,43 @@ def test_differential_with_loop_buffered_writes(mdir: str, client: Client, testd
         window = f.window
     run_seed(MountRoute(f"{mdir}/big", client, d), LocalRoute(str(tmp_path)), f"f{seed}", seed, ops=100,
              chunk=BIG_CHUNK, window=window, max_size=4 * MiB)
+
+
+def test_storage_server_killed_mid_write(make_cluster, tmp_path, monkeypatch) -> None:
+    """A storage server dies while buffers are being sent from the loop: the next write,
+    the fsync or the close reports it (EHOSTUNREACH, as a native client's write gets),
+    and no length is committed over the lost bytes."""
+    h = make_cluster(servers=2)
+    with h.client() as c:
+        c.makedirs("/big")
+        c.set_layout("/big", chunk_size=BIG_CHUNK)
+        c.write_bytes("/big/f", b"")
+        victim = c.status().servers[0]
+    mp = str(tmp_path / "m")
+    os.makedirs(mp)
+    monkeypatch.setenv("STRIPEFS_RETRY_FOR", "3")  # the daemon's chunk writes give up after 3 s
+    assert fuse_main(["mount", mp, "--cluster", h.file]) == 0
+    try:
+        fd = os.open(f"{mp}/big/f", os.O_WRONLY)
+        reported: list[int] = []
+        t0 = time.monotonic()
+        try:
+            try:
+                for i in range(64):
+                    if i == 8:
+                        os.kill(victim.pid, signal.SIGKILL)
+                    os.write(fd, b"z" * MiB)
+                os.fsync(fd)
+            except OSError as exc:
+                reported.append(exc.errno)
+        finally:
+            try:
+                os.close(fd)
+            except OSError as exc:
+                reported.append(exc.errno)
+        assert reported and set(reported) == {errno.EHOSTUNREACH}, reported
+        assert time.monotonic() - t0 < 30
+    finally:
+        do_umount(mp)
+    with h.client() as c:
+        assert c.stat("/big/f").size == 0
