@@ -227,22 +227,22 @@ class StripeFile(io.RawIOBase):
             return None
         length = self._length()
         n = max(0, min(size, length - offset))
-        for pass_ in (0, 1):
-            for start, blen, buf, fut in self._ra:
-                if not (start <= offset and offset + n <= start + blen and (fut is None or fut.done())):
-                    continue
-                if fut is not None and fut.exception() is not None:
-                    return None  # pread_into raises it
-                if pass_ == 0:
-                    if all(w[3] is None or w[3].done() for w in self._ra):
-                        # Keep the next window coming; it may recycle an older window, so
-                        # look for this one again after it.
-                        self._prefetch(start + blen, length)
-                    break
-                self._seq_end = offset + n
-                return memoryview(buf)[offset - start : offset - start + n]
-            else:
-                return None
+        w = self._filled(offset, n)
+        if w is not None and all(x[3] is None or x[3].done() for x in self._ra):
+            self._prefetch(w[0] + w[1], length)  # keep the next window coming
+            w = self._filled(offset, n)  # (it may recycle windows: look again)
+        if w is None:
+            return None
+        self._seq_end = offset + n
+        return memoryview(w[2])[offset - w[0] : offset - w[0] + n]
+
+    def _filled(self, offset: int, n: int) -> list[Any] | None:
+        """The filled readahead window holding ``n`` bytes at ``offset``; None when there is
+        none, or when its fetch failed (:meth:`pread_into` raises that)."""
+        for w in self._ra:
+            start, blen, _, fut = w
+            if start <= offset and offset + n <= start + blen and (fut is None or fut.done()):
+                return None if fut is not None and fut.exception() is not None else w
         return None
 
     def in_window(self, offset: int) -> bool:

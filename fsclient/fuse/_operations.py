@@ -54,6 +54,7 @@ import mmap
 import os
 import socket
 import stat
+from concurrent.futures import Future
 from typing import Any, Awaitable, Callable, TypeVar
 
 import pyfuse3
@@ -902,7 +903,7 @@ class StripeOperations(pyfuse3.Operations):
             return n
         return None
 
-    def _track_send(self, fut: Any, nbytes: int) -> None:
+    def _track_send(self, fut: "Future[None]", nbytes: int) -> None:
         """Count ``nbytes`` in flight against the mount's write budget until ``fut`` is done."""
         self.sending_bytes += nbytes
         token = trio.lowlevel.current_trio_token()
@@ -1097,7 +1098,7 @@ def _stamp(attr: Attr) -> tuple[int, int, int]:
     return (attr.size, attr.mtime_ns, attr.truncations)
 
 
-async def _future_done(fut: Any) -> None:
+async def _future_done(fut: "Future[None]") -> None:
     """Wait on the trio loop until the concurrent future ``fut`` is done (its result is
     not taken: the file object reaps it and keeps its error)."""
     if fut.done():
@@ -1108,7 +1109,7 @@ async def _future_done(fut: Any) -> None:
     await done.wait()
 
 
-def _soon(token: Any, fn: Callable[[], None]) -> None:
+def _soon(token: trio.lowlevel.TrioToken, fn: Callable[[], None]) -> None:
     """Run ``fn`` on the loop of ``token`` (from any thread); nothing once the loop ended."""
     try:
         token.run_sync_soon(fn)
