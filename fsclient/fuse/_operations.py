@@ -12,6 +12,9 @@ Semantics (docs/fuse.md has the long form):
   sequential readahead). Writes are acknowledged once buffered; errors surface
   at ``flush`` (every ``close``), ``fsync`` or the next write. The file length
   is committed at every ``flush``/``fsync`` (close-to-open consistency).
+  A sequential write is copied into the write-behind buffer on the trio loop (no
+  worker-thread hop); a full buffer is sent in the background, the mount's bytes in
+  flight bounded by ``write_buffer_mb`` (:meth:`StripeOperations._write_on_loop`).
 * Unlinking (or renaming over) a file that is open in this mount links it
   into ``/.stripefs-orphans`` first ("silly rename", as NFS does); the last
   ``release`` removes it. Orphans of a crashed daemon are removed by the next
