@@ -1458,12 +1458,16 @@ async def serve_metadata(
 
     service = MetadataService(ns, members, secret, gc_grace, legacy_file=os.path.join(state_dir, "servers.json"),
                               sync=sync)
-    async with trio.open_nursery() as nursery:
-        address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id))
-        nursery.start_soon(service.run_batches)
-        service.lead.owner = f"{address[0]}:{address[1]}".encode()  # a restart on the same port resumes its lease
-        await nursery.start(service.lead.keep)
-        nursery.start_soon(service.detect)
-        nursery.start_soon(service.background)
-        nursery.start_soon(service.admission)
-        task_status.started(address)
+    try:
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id))
+            nursery.start_soon(service.run_batches)
+            service.lead.owner = f"{address[0]}:{address[1]}".encode()  # a restart on the same port resumes its lease
+            await nursery.start(service.lead.keep)
+            nursery.start_soon(service.detect)
+            nursery.start_soon(service.background)
+            nursery.start_soon(service.admission)
+            task_status.started(address)
+    finally:
+        # Its threads have stopped (run_batches waits for them): the database's writer lock goes with it.
+        store.close()

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import fcntl
 import os
 import sqlite3
 import stat
@@ -520,7 +521,7 @@ class SqlTxn(Txn):
                            layouts: bool = True) -> list[tuple[DirEntry, Attr | None]]:
         rows = self._q(self._LIST_PLUS if layouts else self._LIST_PLUS_BARE,
                        (parent, encode_name(after), limit)).fetchall()
-        out = []
+        out: list[tuple[DirEntry, Attr | None]] = []
         for row in rows:
             if row[3] is None:  # an entry without its inode row: the namespace reports it
                 out.append((_new_dir_entry(decode_name(row[0]), row[1], row[2], None), None))
@@ -722,6 +723,30 @@ class _SqliteTxn(SqlTxn):
         self._store.bounds.pop(counter, None)
 
 
+def _lock_writer(path: str) -> int:
+    """Hold ``path``'s writer lock (``flock`` on ``path.lock``) for as long as the store is open.
+
+    One writing store per database: counters live in its memory between durable
+    reserve bounds, so a second writer could hand out the same inode numbers. A
+    process that dies drops its lock with it. Returns -1 for an in-memory database.
+
+    Raises:
+        StripefsError: BUSY when another store (this process or another) holds it.
+    """
+    if path == ":memory:" or path.startswith("file:"):
+        return -1
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StripefsError(ErrorCode.BUSY, f"{path} is in use by another metadata service (it holds {path}.lock)") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class SqliteStore(Store):
     """SQLite in WAL mode.
 
@@ -744,6 +769,29 @@ class SqliteStore(Store):
         self.path = str(path)
         self.synchronous_mode = synchronous
         self.durable_commit = False  # set by a commit that must be fsynced even under ``normal``
+        self._lock_fd = _lock_writer(self.path)
+        try:
+            self._open_database(busy_timeout_s, synchronous)
+        except BaseException:
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+            raise
+        self._open = False
+        self._batching = False
+        self._readers: list[_SqliteReader] = []
+        self._bare: list[bool] | None = None  # commit_unsynced's transactions: False = needed a savepoint
+        # ``full`` with the log fsynced by the owner (:meth:`sync_log_by_owner`).
+        self.log_by_owner = False
+        self._dir_synced = False
+        self._changes = 0  # total_changes when the open transaction began: a commit that wrote nothing needs no fsync
+        # Counters kept in memory under a reserve (``_SqliteTxn.allocate``): next numbers, durable bounds.
+        self.counters: dict[str, int] = {}
+        self.bounds: dict[str, int] = {}
+        # Commits since the last checkpoint, once the owner runs them (:meth:`take_checkpoints`).
+        self.unchecked = 0
+        self._checkpoints_by_owner = False
+
+    def _open_database(self, busy_timeout_s: float, synchronous: str) -> None:
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, so a transaction's
         # boundaries are exactly the `with` block.
         self._conn = sqlite3.connect(self.path, timeout=busy_timeout_s,
@@ -773,20 +821,6 @@ class SqliteStore(Store):
             self._conn.execute("ROLLBACK")
             self._conn.close()
             raise
-        self._open = False
-        self._batching = False
-        self._readers: list[_SqliteReader] = []
-        self._bare: list[bool] | None = None  # commit_unsynced's transactions: False = needed a savepoint
-        # ``full`` with the log fsynced by the owner (:meth:`sync_log_by_owner`).
-        self.log_by_owner = False
-        self._dir_synced = False
-        self._changes = 0  # total_changes when the open transaction began: a commit that wrote nothing needs no fsync
-        # Counters kept in memory under a reserve (``_SqliteTxn.allocate``): next numbers, durable bounds.
-        self.counters: dict[str, int] = {}
-        self.bounds: dict[str, int] = {}
-        # Commits since the last checkpoint, once the owner runs them (:meth:`take_checkpoints`).
-        self.unchecked = 0
-        self._checkpoints_by_owner = False
 
     @property
     def reserving(self) -> bool:
@@ -1033,6 +1067,9 @@ class SqliteStore(Store):
         for reader in self._readers:
             reader.close()
         self._conn.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # the lock goes with the descriptor
+            self._lock_fd = -1
 
 
 class _SqliteReader(Store):
