@@ -25,8 +25,6 @@ from tests.rpc.threaded import ThreadedServer
 from wire import messages as m
 
 SECRET = "secret"
-CLIENT = wire.role_credential(SECRET, "client")
-SERVER = wire.role_credential(SECRET, "server")  # writes outside a chain come from servers only
 INO = 9
 
 
@@ -40,8 +38,9 @@ class Storage:
             self.store.write(INO, index, 0, memoryview(data), crc32c.crc32c(data), TEST_CHUNK)
         self.server = ThreadedServer(StorageService(self.store, Replicator(self.store, SECRET, None)), SECRET)  # type: ignore[arg-type]
 
-    def connect(self, credential: str = CLIENT) -> Connection:
-        return Connection(self.server.address, credential, os.urandom(16), expect_role="storage")
+    def connect(self, role: str = "client") -> Connection:
+        return Connection(self.server.address, wire.role_credential(SECRET, role), os.urandom(16),
+                          expect_role="storage", role=role)
 
 
 @pytest.fixture
@@ -95,7 +94,7 @@ def test_small_reads_are_served_while_the_loop_is_blocked(storage: Storage) -> N
 def test_reads_writes_and_other_requests_on_one_connection_stay_intact(storage: Storage) -> None:
     """Pipelined small reads, writes with payloads and stat requests on one connection:
     every answer is the right one, and every byte read is the bytes written."""
-    conn = storage.connect(SERVER)
+    conn = storage.connect("server")  # writes outside a chain come from servers only
     try:
         conn.call(read(0, 0, 1), timeout=10)
         rng = random.Random(2)
