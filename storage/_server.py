@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -74,21 +75,24 @@ class StorageService(Service):
             raise
         return buf
 
-    def handle_now(self, conn: ServerConn, head: FrameHead, msg: Message) -> bool:
+    def thread_job(self, head: FrameHead, msg: Message) -> Callable[..., None] | None:
         """A small read that needs no routing refresh, confirmation, tail proxying or
-        refusal goes from the reader straight to the connection's reply thread (no task)."""
+        refusal is answered on the connection's own thread (no task), which then receives
+        the connection's next requests itself. Called on the loop and on that thread:
+        only reads state (the routing table and the dirty set are replaced or changed
+        by the loop; a read decided just before a change is one that arrived before it)."""
         if type(msg) is not m.ReadChunk or msg.length > SMALL_READ:
-            return False
+            return None
         if msg.chain:
             repl = self.repl
             routing = repl.routing
             if routing is None or msg.routing_version > routing.version or not repl.confirmed():
-                return False
+                return None  # handle() asks the metadata service first
             if self.server_id not in routing.chains.get(msg.chain, (self.server_id,)):
-                return False  # handle() refuses it
+                return None  # handle() refuses it
             if (msg.ino, msg.index) in repl.dirty:
-                return False  # may be proxied to the tail
-        return conn.try_reply_in_thread(head, self._small_read, msg)
+                return None  # may be proxied to the tail
+        return self._small_read
 
     async def handle(self, conn: ServerConn, head: FrameHead, msg: Message, payload: Any) -> None:
         store = self.store
