@@ -195,22 +195,19 @@ class StorageService(Service):
             raise StripefsError(ErrorCode.NOT_SUPPORTED, f"{type(msg).__name__} is not a storage request")
 
     def _small_read(self, reply: ThreadReply, msg: m.ReadChunk) -> None:
-        """Runs on the connection's reply thread: read, then answer (the frame under the wire lock).
+        """Runs on the connection's own thread: read, then answer (the frame under the wire lock).
 
-        A failure to read propagates before anything is sent; the thread answers it.
+        The bytes come from the chunk file kept open (``inline``) and go out with their
+        header in one ``writev``. A failure to read propagates before anything is sent;
+        the thread answers it.
         """
-        fd, off, n, data, clen, crcs = self.store.open_read_checked(msg.ino, msg.index, msg.offset, msg.length)
-        try:
-            header = m.ReadChunkReply(length=n, chunk_length=clen, crcs=crcs).to_header()
-            if data is not None:
-                reply.send(header, payload=data)
-            elif fd >= 0:
-                reply.send(header, file=(fd, off, n))
-            else:
-                reply.send(header)
-        finally:
-            if fd >= 0:
-                os.close(fd)
+        _fd, _off, n, data, clen, crcs = self.store.open_read_checked(
+            msg.ino, msg.index, msg.offset, msg.length, inline=SMALL_READ)
+        header = m.ReadChunkReply(length=n, chunk_length=clen, crcs=crcs).to_header()
+        if n:
+            reply.send(header, payload=data)
+        else:
+            reply.send(header)
 
     def _chained(self, chain: int) -> bool:
         """Must a write to ``chain`` go through the chain logic (forwarding, checks)?
