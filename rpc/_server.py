@@ -19,9 +19,11 @@ sans-IO :class:`wire.ServerConnection`; this module only moves bytes. Bulk sends
 go through worker threads (``sendfile`` of a chunk file, or a buffer; see
 ``_replies.py``), so no blocking call runs on the trio loop. Latency-bound replies
 (small reads) go to the connection's own reply thread instead
-(:meth:`ServerConn.reply_in_thread`, :meth:`Service.handle_now`): no worker-thread
-hand-off and no wake-up of the loop per request. Every frame is sent under the
-connection's wire lock (a ``threading.Lock``; trio takes it without blocking).
+(:meth:`ServerConn.reply_in_thread`, :meth:`Service.thread_job`): no worker-thread
+hand-off and no wake-up of the loop per request. After the first such request the
+thread also receives the connection's frames itself (:meth:`ServerConn.thread_receives`)
+until one is not for it, which it hands back to the reader task. Every frame is sent
+under the connection's wire lock (a ``threading.Lock``; trio takes it without blocking).
 """
 
 from __future__ import annotations
