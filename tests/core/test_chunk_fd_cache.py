@@ -104,3 +104,44 @@ def test_the_descriptor_cache_is_bounded(tmp_path) -> None:
     assert len(os.listdir("/proc/self/fd")) - before <= 256 * FDS_PER_LOCK
     store.close()
     assert len(os.listdir("/proc/self/fd")) <= before
+
+
+
+def test_small_reads_see_chunks_a_repair_replaced_under_them(make_cluster) -> None:
+    """A server that kept a file's chunk files open for small reads gets every copy damaged
+    on disk and repaired by its scrub (a replica's copy renamed over each chunk): its small
+    reads then return the repaired bytes, never a read of the old, damaged files."""
+    from storage import HEADER_SIZE
+    from tests.conftest import TEST_CHUNK
+    from wire import messages as m
+
+    h = make_cluster(servers=2, replicas=2)
+    data = os.urandom(TEST_CHUNK * 2)
+    with h.client() as c:
+        c.write_bytes("/r", data)
+        ino = c.stat("/r").ino
+        chains = [p["chain"] for p in c.placement("/r")]
+        victim = next(s.server_id for s in c.status().servers if s.port == h.data["servers"][0]["port"])
+
+        def read_on_victim(index: int, offset: int, n: int) -> bytes:
+            msg = m.ReadChunk(ino=ino, index=index, offset=offset, length=n, chain=chains[index],
+                              routing_version=c._core.routing().version)
+            return bytes(c._core.data_conn(victim).call(msg, timeout=20).payload)
+
+        def check() -> None:
+            for index in range(2):
+                for off, n in ((0, 4096), (100, 1), (BLOCK - 10, 20), (BLOCK, BLOCK)):
+                    start = index * TEST_CHUNK + off
+                    assert read_on_victim(index, off, n) == data[start : start + n], (index, off, n)
+
+        check()  # the victim keeps both chunk files open now
+        chunk_dir = os.path.join(h.data["servers"][0]["root"], "chunks", f"{ino:016x}")
+        for name in os.listdir(chunk_dir):  # a byte of every copy goes bad on disk
+            with open(os.path.join(chunk_dir, name), "r+b") as f:
+                f.seek(HEADER_SIZE + 100)
+                b = f.read(1)
+                f.seek(HEADER_SIZE + 100)
+                f.write(bytes([b[0] ^ 0xFF]))
+        repaired = c.call_storage(victim, m.Scrub(repair=True))
+        assert len(repaired.bad) == 2
+        check()
