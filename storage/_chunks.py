@@ -167,6 +167,12 @@ class ChunkStore:
                 while fds:
                     os.close(fds.popitem()[1])
 
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001, S110 -- at interpreter exit, or a half-built store
+            pass
+
     def _scan_usage(self) -> None:
         used = chunks = 0
         for dirpath, _dirs, files in os.walk(self.chunk_root):

@@ -145,3 +145,17 @@ def test_small_reads_see_chunks_a_repair_replaced_under_them(make_cluster) -> No
         repaired = c.call_storage(victim, m.Scrub(repair=True))
         assert len(repaired.bad) == 2
         check()
+
+
+def test_a_dropped_store_closes_its_descriptors(tmp_path) -> None:
+    import gc
+
+    before = len(os.listdir("/proc/self/fd"))
+    store = ChunkStore(str(tmp_path))
+    for index in range(20):
+        write(store, 3, index, 0, b"x" * 100)
+        assert small_read(store, 3, index, 0, 100) == b"x" * 100
+    assert len(os.listdir("/proc/self/fd")) > before
+    del store
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= before
