@@ -1,7 +1,9 @@
 """The storage server: one trio server per target directory.
 
 Requests (see ``wire._messages``): WriteChunk (payload in), ReadChunk (payload
-out, by ``sendfile`` when the blocks are verified), RemoveChunks,
+out: up to ``SMALL_READ`` from the connection's own thread, one ``pread`` of a chunk
+file kept open and one ``writev``; larger ones by ``sendfile`` when the blocks are
+verified), RemoveChunks,
 TruncateChunk, StatChunk, TargetInfo. Disk work runs in worker threads; write
 payloads are received straight into page-aligned pooled buffers.
 
