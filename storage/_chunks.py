@@ -263,7 +263,10 @@ class ChunkStore:
             if self.is_removed(ino):  # a late write must not bring back chunks nobody collects
                 raise self._stale(ino)
             new_dir = self._make_dir(ino)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            # A new chunk appears under its name only with its header written: a server
+            # killed in between leaves a .tmp (swept at start), never a chunk whose
+            # header is zeros, which would read as corrupt until a resync replaced it.
+            fd = os.open(path + ".tmp", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             meta = ChunkMeta()
         else:
             fd = os.open(path, os.O_RDWR)
@@ -286,6 +289,7 @@ class ChunkStore:
             if fd >= 0:
                 os.close(fd)
         if fresh:
+            os.rename(path + ".tmp", path)
             self._fsync_dir(self._dir(ino))
             if new_dir:
                 self._fsync_dir(self.chunk_root)  # the inode directory's own entry

@@ -177,3 +177,23 @@ def test_a_write_passes_over_its_payload_once(tmp_path, monkeypatch, offset: int
     with pytest.raises(StripefsError) as info:  # and a payload that does not match is still refused
         store.write(4, 1, offset, memoryview(data), crc ^ 1, CS)
     assert info.value.code == ErrorCode.CHECKSUM
+
+
+def test_a_new_chunk_cut_short_before_its_header_leaves_no_chunk(tmp_path, monkeypatch) -> None:
+    # A server killed between a new chunk's bytes and its header must not come back with
+    # a chunk file whose header is zeros: every later write or read of it would fail as
+    # corrupt (EIO at the client) until a resync happened to replace it.
+    store = ChunkStore(str(tmp_path))
+
+    def killed(*_a, **_k):
+        raise KeyboardInterrupt("killed between the data and the header")  # as a kill -9 would
+
+    monkeypatch.setattr(ChunkStore, "_commit_meta", killed)
+    with pytest.raises(KeyboardInterrupt):
+        write(store, 7, 0, 4096, b"x" * 5000)
+    monkeypatch.undo()
+    restarted = ChunkStore(str(tmp_path))
+    assert restarted.stat(7, 0) is None  # no chunk: a hole, not a corrupt one
+    assert read(restarted, 7, 0, 0, 100) == b""
+    meta = write(restarted, 7, 0, 0, b"y" * 100)
+    assert meta.length == 100 and read(restarted, 7, 0, 0, 100) == b"y" * 100
