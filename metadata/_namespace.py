@@ -203,13 +203,17 @@ class Namespace:
             self._dir(txn, parent)
             return self._inode(txn, self._entry(txn, parent, name).ino)
 
-    def resolve(self, path: str, follow: bool = True) -> Attr:
+    def resolve(self, path: str, follow: bool = True, keys: list[object] | None = None) -> Attr:
         """Walk an absolute path (a missing leading ``/`` is allowed) from the root.
 
         Args:
             path: like ``"/a/b"``; ``""`` and ``"/"`` are the root.
             follow: follow a symlink in the last component too. A trailing ``/``
                 always follows, and demands a directory.
+            keys: if given, what the answer depends on is appended to it: the inode
+                numbers read (the answer, symlinks followed, directories ``..`` left)
+                and a ``(parent, name)`` pair per directory entry followed. A store write
+                of any of them may change the answer (see ``metadata._leasetable``).
 
         Raises:
             StripefsError: ENOENT, ENOTDIR (a non-directory in the middle),
@@ -217,9 +221,9 @@ class Namespace:
         """
         self._check_path(path)
         with self._store.transaction() as txn:
-            return self._walk(txn, path, follow)
+            return self._walk(txn, path, follow, keys)
 
-    def _walk(self, txn: Txn, path: str, follow: bool) -> Attr:
+    def _walk(self, txn: Txn, path: str, follow: bool, keys: list[object] | None = None) -> Attr:
         # "/f/" and "/f/." name a directory: a non-directory there is ENOTDIR.
         parts = path.split("/")
         must_be_dir = any(parts) and parts[-1] in ("", ".", "..")
@@ -233,6 +237,8 @@ class Namespace:
             if not is_dir:
                 raise _err(ErrorCode.NOT_DIR, f"not a directory on the way to {comp!r}")
             if comp == "..":
+                if keys is not None:
+                    keys.append(ino)  # its parent is in its directory row (written with its inode key)
                 row = txn.get_dir(ino)
                 ino = row.parent if row else ROOT_INO
                 continue
@@ -245,10 +251,14 @@ class Namespace:
                     if len(dirs) >= DIRS_KEPT:
                         dirs.clear()
                     dirs[(ino, comp)] = entry
+            if keys is not None:
+                keys.append((ino, comp))
             if stat.S_ISLNK(entry.mode) and (todo or follow or must_be_dir):
                 links += 1
                 if links > MAX_SYMLINKS:
                     raise _err(ErrorCode.LOOP, "too many levels of symbolic links")
+                if keys is not None:
+                    keys.append(entry.ino)
                 target = self._inode(txn, entry.ino).target or ""
                 todo.extend(c for c in reversed(target.split("/")) if c not in ("", "."))
                 if target.startswith("/"):
@@ -256,6 +266,8 @@ class Namespace:
                 continue  # a relative target resolves from the link's directory, `ino`
             ino, is_dir = entry.ino, stat.S_ISDIR(entry.mode)
         cur = self._inode(txn, ino)
+        if keys is not None:
+            keys.append(ino)
         if must_be_dir and not cur.is_dir:
             raise _err(ErrorCode.NOT_DIR, f"not a directory: {path!r}")
         return cur

@@ -667,6 +667,57 @@ class _SqliteTxn(SqlTxn):
         super().__init__(cursor)
         self._store = store
 
+    # What a transaction writes is recorded in ``store.touched`` while the caller sets one
+    # (the metadata service's leases): an inode number per inode, directory row or xattr
+    # written, a ``(parent, name)`` pair per directory entry. Only more than changed, never less.
+    def put_inode(self, a: Attr) -> None:
+        touched = self._store.touched
+        if touched is not None:
+            touched.add(a.ino)
+        super().put_inode(a)
+
+    def delete_inode(self, ino: int) -> None:
+        touched = self._store.touched
+        if touched is not None:
+            touched.add(ino)
+        super().delete_inode(ino)
+
+    def put_dir(self, r: DirRow) -> None:
+        touched = self._store.touched
+        if touched is not None:
+            touched.add(r.ino)
+        super().put_dir(r)
+
+    def delete_dir(self, ino: int) -> None:
+        touched = self._store.touched
+        if touched is not None:
+            touched.add(ino)
+        super().delete_dir(ino)
+
+    def put_dentry(self, parent: int, e: DirEntry) -> None:
+        touched = self._store.touched
+        if touched is not None:
+            touched.add((parent, e.name))
+        super().put_dentry(parent, e)
+
+    def delete_dentry(self, parent: int, name: str) -> None:
+        touched = self._store.touched
+        if touched is not None:
+            touched.add((parent, name))
+        super().delete_dentry(parent, name)
+
+    def put_xattr(self, ino: int, name: bytes, value: bytes) -> None:
+        touched = self._store.touched
+        if touched is not None:
+            touched.add(ino)
+        super().put_xattr(ino, name, value)
+
+    def delete_xattr(self, ino: int, name: bytes) -> None:
+        touched = self._store.touched
+        if touched is not None:
+            touched.add(ino)
+        super().delete_xattr(ino, name)
+
     def allocate(self, key: str) -> int:
         value = super().allocate(key)
         if self._store.synchronous_mode == "normal":
@@ -699,6 +750,7 @@ class SqliteStore(Store):
         self.path = str(path)
         self.synchronous_mode = synchronous
         self.durable_commit = False  # set by a commit that must be fsynced even under ``normal``
+        self.touched: set[object] | None = None  # keys written, while a caller records them (_SqliteTxn)
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, so a transaction's
         # boundaries are exactly the `with` block.
         self._conn = sqlite3.connect(self.path, timeout=busy_timeout_s,

@@ -407,9 +407,23 @@ class StatfsReply(ReplyMessage):
 
 @reply
 class AttrReply(ReplyMessage):
-    """The inode's attributes after the operation (Unlink: ``nlink`` after it)."""
+    """The inode's attributes after the operation (Unlink: ``nlink`` after it).
+
+    ``lease_id``/``lease_ms``: only in the answer to a ``Resolve`` that asked for a lease
+    (``lease=True``) and got one: the client may answer this path's ``stat`` from its cache
+    for ``lease_ms`` milliseconds (counted from before it sent the request) unless a
+    ``WatchLeases`` answer names ``lease_id`` first. Absent (0) otherwise, so clients
+    that never ask see the map they always did.
+    """
 
     attr: Attr
+    lease_id: int = 0
+    lease_ms: int = 0
+
+    def to_header(self) -> dict[str, Any]:
+        if self.lease_ms:
+            return {"attr": self.attr.to_wire(), "lease_id": self.lease_id, "lease_ms": self.lease_ms}
+        return {"attr": self.attr.to_wire()}
 
 
 @reply
@@ -607,8 +621,18 @@ class Lookup(Message[AttrReply]):
 
 @message(13)
 class Resolve(Message[AttrReply]):
+    """The attributes of the inode ``path`` leads to. ``lease``: ask for a lease on the
+    answer (see :class:`AttrReply`, :class:`WatchLeases`); sent only when true, so services
+    that know no leases still understand the request of a client that does not ask."""
+
     path: str
     follow: bool = True
+    lease: bool = False
+
+    def to_header(self) -> dict[str, Any]:
+        if self.lease:
+            return {"path": self.path, "follow": self.follow, "lease": True}
+        return {"path": self.path, "follow": self.follow}
 
 
 @message(14, mutates=True)
@@ -1030,3 +1054,25 @@ class UnlinkMany(Message[StatManyReply]):
     answered like ``CreateMany`` (each attribute with its new link count)."""
 
     paths: list[str]
+
+
+@reply
+class WatchLeasesReply(ReplyMessage):
+    """Invalidations for the asking client: ``lease_ids`` (its leases whose keys changed) up
+    to ``seq``; none after the service's wait (``seq`` unchanged). ``reset``: the service does
+    not know the leases this client holds (it restarted): drop every lease-held entry."""
+
+    seq: int
+    lease_ids: list[int]
+    reset: bool = False
+
+
+@message(66)
+class WatchLeases(Message[WatchLeasesReply]):
+    """Long poll for lease invalidations, on a connection of its own. ``after``: the last
+    ``seq`` the client processed (it acknowledges every invalidation up to it); 0 starts a
+    watch (answered at once). Answered as soon as an invalidation past ``after`` is queued for
+    this client, else after about ``wait_ms`` milliseconds with none."""
+
+    after: int
+    wait_ms: int = 10_000
