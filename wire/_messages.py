@@ -261,7 +261,10 @@ class Message(Generic[R]):
 
 
 def encode_fields(msg: object) -> dict[str, Any]:
-    """The header map of a dataclass message: its fields by name, in order."""
+    """The header map of a dataclass message: its fields by name, in order (a request's
+    own ``to_header`` where it leaves out an optional field, as ``Resolve`` does)."""
+    if isinstance(msg, Message):
+        return msg.to_header()
     names = getattr(type(msg), "_names", None)
     if names is None:
         names = [f.name for f in dataclasses.fields(msg)]  # type: ignore[arg-type]
@@ -421,7 +424,7 @@ class AttrReply(ReplyMessage):
     lease_ms: int = 0
 
     def to_header(self) -> dict[str, Any]:
-        if self.lease_ms:
+        if self.lease_ms or self.lease_id:
             return {"attr": self.attr.to_wire(), "lease_id": self.lease_id, "lease_ms": self.lease_ms}
         return {"attr": self.attr.to_wire()}
 
