@@ -58,7 +58,7 @@ class _Lease:
 class _Holder:
     """One client's leases and its watch."""
 
-    __slots__ = ("client", "seq", "acked", "queue", "wake", "acks", "watching", "last_seen", "count")
+    __slots__ = ("client", "seq", "acked", "queue", "wake", "acks", "watching", "last_seen", "leases")
 
     def __init__(self, client: bytes, now: float):
         self.client = client
@@ -69,7 +69,7 @@ class _Holder:
         self.acks = trio.Event()  # set (and replaced) at each acknowledgement
         self.watching = 0  # WatchLeases calls in flight
         self.last_seen = now
-        self.count = 0  # live leases
+        self.leases: set[int] = set()  # its live leases
 
 
 class LeaseTable:
@@ -111,12 +111,12 @@ class LeaseTable:
         now = trio.current_time()
         if holder is None or not (holder.watching or now - holder.last_seen < WATCH_GRACE):
             return 0, 0
-        if holder.count >= self.max_per_client or len(holder.queue) >= MAX_QUEUED:
+        if len(holder.leases) >= self.max_per_client or len(holder.queue) >= MAX_QUEUED:
             return 0, 0
         lease = _Lease(next(self._ids), holder, tuple(dict.fromkeys(keys)), now + self.ttl)
         self._leases[lease.id] = lease
         self._order.append(lease)
-        holder.count += 1
+        holder.leases.add(lease.id)
         for key in lease.keys:
             found = self._by_key.get(key)
             if found is None:
@@ -128,7 +128,7 @@ class LeaseTable:
     def _remove(self, lease: _Lease) -> None:
         if self._leases.pop(lease.id, None) is None:
             return
-        lease.holder.count -= 1
+        lease.holder.leases.discard(lease.id)
         for key in lease.keys:
             found = self._by_key.get(key)
             if found is not None:
@@ -181,9 +181,14 @@ class LeaseTable:
         """A ``WatchLeases`` of ``client``: acknowledge up to ``after``, then ``(seq, lease
         ids, reset)`` as soon as something is queued past it, or ``(seq, [], False)`` after
         ``wait_s``. ``after`` 0 (a new watch) or one this table never handed out
-        (``reset``: it restarted) acknowledges everything and is answered at once."""
+        (``reset``: it restarted) acknowledges everything and is answered at once; -1 (the
+        client is closing: it dropped every entry) also ends its leases and its watch."""
         now = trio.current_time()
         holder = self._holders.get(client)
+        if after < 0:
+            if holder is not None:
+                self._release(holder)
+            return 0, [], False
         reset = False
         if holder is None:
             holder = self._holders[client] = _Holder(client, now)
@@ -206,6 +211,17 @@ class LeaseTable:
             holder.last_seen = trio.current_time()
         return holder.seq, [i for _, ids in holder.queue for i in ids], False
 
+    def _release(self, holder: _Holder) -> None:
+        for lease_id in list(holder.leases):
+            lease = self._leases.get(lease_id)
+            if lease is not None:
+                self._remove(lease)
+        self._ack(holder, holder.seq)
+        holder.queue.append((holder.seq, []))  # the watch in flight answers now
+        holder.wake.set()
+        holder.last_seen = -float("inf")  # no lease until it watches again
+        self._holders.pop(holder.client, None)
+
     @staticmethod
     def _ack(holder: _Holder, seq: int) -> None:
         if seq <= holder.acked:
@@ -224,7 +240,7 @@ class LeaseTable:
         while order and order[0].expires <= now:
             self._remove(order.popleft())
         for client, holder in list(self._holders.items()):
-            if not holder.count and not holder.watching and now - holder.last_seen > max(self.ttl, WATCH_GRACE) * 2:
+            if not holder.leases and not holder.watching and now - holder.last_seen > max(self.ttl, WATCH_GRACE) * 2:
                 del self._holders[client]
 
     async def run(self) -> None:

@@ -185,11 +185,17 @@ class LeaseWatch:
         self._thread.start()
 
     def close(self) -> None:
+        """Stop watching: every leased entry is dropped, and the service told to forget this
+        client's leases (so nobody's change waits for them to run out)."""
         self._stop.set()
+        self.cache.lost()
         conn = self._conn
         if conn is not None:
+            try:
+                conn.call(m.WatchLeases(after=-1, wait_ms=0), timeout=2.0)
+            except (StripefsError, OSError):
+                pass  # the leases run out on their own
             conn.close()  # the call in flight fails at once
-        self.cache.lost()
 
     def _connect(self) -> Connection:
         core = self.core
@@ -218,6 +224,8 @@ class LeaseWatch:
                 unsupported = code in (ErrorCode.NOT_SUPPORTED, ErrorCode.PROTOCOL, ErrorCode.INVALID)
                 self._stop.wait(RETRY_UNSUPPORTED if unsupported else RETRY_WATCH)
                 continue
+            if self._stop.is_set():
+                return
             if reply.reset:
                 self.cache.lost()
                 after = 0

@@ -22,6 +22,7 @@ worker) drops the parent's connections and threads and reconnects lazily.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import heapq
 import itertools
@@ -87,6 +88,18 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _release_leases_at_exit() -> None:
+    """A process that exits without closing its clients still tells the metadata service
+    its leases are gone (else others' changes to what it held wait for them to run out)."""
+    for core in list(_LIVE):
+        watch = core._watch
+        if watch is not None and core.pid == os.getpid():
+            watch.close()
+
+
+atexit.register(_release_leases_at_exit)
 
 
 def split(layout: Layout, offset: int, length: int) -> Iterator[tuple[int, int, int, int]]:

@@ -264,3 +264,27 @@ def test_a_service_with_ttl_0_grants_none(make_cluster) -> None:
         assert cache is not None and not cache.leasing and cache.get("/f") is None
         a.write_bytes("/f", b"abcdef")
         assert b.stat("/f").size == 6
+
+
+def test_a_closed_holder_does_not_delay_a_change(lcluster: LocalCluster, pair, d: str) -> None:
+    _, writer, plain = pair
+    writer.write_bytes(f"{d}/f", b"abc")
+    holder = _watching(Client(lcluster.file))
+    _leased(holder, f"{d}/f")
+    holder.close()  # tells the service its leases are gone
+    script = ("import time\n"
+              "from fsclient import Client\n"
+              f"c = Client({lcluster.file!r})\n"
+              "c.stat('/')\n"
+              "while not c._core.attrs.leasing: time.sleep(0.01)\n"
+              f"p = {f'{d}/f'!r}\n"
+              "for _ in range(50):\n"
+              "    c.stat(p)\n"
+              "    if c._core.attrs.get(p, leased=True) is not None: break\n"
+              "    time.sleep(0.01)\n"
+              "else: raise SystemExit('no lease')\n")  # exits without closing the client
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=30, cwd=os.getcwd())
+    t = time.monotonic()
+    writer.chmod(f"{d}/f", 0o600)
+    assert time.monotonic() - t < TTL / 2  # nobody's lease was waited for
+    assert plain.stat(f"{d}/f").mode & 0o777 == 0o600
