@@ -1185,7 +1185,7 @@ class MetadataService(Service):
                    for sid, c in sorted(self.members.pending.items()) if sid not in routing.servers]
         return m.ClusterStatusReply(
             metadata={"pid": os.getpid(), "uptime": time.time() - self.started, "store": self.store_kind,
-                      "sync": self.sync,
+                      "sync": self.sync, "lease_ttl": self.lease_table.ttl,
                       "leader": self.lead.leading, **counts,
                       "pending": self.members.pending_status()},
             servers=list(routing.servers.values()) + pending,

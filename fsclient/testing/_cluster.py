@@ -160,6 +160,8 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
     if metadata_sync == "normal" and metadata_store == "postgresql":
         raise StripefsError(ErrorCode.INVALID, "--metadata-sync normal applies to SQLite; with PostgreSQL set "
                             "the database's synchronous_commit instead")
+    if lease_ttl is not None and not lease_ttl >= 0:
+        raise StripefsError(ErrorCode.INVALID, f"--lease-ttl {lease_ttl!r}: seconds, 0 or more (0: no leases)")
     root = os.path.abspath(root)
     os.makedirs(os.path.join(root, "logs"), exist_ok=True)
     old = read_cluster(root)
