@@ -288,3 +288,15 @@ def test_a_closed_holder_does_not_delay_a_change(lcluster: LocalCluster, pair, d
     writer.chmod(f"{d}/f", 0o600)
     assert time.monotonic() - t < TTL / 2  # nobody's lease was waited for
     assert plain.stat(f"{d}/f").mode & 0o777 == 0o600
+
+
+def test_a_restarted_service_leaves_no_stale_entry(make_cluster) -> None:
+    h = make_cluster(servers=1, lease_ttl=TTL)
+    with Client(h.file) as writer, _watching(Client(h.file)) as holder:
+        writer.write_bytes("/f", b"abc")
+        _leased(holder, "/f")
+        os.kill(int(h.data["metadata"]["pid"]), signal.SIGKILL)
+        h.up()  # the service again, on its port, with no memory of the leases
+        writer.chmod("/f", 0o600)
+        assert holder.stat("/f").mode & 0o777 == 0o600
+        assert _leased(holder, "/f").mode & 0o777 == 0o600  # leases again once the watch is back

@@ -214,3 +214,34 @@ def test_expired_leases_are_purged() -> None:
         assert len(table) == 0 and table.invalidate([1], A) == []
 
     _run(main)
+
+
+def test_only_a_service_that_owns_its_store_grants_leases(store) -> None:
+    """SQLite: one service sees every mutation. PostgreSQL (several services) and the
+    in-memory store grant none: the watch is refused, a Resolve carries no lease."""
+    from metadata._server import Membership, MetadataService
+    from wire import ErrorCode
+    from wire import messages as m
+
+    ns = Namespace(store)
+    svc = MetadataService(ns, lambda doc, restarted: Membership(None, 1, doc=doc, restarted=restarted), "s" * 32)
+    grants = isinstance(store, SqliteStore)
+    assert svc.lease_table.enabled is grants
+
+    class Conn:
+        client_id = B
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.run_batches)
+            if grants:
+                assert (await svc._watch(Conn(), m.WatchLeases(after=0))).reset is False
+            else:
+                with pytest.raises(StripefsError) as info:
+                    await svc._watch(Conn(), m.WatchLeases(after=0))
+                assert info.value.code == ErrorCode.NOT_SUPPORTED
+            reply = await svc._resolve_leased(Conn(), m.Resolve(path="/", lease=True))
+            assert (reply.lease_ms > 0) is grants
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
