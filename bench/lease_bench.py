@@ -28,14 +28,19 @@ def _p50_us(lat: list[float]) -> float:
     return statistics.median(lat) * 1e6
 
 
+def _watching(c: Any, leases: bool) -> None:
+    """Once ``c``'s lease watch is live (its first stat starts it), when it asks for leases."""
+    c.stat("/")
+    deadline = time.monotonic() + 10
+    while leases and not (c._core.attrs is not None and c._core.attrs.leasing) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def _holder(cluster_file: str, paths: list[str], leases: bool, ready: Any, done: Any) -> None:
     import fsclient
 
     with fsclient.Client(cluster_file, leases=leases) as c:
-        c.stat("/")
-        deadline = time.monotonic() + 10
-        while leases and not c._core.attrs.leasing and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _watching(c, leases)
         for p in paths:
             c.stat(p)
         ready.set()
@@ -46,10 +51,7 @@ def restat(cluster_file: str, paths: list[str], leases: bool) -> dict[str, float
     import fsclient
 
     with fsclient.Client(cluster_file, leases=leases) as c:
-        c.stat("/")
-        deadline = time.monotonic() + 10
-        while leases and not c._core.attrs.leasing and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _watching(c, leases)
         for p in paths:
             c.stat(p)
         lat = []

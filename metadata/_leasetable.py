@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from typing import Hashable
+from collections.abc import Hashable
 
 import trio
 
-__all__ = ["LeaseTable", "LEASE_TTL"]
+__all__ = ["LEASE_TTL", "LeaseTable"]
 
 LEASE_TTL = 5.0  # seconds (``--lease-ttl``): how long a holder that cannot be told delays a mutation
 MAX_PER_CLIENT = 100_000  # live leases per client (~ its cached paths)
@@ -49,16 +49,16 @@ MAX_WATCH_WAIT = 60.0
 
 
 class _Lease:
-    __slots__ = ("id", "holder", "keys", "expires")
+    __slots__ = ("expires", "holder", "id", "keys")
 
-    def __init__(self, lease_id: int, holder: "_Holder", keys: tuple[Hashable, ...], expires: float):
+    def __init__(self, lease_id: int, holder: _Holder, keys: tuple[Hashable, ...], expires: float):
         self.id, self.holder, self.keys, self.expires = lease_id, holder, keys, expires
 
 
 class _Holder:
     """One client's leases and its watch."""
 
-    __slots__ = ("client", "seq", "acked", "queue", "wake", "acks", "watching", "last_seen", "leases")
+    __slots__ = ("acked", "acks", "client", "last_seen", "leases", "queue", "seq", "wake", "watching")
 
     def __init__(self, client: bytes, now: float):
         self.client = client
@@ -137,7 +137,7 @@ class LeaseTable:
                     del self._by_key[key]
 
     # -- invalidating -----------------------------------------------------------------------
-    def invalidate(self, keys: "set[Hashable] | list[Hashable]", mutator: bytes) -> list[tuple[_Holder, int, float]]:
+    def invalidate(self, keys: set[Hashable] | list[Hashable], mutator: bytes) -> list[tuple[_Holder, int, float]]:
         """Remove the leases on ``keys`` (written by a committed mutation of ``mutator``) and
         queue their ids for their holders, ``mutator`` excepted. Returns what
         :meth:`wait` waits for: per holder told, the sequence number to be acknowledged

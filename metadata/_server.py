@@ -973,6 +973,7 @@ class MetadataService(Service):
 
     async def handle(self, conn: ServerConn, head: FrameHead, msg: Message, payload: Any) -> None:
         if not msg.MUTATES:
+            reply: ReplyMessage
             if type(msg) is m.WatchLeases:
                 reply = await self._watch(conn, msg)
             elif type(msg) is m.Resolve and msg.lease and self.lease_table.enabled:

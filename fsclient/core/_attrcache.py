@@ -31,7 +31,8 @@ import time
 from typing import Any
 
 from rpc import Connection
-from wire import Attr, ErrorCode, Message, StripefsError, messages as m
+from wire import Attr, ErrorCode, Message, StripefsError
+from wire import messages as m
 
 MAX_ENTRIES = 65536  # cached paths (the oldest go first past it)
 WATCH_WAIT_MS = 10_000  # how long the service holds a watch with nothing to say

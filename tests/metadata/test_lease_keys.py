@@ -9,7 +9,8 @@ keys that resolution depended on -- so the lease on that answer is invalidated."
 from __future__ import annotations
 
 import stat
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import trio
