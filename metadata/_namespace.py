@@ -365,7 +365,7 @@ class Namespace:
         for e, a in found[:limit]:
             if a is None:
                 raise _err(ErrorCode.NOT_FOUND, f"no inode {e.ino}")
-            out.append(DirEntry(e.name, e.ino, a.mode, a))
+            out.append(e if e.attr is a else DirEntry(e.name, e.ino, a.mode, a))
         return out, len(found) > limit
 
     def list_names(self, path: str, after: str = "", limit: int = 1000) -> tuple[list[str], bool]:

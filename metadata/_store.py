@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from wire._errors import ErrorCode, StripefsError
+from wire._build import positional_builder
 from wire._types import Attr, DirEntry, Layout
 
 __all__ = ["DirRow", "GarbageItem", "Txn", "Store", "MemoryStore", "SqliteStore"]
@@ -85,6 +86,11 @@ class LockRow:
     owner: bytes
     token: int
     expires_ns: int
+
+
+# Rows are already typed by the schema: build without the frozen dataclasses' per-field setattr.
+_new_attr = positional_builder(Attr)
+_new_dir_entry = positional_builder(DirEntry)
 
 
 def encode_name(name: str) -> bytes:
@@ -463,7 +469,7 @@ class SqlTxn(Txn):
         """An inode row (``_INODE_COLS``, in order) as an :class:`Attr`."""
         ino, _, mode, nlink, uid, gid, size, at, mt, ct, chunk, chains, target, rdev, truncations = row
         layout = Layout(chunk, _chains_tuple(chains)) if chunk is not None else None
-        return Attr(ino, mode, nlink, uid, gid, size, at, mt, ct, layout, target, rdev, truncations)
+        return _new_attr(ino, mode, nlink, uid, gid, size, at, mt, ct, layout, target, rdev, truncations)
 
     def put_inode(self, a: Attr) -> None:
         chunk = a.layout.chunk_size if a.layout else None
@@ -511,8 +517,14 @@ class SqlTxn(Txn):
                            layouts: bool = True) -> list[tuple[DirEntry, Attr | None]]:
         rows = self._q(self._LIST_PLUS if layouts else self._LIST_PLUS_BARE,
                        (parent, encode_name(after), limit)).fetchall()
-        return [(DirEntry(decode_name(row[0]), row[1], row[2]), None if row[3] is None else self._attr(row[3:]))
-                for row in rows]
+        out = []
+        for row in rows:
+            if row[3] is None:  # an entry without its inode row: the namespace reports it
+                out.append((_new_dir_entry(decode_name(row[0]), row[1], row[2], None), None))
+            else:  # the entry as a plus page gives it: the inode's full mode, with the attributes
+                attr = self._attr(row[3:])
+                out.append((_new_dir_entry(decode_name(row[0]), row[1], attr.mode, attr), attr))
+        return out
 
     def list_names(self, parent: int, after: str, limit: int) -> list[str]:
         rows = self._q("SELECT name FROM dentries WHERE parent = ? AND name > ? ORDER BY name LIMIT ?",

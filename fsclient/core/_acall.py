@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import trio
 
 from rpc import Reply, abandon
-from wire import ErrorCode, Message, ReplyMessage, StripefsError, messages as m
+from wire import ErrorCode, Layout, Message, ReplyMessage, StripefsError, messages as m
 
-from ._core import MetaRetry
+from ._core import _RETRIED, REQUEST_TIMEOUT, MetaRetry
 
 if TYPE_CHECKING:
     from ._core import ClientCore
@@ -80,3 +80,26 @@ async def acall(core: "ClientCore", msg: Message[R], timeout: float = 60.0) -> R
     finally:
         if watch is not None:
             watch.done(msg, reply if reply is not None else StripefsError(ErrorCode.IO, "failed"))
+
+
+async def aread_into(core: "ClientCore", ino: int, layout: Layout, file_size: int, offset: int, dest: memoryview,
+                     limiter: trio.CapacityLimiter | None = None) -> int:
+    """:meth:`ClientCore.read_into` for trio code: a read that one request answers on an
+    open connection is sent from the loop and awaited there (no worker thread); anything
+    else -- and an attempt that failed -- runs ``read_into`` on a worker thread, with its
+    whole retry loop (next replica, same errors).
+    """
+    if offset >= file_size or not len(dest):
+        return 0
+    started = core.start_read(ino, layout, file_size, offset, dest)
+    if started is not None:
+        fut, finish = started
+        try:
+            return finish(await _result(fut, REQUEST_TIMEOUT))
+        except StripefsError as exc:
+            if exc.code not in _RETRIED:
+                raise
+        except BaseException:  # cancelled: nothing may land in dest once we are gone
+            abandon(fut)
+            raise
+    return await trio.to_thread.run_sync(core.read_into, ino, layout, file_size, offset, dest, limiter=limiter)

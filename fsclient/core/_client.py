@@ -30,7 +30,7 @@ from rpc import BufferPool, Connection
 from wire import MAX_PATH, Attr, DirEntry, ErrorCode, Layout, Message, ReplyMessage, Routing, StripefsError, messages as m
 
 from ._config import ClusterConfig, find_cluster
-from ._acall import acall
+from ._acall import acall, aread_into
 from ._attrcache import AttrCache
 from ._core import ClientCore, seconds_setting
 from . import _lease
@@ -790,6 +790,11 @@ class AsyncClient:
         """A metadata request answered with attributes (``GetAttr``, ``Lookup``, ``Mkdir``, ...): its ``attr``."""
         reply: m.AttrReply = await self.call(msg)
         return reply.attr
+
+    async def read_into(self, ino: int, layout: Layout, file_size: int, offset: int, dest: memoryview) -> int:
+        """:meth:`Client.read_into`, on the loop when one request on an open connection
+        answers it (a sample, a page-cache fill), else on a worker thread."""
+        return await aread_into(self.sync._core, ino, layout, file_size, offset, dest, self.limiter)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         fn = getattr(self.sync, name)

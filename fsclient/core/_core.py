@@ -34,7 +34,7 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import Future
-from typing import Any, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import crc32c
 
@@ -454,6 +454,46 @@ class ClientCore:
 
         self._run_pieces(pieces, submit, finish)
         return n
+
+    def start_read(self, ino: int, layout: Layout, file_size: int, offset: int,
+                   dest: memoryview) -> tuple[Future, Callable[[Reply], int]] | None:
+        """One attempt at a read that one request answers, for callers that must not block.
+
+        A read within one chunk, on a connection already open, under routing already
+        known: the request frame goes out from the calling thread (a small frame, the
+        socket's send buffer takes it) and the answer lands in ``dest`` on the
+        connection's reader thread. Returns its future and ``finish(reply)``, which
+        checks the answer, zero-fills a hole and returns the bytes read -- or None
+        when the read takes more (several chunks, nothing to read, a connection or the
+        routing to fetch): :meth:`read_into` then. A failed attempt is not retried
+        here; :meth:`read_into`, which has the whole retry loop, takes over.
+        """
+        routing = self._routing
+        n = max(0, min(len(dest), file_size - offset))
+        if n == 0 or routing is None or os.getpid() != self.pid:
+            return None
+        index, coff = divmod(offset, layout.chunk_size)
+        if coff + n > layout.chunk_size:
+            return None
+        chain = layout.chain_of(index)
+        targets = routing.chains.get(chain)
+        info = routing.servers.get(targets[(ino + index) % len(targets)]) if targets else None
+        conn = self._data.live_one(info.server_id, (info.host, info.port)) if info is not None else None
+        if conn is None:
+            return None
+        dest = (dest.cast("B") if dest.format != "B" or dest.ndim != 1 else dest)[:n]
+        msg = m.ReadChunk(ino=ino, index=index, offset=coff, length=n, chain=chain, routing_version=routing.version)
+        fut = conn.submit(msg, dest=dest, check=functools.partial(check_read, coff=coff))
+
+        def finish(reply: Reply) -> int:
+            got = _read_reply(reply.header).length
+            if got != reply.nbytes:
+                raise StripefsError(ErrorCode.PROTOCOL, f"ReadChunk reply announces {got} bytes, its payload has {reply.nbytes}")
+            if got < n:  # a hole or a chunk shorter than the file length: zeros
+                dest[got:n] = bytes(n - got)
+            return n
+
+        return fut, finish
 
     def write_from(self, ino: int, layout: Layout, offset: int, data: memoryview) -> None:
         """Write ``data`` at ``offset``, all chunks in parallel; returns once every piece is acked.

@@ -126,7 +126,7 @@ class OpenFile:
     """
 
     def __init__(self, client: Client, file: StripeFile):
-        self.client = client  # parallel reads (read_at) bypass the file's readahead state
+        self.client = client
         self.file = file
         self.stamp = _stamp(file.attr)  # the cluster's (size, mtime, truncations) this state started from
         self.mode = file.attr.mode  # as this mount last saw it: writes clear setuid/setgid from it
@@ -176,12 +176,6 @@ class OpenFile:
             return None
         self.seq_end = offset + n
         return dest[:n]
-
-    def read_at(self, offset: int, dest: memoryview) -> int:
-        """Read exactly the asked range into ``dest``; safe to run in parallel (no state)."""
-        f = self.file
-        self.read_from = True
-        return self.client.read_into(f.ino, f.layout, self.length(), offset, dest)
 
     def write(self, offset: int, data: bytes) -> int:
         self.dirty = self.written = True
@@ -838,7 +832,9 @@ class StripeOperations(pyfuse3.Operations):
         # them in parallel, each straight into a reused page-aligned buffer.
         buf = self._rbufs.pop() if self._rbufs and len(self._rbufs[-1]) >= size else mmap.mmap(-1, max(size, 1 << 20))
         try:
-            n = await self.aio.run(state.read_at, off, memoryview(buf)[:size])
+            state.read_from = True
+            f = state.file
+            n = await self.aio.read_into(f.ino, f.layout, state.length(), off, memoryview(buf)[:size])
         finally:
             # Safe to reuse at once: pyfuse3 replies from the view before any other task runs,
             # and no thread holds this buffer any more.
