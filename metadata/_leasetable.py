@@ -20,8 +20,8 @@ thread is granted only if no invalidation at all happened while it ran
 (:meth:`LeaseTable.changes`). The service grants leases only to a client whose watch is
 live (a ``WatchLeases`` in flight, or answered within ``WATCH_GRACE``).
 
-Bounds: at most ``max_per_client`` live leases per client (past it, answers carry no
-lease: nothing is evicted behind a holder's back); no new lease for a client with more
+Bounds: at most ``max_per_client`` live leases per client and ``MAX_LEASES`` in all
+(past them, answers carry no lease: nothing is evicted behind a holder's back); no new lease for a client with more
 than ``MAX_QUEUED`` unacknowledged invalidations; expired leases and idle clients are
 forgotten by :meth:`LeaseTable.run`.
 
@@ -42,6 +42,7 @@ __all__ = ["LEASE_TTL", "LeaseTable"]
 
 LEASE_TTL = 5.0  # seconds (``--lease-ttl``): how long a holder that cannot be told delays a mutation
 MAX_PER_CLIENT = 100_000  # live leases per client (~ its cached paths)
+MAX_LEASES = 1_000_000  # live leases in all (~300 bytes each with their keys)
 MAX_QUEUED = 10_000  # invalidations queued for one client, unacknowledged: past it, no new lease
 WATCH_GRACE = 2.0  # a client whose last watch answered this long ago, with none since, gets no lease
 PURGE_EVERY = 1.0
@@ -111,7 +112,8 @@ class LeaseTable:
         now = trio.current_time()
         if holder is None or not (holder.watching or now - holder.last_seen < WATCH_GRACE):
             return 0, 0
-        if len(holder.leases) >= self.max_per_client or len(holder.queue) >= MAX_QUEUED:
+        if (len(holder.leases) >= self.max_per_client or len(holder.queue) >= MAX_QUEUED
+                or len(self._leases) >= MAX_LEASES):
             return 0, 0
         lease = _Lease(next(self._ids), holder, tuple(dict.fromkeys(keys)), now + self.ttl)
         self._leases[lease.id] = lease
