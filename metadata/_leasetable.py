@@ -33,12 +33,15 @@ granted.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 from collections.abc import Hashable
 
 import trio
 
 __all__ = ["LEASE_TTL", "LeaseTable"]
+
+log = logging.getLogger(__name__)
 
 LEASE_TTL = 5.0  # seconds (``--lease-ttl``): how long a holder that cannot be told delays a mutation
 MAX_PER_CLIENT = 100_000  # live leases per client (~ its cached paths)
@@ -174,9 +177,13 @@ class LeaseTable:
     async def wait(waits: list[tuple[_Holder, int, float]]) -> None:
         """Until every holder in ``waits`` acknowledged its invalidation or its leases expired."""
         for holder, seq, expires in waits:
+            started = trio.current_time()
             while holder.acked < seq and trio.current_time() < expires:
                 with trio.move_on_at(expires):
                     await holder.acks.wait()
+            if holder.acked < seq:  # stopped, dead or cut off: worth knowing why a change was slow
+                log.info("a change waited %.1f s for the leases of client %s to run out (no acknowledgement)",
+                         trio.current_time() - started, holder.client.hex()[:8])
 
     # -- the watch ----------------------------------------------------------------------------
     async def watch(self, client: bytes, after: int, wait_s: float) -> tuple[int, list[int], bool]:
