@@ -272,8 +272,10 @@ class Namespace:
             raise _err(ErrorCode.NOT_DIR, f"not a directory: {path!r}")
         return cur
 
-    def resolve_many(self, paths: list[str], follow: bool = True) -> list[Attr | StripefsError]:
-        """:meth:`resolve` of each path, in one transaction (one snapshot).
+    def resolve_many(self, paths: list[str], follow: bool = True,
+                     keys: list[list[object]] | None = None) -> list[Attr | StripefsError]:
+        """:meth:`resolve` of each path, in one transaction (one snapshot). ``keys``: if
+        given, one list per path is appended to it, as :meth:`resolve`'s ``keys``.
 
         Returns:
             Per path, its attributes or the error resolving it raised.
@@ -288,11 +290,14 @@ class Namespace:
         out: list[Attr | StripefsError] = []
         with self._store.transaction() as txn:
             for path in paths:
+                walked: list[object] | None = [] if keys is not None else None
                 try:
                     self._check_path(path)
-                    out.append(self._walk(txn, path, follow))
+                    out.append(self._walk(txn, path, follow, walked))
                 except StripefsError as exc:
                     out.append(exc)
+                if keys is not None:
+                    keys.append(walked)  # type: ignore[arg-type]
         return out
 
     @staticmethod

@@ -906,6 +906,11 @@ class MetadataService(Service):
                 return None
             # Read and registered in one step on the loop: no commit's invalidation between.
             return m.AttrReply(attr, *self.lease_table.grant(conn.client_id, keys)).to_header()
+        if type(msg) is m.StatMany and msg.lease and self.lease_table.enabled:
+            each: list[list[Any]] = []
+            done, found = self._read_now(Namespace.resolve_many, (list(msg.paths), msg.follow, each),
+                                         sum(map(_path_cost, msg.paths)))
+            return self._many_leased(conn, found, each, None).to_header() if done else None
         fn, args, cost, reply = plan(msg)
         done, result = self._read_now(fn, args, cost)
         return reply(result).to_header() if done else None
@@ -978,6 +983,8 @@ class MetadataService(Service):
                 reply = await self._watch(conn, msg)
             elif type(msg) is m.Resolve and msg.lease and self.lease_table.enabled:
                 reply = await self._resolve_leased(conn, msg)
+            elif type(msg) is m.StatMany and msg.lease and self.lease_table.enabled:
+                reply = await self._stat_many_leased(conn, msg)
             else:
                 reply = await self._dispatch(msg)
             await self.lead.persist()  # a membership change is durable before anyone hears of it
@@ -1017,6 +1024,23 @@ class MetadataService(Service):
         if isinstance(prior, StripefsError):
             raise prior
         await conn.send(head, prior)
+
+    def _many_leased(self, conn: ServerConn, found: list[Attr | StripefsError], keys: list[list[Any]],
+                     since: int | None) -> m.StatManyReply:
+        """A ``StatMany`` answer with a lease on each attribute (``LeaseTable.grant``)."""
+        reply = _many_reply(found)
+        ids = [self.lease_table.grant(conn.client_id, k, since)[0] for a, k in zip(found, keys)
+               if not isinstance(a, StripefsError)]
+        return m.StatManyReply(reply.attrs, reply.failed, reply.codes, ids,
+                               int(self.lease_table.ttl * 1000) if any(ids) else 0)
+
+    async def _stat_many_leased(self, conn: ServerConn, msg: m.StatMany) -> m.StatManyReply:
+        """A ``StatMany`` asking for leases, not answered on the loop (see :meth:`_resolve_leased`)."""
+        since = self.lease_table.changes
+        keys: list[list[Any]] = []
+        found = await self._read(Namespace.resolve_many, list(msg.paths), msg.follow, keys,
+                                 cost=sum(map(_path_cost, msg.paths)))
+        return self._many_leased(conn, found, keys, since)
 
     async def _resolve_leased(self, conn: ServerConn, msg: m.Resolve) -> m.AttrReply:
         """A ``Resolve`` asking for a lease, not answered on the loop: granted only if no

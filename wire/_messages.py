@@ -984,11 +984,24 @@ class RemoveServer(Message[RemoveServerReply]):
 @reply
 class StatManyReply(ReplyMessage):
     """``attrs`` holds the attributes of the paths that resolved, in request order;
-    ``failed`` the indexes of the others and ``codes`` their error codes (same order)."""
+    ``failed`` the indexes of the others and ``codes`` their error codes (same order).
+
+    ``lease_ids``/``lease_ms``: only in the answer to a ``StatMany`` that asked for leases
+    (see :class:`AttrReply`): one lease id per attribute of ``attrs`` (0: none for that
+    one), all for ``lease_ms``. Absent otherwise."""
 
     attrs: list[Attr]
     failed: list[int]
     codes: list[int]
+    lease_ids: list[int] | None = None
+    lease_ms: int = 0
+
+    def to_header(self) -> dict[str, Any]:
+        header = {"attrs": [a.to_wire() for a in self.attrs], "failed": self.failed, "codes": self.codes}
+        if self.lease_ms or self.lease_ids is not None:
+            header["lease_ids"] = self.lease_ids
+            header["lease_ms"] = self.lease_ms
+        return header
 
 
 @message(60, mutates=True)
@@ -1012,10 +1025,17 @@ class UnlinkPath(Message[AttrReply]):
 
 @message(62)
 class StatMany(Message[StatManyReply]):
-    """``Resolve`` of up to 200 paths in one round trip (one read transaction)."""
+    """``Resolve`` of up to 200 paths in one round trip (one read transaction); ``lease``
+    as ``Resolve``'s (sent only when true)."""
 
     paths: list[str]
     follow: bool = True
+    lease: bool = False
+
+    def to_header(self) -> dict[str, Any]:
+        if self.lease:
+            return {"paths": self.paths, "follow": self.follow, "lease": True}
+        return {"paths": self.paths, "follow": self.follow}
 
 
 @reply

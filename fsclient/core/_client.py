@@ -220,17 +220,32 @@ class Client:
             subclass such as ``FileNotFoundError``, not raised) resolving it gave.
         """
         norm = [normpath(p) for p in paths]
-        out: list[Attr | StripefsError] = []
-        for start in range(0, len(norm), STAT_MANY_MAX):
-            part = norm[start:start + STAT_MANY_MAX]
-            reply = self._core.call(m.StatMany(paths=part, follow=follow))
+        cache = self._core.lease_cache() if follow else None
+        out: list[Attr | StripefsError | None] = [None] * len(norm)
+        todo = list(range(len(norm)))
+        if cache is not None:  # what the cache holds needs no request (as stat)
+            hits = [cache.get(p) for p in norm]
+            out = list(hits)
+            todo = [i for i, hit in enumerate(hits) if hit is None]
+        for start in range(0, len(todo), STAT_MANY_MAX):
+            index = todo[start:start + STAT_MANY_MAX]
+            part = [norm[i] for i in index]
+            token, lease, sent = (cache.token(), cache.leasing, time.monotonic()) if cache is not None else ((0, 0), False, 0.0)
+            reply = self._core.call(m.StatMany(paths=part, follow=follow, lease=lease))
             if (len(reply.attrs) + len(reply.failed) != len(part) or len(reply.codes) != len(reply.failed)
-                    or len(set(reply.failed)) != len(reply.failed) or not all(0 <= i < len(part) for i in reply.failed)):
+                    or len(set(reply.failed)) != len(reply.failed) or not all(0 <= i < len(part) for i in reply.failed)
+                    or (reply.lease_ids is not None and len(reply.lease_ids) != len(reply.attrs))):
                 raise StripefsError(ErrorCode.PROTOCOL, "StatMany: answer does not match the paths asked")
             attrs, errors = iter(reply.attrs), dict(zip(reply.failed, reply.codes))
-            out.extend(StripefsError(errors[i], "", part[i]) if i in errors else next(attrs)
-                       for i in range(len(part)))
-        return out
+            leases = iter(reply.lease_ids or ())
+            for k, i in enumerate(index):
+                if k in errors:
+                    out[i] = StripefsError(errors[k], "", part[k])
+                    continue
+                attr = out[i] = next(attrs)
+                if cache is not None:
+                    cache.put(part[k], attr, token, next(leases, 0), reply.lease_ms, sent)
+        return out  # type: ignore[return-value]  # every index was answered
 
     def create_many(self, paths: "Sequence[str]", mode: int = 0o644, *,
                     exclusive: bool = True) -> list[Attr | StripefsError]:

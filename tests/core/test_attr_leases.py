@@ -303,3 +303,28 @@ def test_a_restarted_service_leaves_no_stale_entry(make_cluster) -> None:
         writer.chmod("/f", 0o600)
         assert holder.stat("/f").mode & 0o777 == 0o600
         assert _leased(holder, "/f").mode & 0o777 == 0o600  # leases again once the watch is back
+
+
+def test_stat_many_answers_from_leases_and_sees_changes(lcluster: LocalCluster, pair, d: str) -> None:
+    holder, writer, plain = pair
+    paths = [f"{d}/f{k}" for k in range(5)]
+    writer.create_many(paths)
+    holder.stat_many(paths + [f"{d}/missing"])  # leases on the five (never on an error)
+    first = holder.stat_many(paths)
+    cache = holder._core.attrs
+    assert cache is not None and all(cache.get(p, leased=True) is not None for p in paths)
+    pid = int(lcluster.data["metadata"]["pid"])
+    got: list[Any] = []
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t = threading.Thread(target=lambda: got.append(holder.stat_many(paths)), daemon=True)
+        t.start()
+        t.join(2.0)  # a round trip would wait for the stopped service
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert got == [first]
+    writer.chmod(paths[2], 0o600)
+    writer.remove(paths[4])
+    again = holder.stat_many(paths)
+    assert again[:4] == plain.stat_many(paths[:4]) and again[2].mode & 0o777 == 0o600  # type: ignore[union-attr]
+    assert isinstance(again[4], FileNotFoundError)

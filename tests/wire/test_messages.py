@@ -164,6 +164,8 @@ SAMPLES: list[tuple[m.ReplyMessage, dict]] = [
     (m.StatManyReply(attrs=[ATTR], failed=[0], codes=[1]), {"attrs": [ATTR.to_wire()], "failed": [0], "codes": [1]}),
     (m.NamesReply(names=["a", "b"], more=True), {"names": ["a", "b"], "more": True}),
     (m.WatchLeasesReply(seq=4, lease_ids=[7, 9]), {"seq": 4, "lease_ids": [7, 9], "reset": False}),
+    (m.StatManyReply(attrs=[ATTR], failed=[], codes=[], lease_ids=[3], lease_ms=5000),
+     {"attrs": [ATTR.to_wire()], "failed": [], "codes": [], "lease_ids": [3], "lease_ms": 5000}),
 ]
 
 
