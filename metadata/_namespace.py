@@ -373,12 +373,15 @@ class Namespace:
             out.append(e if e.attr is a else DirEntry(e.name, e.ino, a.mode, a))
         return out, len(found) > limit
 
-    def list_names(self, path: str, after: str = "", limit: int = 1000) -> tuple[list[str], bool]:
+    def list_names(self, path: str, after: str = "", limit: int = 1000,
+                   keys: list[object] | None = None) -> tuple[list[str], bool]:
         """One page of the names in the directory ``path`` resolves to, in name order.
 
         Args:
             after: continue after this name.
             limit: page size, capped at ``MAX_LIST_NAMES``.
+            keys: as :meth:`resolve`'s, for the walk to the directory (a change to its
+                entries writes its inode too: its times, and its link count for a subdirectory).
 
         Returns:
             ``(names, more)``.
@@ -391,7 +394,7 @@ class Namespace:
         limit = min(limit, MAX_LIST_NAMES)
         self._check_path(path)
         with self._store.transaction() as txn:
-            d = self._walk(txn, path, True)
+            d = self._walk(txn, path, True, keys)
             if not d.is_dir:
                 raise _err(ErrorCode.NOT_DIR, f"not a directory: {path!r}")
             names = txn.list_names(d.ino, after, limit + 1)

@@ -906,6 +906,11 @@ class MetadataService(Service):
                 return None
             # Read and registered in one step on the loop: no commit's invalidation between.
             return m.AttrReply(attr, *self.lease_table.grant(conn.client_id, keys)).to_header()
+        if type(msg) is m.ListNames and msg.lease and self.lease_table.enabled:
+            walked: list[Any] = []
+            done, page = self._read_now(Namespace.list_names, (msg.path, msg.after, msg.limit, walked),
+                                        _path_cost(msg.path) + msg.limit * NAME_COST)
+            return self._names_leased(conn, page, walked if not msg.after else [], None).to_header() if done else None
         if type(msg) is m.StatMany and msg.lease and self.lease_table.enabled:
             each: list[list[Any]] = []
             done, found = self._read_now(Namespace.resolve_many, (list(msg.paths), msg.follow, each),
@@ -985,6 +990,11 @@ class MetadataService(Service):
                 reply = await self._resolve_leased(conn, msg)
             elif type(msg) is m.StatMany and msg.lease and self.lease_table.enabled:
                 reply = await self._stat_many_leased(conn, msg)
+            elif type(msg) is m.ListNames and msg.lease and self.lease_table.enabled:
+                since, walked = self.lease_table.changes, []
+                page = await self._read(Namespace.list_names, msg.path, msg.after, msg.limit, walked,
+                                        cost=_path_cost(msg.path) + msg.limit * NAME_COST)
+                reply = self._names_leased(conn, page, walked if not msg.after else [], since)
             else:
                 reply = await self._dispatch(msg)
             await self.lead.persist()  # a membership change is durable before anyone hears of it
@@ -1033,6 +1043,16 @@ class MetadataService(Service):
                if not isinstance(a, StripefsError)]
         return m.StatManyReply(reply.attrs, reply.failed, reply.codes, ids,
                                int(self.lease_table.ttl * 1000) if any(ids) else 0)
+
+    def _names_leased(self, conn: ServerConn, page: tuple[list[str], bool], keys: list[Any],
+                      since: int | None) -> m.NamesReply:
+        """A ``ListNames`` page, with a lease when it is a whole listing (a first page with
+        no more after it; ``keys`` empty otherwise): a directory's entries change only
+        with its inode, one of the walk's keys."""
+        names, more = page
+        if more or not keys:
+            return m.NamesReply(list(names), bool(more))
+        return m.NamesReply(list(names), False, *self.lease_table.grant(conn.client_id, keys, since))
 
     async def _stat_many_leased(self, conn: ServerConn, msg: m.StatMany) -> m.StatManyReply:
         """A ``StatMany`` asking for leases, not answered on the loop (see :meth:`_resolve_leased`)."""

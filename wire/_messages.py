@@ -1040,19 +1040,37 @@ class StatMany(Message[StatManyReply]):
 
 @reply
 class NamesReply(ReplyMessage):
+    """``lease_id``/``lease_ms``: only in the answer to a ``ListNames`` that asked for a lease
+    on a whole listing (the first page, and no more after it): as :class:`AttrReply`'s."""
+
     names: list[str]  # in name (UTF-8 byte) order
     more: bool  # another page follows (ask again with after=<last name>)
+    lease_id: int = 0
+    lease_ms: int = 0
+
+    def to_header(self) -> dict[str, Any]:
+        if self.lease_ms or self.lease_id:
+            return {"names": self.names, "more": self.more, "lease_id": self.lease_id, "lease_ms": self.lease_ms}
+        return {"names": self.names, "more": self.more}
 
 
 @message(63)
 class ListNames(Message[NamesReply]):
     """The names in the directory ``path`` resolves to (symlinks followed), one page
     of at most 2000: what ``listdir`` needs, in one round trip and without a
-    per-entry record to build on either side."""
+    per-entry record to build on either side. ``lease``: as ``Resolve``'s (sent only when
+    true), granted for a whole listing only."""
 
     path: str
     after: str = ""
     limit: int = 1000
+    lease: bool = False
+
+    def to_header(self) -> dict[str, Any]:
+        header: dict[str, Any] = {"path": self.path, "after": self.after, "limit": self.limit}
+        if self.lease:
+            header["lease"] = True
+        return header
 
 
 @message(64, mutates=True)

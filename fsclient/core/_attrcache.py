@@ -57,6 +57,9 @@ class AttrCache:
         self._by_ino: dict[int, set[str]] = {}
         self._by_lease: dict[int, str] = {}
         self._dirs: set[str] = set()  # the cached paths that are directories
+        # directory path -> (expiry, its names, lease id): whole listings, leased only
+        self._lists: dict[str, tuple[float, list[str], int]] = {}
+        self._list_by_lease: dict[int, str] = {}
         self.mutations = 0  # mutations of this client begun or ended
         self.inflight = 0  # mutations of this client not answered yet
         self.invalidations = 0  # watch answers (and watch failures) processed
@@ -71,6 +74,30 @@ class AttrCache:
         if entry is None or entry[0] < time.monotonic() or (leased and not entry[2]):
             return None
         return entry[1]
+
+    def get_names(self, path: str) -> list[str] | None:
+        """The names of directory ``path``, if a leased listing of it is still valid."""
+        entry = self._lists.get(path)
+        if entry is None or entry[0] < time.monotonic():
+            return None
+        return list(entry[1])
+
+    def put_names(self, path: str, names: list[str], token: tuple[int, int], lease_id: int, lease_ms: int,
+                  sent: float) -> None:
+        """Remember a whole listing of ``path`` under its lease (as :meth:`put`)."""
+        with self._lock:
+            if self.inflight or (self.mutations, self.invalidations) != token or not (lease_ms > 0 and self.leasing):
+                return
+            self._drop_names(path)
+            while len(self._lists) >= self.max_entries:
+                self._drop_names(next(iter(self._lists)))
+            self._lists[path] = (sent + lease_ms / 1000, list(names), lease_id)
+            self._list_by_lease[lease_id] = path
+
+    def _drop_names(self, path: str) -> None:
+        entry = self._lists.pop(path, None)
+        if entry is not None:
+            self._list_by_lease.pop(entry[2], None)
 
     def token(self) -> tuple[int, int]:
         """Taken before a lookup is sent, handed to :meth:`put` with its answer."""
@@ -124,6 +151,8 @@ class AttrCache:
         self._by_ino.clear()
         self._by_lease.clear()
         self._dirs.clear()
+        self._lists.clear()
+        self._list_by_lease.clear()
 
     # -- this client's mutations ---------------------------------------------------------------
     def begin(self, msg: Message[Any]) -> None:
@@ -142,6 +171,8 @@ class AttrCache:
                 self._drop_ino(reply.attr.ino)
                 for path in list(self._dirs):
                     self._drop(path)
+                self._lists.clear()  # the directory that gained or lost a name
+                self._list_by_lease.clear()
                 if isinstance(msg, m.CreatePath) and self.timeout > 0:
                     self._store(msg.path, reply.attr, time.monotonic() + self.timeout, 0)
             else:
@@ -156,6 +187,9 @@ class AttrCache:
                 path = self._by_lease.get(lease_id)
                 if path is not None:
                     self._drop(path)
+                path = self._list_by_lease.get(lease_id)
+                if path is not None:
+                    self._drop_names(path)
 
     def lost(self) -> None:
         """The watch is down (or the service forgot this client): no leased entry can be trusted."""
@@ -164,6 +198,8 @@ class AttrCache:
             self.leasing = False
             for path in [p for p, (_, _a, lease) in self._by_path.items() if lease]:
                 self._drop(path)
+            self._lists.clear()
+            self._list_by_lease.clear()
 
     def watching(self) -> None:
         """The watch is live: stats may ask for leases."""

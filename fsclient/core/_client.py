@@ -375,12 +375,21 @@ class Client:
     def listdir(self, path: str = "/") -> list[str]:
         """Names in a directory, in name order (one round trip per 2000 names)."""
         p = normpath(path)
+        cache = self._core.lease_cache()
+        token, lease, sent = (0, 0), False, 0.0
+        if cache is not None:  # a whole listing held under a lease is current
+            kept = cache.get_names(p)
+            if kept is not None:
+                return kept
+            token, lease, sent = cache.token(), cache.leasing, time.monotonic()
         names: list[str] = []
         while True:
             reply = self._wrap(lambda: self._core.call(m.ListNames(path=p, after=names[-1] if names else "",
-                                                                   limit=2000)), p)
+                                                                   limit=2000, lease=lease and not names)), p)
             if not all(type(n) is str for n in reply.names):
                 raise StripefsError(ErrorCode.PROTOCOL, "ListNames: a name is not text")
+            if cache is not None and not names and not reply.more and reply.lease_ms:
+                cache.put_names(p, reply.names, token, reply.lease_id, reply.lease_ms, sent)
             names.extend(reply.names)
             if not reply.more or not reply.names:
                 return names

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from fsclient import Client
+from fsclient.core import pid_alive
 from fsclient.testing import LocalCluster
 from tests.conftest import TEST_CHUNK
 
@@ -298,8 +299,14 @@ def test_a_restarted_service_leaves_no_stale_entry(make_cluster) -> None:
     with Client(h.file) as writer, _watching(Client(h.file)) as holder:
         writer.write_bytes("/f", b"abc")
         _leased(holder, "/f")
-        os.kill(int(h.data["metadata"]["pid"]), signal.SIGKILL)
+        port, pid = h.data["metadata"]["port"], int(h.data["metadata"]["pid"])
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while pid_alive(pid) and time.monotonic() < deadline:  # dead (a zombie counts) before up() looks
+            time.sleep(0.02)
         h.up()  # the service again, on its port, with no memory of the leases
+        if h.data["metadata"]["port"] != port:
+            pytest.skip("the port was not free again (TIME_WAIT): these clients cannot reach the new service")
         writer.chmod("/f", 0o600)
         assert holder.stat("/f").mode & 0o777 == 0o600
         assert _leased(holder, "/f").mode & 0o777 == 0o600  # leases again once the watch is back
@@ -328,3 +335,52 @@ def test_stat_many_answers_from_leases_and_sees_changes(lcluster: LocalCluster, 
     again = holder.stat_many(paths)
     assert again[:4] == plain.stat_many(paths[:4]) and again[2].mode & 0o777 == 0o600  # type: ignore[union-attr]
     assert isinstance(again[4], FileNotFoundError)
+
+
+def test_a_listing_is_kept_under_a_lease_and_sees_changes(lcluster: LocalCluster, pair, d: str) -> None:
+    holder, writer, plain = pair
+    writer.create_many([f"{d}/a", f"{d}/b"])
+    sub = f"{d}/sub"
+    writer.makedirs(sub)
+    for _ in range(50):  # the first listing may come before the watch is live
+        first = holder.listdir(d)
+        cache = holder._core.attrs
+        assert cache is not None
+        if cache.get_names(d) is not None:
+            break
+        time.sleep(0.01)
+    assert first == ["a", "b", "sub"] and cache.get_names(d) == first
+    pid = int(lcluster.data["metadata"]["pid"])
+    got: list[Any] = []
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t = threading.Thread(target=lambda: got.append(holder.listdir(d)), daemon=True)
+        t.start()
+        t.join(2.0)  # a round trip would wait for the stopped service
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert got == [first]
+    for change in (lambda: writer.write_bytes(f"{d}/c", b""), lambda: writer.remove(f"{d}/a"),
+                   lambda: writer.rename(f"{d}/b", f"{sub}/b"), lambda: writer.rename(sub, f"{d}/moved"),
+                   lambda: writer.mkdir(f"{d}/new")):
+        holder.listdir(d)
+        change()
+        assert holder.listdir(d) == plain.listdir(d)
+    assert holder.listdir(d) == ["c", "moved", "new"]
+
+
+def test_a_broken_watch_drops_every_leased_entry(pair, d: str) -> None:
+    holder, writer, plain = pair
+    writer.write_bytes(f"{d}/f", b"abc")
+    _leased(holder, f"{d}/f")
+    cache = holder._core.attrs
+    watch = holder._core._watch
+    assert cache is not None and watch is not None and watch._conn is not None
+    watch._conn.close()  # as a cut connection: the watch fails
+    deadline = time.monotonic() + 5
+    while cache.get(f"{d}/f", leased=True) is not None:
+        assert time.monotonic() < deadline, "a leased entry outlived its watch"
+        time.sleep(0.005)
+    assert _leased(holder, f"{d}/f").size == 3  # the watch comes back, and leases with it
+    writer.write_bytes(f"{d}/f", b"abcdef")
+    assert holder.stat(f"{d}/f") == plain.stat(f"{d}/f")

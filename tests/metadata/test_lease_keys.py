@@ -77,16 +77,18 @@ _OPS: list[tuple[str, Callable[[Namespace], Any]]] = [
 ]
 
 
-def _probe(ns: Namespace) -> dict[tuple[str, bool], tuple[Any, list[Any]]]:
-    out = {}
+def _probe(ns: Namespace) -> dict[tuple[str, Any], tuple[Any, list[Any]]]:
+    """Per probed path: what it resolves to (follow or not) and what its listing is, with
+    the keys each answer depends on."""
+    out: dict[tuple[str, Any], tuple[Any, list[Any]]] = {}
     for path in PROBES:
-        for follow in (True, False):
+        for how in (True, False, "list"):
             keys: list[Any] = []
             try:
-                found: Any = ns.resolve(path, follow, keys)
+                found: Any = ns.list_names(path, "", 1000, keys) if how == "list" else ns.resolve(path, how, keys)
             except StripefsError as exc:
                 found = exc.code
-            out[(path, follow)] = (found, keys)
+            out[(path, how)] = (found, keys)
     return out
 
 
