@@ -181,8 +181,10 @@ def cmd_status(a: argparse.Namespace) -> int:
         return 0
     md = st.metadata
     where = f"{address}  pid {md['pid']}" if len(services) == 1 else f"{len(services)} services"
-    print(f"metadata  {where}  store {md.get('store', 'sqlite')}  sync {md.get('sync', 'full')}  inodes {md.get('inodes', '?')}  "
-          f"routing v{st.routing_version}")
+    ttl = md.get("lease_ttl")
+    leases = f"leases {ttl:g} s" if isinstance(ttl, (int, float)) and ttl > 0 else "leases off"
+    print(f"metadata  {where}  store {md.get('store', 'sqlite')}  sync {md.get('sync', 'full')}  {leases}  "
+          f"inodes {md.get('inodes', '?')}  routing v{st.routing_version}")
     if len(services) > 1:
         for host, port, role in _service_roles(services, secret):
             print(f"    service {host}:{port}  {role}")
