@@ -189,9 +189,19 @@ class Namespace:
         return other
 
     def forget_dirs(self) -> None:
-        """Drop the directory entries :meth:`reading` remembers."""
+        """Drop the directory entries :meth:`reading` (or :meth:`remember_dirs`) remembers."""
         if self._dirs is not None:
             self._dirs.clear()
+
+    def remember_dirs(self) -> None:
+        """From now on this namespace's path walks, those of writes included, remember the
+        directory entries they meet (as :meth:`reading` with ``remember_dirs``); its own
+        renames and rmdirs forget them. For the one owner of the store's writes, which also
+        calls :meth:`forget_dirs` whenever a batch of its transactions is rolled back as a
+        whole (a directory renamed and walked through in it would be remembered under
+        its new name)."""
+        if self._dirs is None:
+            self._dirs = {}
 
     def getattr(self, ino: int) -> Attr:
         with self._store.transaction() as txn:
@@ -645,6 +655,7 @@ class Namespace:
 
     def rmdir(self, parent: int, name: str) -> None:
         validate_name(name)
+        self.forget_dirs()  # committed or not, what a name leads to may change
         with self._store.transaction() as txn:
             self._dir(txn, parent)
             attr = self._inode(txn, self._entry(txn, parent, name).ino)
@@ -667,6 +678,7 @@ class Namespace:
         """
         if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or flags == RENAME_NOREPLACE | RENAME_EXCHANGE:
             raise _err(ErrorCode.INVALID, f"bad rename flags {flags:#x}")
+        self.forget_dirs()  # committed or not, what a name leads to may change
         validate_name(name)
         validate_name(new_name)
         with self._store.transaction() as txn:

@@ -3,7 +3,9 @@
 Namespace mutations run in batches on a writer thread (group commit: one durable
 commit per batch), reads on a reader thread, so the trio loop never waits on the
 disk; what needs no disk wait runs on the loop itself: short reads (``INLINE_COST``)
-and, under ``--metadata-sync normal``, mutations whose commit needs no fsync. Storage servers register and heartbeat here; the chain table
+and single-path mutations, whose commit writes the log to the page cache (under
+``--metadata-sync full`` they are answered once a group fsync of the log by a third
+thread covers them: ``LogSync``). Storage servers register and heartbeat here; the chain table
 (chain id -> ordered target ids) is derived from membership. With replication
 factor 1 every server is one chain of one target; chains are lists so chain
 replication can extend them.
@@ -44,7 +46,7 @@ from ._leases import Leases
 from ._leasetable import LEASE_TTL, LeaseTable
 from ._namespace import Namespace
 from ._store import GarbageItem, SqliteStore, Store, check_sync
-from ._worker import Job, StoreThread, run_each
+from ._worker import Job, LogSync, StoreThread, run_each
 
 log = logging.getLogger(__name__)
 
@@ -751,11 +753,15 @@ class MetadataService(Service):
         # batch's durable commit, and see every write acknowledged before they started.
         self._writer = StoreThread(self._run_batch, MAX_BATCH)
         self._writing = 0  # writer-thread jobs queued or running: the loop leaves the connection alone
-        # Mutations commit on the loop when their commit needs no fsync (``CHECKPOINT_EVERY``).
+        # Mutations commit on the loop, a write of the log to the page cache (``CHECKPOINT_EVERY``);
+        # under ``full`` they are acknowledged once a group fsync of the log covers them.
         store = ns.store
-        self._write_now = isinstance(store, SqliteStore) and store.synchronous_mode == "normal"
-        if isinstance(store, SqliteStore) and self._write_now:
-            store.take_checkpoints()
+        self._write_now = isinstance(store, SqliteStore)
+        self._log_sync: LogSync | None = None
+        if isinstance(store, SqliteStore):
+            store.sync_log_by_owner()
+            if store.log_by_owner:
+                self._log_sync = LogSync(store.sync_log)
         self._checkpoint_due = trio.Event()
         reader = ns.store.reader()
         self._rns = ns.reading(reader) if reader is not None else ns
@@ -763,6 +769,10 @@ class MetadataService(Service):
         # Short reads run on the loop itself (``INLINE_COST``), on a third connection.
         now_reader = ns.store.reader(busy_timeout_s=INLINE_BUSY_TIMEOUT) if reader is not None else None
         self._lns = ns.reading(now_reader, remember_dirs=True) if now_reader is not None else None
+        if isinstance(store, SqliteStore):
+            # The one writer's path walks remember directories too (a create in a known
+            # directory reads no entry of its path); a batch rolled back forgets them (_run_batch).
+            ns.remember_dirs()
         self._gc_due = 0.0  # monotonic time before which a wake-up finds no removal due
         self.replay = Replies()
         self._running: dict[tuple[bytes, int], trio.Event] = {}  # mutations being applied, by replay key
@@ -788,8 +798,13 @@ class MetadataService(Service):
 
         Inside a mutation on a shared store the first call is applied at most once per
         request id, across services (:meth:`_once`). ``_now``: it may commit here on the
-        loop when that needs no fsync (False for operations on many paths: too long).
+        loop (False for operations on many paths: too long). Returns once the operation
+        is durable, either way: the writer thread's batch fsyncs before it answers, a
+        commit on the loop waits in :meth:`_made_durable`.
         """
+        if self._log_sync is not None and self._log_sync.failed is not None:
+            raise StripefsError(ErrorCode.IO, f"metadata log could not be made durable: {self._log_sync.failed}; "
+                                "restart the metadata service")
         key = _REQUEST.get()
         if key is not None and self.shared:
             _REQUEST.set(None)  # later calls of the same request are not the mutation itself
@@ -800,8 +815,30 @@ class MetadataService(Service):
         if _now and self._write_now and not self._writing:
             done, result = self._commit_now(functools.partial(fn, *args, **kwargs))
             if done:
+                await self._made_durable()
                 return result
-        return await self._store_call(fn, *args, **kwargs)
+        return await self._store_call(fn, *args, **kwargs)  # durable when it returns
+
+    async def _made_durable(self) -> None:
+        """Return once the commits made on the loop so far are durable (``full``: the group
+        fsync of the log that covers them; ``normal``: at once). Nothing a mutation did is
+        answered before this (nor recorded for replay: ``handle``).
+
+        Raises:
+            StripefsError: IO when the log could not be fsynced (the mutation may be lost).
+        """
+        if self._log_sync is None:
+            return
+        try:
+            await self._log_sync.durable()
+        except OSError as exc:
+            log.error("fsync of the metadata log failed: %s; mutations are refused until a restart", exc)
+            raise StripefsError(ErrorCode.IO, f"metadata log could not be made durable: {exc}") from exc
+
+    @property
+    def log_syncs(self) -> int:
+        """Group fsyncs of the log run so far (``full``)."""
+        return 0 if self._log_sync is None else self._log_sync.syncs
 
     def _recorded(self, touched: set[Any], fn: Callable[[], Any]) -> Any:
         """``fn()``, adding the store keys it writes to ``touched`` (on whichever thread runs it)."""
@@ -937,6 +974,8 @@ class MetadataService(Service):
             nursery.start_soon(self._writer.run)
             if self._reader is not None:
                 nursery.start_soon(self._reader.run)
+            if self._log_sync is not None:
+                nursery.start_soon(self._log_sync.run)
             if self._write_now:
                 nursery.start_soon(self._checkpoints)
 
@@ -965,6 +1004,7 @@ class MetadataService(Service):
                     self._checkpoint(store)
                 return
             except Exception as exc:  # nothing of the batch is durable
+                self.ns.forget_dirs()  # a directory it renamed may be remembered under its new name
                 if store.retryable(exc) and attempt < MAX_BATCH_RETRIES:
                     time.sleep(random.uniform(0, 0.002 * 2 ** attempt))  # worker thread: spread the rerun
                     continue
@@ -1011,8 +1051,10 @@ class MetadataService(Service):
             touched: set[Any] | None = set() if self.lease_table.enabled else None
             recording = _TOUCHED.set(touched)
             try:
-                reply = await self._dispatch(msg)
+                reply = await self._dispatch(msg)  # returns once what it changed is durable (_ns)
                 await self.lead.persist()
+                # Durable, not yet answered nor recorded: a step that must come between (telling
+                # other clients' caches) goes here.
                 prior = reply.to_header()  # the encoded header: resent as is
             except StripefsError as exc:
                 prior = exc
@@ -1523,13 +1565,17 @@ async def serve_metadata(
 
     service = MetadataService(ns, members, secret, gc_grace, legacy_file=os.path.join(state_dir, "servers.json"),
                               sync=sync, lease_ttl=lease_ttl)
-    async with trio.open_nursery() as nursery:
-        address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id))
-        nursery.start_soon(service.run_batches)
-        service.lead.owner = f"{address[0]}:{address[1]}".encode()  # a restart on the same port resumes its lease
-        await nursery.start(service.lead.keep)
-        nursery.start_soon(service.detect)
-        nursery.start_soon(service.background)
-        nursery.start_soon(service.admission)
-        nursery.start_soon(service.lease_table.run)
-        task_status.started(address)
+    try:
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id))
+            nursery.start_soon(service.run_batches)
+            service.lead.owner = f"{address[0]}:{address[1]}".encode()  # a restart on the same port resumes its lease
+            await nursery.start(service.lead.keep)
+            nursery.start_soon(service.detect)
+            nursery.start_soon(service.background)
+            nursery.start_soon(service.admission)
+            nursery.start_soon(service.lease_table.run)
+            task_status.started(address)
+    finally:
+        # Its threads have stopped (run_batches waits for them): the database's writer lock goes with it.
+        store.close()

@@ -27,12 +27,16 @@ Caveats:
 * Neither store is thread-safe: the caller serialises transactions (the metadata
   server runs them one at a time from its event loop).
 * Transactions do not nest.
+* One writing :class:`SqliteStore` per database: under a durable reserve its counters
+  live in memory between reserve moves (``_SqliteTxn.allocate``), so a second writer
+  process on the same file could hand out a number twice.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import fcntl
 import os
 import sqlite3
 import stat
@@ -517,7 +521,7 @@ class SqlTxn(Txn):
                            layouts: bool = True) -> list[tuple[DirEntry, Attr | None]]:
         rows = self._q(self._LIST_PLUS if layouts else self._LIST_PLUS_BARE,
                        (parent, encode_name(after), limit)).fetchall()
-        out = []
+        out: list[tuple[DirEntry, Attr | None]] = []
         for row in rows:
             if row[3] is None:  # an entry without its inode row: the namespace reports it
                 out.append((_new_dir_entry(decode_name(row[0]), row[1], row[2], None), None))
@@ -673,7 +677,8 @@ def check_sync(mode: str) -> str:
 
 
 class _SqliteTxn(SqlTxn):
-    """:class:`SqlTxn` whose counters, under ``normal``, stay below a durably recorded bound."""
+    """:class:`SqlTxn` whose counters, under ``normal`` (or ``full`` with the log synced by
+    its owner, see :meth:`SqliteStore.sync_log_by_owner`), stay below a durably recorded bound."""
 
     def __init__(self, cursor: Any, store: SqliteStore) -> None:
         super().__init__(cursor)
@@ -687,12 +692,6 @@ class _SqliteTxn(SqlTxn):
         if touched is not None:
             touched.add(a.ino)
         super().put_inode(a)
-
-    def delete_inode(self, ino: int) -> None:
-        touched = self._store.touched
-        if touched is not None:
-            touched.add(ino)
-        super().delete_inode(ino)
 
     def put_dir(self, r: DirRow) -> None:
         touched = self._store.touched
@@ -718,12 +717,6 @@ class _SqliteTxn(SqlTxn):
             touched.add((parent, name))
         super().delete_dentry(parent, name)
 
-    def put_xattr(self, ino: int, name: bytes, value: bytes) -> None:
-        touched = self._store.touched
-        if touched is not None:
-            touched.add(ino)
-        super().put_xattr(ino, name, value)
-
     def delete_xattr(self, ino: int, name: bytes) -> None:
         touched = self._store.touched
         if touched is not None:
@@ -731,13 +724,72 @@ class _SqliteTxn(SqlTxn):
         super().delete_xattr(ino, name)
 
     def allocate(self, key: str) -> int:
-        value = super().allocate(key)
-        if self._store.synchronous_mode == "normal":
-            bound = int(self.get_meta(f"{key}.reserved") or "0")
-            if value >= bound:
-                self.put_meta(f"{key}.reserved", str(value + RESERVE))
-                self._store.durable_commit = True  # this commit is fsynced before anyone hears of it
+        store = self._store
+        if not store.reserving:
+            return super().allocate(key)
+        # Under a reserve the counter lives in memory between reserve moves: numbers below
+        # the durable bound are never reused (an open moves every counter past its bound),
+        # so writing the counter at each number would buy nothing. A number taken by a
+        # transaction that rolls back is skipped (gaps are allowed).
+        value = store.counters.get(key)
+        if value is None:
+            value = int(self.get_meta(key) or "1")
+        bound = store.bounds.get(key)
+        if bound is None:
+            bound = store.bounds[key] = int(self.get_meta(f"{key}.reserved") or "0")
+        store.counters[key] = value + 1
+        if value >= bound:
+            SqlTxn.put_meta(self, key, str(value + 1))
+            SqlTxn.put_meta(self, f"{key}.reserved", str(value + RESERVE))
+            del store.bounds[key]  # read again: this commit may yet roll back
+            store.durable_commit = True  # this commit is fsynced before anyone hears of it
         return value
+
+    def delete_inode(self, ino: int) -> None:
+        touched = self._store.touched
+        if touched is not None:
+            touched.add(ino)
+        if self._store.any_xattrs:
+            super().delete_inode(ino)
+        else:  # no inode has extended attributes: nothing of them to delete
+            self._q("DELETE FROM inodes WHERE ino = ?", (ino,))
+
+    def put_xattr(self, ino: int, name: bytes, value: bytes) -> None:
+        touched = self._store.touched
+        if touched is not None:
+            touched.add(ino)
+        self._store.any_xattrs = True  # before the row: a rollback leaves it set, which is safe
+        super().put_xattr(ino, name, value)
+
+    def put_meta(self, key: str, value: str) -> None:
+        super().put_meta(key, value)
+        counter = key.removesuffix(".reserved")  # set from outside allocate: read it again
+        self._store.counters.pop(counter, None)
+        self._store.bounds.pop(counter, None)
+
+
+def _lock_writer(path: str) -> int:
+    """Hold ``path``'s writer lock (``flock`` on ``path.lock``) for as long as the store is open.
+
+    One writing store per database: counters live in its memory between durable
+    reserve bounds, so a second writer could hand out the same inode numbers. A
+    process that dies drops its lock with it. Returns -1 for an in-memory database.
+
+    Raises:
+        StripefsError: BUSY when another store (this process or another) holds it.
+    """
+    if path == ":memory:" or path.startswith("file:"):
+        return -1
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StripefsError(ErrorCode.BUSY, f"{path} is in use by another metadata service (it holds {path}.lock)") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class SqliteStore(Store):
@@ -763,6 +815,29 @@ class SqliteStore(Store):
         self.synchronous_mode = synchronous
         self.durable_commit = False  # set by a commit that must be fsynced even under ``normal``
         self.touched: set[object] | None = None  # keys written, while a caller records them (_SqliteTxn)
+        self._lock_fd = _lock_writer(self.path)
+        try:
+            self._open_database(busy_timeout_s, synchronous)
+        except BaseException:
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+            raise
+        self._open = False
+        self._batching = False
+        self._readers: list[_SqliteReader] = []
+        self._bare: list[bool] | None = None  # commit_unsynced's transactions: False = needed a savepoint
+        # ``full`` with the log fsynced by the owner (:meth:`sync_log_by_owner`).
+        self.log_by_owner = False
+        self._dir_synced = False
+        self._changes = 0  # total_changes when the open transaction began: a commit that wrote nothing needs no fsync
+        # Counters kept in memory under a reserve (``_SqliteTxn.allocate``): next numbers, durable bounds.
+        self.counters: dict[str, int] = {}
+        self.bounds: dict[str, int] = {}
+        # Commits since the last checkpoint, once the owner runs them (:meth:`take_checkpoints`).
+        self.unchecked = 0
+        self._checkpoints_by_owner = False
+
+    def _open_database(self, busy_timeout_s: float, synchronous: str) -> None:
         # isolation_level=None: we issue BEGIN/COMMIT ourselves, so a transaction's
         # boundaries are exactly the `with` block.
         self._conn = sqlite3.connect(self.path, timeout=busy_timeout_s,
@@ -783,6 +858,8 @@ class SqliteStore(Store):
                     self._conn.execute(statement)
             self._migrate()
             self._skip_reserved()
+            # Whether any inode may have extended attributes (an unlink then deletes them too).
+            self.any_xattrs = self._conn.execute("SELECT 1 FROM xattrs LIMIT 1").fetchone() is not None
             self._conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?) "
                                "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
             self._conn.execute("COMMIT")
@@ -790,17 +867,18 @@ class SqliteStore(Store):
             self._conn.execute("ROLLBACK")
             self._conn.close()
             raise
-        self._open = False
-        self._batching = False
-        self._readers: list[_SqliteReader] = []
-        self._bare: list[bool] | None = None  # commit_unsynced's transactions: False = needed a savepoint
-        # Commits since the last checkpoint, once the owner runs them (:meth:`take_checkpoints`).
-        self.unchecked = 0
-        self._checkpoints_by_owner = False
+
+    @property
+    def reserving(self) -> bool:
+        """Whether counters are handed out below a durably recorded bound: under ``normal``,
+        and under ``full`` once the owner fsyncs the log (:meth:`sync_log_by_owner`)."""
+        return self.synchronous_mode == "normal" or self.log_by_owner
 
     @property
     def synchronous(self) -> str:
         """The durability setting in force on the writing connection (``full`` or ``normal``)."""
+        if self.log_by_owner:
+            return "full"  # SQLite's own setting is NORMAL: the owner fsyncs (sync_log_by_owner)
         level = self._conn.execute("PRAGMA synchronous").fetchone()[0]
         return next(name for name, value in SYNC_MODES.items() if value == level)
 
@@ -822,20 +900,60 @@ class SqliteStore(Store):
                 self._conn.execute("INSERT INTO meta (key, value) VALUES (?, ?) "
                                    "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (counter, str(bound)))
 
+    def _begin(self) -> None:
+        self._conn.execute("BEGIN IMMEDIATE")
+        self._changes = self._conn.total_changes
+
     def _commit(self) -> None:
         self._conn.execute("COMMIT")
         self.unchecked += 1
-        if self.durable_commit:
+        if self.durable_commit or (self.log_by_owner and self._conn.total_changes != self._changes):
             self.durable_commit = False
-            # ``normal`` wrote the commit to the WAL without an fsync: do that one now.
+            # SQLite's NORMAL wrote the commit to the WAL without an fsync: do that one now.
+            self.sync_log()
+
+    def sync_log(self) -> None:
+        """Make every commit that returned before this call durable: fsync the log (WAL).
+
+        Safe on any thread while the writing connection commits (its own descriptor; the
+        fsync covers at least every write that completed before it started). The first
+        call also fsyncs the directory, so the log's own name is durable.
+
+        Raises:
+            OSError: the fsync failed (what the log holds may not be on disk).
+        """
+        try:
+            fd = os.open(self.path + "-wal", os.O_RDONLY)
+        except FileNotFoundError:
+            return  # an in-memory database: nothing is durable anyway
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if not self._dir_synced:
+            dfd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY | os.O_DIRECTORY)
             try:
-                fd = os.open(self.path + "-wal", os.O_RDONLY)
-            except FileNotFoundError:
-                return  # an in-memory database: nothing is durable anyway
-            try:
-                os.fsync(fd)
+                os.fsync(dfd)
             finally:
-                os.close(fd)
+                os.close(dfd)
+            self._dir_synced = True
+
+    def sync_log_by_owner(self) -> None:
+        """Under ``full``: let the owner make commits durable, many at a time.
+
+        SQLite then runs at NORMAL (a commit writes the log to the page cache; checkpoints
+        still fsync the log first and the database after, and a reused log's header is
+        fsynced): :meth:`commit_unsynced` commits and the owner acknowledges those
+        commits only after a :meth:`sync_log` that started after them returned. Every
+        other commit (:meth:`transaction`, :meth:`batch`) calls :meth:`sync_log` itself
+        before it returns, as ``full`` did. Also :meth:`take_checkpoints`. Does nothing
+        under ``normal``.
+        """
+        self.take_checkpoints()
+        if self.synchronous_mode != "full":
+            return
+        self._conn.execute(f"PRAGMA synchronous={SYNC_MODES['normal']}")
+        self.log_by_owner = True
 
     def _migrate(self) -> None:
         """Bring a database written by an older version up to this schema (idempotent)."""
@@ -848,8 +966,10 @@ class SqliteStore(Store):
     def commit_unsynced(self, fn: Callable[[], T]) -> tuple[bool, T | None]:
         """Run ``fn`` (whose transactions join one batch) and commit it, if that commit
         needs no fsync: under ``normal`` with no counter crossing its reserved bound and
-        :meth:`take_checkpoints` in force (a checkpoint fsyncs). For callers that must not
-        wait on the disk (the metadata service's event loop).
+        :meth:`take_checkpoints` in force (a checkpoint fsyncs). Under ``full`` only after
+        :meth:`sync_log_by_owner`: the commit is durable once a :meth:`sync_log` that
+        started after this call returned has returned. For callers that must not wait on
+        the disk (the metadata service's event loop).
 
         Returns:
             ``(True, result)`` once committed; ``(False, None)`` with nothing applied when
@@ -858,7 +978,7 @@ class SqliteStore(Store):
         Raises:
             Exception: what ``fn`` raised (nothing of it kept).
         """
-        if self.synchronous_mode != "normal" or not self._checkpoints_by_owner:
+        if not self._checkpoints_by_owner or (self.synchronous_mode != "normal" and not self.log_by_owner):
             return False, None
         if self._open or self._batching:
             raise RuntimeError("batches do not nest")
@@ -894,9 +1014,24 @@ class SqliteStore(Store):
 
     def checkpoint(self) -> None:
         """Copy the log into the database (as far as no reader still needs it), so the
-        log is written from its start again; fsyncs. Outside any transaction."""
-        self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        log is written from its start again; fsyncs. Outside any transaction.
+
+        When the whole log was copied, one small commit follows here: the first commit
+        into a log started again fsyncs its new header (SQLite, at ``NORMAL``), and that
+        fsync belongs on the caller's thread, not in the next :meth:`commit_unsynced`."""
+        busy, logged, copied = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
         self.unchecked = 0
+        if not busy and logged == copied and logged > 0:
+            self._begin()
+            try:
+                self._conn.execute("INSERT INTO meta (key, value) VALUES ('log_restarts', '1') "
+                                   "ON CONFLICT (key) DO UPDATE SET value = CAST(value AS INTEGER) + 1")
+                self._commit()
+            except BaseException:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                raise
+            self.unchecked = 0
 
     @contextmanager
     def batch(self) -> Iterator[None]:
@@ -904,7 +1039,7 @@ class SqliteStore(Store):
             raise RuntimeError("batches do not nest")
         self._batching = True
         try:
-            self._conn.execute("BEGIN IMMEDIATE")
+            self._begin()
             yield
             self._commit()  # one fsync for every transaction of the batch (under ``full``)
         except BaseException:
@@ -930,7 +1065,7 @@ class SqliteStore(Store):
         try:
             # IMMEDIATE takes the write lock up front: a read-then-write transaction
             # cannot then fail half way with SQLITE_BUSY on lock upgrade.
-            self._conn.execute("BEGIN IMMEDIATE")
+            self._begin()
             yield _SqliteTxn(self._conn.cursor(), self)
             self._commit()
         except BaseException:
@@ -978,6 +1113,9 @@ class SqliteStore(Store):
         for reader in self._readers:
             reader.close()
         self._conn.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # the lock goes with the descriptor
+            self._lock_fd = -1
 
 
 class _SqliteReader(Store):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from typing import Any, Callable
 
 import trio
@@ -91,6 +92,7 @@ class StoreThread:
         self._run_batch = run_batch
         self.max_batch = max_batch
         self._q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self.jobs_run = 0  # jobs handed to the thread so far (how many hand-offs the loop made)
 
     async def submit(self, fn: Callable[[], Any], on_done: Callable[[], None] | None = None) -> Any:
         """Run ``fn()`` on the thread; its result, or its exception raised here.
@@ -139,9 +141,120 @@ class StoreThread:
                     break
                 jobs.append(nxt)
             self._run_batch(jobs)
+            self.jobs_run += len(jobs)
             try:
                 token.run_sync_soon(_deliver, jobs)
             except trio.RunFinishedError:
                 return
             if stop:
                 return
+
+
+class LogSync:
+    """Group fsync: commits made on the loop become durable together, on one thread.
+
+    The loop commits (a write of the log to the page cache), then awaits :meth:`durable`.
+    The thread runs ``sync()`` (an fsync of the log) whenever a commit waits: every
+    commit made before an fsync starts is acknowledged when that fsync returns; commits
+    arriving while one runs wait for the next. One fsync serves as many commits as the
+    loop made meanwhile. The request to the thread leaves once the tasks that were ready
+    to run alongside the first waiting commit have run too (two passes of the scheduler,
+    no system call): requests that arrived together commit together.
+
+    A failed fsync leaves the log in doubt (the kernel may have dropped the pages it
+    could not write): every waiter then, and every later :meth:`durable`, raises
+    :attr:`failed`'s error -- the owner stops acknowledging mutations until restarted.
+
+    Args:
+        sync: makes every commit that returned before it was called durable.
+    """
+
+    def __init__(self, sync: Callable[[], None]):
+        self._sync = sync
+        self._cond = threading.Condition(threading.Lock())
+        self._wanted = 0  # the newest commit waiting (a sequence number; thread: under _cond)
+        self._taken = 0  # the newest commit an fsync started for (thread only)
+        self._stop = False
+        self.committed = 0  # commits made (loop)
+        self.synced = 0  # the newest commit known durable (loop)
+        self.syncs = 0  # fsyncs run (loop's count)
+        self.failed: OSError | None = None
+        self._waiters: deque[tuple[int, trio.Event]] = deque()
+        self._asked = trio.Event()  # a commit waits: the kicker asks the thread (run)
+
+    async def durable(self) -> None:
+        """Return once every commit made so far on the loop is durable.
+
+        Raises:
+            OSError: an fsync failed (now or before): the commit may not be durable.
+        """
+        if self.failed is not None:
+            raise self.failed
+        seq = self.committed = self.committed + 1
+        done = trio.Event()
+        self._waiters.append((seq, done))
+        self._asked.set()
+        await done.wait()
+        if self.failed is not None and self.synced < seq:
+            raise self.failed
+
+    async def run(self) -> None:
+        """Run the sync thread until cancelled (an fsync in progress finishes first)."""
+        token = trio.lowlevel.current_trio_token()
+        life = _Life()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._kicker)
+                await trio.to_thread.run_sync(self._loop, token, life, abandon_on_cancel=True)
+        finally:
+            with self._cond:
+                self._stop = True
+                self._cond.notify()
+            if life.end():
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(life.stopped.wait, STOP_WAIT)
+
+    async def _kicker(self) -> None:
+        """Ask the thread for an fsync covering every commit made so far, once the tasks
+        ready to run beside the first waiting commit have had their turn."""
+        while True:
+            await self._asked.wait()
+            self._asked = trio.Event()
+            await trio.lowlevel.checkpoint()  # the tasks ready now run (and may commit) first
+            with self._cond:
+                self._wanted = self.committed
+                self._cond.notify()
+
+    def _loop(self, token: trio.lowlevel.TrioToken, life: _Life) -> None:
+        if not life.start():
+            return
+        try:
+            while True:
+                with self._cond:
+                    while self._wanted <= self._taken and not self._stop:
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                    target = self._taken = self._wanted
+                error = None
+                try:
+                    self._sync()
+                except OSError as exc:
+                    error = exc
+                try:
+                    token.run_sync_soon(self._done, target, error)
+                except trio.RunFinishedError:
+                    return
+        finally:
+            life.stopped.set()
+
+    def _done(self, target: int, error: OSError | None) -> None:
+        """On the loop: every commit up to ``target`` is durable (or, with ``error``, in doubt)."""
+        self.syncs += 1
+        if error is not None and self.failed is None:
+            self.failed = error
+        if self.failed is None:
+            self.synced = max(self.synced, target)
+        waiters = self._waiters
+        while waiters and (waiters[0][0] <= target or self.failed is not None):
+            waiters.popleft()[1].set()

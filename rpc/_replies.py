@@ -28,13 +28,18 @@ from typing import Any
 import trio
 
 import wire
-from wire import ErrorCode, FrameHead, ServerConnection, StripefsError
+from wire import NEED_DATA, ErrorCode, FrameHead, Message, RequestReceived, ServerConnection, StripefsError
 
 __all__ = ["ConnThread", "ThreadReply", "send_all", "sendfile_all"]
 
 log = logging.getLogger(__name__)
 
 WAIT_MS = 60_000  # a peer that reads nothing for a minute is gone
+THREAD_READ = 4096  # what a receiving ConnThread asks of the socket at once (a few pipelined requests)
+
+# What a receiving thread asks about each request without payload: the job that answers it
+# right there, or None to hand the request (and receiving) back to the trio side.
+ThreadJob = Callable[[FrameHead, Message], "Callable[..., None] | None"]
 
 
 def _wait_fd(fd: int, events: int) -> None:
@@ -153,9 +158,24 @@ def _as_error(exc: Exception, what: str) -> StripefsError:
     return StripefsError(ErrorCode.IO, f"internal error: {type(exc).__name__}: {exc}")
 
 
+class _Receive:
+    """The job that makes a :class:`ConnThread` take over receiving."""
+
+    __slots__ = ("serve", "back")
+
+    def __init__(self, serve: ThreadJob, back: Callable[[Any], None]):
+        self.serve, self.back = serve, back
+
+
 class ConnThread:
     """A connection's own reply thread: runs ``fn(reply, *args)`` jobs one after another,
     each answering its request itself (a :class:`ThreadReply` that takes the wire lock).
+
+    It may also take over the receiving side (:meth:`receive`): it then reads and decodes
+    the frames itself (blocking ``poll`` and ``read``), answers those its ``serve`` function
+    has a job for right there, and hands the first other event (a request it does not
+    serve, one with a payload, a bad request, the end of the stream) or error back to
+    the trio side with ``back``, after which it runs queued jobs again.
 
     The trio side submits without awaiting anything and is never woken back: a
     request served here costs no worker-thread hand-off and no loop wake-up. A job
@@ -177,6 +197,9 @@ class ConnThread:
         self.closing = False
         self._token = trio.lowlevel.current_trio_token()  # made on the loop
         self._room_waiters: deque[trio.Event] = deque()
+        # True from the trio side's hand-over (:meth:`receive`) until the thread hands
+        # receiving back; meanwhile the trio side submits no jobs.
+        self.receiving = False
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -186,6 +209,14 @@ class ConnThread:
 
     def submit(self, head: FrameHead, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
         self._jobs.put((head, fn, args))
+
+    def receive(self, serve: ThreadJob, back: Callable[[Any], None]) -> None:
+        """Take over receiving once the jobs submitted so far are done (trio side, with no
+        read of the socket in progress there). ``serve(head, msg)`` picks the requests
+        answered on this thread; ``back(item)`` is called on this thread with the event or
+        exception that ends it (the trio side then receives again)."""
+        self.receiving = True
+        self._jobs.put(_Receive(serve, back))
 
     async def wait_for_room(self, most: int) -> None:
         """Wait (on the loop) until fewer than ``most`` jobs are queued. The thread wakes
@@ -219,7 +250,11 @@ class ConnThread:
             while (job := self._jobs.get()) is not None:
                 if self._room_waiters:
                     self._wake_room_waiters()
-                if not self.closing:
+                if type(job) is _Receive:
+                    item = self._receive(job.serve) if not self.closing else EOFError("connection closed")
+                    self.receiving = False
+                    job.back(item)
+                elif not self.closing:
                     try:
                         self._one(*job)
                     except Exception:  # never leave the jobs behind this one unanswered
@@ -228,6 +263,38 @@ class ConnThread:
         finally:
             if self._close_fd >= 0:
                 os.close(self._close_fd)
+
+    def _receive(self, serve: ThreadJob) -> Any:
+        """Receive and answer requests until one is not for this thread: returns that
+        event (or the exception that ended receiving) for the trio side."""
+        machine, fd = self._machine, self._fd
+        ready = select.poll()
+        ready.register(fd, select.POLLIN)
+        try:
+            while True:
+                while n := machine.next_read_size():
+                    ready.poll()  # readable, or the stream ended or failed: the read says which
+                    try:
+                        data = os.read(fd, max(n, THREAD_READ))
+                    except BlockingIOError:
+                        continue
+                    machine.receive_data(data)
+                event = machine.next_event()
+                if event is NEED_DATA:
+                    continue
+                if type(event) is not RequestReceived or event.payload_len:
+                    return event
+                try:
+                    fn = serve(event.head, event.message)
+                except Exception:  # noqa: BLE001 -- the trio side serves it and answers any failure
+                    fn = None
+                if fn is None:
+                    return event
+                self._one(event.head, fn, (event.message,))
+                if self.closing:
+                    return EOFError("connection closed")
+        except Exception as exc:  # noqa: BLE001 -- raised on the trio side, where the connection ends
+            return exc
 
     def _one(self, head: FrameHead, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
         reply = ThreadReply(self._fd, self._machine, head, self._lock)

@@ -19,9 +19,11 @@ sans-IO :class:`wire.ServerConnection`; this module only moves bytes. Bulk sends
 go through worker threads (``sendfile`` of a chunk file, or a buffer; see
 ``_replies.py``), so no blocking call runs on the trio loop. Latency-bound replies
 (small reads) go to the connection's own reply thread instead
-(:meth:`ServerConn.reply_in_thread`, :meth:`Service.handle_now`): no worker-thread
-hand-off and no wake-up of the loop per request. Every frame is sent under the
-connection's wire lock (a ``threading.Lock``; trio takes it without blocking).
+(:meth:`ServerConn.reply_in_thread`, :meth:`Service.thread_job`): no worker-thread
+hand-off and no wake-up of the loop per request. After the first such request the
+thread also receives the connection's frames itself (:meth:`ServerConn.thread_receives`)
+until one is not for it, which it hands back to the reader task. Every frame is sent
+under the connection's wire lock (a ``threading.Lock``; trio takes it without blocking).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from wire import (
     StripefsError,
 )
 
-from ._replies import ConnThread, ThreadReply, send_all, sendfile_all
+from ._replies import ConnThread, ThreadJob, ThreadReply, send_all, sendfile_all
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +105,10 @@ class ServerConn:
         self.wire_lock = threading.Lock()  # held by whoever writes a frame, trio task or thread
         self._fd = sock.fileno()
         self._thread: ConnThread | None = None
+        # While the reply thread receives (thread_receives): set when it hands receiving back.
+        self._back: trio.Event | None = None
+        self._back_item: Any = None
+        self._token = trio.lowlevel.current_trio_token()
 
     @property
     def client_id(self) -> bytes:
@@ -177,10 +183,19 @@ class ServerConn:
 
     async def next_event(self) -> Event:
         """The next event from the peer (frames the machine answers itself are sent here).
+        While the reply thread receives (:meth:`thread_receives`), the first event it did
+        not serve itself, once it hands receiving back.
 
         Raises:
             StripefsError: a refused handshake (after the refusal was sent) or a broken stream.
+            OSError, EOFError: the reply thread's receiving failed.
         """
+        if self._back is not None:
+            await self._back.wait()
+            item, self._back, self._back_item = self._back_item, None, None
+            if isinstance(item, BaseException):
+                raise item
+            return item  # type: ignore[no-any-return]
         while True:
             while n := self.machine.next_read_size():
                 await self._fill(n)
@@ -285,6 +300,32 @@ class ServerConn:
         thread.submit(head, fn, args)
         return True
 
+    def thread_receives(self, serve: ThreadJob) -> None:
+        """Hand the receiving side to the connection's reply thread (started by a request
+        handed to it first; else nothing happens), from the reader task, between frames.
+
+        The thread reads and decodes frames itself and answers those ``serve(head, msg)``
+        gives a job for (the small reads of a data connection: no pass through the loop
+        at all); the first other event is handed back and :meth:`next_event` returns it.
+        Meanwhile :meth:`reply_in_thread` answers through a trio worker thread."""
+        thread = self._thread
+        if thread is None or thread.receiving:
+            return
+        self._back = trio.Event()
+        thread.receive(serve, self._thread_back)
+
+    def _thread_back(self, item: Any) -> None:
+        """On the reply thread: receiving ends with ``item`` (event or exception)."""
+        try:
+            self._token.run_sync_soon(self._took_back, item)
+        except trio.RunFinishedError:
+            pass  # the server is gone
+
+    def _took_back(self, item: Any) -> None:
+        if self._back is not None:
+            self._back_item = item
+            self._back.set()
+
     async def reply_in_thread(self, head: FrameHead, fn: Callable[..., None], *args: Any) -> None:
         """Have the connection's own reply thread run ``fn(reply, *args)``, which answers
         ``head`` itself; returns at once, without a checkpoint.
@@ -296,6 +337,10 @@ class ServerConn:
         With ``MAX_QUEUED`` jobs already waiting, this waits for room (the thread wakes
         the loop then), so a flooding connection is held back.
         """
+        thread = self._thread
+        if thread is not None and thread.receiving:  # blocked in a read: a worker thread answers
+            await self.reply_from_thread(head, fn, *args)
+            return
         while not self.try_reply_in_thread(head, fn, *args):
             await self._thread.wait_for_room(MAX_QUEUED)  # type: ignore[union-attr]
 
@@ -338,6 +383,15 @@ class Service:
     """
 
     role: str = "service"
+
+    def thread_job(self, head: FrameHead, msg: wire.Message) -> Callable[..., None] | None:
+        """The job ``fn(reply, msg)`` that answers a request without payload on its
+        connection's own reply thread, right where it was received, or None (the default:
+        the trio side serves it). Called on the reader task and, once the connection's
+        thread receives for itself, on that thread: it must not block, await or change
+        state. A service that returns jobs here has the reader hand them over (as
+        :meth:`handle_now` would) and the receiving side too, from the first one on."""
+        return None
 
     def handle_now(self, conn: ServerConn, head: FrameHead, msg: wire.Message) -> bool:
         """Dispose of a request on the reader itself, without a task: True when it did
@@ -541,6 +595,13 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
                 return
             head, msg = event.head, event.message
             if not head.payload_len:
+                try:
+                    job = service.thread_job(head, msg)
+                    if job is not None and conn.try_reply_in_thread(head, job, msg):
+                        conn.thread_receives(service.thread_job)
+                        continue
+                except Exception:  # noqa: BLE001, S110 -- served below
+                    pass
                 try:
                     if service.handle_now(conn, head, msg):
                         continue

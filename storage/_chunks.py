@@ -30,6 +30,12 @@ the server checks it before writing. A read verifies the blocks it covers once;
 later reads of verified blocks go straight to ``sendfile`` as long as the file
 was not modified behind the server's back (its mtime is remembered).
 
+Small reads (``inline``) keep their chunk file open: a bounded cache of read
+descriptors, ``FDS_PER_LOCK`` per chunk lock, used only under that lock. Every
+change that replaces or removes a chunk file (copy-on-write, a replica's copy,
+truncate, remove) closes the chunk's cached descriptor under the same lock, so a
+read never sees an old file's bytes; writes in place keep it (same inode).
+
 Caveats:
   * a chunk's header cache lives in this process; only one server may own a root.
 """
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import errno
 import os
+import resource
 import shutil
 import struct
 import threading
@@ -56,6 +63,7 @@ MAGIC = b"SFCHUNK1"
 _HDR = struct.Struct("!8sQQIIQ")
 _CRC_OFF = 64
 MAX_BLOCKS = (HEADER_SIZE - _CRC_OFF) // 4
+FDS_PER_LOCK = 4  # chunk files kept open for small reads, per chunk lock (256 locks), at most
 assert MAX_CHUNK // BLOCK <= MAX_BLOCKS
 
 
@@ -118,6 +126,11 @@ class ChunkStore:
         os.makedirs(self.tomb_root, exist_ok=True)
         self._meta: dict[tuple[int, int], ChunkMeta] = {}
         self._locks = [threading.Lock() for _ in range(256)]
+        # Read descriptors of recently read chunks, per lock (used and changed under it).
+        self._fds: list[dict[tuple[int, int], int]] = [{} for _ in range(256)]
+        # At most a quarter of the process's descriptor limit (connections need the rest).
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self._fds_per_lock = FDS_PER_LOCK if soft == resource.RLIM_INFINITY else min(FDS_PER_LOCK, soft // 1024)
         self._mlock = threading.Lock()
         self.used = 0
         self.chunks = 0
@@ -132,6 +145,33 @@ class ChunkStore:
 
     def _lock(self, ino: int, index: int) -> threading.Lock:
         return self._locks[hash((ino, index)) & 255]
+
+    def _forget_fd(self, ino: int, index: int) -> None:
+        """Close the chunk's cached read descriptor (caller holds the chunk's lock): its
+        file is being replaced, cut or removed."""
+        fd = self._fds[hash((ino, index)) & 255].pop((ino, index), None)
+        if fd is not None:
+            os.close(fd)
+
+    def _forget_ino_fds(self, ino: int) -> None:
+        """Close every cached read descriptor of an inode (its directory is going)."""
+        for lock, fds in zip(self._locks, self._fds):
+            with lock:
+                for key in [k for k in fds if k[0] == ino]:
+                    os.close(fds.pop(key))
+
+    def close(self) -> None:
+        """Close the cached read descriptors (the store stays usable)."""
+        for lock, fds in zip(self._locks, self._fds):
+            with lock:
+                while fds:
+                    os.close(fds.popitem()[1])
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001, S110 -- at interpreter exit, or a half-built store
+            pass
 
     def _scan_usage(self) -> None:
         used = chunks = 0
@@ -275,6 +315,7 @@ class ChunkStore:
         finally:
             os.close(src)
             os.close(dst)
+        self._forget_fd(ino, index)
         os.rename(tmp, path)
         self._fsync_dir(self._dir(ino))
         self.used += new.length - meta.length
@@ -323,8 +364,8 @@ class ChunkStore:
         """:meth:`open_read_checked` without the segment checksums."""
         return self.open_read_checked(ino, index, offset, length)[:5]  # type: ignore[return-value]
 
-    def open_read_checked(self, ino: int, index: int, offset: int,
-                          length: int) -> tuple[int, int, int, bytes | None, int, list[int]]:
+    def open_read_checked(self, ino: int, index: int, offset: int, length: int,
+                          inline: int = 0) -> tuple[int, int, int, bytes | None, int, list[int]]:
         """Prepare a read: ``(fd, file_offset, n, data, chunk_length, crcs)``.
 
         ``crcs`` are the CRC32C of the payload's segments (``wire.segments``): the
@@ -336,29 +377,48 @@ class ChunkStore:
         ``data`` holds the bytes (``fd`` is -1). ``n == 0`` for a missing chunk
         (a hole) or a read at/after the chunk's end.
 
+        ``inline``: a read of at most this many bytes always comes back as ``data``
+        (one ``pread`` of the chunk file, kept open in the descriptor cache; the bytes
+        the CRCs were computed over are the bytes sent).
+
         Raises:
             StripefsError: CHECKSUM (EIO) when stored data does not match its CRC.
         """
         if offset < 0 or length < 0 or offset + length > MAX_CHUNK:
             raise StripefsError(ErrorCode.INVALID, "read range outside a chunk")
-        with self._lock(ino, index):
+        key = (ino, index)
+        slot = hash(key) & 255
+        with self._locks[slot]:
             # Opened under the lock: a copy-on-write rename between the open and the lock would
             # leave fd on the old file, and reloading the header from it would cache the old
             # meta for the new file (its CRCs then fail reads, and the next write builds on it).
+            cached = length <= inline
+            fds = self._fds[slot]
+            fd = fds.pop(key, -1) if cached else -1
+            if fd < 0:
+                try:
+                    fd = os.open(self.path(ino, index), os.O_RDONLY)
+                except FileNotFoundError:
+                    if self.is_removed(ino):
+                        raise self._stale(ino) from None
+                    return -1, 0, 0, None, 0, []  # a hole
             try:
-                fd = os.open(self.path(ino, index), os.O_RDONLY)
-            except FileNotFoundError:
-                if self.is_removed(ino):
-                    raise self._stale(ino) from None
-                return -1, 0, 0, None, 0, []  # a hole
-            try:
-                return self._open_read_locked(ino, index, offset, length, fd)
+                out = self._open_read_locked(ino, index, offset, length, fd, cached)
             except BaseException:
                 os.close(fd)
                 raise
+            if cached and self._fds_per_lock:
+                while len(fds) >= self._fds_per_lock:  # the least recently read goes
+                    os.close(fds.pop(next(iter(fds))))
+                fds[key] = fd  # last: the most recently read
+            elif out[0] < 0:
+                os.close(fd)
+            return out
 
-    def _open_read_locked(self, ino: int, index: int, offset: int, length: int,
-                          fd: int) -> tuple[int, int, int, bytes | None, int, list[int]]:
+    def _open_read_locked(self, ino: int, index: int, offset: int, length: int, fd: int,
+                          inline: bool = False) -> tuple[int, int, int, bytes | None, int, list[int]]:
+        """The read of ``open_read_checked`` on ``fd``; the caller closes ``fd`` unless it
+        is returned (``inline``: never returned)."""
         meta = self._load(ino, index, fd)
         assert meta is not None
         st = os.fstat(fd)
@@ -368,11 +428,17 @@ class ChunkStore:
             assert meta is not None
         n = max(0, min(length, meta.length - offset))
         if n == 0:
-            os.close(fd)
             return -1, 0, 0, None, meta.length, []
         first, last = offset // BLOCK, (offset + n - 1) // BLOCK
         mask = ((1 << (last + 1)) - 1) ^ ((1 << first) - 1)
         if meta.verified & mask == mask:
+            if inline:
+                raw = os.pread(fd, n, HEADER_SIZE + offset)
+                if len(raw) != n:
+                    raise StripefsError(ErrorCode.CHECKSUM, f"chunk {ino}:{index} is shorter than its header says")
+                view = memoryview(raw)
+                crcs = self._segment_crcs(meta, offset, n, lambda s, e: view[s - offset : e - offset])
+                return -1, 0, n, raw, meta.length, crcs
             crcs = self._segment_crcs(meta, offset, n, lambda s, e: os.pread(fd, e - s, HEADER_SIZE + s))
             return fd, HEADER_SIZE + offset, n, None, meta.length, crcs
         bstart = first * BLOCK
@@ -384,7 +450,6 @@ class ChunkStore:
                 raise StripefsError(ErrorCode.CHECKSUM, f"chunk {ino}:{index} block {b} fails its checksum")
         meta.verified |= mask
         crcs = self._segment_crcs(meta, offset, n, lambda s, e: view[s - bstart : e - bstart])
-        os.close(fd)
         return -1, 0, n, raw[offset - bstart : offset - bstart + n], meta.length, crcs
 
     @staticmethod
@@ -437,6 +502,7 @@ class ChunkStore:
                         meta = self._load(ino, index)
                     except StripefsError:  # a corrupt header must not keep garbage alive
                         meta = None
+                    self._forget_fd(ino, index)
                     try:
                         os.unlink(os.path.join(d, name))
                     except FileNotFoundError:
@@ -447,6 +513,7 @@ class ChunkStore:
                     removed += 1
         if from_index == 0:
             shutil.rmtree(d, ignore_errors=True)
+            self._forget_ino_fds(ino)  # chunks that appeared after the listing went with it
         return removed
 
     def truncate(self, ino: int, index: int, length: int) -> None:
@@ -459,6 +526,7 @@ class ChunkStore:
         if not 0 <= length <= MAX_CHUNK:
             raise StripefsError(ErrorCode.INVALID, f"chunk length {length} outside 0..{MAX_CHUNK}")
         with self._lock(ino, index):
+            self._forget_fd(ino, index)
             try:
                 fd = os.open(self.path(ino, index), os.O_RDWR)
             except FileNotFoundError:
@@ -533,6 +601,7 @@ class ChunkStore:
                 new.mtime_ns = os.fstat(fd).st_mtime_ns
             finally:
                 os.close(fd)
+            self._forget_fd(ino, index)
             os.rename(tmp, path)
             self._fsync_dir(self._dir(ino))
             if new_dir:
@@ -545,6 +614,7 @@ class ChunkStore:
     def remove_one(self, ino: int, index: int) -> None:
         with self._lock(ino, index):
             meta = self._meta.pop((ino, index), None)
+            self._forget_fd(ino, index)
             try:
                 os.unlink(self.path(ino, index))
             except FileNotFoundError:

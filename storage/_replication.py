@@ -94,6 +94,7 @@ class Replicator:
         # When the metadata service last answered us (trio clock), and so confirmed our view
         # of the chain table: see StorageService.handle (reads after a long silence).
         self.heard = -float("inf")
+        self._clock: trio.abc.Clock | None = None  # the loop's, for confirmed() on other threads
         self.silences = 0  # how often it went that long without an answer (paused, cut off)
 
     # -- routing ----------------------------------------------------------------------------
@@ -111,11 +112,14 @@ class Replicator:
         """The metadata service answered a request sent at ``asked`` (trio clock)."""
         if asked - self.heard > SILENCE:
             self.silences += 1
+        self._clock = trio.lowlevel.current_clock()
         self.heard = max(self.heard, asked)
 
     def confirmed(self, lease: float = SILENCE) -> bool:
-        """Did the metadata service answer within ``lease`` seconds (:meth:`confirm` would return at once)?"""
-        return trio.current_time() - self.heard <= lease
+        """Did the metadata service answer within ``lease`` seconds (:meth:`confirm` would return at once)?
+        Callable from any thread (it reads the loop's clock; False before any answer)."""
+        clock = self._clock
+        return clock is not None and clock.current_time() - self.heard <= lease
 
     async def confirm(self, lease: float = SILENCE) -> None:
         """Ask for the chain table unless the metadata service answered within ``lease`` seconds.

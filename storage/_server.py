@@ -1,7 +1,9 @@
 """The storage server: one trio server per target directory.
 
 Requests (see ``wire._messages``): WriteChunk (payload in), ReadChunk (payload
-out, by ``sendfile`` when the blocks are verified), RemoveChunks,
+out: up to ``SMALL_READ`` from the connection's own thread, one ``pread`` of a chunk
+file kept open and one ``writev``; larger ones by ``sendfile`` when the blocks are
+verified), RemoveChunks,
 TruncateChunk, StatChunk, TargetInfo. Disk work runs in worker threads; write
 payloads are received straight into page-aligned pooled buffers.
 
@@ -22,6 +24,7 @@ import json
 import logging
 import os
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -74,21 +77,24 @@ class StorageService(Service):
             raise
         return buf
 
-    def handle_now(self, conn: ServerConn, head: FrameHead, msg: Message) -> bool:
+    def thread_job(self, head: FrameHead, msg: Message) -> Callable[..., None] | None:
         """A small read that needs no routing refresh, confirmation, tail proxying or
-        refusal goes from the reader straight to the connection's reply thread (no task)."""
+        refusal is answered on the connection's own thread (no task), which then receives
+        the connection's next requests itself. Called on the loop and on that thread:
+        only reads state (the routing table and the dirty set are replaced or changed
+        by the loop; a read decided just before a change is one that arrived before it)."""
         if type(msg) is not m.ReadChunk or msg.length > SMALL_READ:
-            return False
+            return None
         if msg.chain:
             repl = self.repl
             routing = repl.routing
             if routing is None or msg.routing_version > routing.version or not repl.confirmed():
-                return False
+                return None  # handle() asks the metadata service first
             if self.server_id not in routing.chains.get(msg.chain, (self.server_id,)):
-                return False  # handle() refuses it
+                return None  # handle() refuses it
             if (msg.ino, msg.index) in repl.dirty:
-                return False  # may be proxied to the tail
-        return conn.try_reply_in_thread(head, self._small_read, msg)
+                return None  # may be proxied to the tail
+        return self._small_read
 
     async def handle(self, conn: ServerConn, head: FrameHead, msg: Message, payload: Any) -> None:
         store = self.store
@@ -191,22 +197,19 @@ class StorageService(Service):
             raise StripefsError(ErrorCode.NOT_SUPPORTED, f"{type(msg).__name__} is not a storage request")
 
     def _small_read(self, reply: ThreadReply, msg: m.ReadChunk) -> None:
-        """Runs on the connection's reply thread: read, then answer (the frame under the wire lock).
+        """Runs on the connection's own thread: read, then answer (the frame under the wire lock).
 
-        A failure to read propagates before anything is sent; the thread answers it.
+        The bytes come from the chunk file kept open (``inline``) and go out with their
+        header in one ``writev``. A failure to read propagates before anything is sent;
+        the thread answers it.
         """
-        fd, off, n, data, clen, crcs = self.store.open_read_checked(msg.ino, msg.index, msg.offset, msg.length)
-        try:
-            header = m.ReadChunkReply(length=n, chunk_length=clen, crcs=crcs).to_header()
-            if data is not None:
-                reply.send(header, payload=data)
-            elif fd >= 0:
-                reply.send(header, file=(fd, off, n))
-            else:
-                reply.send(header)
-        finally:
-            if fd >= 0:
-                os.close(fd)
+        _fd, _off, n, data, clen, crcs = self.store.open_read_checked(
+            msg.ino, msg.index, msg.offset, msg.length, inline=SMALL_READ)
+        header = m.ReadChunkReply(length=n, chunk_length=clen, crcs=crcs).to_header()
+        if n:
+            reply.send(header, payload=data)
+        else:
+            reply.send(header)
 
     def _chained(self, chain: int) -> bool:
         """Must a write to ``chain`` go through the chain logic (forwarding, checks)?

@@ -215,6 +215,36 @@ class StripeFile(io.RawIOBase):
             return n
         return None
 
+    def buffered_view(self, offset: int, size: int) -> memoryview | None:
+        """Like :meth:`read_buffered`, without the copy: a view of up to ``size`` bytes
+        at ``offset`` inside a filled readahead window, or None.
+
+        The view is valid until the next call on this file object (that may recycle
+        the window), so the caller must be done with it first: an event loop that
+        copies it into a reply before any other task runs (the FUSE daemon).
+        """
+        if self._wlen or self._inflight:
+            return None
+        length = self._length()
+        n = max(0, min(size, length - offset))
+        w = self._filled(offset, n)
+        if w is not None and all(x[3] is None or x[3].done() for x in self._ra):
+            self._prefetch(w[0] + w[1], length)  # keep the next window coming
+            w = self._filled(offset, n)  # (it may recycle windows: look again)
+        if w is None:
+            return None
+        self._seq_end = offset + n
+        return memoryview(w[2])[offset - w[0] : offset - w[0] + n]
+
+    def _filled(self, offset: int, n: int) -> list[Any] | None:
+        """The filled readahead window holding ``n`` bytes at ``offset``; None when there is
+        none, or when its fetch failed (:meth:`pread_into` raises that)."""
+        for w in self._ra:
+            start, blen, _, fut = w
+            if start <= offset and offset + n <= start + blen and (fut is None or fut.done()):
+                return None if fut is not None and fut.exception() is not None else w
+        return None
+
     def in_window(self, offset: int) -> bool:
         """Is ``offset`` inside a readahead window (filled or being filled)?"""
         return self._in_window(offset)
@@ -314,7 +344,67 @@ class StripeFile(io.RawIOBase):
         self._check_error()  # a background write failed: report it at this write already
         return n
 
-    def _submit_buffer(self) -> None:
+    def buffered_fits(self, offset: int, n: int) -> bool | None:
+        """Can a write of ``n`` bytes at ``offset`` be taken by :meth:`write_buffered`?
+
+        True: it lands in the current write-behind buffer, which stays short of
+        full (a memory copy, nothing sent). False: it continues the buffer and
+        fills it, so a full buffer is sent in the background -- without blocking
+        only once :meth:`send_blocker` is None. None: any other write (not
+        contiguous with the buffer, as large as a window, an error pending, a
+        window of one chunk, which the client would send inline): use
+        :meth:`pwrite`.
+        """
+        if self.closed or not self._writable or n <= 0 or n >= self.window or offset + n > MAX_FILE_SIZE:
+            return None
+        self._reap(block=False)
+        if self._error is not None or (self._wlen and offset != self._wstart + self._wlen):
+            return None
+        if self._wlen + n < self.window:
+            return True
+        # Sending a full buffer must start threads, not send inline (one chunk and free).
+        return False if self.window > self.layout.chunk_size else None
+
+    def send_blocker(self) -> "Future[None] | None":
+        """The background write a full buffer would wait for before it is sent (at most
+        two are in flight); None when one may be sent now without blocking."""
+        self._reap(block=False)
+        if len(self._inflight) < 2:
+            return None
+        return next((f for f in self._inflight[0][1] if not f.done()), None)
+
+    def sending(self) -> list["Future[None]"]:
+        """The futures of the write-behind buffers in flight, oldest first."""
+        return [f for _, futs in self._inflight for f in futs]
+
+    def write_buffered(self, data: Any, offset: int) -> int:
+        """Take a write that :meth:`buffered_fits` (True, or False with no
+        :meth:`send_blocker`) without blocking: a memory copy into the write-behind
+        buffer, and a full buffer sent in the background. For event-loop code
+        (the FUSE daemon) that acknowledges writes once buffered.
+
+        Raises:
+            StripefsError: a background write of this file object failed.
+        """
+        view = memoryview(data).cast("B")
+        n = len(view)
+        self._check_error()
+        self._ra.clear()
+        self._dirty = True
+        done = 0
+        while done < n:
+            if self._wbuf is None:
+                self._wbuf = self._spare.pop() if self._spare else self._client.buffers.get(self.window)
+                self._wstart, self._wlen = offset + done, 0
+            k = min(n - done, self.window - self._wlen)
+            self._wbuf[self._wlen : self._wlen + k] = view[done : done + k]
+            self._wlen += k
+            done += k
+            if self._wlen == self.window:
+                self._submit_buffer(block=False)
+        return n
+
+    def _submit_buffer(self, block: bool = True) -> None:
         if not self._wlen:
             return
         buf, start, n = self._wbuf, self._wstart, self._wlen
@@ -322,7 +412,7 @@ class StripeFile(io.RawIOBase):
         futs = [self._client.submit_write(self.ino, self.layout, start, memoryview(buf)[:n])]
         self._inflight.append((buf, futs))
         self._written_end = max(self._written_end, start + n)
-        self._reap(block=len(self._inflight) >= 2)
+        self._reap(block=block and len(self._inflight) >= 2)
 
     def _reap(self, block: bool) -> None:
         """Collect finished background writes; with ``block`` wait for the oldest.

@@ -14,7 +14,7 @@ every file still open -- write-behind buffers sent, lengths committed -- before
 it exits, so a file held open (a log) keeps everything written to it.
 
 Options (``-o``): ours are ``attr_timeout=S``, ``entry_timeout=S``,
-``direct_io``, ``readahead_kb=N``; anything else (``allow_other``, ``ro``,
+``direct_io``, ``readahead_kb=N``, ``write_buffer_mb=N``; anything else (``allow_other``, ``ro``,
 ...) goes to libfuse. ``default_permissions`` is always on.
 """
 
@@ -60,6 +60,10 @@ def parse_options(opts: list[str]) -> tuple[Any, set[str]]:
                 setattr(cfg, key, float(value))
             elif key == "readahead_kb":
                 cfg.readahead_kb = int(value)
+            elif key == "write_buffer_mb":
+                cfg.write_buffer_mb = int(value)
+                if cfg.write_buffer_mb <= 0:
+                    raise ValueError
             elif key == "direct_io":
                 cfg.direct_io = True
             elif key == "noallow_other":

@@ -12,6 +12,9 @@ Semantics (docs/fuse.md has the long form):
   sequential readahead). Writes are acknowledged once buffered; errors surface
   at ``flush`` (every ``close``), ``fsync`` or the next write. The file length
   is committed at every ``flush``/``fsync`` (close-to-open consistency).
+  A sequential write is copied into the write-behind buffer on the trio loop (no
+  worker-thread hop); a full buffer is sent in the background, the mount's bytes in
+  flight bounded by ``write_buffer_mb`` (:meth:`StripeOperations._write_on_loop`).
 * Unlinking (or renaming over) a file that is open in this mount links it
   into ``/.stripefs-orphans`` first ("silly rename", as NFS does); the last
   ``release`` removes it. Orphans of a crashed daemon are removed by the next
@@ -54,6 +57,7 @@ import mmap
 import os
 import socket
 import stat
+from concurrent.futures import Future
 from typing import Any, Awaitable, Callable, TypeVar
 
 import pyfuse3
@@ -86,14 +90,17 @@ class FuseConfig:
         entry_timeout: seconds the kernel may cache a name -> inode lookup.
         direct_io: bypass the kernel page cache for file data.
         readahead_kb: kernel readahead window set on the mount's bdi (0 = leave it).
+        write_buffer_mb: write-behind bytes the mount keeps in flight to the storage
+            servers, all files together, before a write waits (on the loop) for room.
     """
 
     def __init__(self, attr_timeout: float = 1.0, entry_timeout: float = 1.0,
-                 direct_io: bool = False, readahead_kb: int = 16384):
+                 direct_io: bool = False, readahead_kb: int = 16384, write_buffer_mb: int = 256):
         self.attr_timeout = attr_timeout
         self.entry_timeout = entry_timeout
         self.direct_io = direct_io
         self.readahead_kb = readahead_kb
+        self.write_buffer_mb = write_buffer_mb
 
 
 def _errors(fn: F) -> F:
@@ -169,17 +176,23 @@ class OpenFile:
 
     def read_cached(self, offset: int, size: int) -> memoryview | None:
         """Serve a read from an already filled readahead window, on the trio loop
-        (no worker-thread hop); None when the bytes are not in memory yet."""
-        dest = self._dest(size)
-        n = self.file.read_buffered(dest, offset)
-        if n is None:
+        (no worker-thread hop, no copy: a view of the window, which pyfuse3 copies into
+        the reply before any other task runs); None when the bytes are not in memory yet."""
+        view = self.file.buffered_view(offset, size)
+        if view is None:
             return None
-        self.seq_end = offset + n
-        return dest[:n]
+        self.seq_end = offset + len(view)
+        return view
 
     def write(self, offset: int, data: bytes) -> int:
         self.dirty = self.written = True
         return self.file.pwrite(data, offset)
+
+    def write_buffered(self, offset: int, data: bytes) -> int:
+        """:meth:`write` on the trio loop, for a write that ``file.buffered_fits`` (a copy
+        into the write-behind buffer; a full one is sent in the background)."""
+        self.dirty = self.written = True
+        return self.file.write_buffered(data, offset)
 
     def sync(self) -> None:
         """Wait for buffered writes and commit the length (flush and fsync)."""
@@ -315,6 +328,8 @@ class StripeOperations(pyfuse3.Operations):
         self.told: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime) last given to the kernel
         self.cached: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime) of the kernel's page cache
         self.closing: dict[int, trio.Event] = {}
+        self.sending_bytes = 0  # write-behind bytes in flight, sent from the loop (see _write_on_loop)
+        self._room = trio.Event()  # set (and replaced) whenever some of them are acknowledged
         self._fh = itertools.count(1)
         self._orphan_dir: int | None = None
         self._rbufs: list[mmap.mmap] = []  # never closed: pyfuse3 may still hold a view
@@ -852,7 +867,52 @@ class StripeOperations(pyfuse3.Operations):
             if at != off:  # the kernel's size is off by what other clients appended: refresh it
                 await trio.to_thread.run_sync(_invalidate, self.handles[fh])
             return n
+        n = await self._write_on_loop(state, off, buf)
+        if n is not None:
+            return n
         return await self._locked(state, state.write, off, buf)
+
+    async def _write_on_loop(self, state: OpenFile, off: int, buf: bytes) -> int | None:
+        """Take a sequential write into the file's write-behind buffer on the loop: no
+        worker-thread hop, acknowledged once copied (as every write is once buffered).
+
+        A write that fills the buffer sends it in the background; first it waits, on the
+        loop, while two buffers of the file are in flight or while the mount's in-flight
+        bytes are at ``write_buffer_mb`` (back-pressure). Returns None for any other write
+        (not contiguous, a window or larger, the state busy on a thread, an error
+        pending): :meth:`OpenFile.write` on a thread takes it and reports what it must.
+        """
+        f = state.file
+        while not state.lock.locked() and state.file is f:
+            fits = f.buffered_fits(off, len(buf))
+            if fits is None:
+                return None
+            if not fits:
+                blocker = f.send_blocker()
+                if blocker is not None:
+                    await _future_done(blocker)
+                    continue
+                if self.sending_bytes and self.sending_bytes + f.window > self.config.write_buffer_mb << 20:
+                    await self._room.wait()
+                    continue
+            before = len(f.sending())
+            n = state.write_buffered(off, buf)
+            for fut in f.sending()[before:]:
+                self._track_send(fut, f.window)
+            return n
+        return None
+
+    def _track_send(self, fut: "Future[None]", nbytes: int) -> None:
+        """Count ``nbytes`` in flight against the mount's write budget until ``fut`` is done."""
+        self.sending_bytes += nbytes
+        token = trio.lowlevel.current_trio_token()
+
+        def sent() -> None:
+            self.sending_bytes -= nbytes
+            self._room.set()
+            self._room = trio.Event()
+
+        fut.add_done_callback(lambda _: _soon(token, sent))
 
     async def _kill_privs(self, state: OpenFile, ino: int) -> None:
         """Drop setuid (and setgid, when group-executable) after an unprivileged write or truncate.
@@ -1035,6 +1095,25 @@ def _killed(mode: int) -> int:
 def _stamp(attr: Attr) -> tuple[int, int, int]:
     """What tells one version of a file's contents from another, as far as a mount can see."""
     return (attr.size, attr.mtime_ns, attr.truncations)
+
+
+async def _future_done(fut: "Future[None]") -> None:
+    """Wait on the trio loop until the concurrent future ``fut`` is done (its result is
+    not taken: the file object reaps it and keeps its error)."""
+    if fut.done():
+        return
+    done = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+    fut.add_done_callback(lambda _: _soon(token, done.set))
+    await done.wait()
+
+
+def _soon(token: trio.lowlevel.TrioToken, fn: Callable[[], None]) -> None:
+    """Run ``fn`` on the loop of ``token`` (from any thread); nothing once the loop ended."""
+    try:
+        token.run_sync_soon(fn)
+    except trio.RunFinishedError:
+        pass
 
 
 def _invalidate(ino: int) -> None:

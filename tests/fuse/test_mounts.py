@@ -125,6 +125,8 @@ def test_mount_errors_are_clear(mnt: str, cluster, tmp_path) -> None:
     assert r.returncode == 1 and ("unreachable" in r.stderr or not env_secret)
     r = _cli("mount", str(tmp_path / "m"), "--cluster", cluster.file, "-o", "attr_timeout=soon")
     assert r.returncode == 1 and "bad mount option" in r.stderr
+    r = _cli("mount", str(tmp_path / "m"), "--cluster", cluster.file, "-o", "write_buffer_mb=0")
+    assert r.returncode == 1 and "bad mount option" in r.stderr
     r = _cli("umount", str(tmp_path / "m"))
     assert r.returncode == 1 and "not mounted" in r.stderr
 

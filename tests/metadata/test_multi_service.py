@@ -111,6 +111,22 @@ def test_sqlite_of_another_schema_version_is_refused_untouched(tmp_path: Path) -
     assert "replies" not in tables  # nothing created or migrated
 
 
+def test_one_writing_sqlite_store_per_database(tmp_path: Path) -> None:
+    # Counters live in the writer's memory between durable bounds: a second writer on
+    # the same file could hand out the same inode numbers, so it is refused.
+    first = SqliteStore(tmp_path / "meta.db")
+    try:
+        with pytest.raises(StripefsError) as err:
+            SqliteStore(tmp_path / "meta.db")
+        assert err.value.code == ErrorCode.BUSY and isinstance(err.value, OSError)
+        assert "in use by another metadata service" in err.value.message
+        with first.transaction() as txn:  # the first one is unharmed
+            assert txn.allocate("next_ino") > 0
+    finally:
+        first.close()
+    SqliteStore(tmp_path / "meta.db").close()  # closed: the lock went with it
+
+
 def test_unknown_store_url_is_invalid(tmp_path: Path) -> None:
     with pytest.raises(StripefsError) as err:
         open_store(str(tmp_path), "mysql://127.0.0.1/x")

@@ -4,6 +4,7 @@ checkpoint) still goes through the writer thread."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -12,6 +13,7 @@ import trio
 from metadata import Namespace, SqliteStore
 from metadata._server import Membership, MetadataService
 from metadata._store import RESERVE
+from wire import StripefsError
 from wire import messages as m
 
 
@@ -49,9 +51,10 @@ def test_commit_unsynced_commits_what_needs_no_fsync_and_nothing_else(tmp_path) 
             fns.lookup(1, "a")
 
 
-def test_normal_applies_mutations_on_the_loop_and_full_on_the_writer_thread(tmp_path) -> None:
+def test_mutations_commit_on_the_loop_and_full_answers_after_the_log_fsync(tmp_path) -> None:
     async def mkdir_without_store_threads(svc: MetadataService) -> bool:
-        # No store thread runs: only a mutation applied on the loop can finish.
+        # No store thread runs (nor the log's fsync thread): only a mutation applied on the
+        # loop can finish, and under ``full`` it is not answered before the log is fsynced.
         with trio.move_on_after(0.5):
             await svc._dispatch(m.Mkdir(parent=1, name="e", mode=0o755, uid=0, gid=0))
             return True
@@ -61,7 +64,10 @@ def test_normal_applies_mutations_on_the_loop_and_full_on_the_writer_thread(tmp_
         os.makedirs(tmp_path / sync)
         svc, store = _service(tmp_path / sync, sync)
         try:
+            with store.transaction() as txn:  # the next number handed out needs no durable commit
+                txn.put_meta("next_ino.reserved", str(RESERVE))
             assert trio.run(mkdir_without_store_threads, svc) == (sync == "normal")
+            assert svc.ns.lookup(svc.ns.resolve("/").ino, "e").is_dir  # committed on the loop either way
         finally:
             store.close()
 
@@ -181,3 +187,160 @@ def test_entries_and_counters_are_one_btree_each_and_older_databases_still_work(
         assert ns.readdir(d.ino) == ([], False)
         tables = dict(store._conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table'").fetchall())
         assert "WITHOUT ROWID" not in tables["dentries"]  # left as it was
+
+
+def test_a_checkpoint_starts_the_log_again_itself(tmp_path) -> None:
+    """The first commit into a log started again fsyncs its new header: that commit is made
+    by the checkpoint (on the writer thread), so the next commit on the loop needs no fsync."""
+    import struct
+
+    for sync in ("normal", "full"):
+        path = tmp_path / f"{sync}.db"
+        store = SqliteStore(path, synchronous=sync)
+        store.sync_log_by_owner()
+        ns = Namespace(store)
+        for k in range(20):
+            ns.mkdir(1, f"d{k}", 0o755, 0, 0)
+
+        def restarts(wal: str = f"{path}-wal") -> int:  # the log header's checkpoint sequence: +1 per restart
+            with open(wal, "rb") as f:
+                return struct.unpack(">I", f.read(16)[12:16])[0]
+
+        before = restarts()
+        store.checkpoint()
+        assert restarts() == before + 1
+        done, _ = store.commit_unsynced(functools.partial(ns.mkdir, 1, "after", 0o755, 0, 0))
+        assert done and restarts() == before + 1
+        store.close()
+
+
+def test_a_create_or_unlink_on_the_loop_reads_and_writes_no_counter_row(tmp_path) -> None:
+    """Under a durably recorded reserve the counters live in memory between reserve moves:
+    a create or an unlink touches no ``meta`` row, and numbers stay unique across a reopen."""
+    for sync in ("normal", "full"):
+        path = tmp_path / f"{sync}.db"
+        store = SqliteStore(path, synchronous=sync)
+        store.sync_log_by_owner()
+        ns = Namespace(store)
+        for warm in ("/first", "/second"):  # the first moves the reserves (durable commits)
+            ns.create_path(warm, 0o644, 0, 0, chains=[1])
+            ns.unlink_path(warm)
+        statements: list[str] = []
+        store._conn.set_trace_callback(statements.append)
+        made = []
+        for k in range(5):
+            done, (attr, _) = store.commit_unsynced(functools.partial(ns.create_path, f"/f{k}", 0o644, 0, 0,
+                                                                      chains=[1]))
+            assert done
+            made.append(attr.ino)
+        done, _ = store.commit_unsynced(functools.partial(ns.unlink_path, "/f0"))
+        assert done
+        store._conn.set_trace_callback(None)
+        assert not [s for s in statements if " meta " in s], [s for s in statements if " meta " in s]
+        assert made == sorted(set(made))
+        store.close()
+        with SqliteStore(path, synchronous=sync) as again:  # a restart moves past the reserve
+            again.sync_log_by_owner()
+            assert Namespace(again).create_path("/after", 0o644, 0, 0, chains=[1])[0].ino > max(made)
+
+
+def test_writes_on_the_loop_remember_the_directories_they_walk_until_one_changes(tmp_path) -> None:
+    """A create or unlink by path walks the parent's path by entries it remembers (one dentry
+    lookup, the new name's, per create in a known directory); a rename or rmdir forgets them,
+    so a path then leads where the namespace says, not where it led before."""
+    svc, store = _service(tmp_path, "full")
+    svc.members.table, svc.members.frozen = {1: [1]}, True  # one chain: files can be made
+
+    def create(path: str) -> m.CreatePath:
+        return m.CreatePath(path=path, mode=0o644, uid=0, gid=0)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.run_batches)
+            a = (await svc._dispatch(m.Mkdir(parent=1, name="a", mode=0o755, uid=0, gid=0))).attr
+            b = (await svc._dispatch(m.Mkdir(parent=a.ino, name="b", mode=0o755, uid=0, gid=0))).attr
+            await svc._dispatch(create("/a/b/f0"))
+            await svc._dispatch(m.UnlinkPath(path="/a/b/f0"))  # the first removal moves a reserve: on the thread
+            statements: list[str] = []
+            store._conn.set_trace_callback(statements.append)
+            await svc._dispatch(create("/a/b/f1"))
+            await svc._dispatch(m.UnlinkPath(path="/a/b/f1"))
+            store._conn.set_trace_callback(None)
+            assert len([s for s in statements if s.startswith("SELECT ino, mode FROM dentries")]) == 2, "\n".join(statements)
+            # A rename: the old path leads nowhere, the new one to the same directory.
+            await svc._dispatch(m.Rename(parent=a.ino, name="b", new_parent=a.ino, new_name="c", flags=0))
+            with pytest.raises(FileNotFoundError):
+                await svc._dispatch(create("/a/b/f2"))
+            made = (await svc._dispatch(create("/a/c/f2"))).attr
+            assert svc.ns.lookup(b.ino, "f2").ino == made.ino
+            # An rmdir and a new directory of the same name: the path leads into the new one.
+            x = (await svc._dispatch(m.Mkdir(parent=a.ino, name="x", mode=0o755, uid=0, gid=0))).attr
+            await svc._dispatch(create("/a/x/f"))
+            await svc._dispatch(m.UnlinkPath(path="/a/x/f"))
+            await svc._dispatch(m.Rmdir(parent=a.ino, name="x"))
+            y = (await svc._dispatch(m.Mkdir(parent=a.ino, name="x", mode=0o755, uid=0, gid=0))).attr
+            made = (await svc._dispatch(create("/a/x/g"))).attr
+            assert y.ino != x.ino and svc.ns.lookup(y.ino, "g").ino == made.ino
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        store.close()
+
+
+def test_a_failed_batch_leaves_no_remembered_directory_behind(tmp_path) -> None:
+    """A directory renamed and walked through in a batch that then fails to commit is not
+    remembered under its new name: a later create there is ENOENT, not a file in the
+    directory that kept its old name."""
+    svc, store = _service(tmp_path, "full")
+    svc.members.table, svc.members.frozen = {1: [1]}, True  # one chain: files can be made
+    ns = svc.ns
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.run_batches)
+            d = ns.resolve("/d")
+            await svc._dispatch(m.Mkdir(parent=d.ino, name="old", mode=0o755, uid=0, gid=0))
+            await svc._dispatch(m.CreatePath(path="/d/old/warm", mode=0o644, uid=0, gid=0))
+
+            def renamed_then_failed() -> None:
+                ns.rename(d.ino, "old", d.ino, "new")
+                ns.create_path("/d/new/f", 0o644, 0, 0, chains=[1])
+                # SQLite rolls a batch back by itself on some errors (SQLITE_FULL, an I/O
+                # error): then the batch's COMMIT fails and nothing of it exists.
+                store._conn.execute("ROLLBACK")
+
+            with pytest.raises(StripefsError):
+                await svc._store_call(renamed_then_failed)
+            with pytest.raises(FileNotFoundError):
+                await svc._dispatch(m.CreatePath(path="/d/new/g", mode=0o644, uid=0, gid=0))
+            await svc._dispatch(m.CreatePath(path="/d/old/g", mode=0o644, uid=0, gid=0))
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        store.close()
+
+
+def test_an_unlink_skips_the_xattr_cleanup_only_while_no_file_has_any(tmp_path) -> None:
+    with SqliteStore(tmp_path / "meta.db") as store:
+        ns = Namespace(store)
+        ns.create_path("/plain", 0o644, 0, 0, chains=[1])
+        statements: list[str] = []
+        store._conn.set_trace_callback(statements.append)
+        ns.unlink_path("/plain")
+        store._conn.set_trace_callback(None)
+        assert not [s for s in statements if "xattrs" in s]
+        tagged = ns.create_path("/tagged", 0o644, 0, 0, chains=[1])[0]
+        ns.setxattr(tagged.ino, b"user.k", b"v", 0)
+        ns.unlink_path("/tagged")
+        assert store._conn.execute("SELECT COUNT(*) FROM xattrs").fetchone()[0] == 0
+    with SqliteStore(tmp_path / "meta.db") as again:  # a database holding xattrs: known at open
+        ns = Namespace(again)
+        kept = ns.create_path("/kept", 0o644, 0, 0, chains=[1])[0]
+        ns.setxattr(kept.ino, b"user.k", b"v", 0)
+    with SqliteStore(tmp_path / "meta.db") as third:
+        Namespace(third).unlink_path("/kept")
+        assert third._conn.execute("SELECT COUNT(*) FROM xattrs").fetchone()[0] == 0
