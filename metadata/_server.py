@@ -1031,7 +1031,8 @@ class MetadataService(Service):
             elif type(msg) is m.StatMany and msg.lease and self.lease_table.enabled:
                 reply = await self._stat_many_leased(conn, msg)
             elif type(msg) is m.ListNames and msg.lease and self.lease_table.enabled:
-                since, walked = self.lease_table.changes, []
+                since = self.lease_table.changes
+                walked: list[Any] = []
                 page = await self._read(Namespace.list_names, msg.path, msg.after, msg.limit, walked,
                                         cost=_path_cost(msg.path) + msg.limit * NAME_COST)
                 reply = self._names_leased(conn, page, walked if not msg.after else [], since)
