@@ -320,12 +320,24 @@ def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
         others = [n for n in cfg.routes if n in PEERS or n == "local_disk"]
         server_counts = cfg.servers
         out["header"]["metadata_sync"] = cfg.metadata_sync or "full"
+        lease_ttl = 0.0  # what the service grants (the local cluster's: read once it is up)
         if cfg.cluster:
             from fsclient import Client
 
             with Client(cfg.cluster) as c:
                 server_counts = [len(c.routing().servers)]
-                out["header"]["metadata_sync"] = c.status().metadata.get("sync", "full")
+                meta = c.status().metadata
+                out["header"]["metadata_sync"] = meta.get("sync", "full")
+                lease_ttl = float(meta.get("lease_ttl", 0.0))  # a service from before leases grants none
+        # Native-library clients answer repeated stats from their cache under leases when the
+        # service grants them: stat figures are then mostly local (see docs/benchmarks.md).
+        asks = os.environ.get("STRIPEFS_LEASES", "1").strip().lower() not in ("0", "false", "no", "off")
+
+        def leases_in_effect(ttl: float) -> None:
+            out["header"]["leases"] = asks and ttl > 0
+            out["header"]["lease_ttl"] = ttl if asks else 0.0
+
+        leases_in_effect(lease_ttl)
         for k, servers in enumerate(server_counts):
             root = None
             cluster_file = cfg.cluster
@@ -334,6 +346,10 @@ def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
                 display.log(f"starting a local cluster: {servers} storage servers")
                 testing.up(root, servers=servers, chunk_size=cfg.chunk_size, metadata_sync=cfg.metadata_sync)
                 cluster_file = os.path.join(root, "cluster.json")
+                from fsclient import Client
+
+                with Client(cluster_file) as c:
+                    leases_in_effect(float(c.status().metadata.get("lease_ttl", 0.0)))
             env = RunEnv(cluster_file, workdir, run_id, servers)
             started = _start_routes(ours + (others if k == 0 else []), env, out["skipped"], display)
             try:

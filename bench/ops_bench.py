@@ -244,6 +244,16 @@ def main(argv: list[str] | None = None) -> int:
             meta_pids = [s["pid"] for s in cluster["metadata_services"]]
             with fsclient.Client(cfile) as c:
                 c.makedirs("/ops")
+                ttl = float(c.status().metadata.get("lease_ttl", 0.0))
+            # The clients ask for attribute leases (the default): a stat of a path seen before,
+            # or a listing of a directory listed before, is then answered from the client's
+            # cache (each path is stat'ed once here; the readdir phase lists one directory
+            # again and again: with leases, that phase measures the cache).
+            asks = os.environ.get("STRIPEFS_LEASES", "1").strip().lower() not in ("0", "false", "no", "off")
+            results["leases"] = asks and ttl > 0
+            results["lease_ttl"] = ttl
+            if i == 0:
+                print(f"leases: {'on, ttl %g s' % ttl if results['leases'] else 'off'}", flush=True)
             if i == 0:
                 pings = ping_latency(cfile, args.reads)
                 results["pings"] = pings

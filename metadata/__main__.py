@@ -14,6 +14,7 @@ import trio
 
 from wire import StripefsError
 
+from ._leasetable import LEASE_TTL
 from ._server import serve_metadata
 
 
@@ -23,6 +24,7 @@ async def _main(args: argparse.Namespace, secret: str, cluster_id: str, raw: dic
             serve_metadata, args.state, secret=secret, host=args.host, port=args.port, cluster_id=cluster_id,
             chunk_size=args.chunk_size, max_stripe=args.stripe, gc_grace=args.gc_grace, replicas=args.replicas,
             store_url=args.store or raw.get("metadata_store_url"), admit_after=args.admit_after, sync=args.sync,
+            lease_ttl=args.lease_ttl,
         ))
         if args.ready:
             tmp = args.ready + ".tmp"
@@ -48,6 +50,9 @@ def main() -> None:
     p.add_argument("--sync", choices=["full", "normal"], default="full",
                    help="SQLite durability: full = each acknowledged operation survives power loss (an fsync per "
                         "commit); normal = it survives a kill -9 of any process, the last ones may be lost on power loss")
+    p.add_argument("--lease-ttl", type=float, default=LEASE_TTL,
+                   help="seconds an attribute lease lives: a client answers stat from its cache meanwhile, and a "
+                        "client that cannot be told of a change delays it this long at most; 0 grants none")
     p.add_argument("--store", help="postgresql://... to keep the namespace in PostgreSQL (default: the cluster file's metadata_store_url, else SQLite in --state); prefer the cluster file: a URL here shows in ps")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s metadata %(levelname)s %(message)s")

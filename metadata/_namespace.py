@@ -213,13 +213,17 @@ class Namespace:
             self._dir(txn, parent)
             return self._inode(txn, self._entry(txn, parent, name).ino)
 
-    def resolve(self, path: str, follow: bool = True) -> Attr:
+    def resolve(self, path: str, follow: bool = True, keys: list[object] | None = None) -> Attr:
         """Walk an absolute path (a missing leading ``/`` is allowed) from the root.
 
         Args:
             path: like ``"/a/b"``; ``""`` and ``"/"`` are the root.
             follow: follow a symlink in the last component too. A trailing ``/``
                 always follows, and demands a directory.
+            keys: if given, what the answer depends on is appended to it: the inode
+                numbers read (the answer, symlinks followed, directories ``..`` left)
+                and a ``(parent, name)`` pair per directory entry followed. A store write
+                of any of them may change the answer (see ``metadata._leasetable``).
 
         Raises:
             StripefsError: ENOENT, ENOTDIR (a non-directory in the middle),
@@ -227,9 +231,9 @@ class Namespace:
         """
         self._check_path(path)
         with self._store.transaction() as txn:
-            return self._walk(txn, path, follow)
+            return self._walk(txn, path, follow, keys)
 
-    def _walk(self, txn: Txn, path: str, follow: bool) -> Attr:
+    def _walk(self, txn: Txn, path: str, follow: bool, keys: list[object] | None = None) -> Attr:
         # "/f/" and "/f/." name a directory: a non-directory there is ENOTDIR.
         parts = path.split("/")
         must_be_dir = any(parts) and parts[-1] in ("", ".", "..")
@@ -243,6 +247,8 @@ class Namespace:
             if not is_dir:
                 raise _err(ErrorCode.NOT_DIR, f"not a directory on the way to {comp!r}")
             if comp == "..":
+                if keys is not None:
+                    keys.append(ino)  # its parent is in its directory row (written with its inode key)
                 row = txn.get_dir(ino)
                 ino = row.parent if row else ROOT_INO
                 continue
@@ -255,10 +261,14 @@ class Namespace:
                     if len(dirs) >= DIRS_KEPT:
                         dirs.clear()
                     dirs[(ino, comp)] = entry
+            if keys is not None:
+                keys.append((ino, comp))
             if stat.S_ISLNK(entry.mode) and (todo or follow or must_be_dir):
                 links += 1
                 if links > MAX_SYMLINKS:
                     raise _err(ErrorCode.LOOP, "too many levels of symbolic links")
+                if keys is not None:
+                    keys.append(entry.ino)
                 target = self._inode(txn, entry.ino).target or ""
                 todo.extend(c for c in reversed(target.split("/")) if c not in ("", "."))
                 if target.startswith("/"):
@@ -266,12 +276,16 @@ class Namespace:
                 continue  # a relative target resolves from the link's directory, `ino`
             ino, is_dir = entry.ino, stat.S_ISDIR(entry.mode)
         cur = self._inode(txn, ino)
+        if keys is not None:
+            keys.append(ino)
         if must_be_dir and not cur.is_dir:
             raise _err(ErrorCode.NOT_DIR, f"not a directory: {path!r}")
         return cur
 
-    def resolve_many(self, paths: list[str], follow: bool = True) -> list[Attr | StripefsError]:
-        """:meth:`resolve` of each path, in one transaction (one snapshot).
+    def resolve_many(self, paths: list[str], follow: bool = True,
+                     keys: list[list[object]] | None = None) -> list[Attr | StripefsError]:
+        """:meth:`resolve` of each path, in one transaction (one snapshot). ``keys``: if
+        given, one list per path is appended to it, as :meth:`resolve`'s ``keys``.
 
         Returns:
             Per path, its attributes or the error resolving it raised.
@@ -286,11 +300,14 @@ class Namespace:
         out: list[Attr | StripefsError] = []
         with self._store.transaction() as txn:
             for path in paths:
+                walked: list[object] | None = [] if keys is not None else None
                 try:
                     self._check_path(path)
-                    out.append(self._walk(txn, path, follow))
+                    out.append(self._walk(txn, path, follow, walked))
                 except StripefsError as exc:
                     out.append(exc)
+                if keys is not None:
+                    keys.append(walked)  # type: ignore[arg-type]
         return out
 
     @staticmethod
@@ -366,12 +383,15 @@ class Namespace:
             out.append(e if e.attr is a else DirEntry(e.name, e.ino, a.mode, a))
         return out, len(found) > limit
 
-    def list_names(self, path: str, after: str = "", limit: int = 1000) -> tuple[list[str], bool]:
+    def list_names(self, path: str, after: str = "", limit: int = 1000,
+                   keys: list[object] | None = None) -> tuple[list[str], bool]:
         """One page of the names in the directory ``path`` resolves to, in name order.
 
         Args:
             after: continue after this name.
             limit: page size, capped at ``MAX_LIST_NAMES``.
+            keys: as :meth:`resolve`'s, for the walk to the directory (a change to its
+                entries writes its inode too: its times, and its link count for a subdirectory).
 
         Returns:
             ``(names, more)``.
@@ -384,7 +404,7 @@ class Namespace:
         limit = min(limit, MAX_LIST_NAMES)
         self._check_path(path)
         with self._store.transaction() as txn:
-            d = self._walk(txn, path, True)
+            d = self._walk(txn, path, True, keys)
             if not d.is_dir:
                 raise _err(ErrorCode.NOT_DIR, f"not a directory: {path!r}")
             names = txn.list_names(d.ino, after, limit + 1)

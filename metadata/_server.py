@@ -43,6 +43,7 @@ from wire import messages as m
 from ._leader import Leadership
 from ._admission import MAX_SERVER_ID, NOT_YET, connect_back, same_token, token_hash, validate
 from ._leases import Leases
+from ._leasetable import LEASE_TTL, LeaseTable
 from ._namespace import Namespace
 from ._store import GarbageItem, SqliteStore, Store, check_sync
 from ._worker import Job, LogSync, StoreThread, run_each
@@ -82,6 +83,9 @@ VIEW_REFRESH = 2.0
 # The (client id, request id) of the mutation the current task applies: ``_ns`` records its
 # result in the store under that key (see ``MetadataService._once``).
 _REQUEST: contextvars.ContextVar[tuple[bytes, int] | None] = contextvars.ContextVar("request", default=None)
+# The store keys the current mutation wrote (``SqliteStore.touched``), when leases are granted:
+# their leases are invalidated once it committed, before it is answered (``MetadataService.handle``).
+_TOUCHED: contextvars.ContextVar[set[Any] | None] = contextvars.ContextVar("touched", default=None)
 
 
 @dataclass
@@ -727,7 +731,8 @@ class MetadataService(Service):
     role = "metadata"
 
     def __init__(self, ns: Namespace, members: Callable[[str | None, bool], Membership], secret: str,
-                 gc_grace: float = GC_GRACE, *, legacy_file: str | None = None, sync: str = "full"):
+                 gc_grace: float = GC_GRACE, *, legacy_file: str | None = None, sync: str = "full",
+                 lease_ttl: float = LEASE_TTL):
         self.ns = ns
         self.store_kind = "postgresql" if type(ns.store).__name__ == "PostgresStore" else "sqlite"
         # Several services share a PostgreSQL store: one leads membership (a lease), and
@@ -736,6 +741,9 @@ class MetadataService(Service):
         self.lead = Leadership(ns.store, self._store_call, members, legacy_file, solo=not self.shared)
         self.lead.on_change = self._wake
         self.leases = Leases(ns.store)
+        # Attribute leases (``_leasetable.py``): only a service that alone owns its store (SQLite)
+        # sees every mutation, so only it grants them.
+        self.lease_table = LeaseTable(lease_ttl if isinstance(ns.store, SqliteStore) else 0.0)
         self.gc_grace = gc_grace
         self._first_seen: dict[int, float] = {}
         self._drop_seen: dict[tuple[int, int], float] = {}
@@ -801,6 +809,9 @@ class MetadataService(Service):
         if key is not None and self.shared:
             _REQUEST.set(None)  # later calls of the same request are not the mutation itself
             return await self._store_call(self._once, key, functools.partial(fn, *args, **kwargs))
+        touched = _TOUCHED.get()
+        if touched is not None:
+            fn, args, kwargs = self._recorded, (touched, functools.partial(fn, *args, **kwargs)), {}
         if _now and self._write_now and not self._writing:
             done, result = self._commit_now(functools.partial(fn, *args, **kwargs))
             if done:
@@ -828,6 +839,16 @@ class MetadataService(Service):
     def log_syncs(self) -> int:
         """Group fsyncs of the log run so far (``full``)."""
         return 0 if self._log_sync is None else self._log_sync.syncs
+
+    def _recorded(self, touched: set[Any], fn: Callable[[], Any]) -> Any:
+        """``fn()``, adding the store keys it writes to ``touched`` (on whichever thread runs it)."""
+        store = self.ns.store
+        assert isinstance(store, SqliteStore)
+        store.touched = touched
+        try:
+            return fn()
+        finally:
+            store.touched = None
 
     def _commit_now(self, fn: Callable[[], Any]) -> tuple[bool, Any]:
         """``(True, fn())`` committed here on the loop when that needs no fsync, else
@@ -915,6 +936,23 @@ class MetadataService(Service):
         plan = _READS.get(type(msg))
         if plan is None or self._lns is None:
             return None
+        if type(msg) is m.Resolve and msg.lease and self.lease_table.enabled:
+            keys: list[Any] = []
+            done, attr = self._read_now(Namespace.resolve, (msg.path, msg.follow, keys), _path_cost(msg.path))
+            if not done:
+                return None
+            # Read and registered in one step on the loop: no commit's invalidation between.
+            return m.AttrReply(attr, *self.lease_table.grant(conn.client_id, keys)).to_header()
+        if type(msg) is m.ListNames and msg.lease and self.lease_table.enabled:
+            walked: list[Any] = []
+            done, page = self._read_now(Namespace.list_names, (msg.path, msg.after, msg.limit, walked),
+                                        _path_cost(msg.path) + msg.limit * NAME_COST)
+            return self._names_leased(conn, page, walked if not msg.after else [], None).to_header() if done else None
+        if type(msg) is m.StatMany and msg.lease and self.lease_table.enabled:
+            each: list[list[Any]] = []
+            done, found = self._read_now(Namespace.resolve_many, (list(msg.paths), msg.follow, each),
+                                         sum(map(_path_cost, msg.paths)))
+            return self._many_leased(conn, found, each, None).to_header() if done else None
         fn, args, cost, reply = plan(msg)
         done, result = self._read_now(fn, args, cost)
         return reply(result).to_header() if done else None
@@ -985,7 +1023,21 @@ class MetadataService(Service):
 
     async def handle(self, conn: ServerConn, head: FrameHead, msg: Message, payload: Any) -> None:
         if not msg.MUTATES:
-            reply = await self._dispatch(msg)
+            reply: ReplyMessage
+            if type(msg) is m.WatchLeases:
+                reply = await self._watch(conn, msg)
+            elif type(msg) is m.Resolve and msg.lease and self.lease_table.enabled:
+                reply = await self._resolve_leased(conn, msg)
+            elif type(msg) is m.StatMany and msg.lease and self.lease_table.enabled:
+                reply = await self._stat_many_leased(conn, msg)
+            elif type(msg) is m.ListNames and msg.lease and self.lease_table.enabled:
+                since = self.lease_table.changes
+                walked: list[Any] = []
+                page = await self._read(Namespace.list_names, msg.path, msg.after, msg.limit, walked,
+                                        cost=_path_cost(msg.path) + msg.limit * NAME_COST)
+                reply = self._names_leased(conn, page, walked if not msg.after else [], since)
+            else:
+                reply = await self._dispatch(msg)
             await self.lead.persist()  # a membership change is durable before anyone hears of it
             await conn.send(head, reply.to_header())
             return
@@ -997,6 +1049,8 @@ class MetadataService(Service):
         if prior is None:
             done = self._running[key] = trio.Event()
             request = _REQUEST.set(key)
+            touched: set[Any] | None = set() if self.lease_table.enabled else None
+            recording = _TOUCHED.set(touched)
             try:
                 reply = await self._dispatch(msg)  # returns once what it changed is durable (_ns)
                 await self.lead.persist()
@@ -1007,13 +1061,64 @@ class MetadataService(Service):
                 prior = exc
             finally:
                 _REQUEST.reset(request)
-                if isinstance(prior, (dict, StripefsError)):
-                    self.replay.put(key, prior)
-                del self._running[key]
-                done.set()
+                _TOUCHED.reset(recording)
+                try:
+                    if touched:
+                        # Committed (or rolled back: then nothing changed, and telling costs
+                        # only a refetch): every other holder of a lease on what it wrote is
+                        # told, and acknowledges (or its lease runs out) before anyone hears
+                        # of the change.
+                        await self.lease_table.wait(self.lease_table.invalidate(touched, conn.client_id))
+                finally:
+                    if isinstance(prior, (dict, StripefsError)):
+                        self.replay.put(key, prior)
+                    del self._running[key]
+                    done.set()
         if isinstance(prior, StripefsError):
             raise prior
         await conn.send(head, prior)
+
+    def _many_leased(self, conn: ServerConn, found: list[Attr | StripefsError], keys: list[list[Any]],
+                     since: int | None) -> m.StatManyReply:
+        """A ``StatMany`` answer with a lease on each attribute (``LeaseTable.grant``)."""
+        reply = _many_reply(found)
+        ids = [self.lease_table.grant(conn.client_id, k, since)[0] for a, k in zip(found, keys)
+               if not isinstance(a, StripefsError)]
+        return m.StatManyReply(reply.attrs, reply.failed, reply.codes, ids,
+                               int(self.lease_table.ttl * 1000) if any(ids) else 0)
+
+    def _names_leased(self, conn: ServerConn, page: tuple[list[str], bool], keys: list[Any],
+                      since: int | None) -> m.NamesReply:
+        """A ``ListNames`` page, with a lease when it is a whole listing (a first page with
+        no more after it; ``keys`` empty otherwise): a directory's entries change only
+        with its inode, one of the walk's keys."""
+        names, more = page
+        if more or not keys:
+            return m.NamesReply(list(names), bool(more))
+        return m.NamesReply(list(names), False, *self.lease_table.grant(conn.client_id, keys, since))
+
+    async def _stat_many_leased(self, conn: ServerConn, msg: m.StatMany) -> m.StatManyReply:
+        """A ``StatMany`` asking for leases, not answered on the loop (see :meth:`_resolve_leased`)."""
+        since = self.lease_table.changes
+        keys: list[list[Any]] = []
+        found = await self._read(Namespace.resolve_many, list(msg.paths), msg.follow, keys,
+                                 cost=sum(map(_path_cost, msg.paths)))
+        return self._many_leased(conn, found, keys, since)
+
+    async def _resolve_leased(self, conn: ServerConn, msg: m.Resolve) -> m.AttrReply:
+        """A ``Resolve`` asking for a lease, not answered on the loop: granted only if no
+        invalidation happened while it was read (it may have read before a commit)."""
+        since = self.lease_table.changes
+        keys: list[Any] = []
+        attr = await self._read(Namespace.resolve, msg.path, msg.follow, keys, cost=_path_cost(msg.path))
+        return m.AttrReply(attr, *self.lease_table.grant(conn.client_id, keys, since))
+
+    async def _watch(self, conn: ServerConn, msg: m.WatchLeases) -> m.WatchLeasesReply:
+        if not self.lease_table.enabled:
+            raise StripefsError(ErrorCode.NOT_SUPPORTED, "this metadata service grants no leases"
+                                if not self.shared else "metadata services sharing a store grant no leases")
+        seq, ids, reset = await self.lease_table.watch(conn.client_id, msg.after, msg.wait_ms / 1000)
+        return m.WatchLeasesReply(seq, ids, reset)
 
     async def _dispatch(self, msg: Message[Any]) -> ReplyMessage:
         ns = self.ns
@@ -1168,7 +1273,7 @@ class MetadataService(Service):
                    for sid, c in sorted(self.members.pending.items()) if sid not in routing.servers]
         return m.ClusterStatusReply(
             metadata={"pid": os.getpid(), "uptime": time.time() - self.started, "store": self.store_kind,
-                      "sync": self.sync,
+                      "sync": self.sync, "lease_ttl": self.lease_table.ttl,
                       "leader": self.lead.leading, **counts,
                       "pending": self.members.pending_status()},
             servers=list(routing.servers.values()) + pending,
@@ -1436,6 +1541,7 @@ async def serve_metadata(
     store_url: str | None = None,
     admit_after: float = ADMIT_AFTER,
     sync: str = "full",
+    lease_ttl: float = LEASE_TTL,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the metadata of the cluster whose state lives in ``state_dir``.
@@ -1448,6 +1554,8 @@ async def serve_metadata(
         sync: ``full`` (each acknowledged operation survives power loss) or
             ``normal`` (it survives a kill -9 of any process, not a power loss):
             the SQLite store's durability, see :class:`SqliteStore`.
+        lease_ttl: seconds an attribute lease lives (``_leasetable.py``); 0 grants none.
+            Only a SQLite store grants leases (several services share a PostgreSQL one).
     """
     os.makedirs(state_dir, exist_ok=True)
     store = await trio.to_thread.run_sync(open_store, state_dir, store_url, sync)
@@ -1457,7 +1565,7 @@ async def serve_metadata(
         return Membership(None, replicas, admit_after=admit_after, doc=doc, restarted=restarted)
 
     service = MetadataService(ns, members, secret, gc_grace, legacy_file=os.path.join(state_dir, "servers.json"),
-                              sync=sync)
+                              sync=sync, lease_ttl=lease_ttl)
     try:
         async with trio.open_nursery() as nursery:
             address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id))
@@ -1467,6 +1575,7 @@ async def serve_metadata(
             nursery.start_soon(service.detect)
             nursery.start_soon(service.background)
             nursery.start_soon(service.admission)
+            nursery.start_soon(service.lease_table.run)
             task_status.started(address)
     finally:
         # Its threads have stopped (run_batches waits for them): the database's writer lock goes with it.

@@ -684,6 +684,45 @@ class _SqliteTxn(SqlTxn):
         super().__init__(cursor)
         self._store = store
 
+    # What a transaction writes is recorded in ``store.touched`` while the caller sets one
+    # (the metadata service's leases): an inode number per inode, directory row or xattr
+    # written, a ``(parent, name)`` pair per directory entry. Only more than changed, never less.
+    def put_inode(self, a: Attr) -> None:
+        touched = self._store.touched
+        if touched is not None:
+            touched.add(a.ino)
+        super().put_inode(a)
+
+    def put_dir(self, r: DirRow) -> None:
+        touched = self._store.touched
+        if touched is not None:
+            touched.add(r.ino)
+        super().put_dir(r)
+
+    def delete_dir(self, ino: int) -> None:
+        touched = self._store.touched
+        if touched is not None:
+            touched.add(ino)
+        super().delete_dir(ino)
+
+    def put_dentry(self, parent: int, e: DirEntry) -> None:
+        touched = self._store.touched
+        if touched is not None:
+            touched.add((parent, e.name))
+        super().put_dentry(parent, e)
+
+    def delete_dentry(self, parent: int, name: str) -> None:
+        touched = self._store.touched
+        if touched is not None:
+            touched.add((parent, name))
+        super().delete_dentry(parent, name)
+
+    def delete_xattr(self, ino: int, name: bytes) -> None:
+        touched = self._store.touched
+        if touched is not None:
+            touched.add(ino)
+        super().delete_xattr(ino, name)
+
     def allocate(self, key: str) -> int:
         store = self._store
         if not store.reserving:
@@ -707,12 +746,18 @@ class _SqliteTxn(SqlTxn):
         return value
 
     def delete_inode(self, ino: int) -> None:
+        touched = self._store.touched
+        if touched is not None:
+            touched.add(ino)
         if self._store.any_xattrs:
             super().delete_inode(ino)
         else:  # no inode has extended attributes: nothing of them to delete
             self._q("DELETE FROM inodes WHERE ino = ?", (ino,))
 
     def put_xattr(self, ino: int, name: bytes, value: bytes) -> None:
+        touched = self._store.touched
+        if touched is not None:
+            touched.add(ino)
         self._store.any_xattrs = True  # before the row: a rollback leaves it set, which is safe
         super().put_xattr(ino, name, value)
 
@@ -769,6 +814,7 @@ class SqliteStore(Store):
         self.path = str(path)
         self.synchronous_mode = synchronous
         self.durable_commit = False  # set by a commit that must be fsynced even under ``normal``
+        self.touched: set[object] | None = None  # keys written, while a caller records them (_SqliteTxn)
         self._lock_fd = _lock_writer(self.path)
         try:
             self._open_database(busy_timeout_s, synchronous)

@@ -51,7 +51,7 @@ def cmd_up(a: argparse.Namespace) -> int:
 
     c = testing.up(a.root, servers=a.servers, replicas=a.replicas, chunk_size=parse_size(a.chunk_size), stripe=a.stripe,
                    metadata_store=a.metadata_store, postgres_url=a.postgres_url,
-                   metadata_services=a.metadata_services, metadata_sync=a.metadata_sync)
+                   metadata_services=a.metadata_services, metadata_sync=a.metadata_sync, lease_ttl=a.lease_ttl)
     print(f"{c['metadata']['host']}:{c['metadata']['port']}")
     print(f"cluster file: {os.path.join(c['root'], 'cluster.json')} ({len(c['servers'])} storage servers)", file=sys.stderr)
     return 0
@@ -181,8 +181,10 @@ def cmd_status(a: argparse.Namespace) -> int:
         return 0
     md = st.metadata
     where = f"{address}  pid {md['pid']}" if len(services) == 1 else f"{len(services)} services"
-    print(f"metadata  {where}  store {md.get('store', 'sqlite')}  sync {md.get('sync', 'full')}  inodes {md.get('inodes', '?')}  "
-          f"routing v{st.routing_version}")
+    ttl = md.get("lease_ttl")
+    leases = f"leases {ttl:g} s" if isinstance(ttl, (int, float)) and ttl > 0 else "leases off"
+    print(f"metadata  {where}  store {md.get('store', 'sqlite')}  sync {md.get('sync', 'full')}  {leases}  "
+          f"inodes {md.get('inodes', '?')}  routing v{st.routing_version}")
     if len(services) > 1:
         for host, port, role in _service_roles(services, secret):
             print(f"    service {host}:{port}  {role}")
@@ -398,6 +400,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="SQLite durability: full (default) = each acknowledged operation survives power loss; "
                          "normal = no fsync per commit: it survives a kill -9, the last ones may be lost on power "
                          "loss (a restart keeps the cluster's setting unless given)")
+    sp.add_argument("--lease-ttl", type=float, default=None,
+                    help="seconds an attribute lease lives (default 5): clients answer stat from their cache under "
+                         "it; a client that cannot be told of a change delays that change this long at most; "
+                         "0 grants none (SQLite store only)")
     sp = add("add-server", cmd_add_server, "Add a storage server to the running cluster under --root (rebalances)", cluster=False)
     sp.add_argument("--root", required=True)
     sp = add("remove-server", cmd_remove_server, "Drain a storage server onto the others and remove it for good")

@@ -261,7 +261,10 @@ class Message(Generic[R]):
 
 
 def encode_fields(msg: object) -> dict[str, Any]:
-    """The header map of a dataclass message: its fields by name, in order."""
+    """The header map of a dataclass message: its fields by name, in order (a request's
+    own ``to_header`` where it leaves out an optional field, as ``Resolve`` does)."""
+    if isinstance(msg, Message):
+        return msg.to_header()
     names = getattr(type(msg), "_names", None)
     if names is None:
         names = [f.name for f in dataclasses.fields(msg)]  # type: ignore[arg-type]
@@ -407,9 +410,23 @@ class StatfsReply(ReplyMessage):
 
 @reply
 class AttrReply(ReplyMessage):
-    """The inode's attributes after the operation (Unlink: ``nlink`` after it)."""
+    """The inode's attributes after the operation (Unlink: ``nlink`` after it).
+
+    ``lease_id``/``lease_ms``: only in the answer to a ``Resolve`` that asked for a lease
+    (``lease=True``) and got one: the client may answer this path's ``stat`` from its cache
+    for ``lease_ms`` milliseconds (counted from before it sent the request) unless a
+    ``WatchLeases`` answer names ``lease_id`` first. Absent (0) otherwise, so clients
+    that never ask see the map they always did.
+    """
 
     attr: Attr
+    lease_id: int = 0
+    lease_ms: int = 0
+
+    def to_header(self) -> dict[str, Any]:
+        if self.lease_ms or self.lease_id:
+            return {"attr": self.attr.to_wire(), "lease_id": self.lease_id, "lease_ms": self.lease_ms}
+        return {"attr": self.attr.to_wire()}
 
 
 @reply
@@ -607,8 +624,18 @@ class Lookup(Message[AttrReply]):
 
 @message(13)
 class Resolve(Message[AttrReply]):
+    """The attributes of the inode ``path`` leads to. ``lease``: ask for a lease on the
+    answer (see :class:`AttrReply`, :class:`WatchLeases`); sent only when true, so services
+    that know no leases still understand the request of a client that does not ask."""
+
     path: str
     follow: bool = True
+    lease: bool = False
+
+    def to_header(self) -> dict[str, Any]:
+        if self.lease:
+            return {"path": self.path, "follow": self.follow, "lease": True}
+        return {"path": self.path, "follow": self.follow}
 
 
 @message(14, mutates=True)
@@ -957,11 +984,24 @@ class RemoveServer(Message[RemoveServerReply]):
 @reply
 class StatManyReply(ReplyMessage):
     """``attrs`` holds the attributes of the paths that resolved, in request order;
-    ``failed`` the indexes of the others and ``codes`` their error codes (same order)."""
+    ``failed`` the indexes of the others and ``codes`` their error codes (same order).
+
+    ``lease_ids``/``lease_ms``: only in the answer to a ``StatMany`` that asked for leases
+    (see :class:`AttrReply`): one lease id per attribute of ``attrs`` (0: none for that
+    one), all for ``lease_ms``. Absent otherwise."""
 
     attrs: list[Attr]
     failed: list[int]
     codes: list[int]
+    lease_ids: list[int] | None = None
+    lease_ms: int = 0
+
+    def to_header(self) -> dict[str, Any]:
+        header = {"attrs": [a.to_wire() for a in self.attrs], "failed": self.failed, "codes": self.codes}
+        if self.lease_ms or self.lease_ids is not None:
+            header["lease_ids"] = self.lease_ids
+            header["lease_ms"] = self.lease_ms
+        return header
 
 
 @message(60, mutates=True)
@@ -985,27 +1025,52 @@ class UnlinkPath(Message[AttrReply]):
 
 @message(62)
 class StatMany(Message[StatManyReply]):
-    """``Resolve`` of up to 200 paths in one round trip (one read transaction)."""
+    """``Resolve`` of up to 200 paths in one round trip (one read transaction); ``lease``
+    as ``Resolve``'s (sent only when true)."""
 
     paths: list[str]
     follow: bool = True
+    lease: bool = False
+
+    def to_header(self) -> dict[str, Any]:
+        if self.lease:
+            return {"paths": self.paths, "follow": self.follow, "lease": True}
+        return {"paths": self.paths, "follow": self.follow}
 
 
 @reply
 class NamesReply(ReplyMessage):
+    """``lease_id``/``lease_ms``: only in the answer to a ``ListNames`` that asked for a lease
+    on a whole listing (the first page, and no more after it): as :class:`AttrReply`'s."""
+
     names: list[str]  # in name (UTF-8 byte) order
     more: bool  # another page follows (ask again with after=<last name>)
+    lease_id: int = 0
+    lease_ms: int = 0
+
+    def to_header(self) -> dict[str, Any]:
+        if self.lease_ms or self.lease_id:
+            return {"names": self.names, "more": self.more, "lease_id": self.lease_id, "lease_ms": self.lease_ms}
+        return {"names": self.names, "more": self.more}
 
 
 @message(63)
 class ListNames(Message[NamesReply]):
     """The names in the directory ``path`` resolves to (symlinks followed), one page
     of at most 2000: what ``listdir`` needs, in one round trip and without a
-    per-entry record to build on either side."""
+    per-entry record to build on either side. ``lease``: as ``Resolve``'s (sent only when
+    true), granted for a whole listing only."""
 
     path: str
     after: str = ""
     limit: int = 1000
+    lease: bool = False
+
+    def to_header(self) -> dict[str, Any]:
+        header: dict[str, Any] = {"path": self.path, "after": self.after, "limit": self.limit}
+        if self.lease:
+            header["lease"] = True
+        return header
 
 
 @message(64, mutates=True)
@@ -1030,3 +1095,25 @@ class UnlinkMany(Message[StatManyReply]):
     answered like ``CreateMany`` (each attribute with its new link count)."""
 
     paths: list[str]
+
+
+@reply
+class WatchLeasesReply(ReplyMessage):
+    """Invalidations for the asking client: ``lease_ids`` (its leases whose keys changed) up
+    to ``seq``; none after the service's wait (``seq`` unchanged). ``reset``: the service does
+    not know the leases this client holds (it restarted): drop every lease-held entry."""
+
+    seq: int
+    lease_ids: list[int]
+    reset: bool = False
+
+
+@message(66)
+class WatchLeases(Message[WatchLeasesReply]):
+    """Long poll for lease invalidations, on a connection of its own. ``after``: the last
+    ``seq`` the client processed (it acknowledges every invalidation up to it); 0 starts a
+    watch (answered at once). Answered as soon as an invalidation past ``after`` is queued for
+    this client, else after about ``wait_ms`` milliseconds with none."""
+
+    after: int
+    wait_ms: int = 10_000

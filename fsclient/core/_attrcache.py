@@ -1,15 +1,27 @@
 """The client's attribute cache: ``stat`` of a path nobody changed answered locally.
 
-Entries live ``timeout`` seconds (the bound on seeing another client's change,
-like the FUSE mount's ``attr_timeout``). This client's own changes show at once:
-every metadata mutation it makes drops what it may have changed -- by path and
-inode for ``CreatePath``/``UnlinkPath`` (plus every cached directory, whose
-times and link counts move), everything for any other mutation. ``open``
-revalidates (close-to-open). Failed lookups are never cached.
+Two kinds of entries:
 
-A lookup that raced with one of this client's mutations is not stored: the
-cache remembers the mutation count a lookup started under and keeps its answer
-only if no mutation began since.
+* **Leased** (the default with a service that grants leases): the service promised to
+  tell this client, on its watch (:class:`LeaseWatch`, a ``WatchLeases`` long poll on a
+  connection of its own), before any other client's change to what the answer depends
+  on returns. Such an entry is current: it serves ``stat`` and ``open`` until the
+  service names its lease, or until the lease's own lifetime ends (counted from before
+  the request was sent). While the watch is down no lease is asked for and every leased
+  entry is dropped at once.
+* **Timed** (``attr_timeout``, for services that grant no lease): entries live
+  ``timeout`` seconds (the bound on seeing another client's change, like the FUSE
+  mount's ``attr_timeout``); ``open`` revalidates them (close-to-open).
+
+This client's own changes show at once: every metadata mutation it makes drops what it
+may have changed -- by path and inode for ``CreatePath``/``UnlinkPath`` (plus every
+cached directory, whose times and link counts move), everything for any other mutation.
+Failed lookups are never cached.
+
+A lookup that raced with one of this client's mutations, or with an invalidation that
+arrived meanwhile, is not stored: :meth:`AttrCache.token` is taken before the request is
+sent, and :meth:`AttrCache.put` keeps the answer only if no mutation began or ended, none
+is in flight, and no invalidation was processed since.
 """
 
 from __future__ import annotations
@@ -18,33 +30,105 @@ import threading
 import time
 from typing import Any
 
-from wire import Attr, Message, messages as m
+from rpc import Connection
+from wire import Attr, ErrorCode, Message, StripefsError
+from wire import messages as m
+
+MAX_ENTRIES = 65536  # cached paths (the oldest go first past it)
+WATCH_WAIT_MS = 10_000  # how long the service holds a watch with nothing to say
+RETRY_WATCH = 0.5  # seconds before a failed watch is tried again
+RETRY_UNSUPPORTED = 30.0  # ... when the service grants no leases
 
 
 class AttrCache:
-    """Path -> attributes for ``timeout`` seconds (thread-safe)."""
+    """Path -> attributes, leased or for ``timeout`` seconds (thread-safe).
 
-    def __init__(self, timeout: float):
+    Args:
+        timeout: seconds a timed entry lives (0: none are kept).
+        max_entries: paths kept at most.
+    """
+
+    def __init__(self, timeout: float, *, max_entries: int = MAX_ENTRIES):
         self.timeout = timeout
+        self.max_entries = max_entries
         self._lock = threading.Lock()
-        self._by_path: dict[str, tuple[float, Attr]] = {}
+        # path -> (expiry, attr, lease id (0: a timed entry))
+        self._by_path: dict[str, tuple[float, Attr, int]] = {}
         self._by_ino: dict[int, set[str]] = {}
-        self.mutations = 0  # mutations begun by this client
+        self._by_lease: dict[int, str] = {}
+        self._dirs: set[str] = set()  # the cached paths that are directories
+        # directory path -> (expiry, its names, lease id): whole listings, leased only
+        self._lists: dict[str, tuple[float, list[str], int]] = {}
+        self._list_by_lease: dict[int, str] = {}
+        self.mutations = 0  # mutations of this client begun or ended
+        self.inflight = 0  # mutations of this client not answered yet
+        self.invalidations = 0  # watch answers (and watch failures) processed
+        self.leasing = False  # the watch is live: stats may ask for leases
 
-    def get(self, path: str) -> Attr | None:
+    def __len__(self) -> int:
+        return len(self._by_path)
+
+    def get(self, path: str, *, leased: bool = False) -> Attr | None:
+        """The cached attributes of ``path`` if still valid (``leased``: only a leased entry)."""
         entry = self._by_path.get(path)
-        if entry is None or entry[0] < time.monotonic():
+        if entry is None or entry[0] < time.monotonic() or (leased and not entry[2]):
             return None
         return entry[1]
 
-    def put(self, path: str, attr: Attr, started: int) -> None:
-        """Remember ``attr`` for ``path`` unless a mutation began since ``started``."""
+    def get_names(self, path: str) -> list[str] | None:
+        """The names of directory ``path``, if a leased listing of it is still valid."""
+        entry = self._lists.get(path)
+        if entry is None or entry[0] < time.monotonic():
+            return None
+        return list(entry[1])
+
+    def put_names(self, path: str, names: list[str], token: tuple[int, int], lease_id: int, lease_ms: int,
+                  sent: float) -> None:
+        """Remember a whole listing of ``path`` under its lease (as :meth:`put`)."""
         with self._lock:
-            if self.mutations != started:
+            if self.inflight or (self.mutations, self.invalidations) != token or not (lease_ms > 0 and self.leasing):
                 return
-            self._drop(path)
-            self._by_path[path] = (time.monotonic() + self.timeout, attr)
-            self._by_ino.setdefault(attr.ino, set()).add(path)
+            self._drop_names(path)
+            while len(self._lists) >= self.max_entries:
+                self._drop_names(next(iter(self._lists)))
+            self._lists[path] = (sent + lease_ms / 1000, list(names), lease_id)
+            self._list_by_lease[lease_id] = path
+
+    def _drop_names(self, path: str) -> None:
+        entry = self._lists.pop(path, None)
+        if entry is not None:
+            self._list_by_lease.pop(entry[2], None)
+
+    def token(self) -> tuple[int, int]:
+        """Taken before a lookup is sent, handed to :meth:`put` with its answer."""
+        return self.mutations, self.invalidations
+
+    def put(self, path: str, attr: Attr, token: tuple[int, int], lease_id: int = 0, lease_ms: int = 0,
+            sent: float = 0.0) -> None:
+        """Remember ``attr`` for ``path``: leased (``lease_ms`` from ``sent``, the monotonic
+        time before the request went out) or timed, unless something that could make it
+        stale happened since ``token`` was taken."""
+        with self._lock:
+            if self.inflight or (self.mutations, self.invalidations) != token:
+                return
+            if lease_ms > 0 and self.leasing:
+                expires = sent + lease_ms / 1000
+            elif self.timeout > 0:
+                expires, lease_id = time.monotonic() + self.timeout, 0
+            else:
+                return
+            self._store(path, attr, expires, lease_id)
+
+    def _store(self, path: str, attr: Attr, expires: float, lease_id: int) -> None:
+        self._drop(path)
+        while len(self._by_path) >= self.max_entries:
+            self._drop(next(iter(self._by_path)))
+        self._by_path[path] = (expires, attr, lease_id)
+        self._by_ino.setdefault(attr.ino, set()).add(path)
+        if lease_id:
+            self._by_lease[lease_id] = path
+        if attr.is_dir:
+            self._dirs.add(path)
 
     def _drop(self, path: str) -> None:
         entry = self._by_path.pop(path, None)
@@ -54,27 +138,136 @@ class AttrCache:
                 paths.discard(path)
                 if not paths:
                     del self._by_ino[entry[1].ino]
+            if entry[2]:
+                self._by_lease.pop(entry[2], None)
+            self._dirs.discard(path)
 
     def _drop_ino(self, ino: int) -> None:
         for path in list(self._by_ino.get(ino, ())):
             self._drop(path)
 
+    def _clear(self) -> None:
+        self._by_path.clear()
+        self._by_ino.clear()
+        self._by_lease.clear()
+        self._dirs.clear()
+        self._lists.clear()
+        self._list_by_lease.clear()
+
+    # -- this client's mutations ---------------------------------------------------------------
     def begin(self, msg: Message[Any]) -> None:
         """A mutation is about to be sent."""
         with self._lock:
             self.mutations += 1
+            self.inflight += 1
 
     def done(self, msg: Message[Any], reply: Any) -> None:
         """A mutation was answered (``reply``) or failed (a ``StripefsError``)."""
         with self._lock:
+            self.mutations += 1
+            self.inflight -= 1
             if isinstance(msg, (m.CreatePath, m.UnlinkPath)) and not isinstance(reply, BaseException):
                 self._drop(msg.path)
                 self._drop_ino(reply.attr.ino)
-                for path in [p for p, (_, a) in self._by_path.items() if a.is_dir]:
+                for path in list(self._dirs):
                     self._drop(path)
-                if isinstance(msg, m.CreatePath):
-                    self._by_path[msg.path] = (time.monotonic() + self.timeout, reply.attr)
-                    self._by_ino.setdefault(reply.attr.ino, set()).add(msg.path)
+                self._lists.clear()  # the directory that gained or lost a name
+                self._list_by_lease.clear()
+                if isinstance(msg, m.CreatePath) and self.timeout > 0:
+                    self._store(msg.path, reply.attr, time.monotonic() + self.timeout, 0)
             else:
-                self._by_path.clear()
-                self._by_ino.clear()
+                self._clear()
+
+    # -- the watch -----------------------------------------------------------------------------
+    def invalidate(self, lease_ids: list[int]) -> None:
+        """The service names leases whose keys changed: drop their entries."""
+        with self._lock:
+            self.invalidations += 1
+            for lease_id in lease_ids:
+                path = self._by_lease.get(lease_id)
+                if path is not None:
+                    self._drop(path)
+                path = self._list_by_lease.get(lease_id)
+                if path is not None:
+                    self._drop_names(path)
+
+    def lost(self) -> None:
+        """The watch is down (or the service forgot this client): no leased entry can be trusted."""
+        with self._lock:
+            self.invalidations += 1
+            self.leasing = False
+            for path in [p for p, (_, _a, lease) in self._by_path.items() if lease]:
+                self._drop(path)
+            self._lists.clear()
+            self._list_by_lease.clear()
+
+    def watching(self) -> None:
+        """The watch is live: stats may ask for leases."""
+        with self._lock:
+            self.leasing = True
+
+
+class LeaseWatch:
+    """The thread that keeps ``WatchLeases`` in flight for ``core``'s :class:`AttrCache`.
+
+    Its connection is its own (the pooled metadata connections keep their pipelining); the
+    next call acknowledges what the last answer named, once the cache dropped it.
+    """
+
+    def __init__(self, core: Any, cache: AttrCache):  # core: the ClientCore (which imports this module)
+        self.core, self.cache = core, cache
+        self._stop = threading.Event()
+        self._conn: Any = None
+        self._thread = threading.Thread(target=self._run, name="stripefs-lease-watch", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop watching: every leased entry is dropped, and the service told to forget this
+        client's leases (so nobody's change waits for them to run out)."""
+        self._stop.set()
+        self.cache.lost()
+        conn = self._conn
+        if conn is not None:
+            try:
+                conn.call(m.WatchLeases(after=-1, wait_ms=0), timeout=2.0)
+            except (StripefsError, OSError):
+                pass  # the leases run out on their own
+            conn.close()  # the call in flight fails at once
+
+    def _connect(self) -> Connection:
+        core = self.core
+        return Connection(core.config.addresses[0], core.config.secret, core.client_id, expect_role="metadata",
+                          ids=core._ids, role=core.config.role)
+
+    def _run(self) -> None:
+        after = 0
+        while not self._stop.is_set():
+            try:
+                if self._conn is None:
+                    self._conn = self._connect()
+                    if self._stop.is_set():
+                        self._conn.close()
+                        return
+                msg = m.WatchLeases(after=after, wait_ms=WATCH_WAIT_MS)
+                header = self._conn.call(msg, timeout=WATCH_WAIT_MS / 1000 + 30).header
+                reply = m.decode_reply(msg, header)
+            except (StripefsError, OSError) as exc:
+                self.cache.lost()
+                after = 0
+                conn, self._conn = self._conn, None
+                if conn is not None:
+                    conn.close()
+                code = getattr(exc, "code", None)
+                unsupported = code in (ErrorCode.NOT_SUPPORTED, ErrorCode.PROTOCOL, ErrorCode.INVALID)
+                self._stop.wait(RETRY_UNSUPPORTED if unsupported else RETRY_WATCH)
+                continue
+            if self._stop.is_set():
+                return
+            if reply.reset:
+                self.cache.lost()
+                after = 0
+                continue
+            if reply.lease_ids:
+                self.cache.invalidate(reply.lease_ids)
+            after = reply.seq
+            self.cache.watching()

@@ -44,6 +44,7 @@ STAT_MANY_MAX = 200  # paths per StatMany request (the service's limit: both fra
 CREATE_MANY_MAX = 200  # paths per CreateMany / UnlinkMany request (the service's limit, likewise)
 PREFIX = "stripefs://"
 ATTR_TIMEOUT_ENV = "STRIPEFS_ATTR_TIMEOUT"  # the attr_timeout of clients that do not pass one
+LEASES_ENV = "STRIPEFS_LEASES"  # the leases setting of clients that do not pass one ("0": off)
 R = TypeVar("R", bound=ReplyMessage)
 
 
@@ -120,9 +121,16 @@ class Client:
         conns_per_server: pipelined connections per storage server.
         max_inflight: chunk requests in flight per read/write call.
         attr_timeout: seconds ``stat`` (and ``exists``, ``isdir``, ``isfile``) may answer
-            from this client's cache; 0 asks the metadata service every time. None:
-            ``$STRIPEFS_ATTR_TIMEOUT``, else 0. This client's own changes show at once;
-            another client's after at most this long, or at ``open`` (close-to-open).
+            from this client's cache when the service grants no lease; 0 asks the
+            metadata service every time. None: ``$STRIPEFS_ATTR_TIMEOUT``, else 0. This
+            client's own changes show at once; another client's after at most this
+            long, or at ``open`` (close-to-open).
+        leases: answer ``stat`` (and ``open``) from this client's cache under leases
+            the metadata service grants: coherent, every change by any client is seen
+            by the next ``stat`` once it returned (a watch thread with a connection of
+            its own hears of them). None: ``$STRIPEFS_LEASES`` (``0`` turns them
+            off), else on. A service that grants none (``--lease-ttl 0``, several
+            services on PostgreSQL) leaves ``attr_timeout`` in charge.
         retry_for: seconds a failing chunk read or write keeps retrying (a server
             down, a chain with no serving target while a server returns) before the
             error reaches the caller; None: ``$STRIPEFS_RETRY_FOR``, else 30.
@@ -130,13 +138,16 @@ class Client:
 
     def __init__(self, cluster: "str | os.PathLike[str] | ClusterConfig | None" = None, *, secret: str | None = None,
                  conns_per_server: int = 2, max_inflight: int = 32, attr_timeout: float | None = None,
-                 retry_for: float | None = None):
+                 retry_for: float | None = None, leases: bool | None = None):
         self.config = find_cluster(cluster, secret)
         self._core = ClientCore(self.config, conns_per_server=conns_per_server, max_inflight=max_inflight,
                                 retry_for=retry_for)
         attr_timeout = seconds_setting(attr_timeout, ATTR_TIMEOUT_ENV, 0.0, "attr_timeout")
-        if attr_timeout > 0:
+        if leases is None:
+            leases = os.environ.get(LEASES_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+        if attr_timeout > 0 or leases:
             self._core.attrs = AttrCache(attr_timeout)
+            self._core.leases = leases
         self._session = os.urandom(16)  # owner of this client's leases
         self._leases: weakref.WeakSet[Lease] = weakref.WeakSet()
 
@@ -180,17 +191,26 @@ class Client:
                 return hit
         return self._fresh_stat(p, follow)
 
-    def _fresh_stat(self, p: str, follow: bool = True) -> Attr:
-        """``stat`` from the metadata service (what ``open`` uses: close-to-open)."""
-        cache = self._core.attrs if follow else None
-        started = cache.mutations if cache is not None else 0
+    def _fresh_stat(self, p: str, follow: bool = True, *, leased_ok: bool = False) -> Attr:
+        """``stat`` from the metadata service, or (``leased_ok``) from a leased entry, which
+        is current: what ``open`` uses (close-to-open: never a timed entry's length)."""
+        cache = self._core.lease_cache() if follow else None
+        if cache is None:
+            try:
+                return self._core.attr(m.Resolve(path=p, follow=follow))
+            except StripefsError as exc:
+                raise StripefsError(exc.code, exc.message, p) from None
+        if leased_ok:
+            hit = cache.get(p, leased=True)
+            if hit is not None:
+                return hit
+        token, lease, sent = cache.token(), cache.leasing, time.monotonic()
         try:
-            attr = self._core.attr(m.Resolve(path=p, follow=follow))
+            reply = self._core.call(m.Resolve(path=p, follow=follow, lease=lease))
         except StripefsError as exc:
             raise StripefsError(exc.code, exc.message, p) from None
-        if cache is not None:
-            cache.put(p, attr, started)
-        return attr
+        cache.put(p, reply.attr, token, reply.lease_id, reply.lease_ms, sent)
+        return reply.attr
 
     def stat_many(self, paths: "Sequence[str]", *, follow: bool = True) -> list[Attr | StripefsError]:
         """Attributes of many paths in few round trips (200 paths per request).
@@ -200,17 +220,32 @@ class Client:
             subclass such as ``FileNotFoundError``, not raised) resolving it gave.
         """
         norm = [normpath(p) for p in paths]
-        out: list[Attr | StripefsError] = []
-        for start in range(0, len(norm), STAT_MANY_MAX):
-            part = norm[start:start + STAT_MANY_MAX]
-            reply = self._core.call(m.StatMany(paths=part, follow=follow))
+        cache = self._core.lease_cache() if follow else None
+        out: list[Attr | StripefsError | None] = [None] * len(norm)
+        todo = list(range(len(norm)))
+        if cache is not None:  # what the cache holds needs no request (as stat)
+            hits = [cache.get(p) for p in norm]
+            out = list(hits)
+            todo = [i for i, hit in enumerate(hits) if hit is None]
+        for start in range(0, len(todo), STAT_MANY_MAX):
+            index = todo[start:start + STAT_MANY_MAX]
+            part = [norm[i] for i in index]
+            token, lease, sent = (cache.token(), cache.leasing, time.monotonic()) if cache is not None else ((0, 0), False, 0.0)
+            reply = self._core.call(m.StatMany(paths=part, follow=follow, lease=lease))
             if (len(reply.attrs) + len(reply.failed) != len(part) or len(reply.codes) != len(reply.failed)
-                    or len(set(reply.failed)) != len(reply.failed) or not all(0 <= i < len(part) for i in reply.failed)):
+                    or len(set(reply.failed)) != len(reply.failed) or not all(0 <= i < len(part) for i in reply.failed)
+                    or (reply.lease_ids is not None and len(reply.lease_ids) != len(reply.attrs))):
                 raise StripefsError(ErrorCode.PROTOCOL, "StatMany: answer does not match the paths asked")
             attrs, errors = iter(reply.attrs), dict(zip(reply.failed, reply.codes))
-            out.extend(StripefsError(errors[i], "", part[i]) if i in errors else next(attrs)
-                       for i in range(len(part)))
-        return out
+            leases = iter(reply.lease_ids or ())
+            for k, i in enumerate(index):
+                if k in errors:
+                    out[i] = StripefsError(errors[k], "", part[k])
+                    continue
+                attr = out[i] = next(attrs)
+                if cache is not None:
+                    cache.put(part[k], attr, token, next(leases, 0), reply.lease_ms, sent)
+        return out  # type: ignore[return-value]  # every index was answered
 
     def create_many(self, paths: "Sequence[str]", mode: int = 0o644, *,
                     exclusive: bool = True) -> list[Attr | StripefsError]:
@@ -340,12 +375,21 @@ class Client:
     def listdir(self, path: str = "/") -> list[str]:
         """Names in a directory, in name order (one round trip per 2000 names)."""
         p = normpath(path)
+        cache = self._core.lease_cache()
+        token, lease, sent = (0, 0), False, 0.0
+        if cache is not None:  # a whole listing held under a lease is current
+            kept = cache.get_names(p)
+            if kept is not None:
+                return kept
+            token, lease, sent = cache.token(), cache.leasing, time.monotonic()
         names: list[str] = []
         while True:
             reply = self._wrap(lambda: self._core.call(m.ListNames(path=p, after=names[-1] if names else "",
-                                                                   limit=2000)), p)
+                                                                   limit=2000, lease=lease and not names)), p)
             if not all(type(n) is str for n in reply.names):
                 raise StripefsError(ErrorCode.PROTOCOL, "ListNames: a name is not text")
+            if cache is not None and not names and not reply.more and reply.lease_ms:
+                cache.put_names(p, reply.names, token, reply.lease_id, reply.lease_ms, sent)
             names.extend(reply.names)
             if not reply.more or not reply.names:
                 return names
@@ -397,7 +441,7 @@ class Client:
             attr = reply.attr
         else:
             p = normpath(path)
-            attr = self._fresh_stat(p)  # close-to-open: never a cached length
+            attr = self._fresh_stat(p, leased_ok=True)  # close-to-open: a leased entry is current, a timed one is not
         if attr.is_dir:
             raise StripefsError(ErrorCode.IS_DIR, "is a directory", p)
         f = self.open_inode(attr, name=p, readable=flags["read"], writable=flags["write"], append=flags["append"])

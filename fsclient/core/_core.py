@@ -22,6 +22,7 @@ worker) drops the parent's connections and threads and reconnects lazily.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import heapq
 import itertools
@@ -40,7 +41,7 @@ import crc32c
 from rpc import BufferPool, Connection, ConnectionPool, Reply, abandon
 from wire import Attr, ErrorCode, Layout, Message, ReplyMessage, Routing, StripefsError, check_segments, messages as m
 
-from ._attrcache import AttrCache
+from ._attrcache import AttrCache, LeaseWatch
 from ._config import ClusterConfig
 from ._ordering import WriteOrder
 
@@ -87,6 +88,18 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _release_leases_at_exit() -> None:
+    """A process that exits without closing its clients still tells the metadata service
+    its leases are gone (else others' changes to what it held wait for them to run out)."""
+    for core in list(_LIVE):
+        watch = core._watch
+        if watch is not None and core.pid == os.getpid():
+            watch.close()
+
+
+atexit.register(_release_leases_at_exit)
 
 
 def split(layout: Layout, offset: int, length: int) -> Iterator[tuple[int, int, int, int]]:
@@ -188,7 +201,9 @@ class ClientCore:
         self.conns_per_server = conns_per_server
         self.max_inflight = max_inflight
         self.buffers = BufferPool()
-        self.attrs: "AttrCache | None" = None  # set by Client(attr_timeout=...): told of every mutation
+        self.attrs: "AttrCache | None" = None  # set by Client(attr_timeout=..., leases=...): told of every mutation
+        self.leases = False  # ask for attribute leases (Client(leases=True)): the watch starts with the first stat
+        self._watch: LeaseWatch | None = None
         self._init_state()
         _LIVE.add(self)
 
@@ -215,8 +230,24 @@ class ClientCore:
         self._init_state()
         if self.attrs is not None:  # its lock may have been held by a parent thread at fork time
             self.attrs = AttrCache(self.attrs.timeout)
+        self._watch = None  # the parent's thread is not in this process: the next stat starts one
+
+    def lease_cache(self) -> AttrCache | None:
+        """The attribute cache, its lease watch started (on first use, and again in a
+        forked child): stats ask for leases once the watch is live."""
+        if os.getpid() != self.pid:
+            self._reset_after_fork()
+        cache = self.attrs
+        if cache is not None and self.leases and self._watch is None:
+            with self._lock:
+                if self._watch is None:
+                    self._watch = LeaseWatch(self, cache)
+        return cache
 
     def close(self) -> None:
+        if self._watch is not None and os.getpid() == self.pid:
+            self._watch.close()
+            self._watch = None
         self._data.close()  # in a forked child the pools only forget the parent's sockets
         self._meta.close()
 

@@ -125,7 +125,8 @@ def _port_free(port: int) -> bool:
 
 def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 << 20, stripe: int = 16,
        gc_grace: float = 30.0, metadata_store: str = "sqlite", postgres_url: str | None = None,
-       metadata_services: int = 1, metadata_sync: str | None = None) -> dict[str, Any]:
+       metadata_services: int = 1, metadata_sync: str | None = None,
+       lease_ttl: float | None = None) -> dict[str, Any]:
     """Start (or restart) the cluster under ``root``; returns the cluster.json content.
 
     Args:
@@ -139,6 +140,9 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
             operation survives power loss; the default) or ``normal`` (it survives a
             kill -9 of any process, not a power loss). None: the cluster's setting
             on a restart, else ``full``.
+        lease_ttl: seconds an attribute lease lives (the metadata service's
+            ``--lease-ttl``; 0 grants none). None: the cluster's setting on a restart,
+            else the service's default.
     """
     if not 1 <= replicas <= 3 or replicas > servers:
         raise StripefsError(ErrorCode.INVALID, "--replicas must be 1, 2 or 3 and at most --servers")
@@ -156,6 +160,8 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
     if metadata_sync == "normal" and metadata_store == "postgresql":
         raise StripefsError(ErrorCode.INVALID, "--metadata-sync normal applies to SQLite; with PostgreSQL set "
                             "the database's synchronous_commit instead")
+    if lease_ttl is not None and not lease_ttl >= 0:
+        raise StripefsError(ErrorCode.INVALID, f"--lease-ttl {lease_ttl!r}: seconds, 0 or more (0: no leases)")
     root = os.path.abspath(root)
     os.makedirs(os.path.join(root, "logs"), exist_ok=True)
     old = read_cluster(root)
@@ -186,6 +192,8 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
         "metadata_services": [],
         "metadata_sync": metadata_sync or (old or {}).get("metadata_sync") or "full",
     }
+    if lease_ttl is not None or (old or {}).get("lease_ttl") is not None:
+        cluster["lease_ttl"] = lease_ttl if lease_ttl is not None else old["lease_ttl"]  # type: ignore[index]
     if old and old.get("metadata_services"):  # a restart keeps the number of services
         metadata_services = max(metadata_services, len(old["metadata_services"]))
     if cluster["metadata_store"] == "postgresql":
@@ -264,6 +272,7 @@ def _spawn_metadata(root: str, cluster: dict[str, Any], i: int, port: int) -> tu
                    "--port", str(port), "--chunk-size", str(cluster.get("chunk_size", 4 << 20)),
                    "--stripe", str(cluster.get("stripe", 16)), "--gc-grace", str(cluster.get("gc_grace", 30.0)),
                    "--replicas", str(cluster.get("replicas", 1)), "--sync", cluster.get("metadata_sync", "full"),
+                   *(["--lease-ttl", str(cluster["lease_ttl"])] if cluster.get("lease_ttl") is not None else []),
                    "--ready", ready], log_path)
     return proc, ready, log_path
 

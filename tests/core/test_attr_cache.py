@@ -13,7 +13,7 @@ import pytest
 def cached(cluster):
     from fsclient import Client
 
-    c = Client(cluster.file, attr_timeout=0.5)
+    c = Client(cluster.file, attr_timeout=0.5, leases=False)
     yield c
     c.close()
 

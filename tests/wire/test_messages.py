@@ -116,6 +116,7 @@ REPLY_OF = {
     "RemoveXattr": "AttrReply", "AcquireLock": "LockReply", "ReleaseLock": "ReleaseLockReply",
     "CreatePath": "CreateReply", "UnlinkPath": "AttrReply", "StatMany": "StatManyReply",
     "ListNames": "NamesReply", "CreateMany": "StatManyReply", "UnlinkMany": "StatManyReply",
+    "WatchLeases": "WatchLeasesReply",
 }
 
 LAYOUT = wire.Layout(1 << 20, (3, 1, 2))
@@ -129,6 +130,7 @@ SAMPLES: list[tuple[m.ReplyMessage, dict]] = [
     (m.AuthenticateReply(proof=b"p" * 32), {"proof": b"p" * 32}),
     (m.StatfsReply(capacity=100, used=10, free=90, files=3), {"capacity": 100, "used": 10, "free": 90, "files": 3}),
     (m.AttrReply(attr=ATTR), {"attr": ATTR.to_wire()}),
+    (m.AttrReply(attr=ATTR, lease_id=9, lease_ms=5000), {"attr": ATTR.to_wire(), "lease_id": 9, "lease_ms": 5000}),
     (m.CreateReply(attr=ATTR, created=True), {"attr": ATTR.to_wire(), "created": True}),
     (m.ReadlinkReply(target="/x"), {"target": "/x"}),
     (m.ReaddirReply(entries=[wire.DirEntry("a", 7, 0o100644, ATTR), wire.DirEntry("b", 8, 0o40755)], more=False),
@@ -161,6 +163,9 @@ SAMPLES: list[tuple[m.ReplyMessage, dict]] = [
      {"state": "draining", "chains": [1, 5], "lost": [], "routing_version": 6}),
     (m.StatManyReply(attrs=[ATTR], failed=[0], codes=[1]), {"attrs": [ATTR.to_wire()], "failed": [0], "codes": [1]}),
     (m.NamesReply(names=["a", "b"], more=True), {"names": ["a", "b"], "more": True}),
+    (m.WatchLeasesReply(seq=4, lease_ids=[7, 9]), {"seq": 4, "lease_ids": [7, 9], "reset": False}),
+    (m.StatManyReply(attrs=[ATTR], failed=[], codes=[], lease_ids=[3], lease_ms=5000),
+     {"attrs": [ATTR.to_wire()], "failed": [], "codes": [], "lease_ids": [3], "lease_ms": 5000}),
 ]
 
 
@@ -194,10 +199,10 @@ def test_reply_roundtrip_keeps_the_wire_format(reply: m.ReplyMessage, header: di
 
 
 def test_typed_fields_are_value_types() -> None:
-    r = wire.decode_reply(m.Readdir, _over_the_wire(SAMPLES[6][1]))
+    r = wire.decode_reply(m.Readdir, _over_the_wire(SAMPLES[7][1]))
     assert r.entries[0].attr == ATTR and r.entries[0].attr.layout.chains == (3, 1, 2) and r.more is False
     assert wire.decode_reply(m.GetRouting, _over_the_wire({"routing": ROUTING.to_wire()})).routing.chains == {1: (1, 2)}
-    assert wire.decode_reply(m.ClusterStatus, SAMPLES[9][1]).servers[0].pid == 42
+    assert wire.decode_reply(m.ClusterStatus, SAMPLES[10][1]).servers[0].pid == 42
 
 
 @pytest.mark.parametrize(
@@ -219,7 +224,7 @@ def test_typed_fields_are_value_types() -> None:
         (m.Readdir, {"entries": [["a", "x", 1, None]], "more": False}),  # from_wire raising ValueError
         (m.GetRouting, {"routing": {"version": 1}}),
         (m.Create, {"attr": ATTR.to_wire(), "created": 1}),
-        (m.TargetInfo, {**SAMPLES[17][1], "server_id": "1"}),
+        (m.TargetInfo, {**SAMPLES[18][1], "server_id": "1"}),
         (m.StatChunk, {"length": 1, "version": 1, "crcs": 5}),
         (m.Challenge, {}),  # never answered
     ],
@@ -231,7 +236,7 @@ def test_invalid_replies_are_protocol_errors(request_cls: type, header: object) 
 
 
 def test_optional_reply_field_accepts_none_and_its_type() -> None:
-    header = SAMPLES[17][1]
+    header = SAMPLES[18][1]
     assert wire.decode_reply(m.TargetInfo, header).server_id is None
     assert wire.decode_reply(m.TargetInfo, {**header, "server_id": 3}).server_id == 3
 

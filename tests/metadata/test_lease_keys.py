@@ -1,0 +1,250 @@
+"""What attribute leases rest on: the keys a path walk depends on
+(``Namespace.resolve(keys=...)``) and the keys a mutation writes (``SqliteStore.touched``),
+and the service's lease table (granting, bounds, invalidation and the waits it causes).
+
+The key property, table-driven over every kind of write: whenever a mutation changes what
+a path resolves to (its attributes, or an error instead), the mutation wrote one of the
+keys that resolution depended on -- so the lease on that answer is invalidated."""
+
+from __future__ import annotations
+
+import stat
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from metadata._leasetable import LeaseTable
+from metadata._namespace import RENAME_EXCHANGE, ROOT_INO, Namespace
+from metadata._store import SqliteStore
+from wire._errors import StripefsError
+
+CHAINS = [1, 2, 3]
+PROBES = ["/", "/a", "/a/f", "/a/g", "/a/sub", "/a/sub/h", "/a/sub/..", "/a/sub/../f", "/b", "/lnk", "/lnk/x",
+          "/dlnk", "/dlnk/h", "/a/new", "/b/f", "/b/moved", "/a/hard"]
+
+
+@pytest.fixture
+def ns(tmp_path) -> Any:
+    store = SqliteStore(str(tmp_path / "meta.db"))
+    ns = Namespace(store)
+    ns.mkdir(ROOT_INO, "a", 0o755, 0, 0)
+    ns.mkdir(ROOT_INO, "b", 0o755, 0, 0)
+    ns.create_path("/a/f", 0o644, 0, 0, chains=CHAINS)
+    ns.create_path("/a/g", 0o644, 0, 0, chains=CHAINS)
+    sub = ns.mkdir(ns.resolve("/a").ino, "sub", 0o755, 0, 0)
+    ns.create(sub.ino, "h", 0o644, 0, 0, chains=CHAINS)
+    ns.symlink(ROOT_INO, "lnk", "/a/f", 0, 0)
+    ns.symlink(ROOT_INO, "dlnk", "a/sub", 0, 0)
+    yield ns
+    store.close()
+
+
+def _ino(ns: Namespace, path: str) -> int:
+    return ns.resolve(path).ino
+
+
+# Every kind of namespace write (the service's mutations map onto these).
+_OPS: list[tuple[str, Callable[[Namespace], Any]]] = [
+    ("create", lambda ns: ns.create(_ino(ns, "/a"), "new", 0o644, 0, 0, chains=CHAINS)),
+    ("create truncate", lambda ns: ns.create(_ino(ns, "/a"), "f", 0o644, 0, 0, chains=CHAINS, truncate=True)),
+    ("create_path", lambda ns: ns.create_path("/a/new", 0o644, 0, 0, chains=CHAINS)),
+    ("create_many", lambda ns: ns.create_many(["/a/new", "/b/f"], 0o644, 0, 0, chains=CHAINS)),
+    ("unlink_many", lambda ns: ns.unlink_many(["/a/f", "/a/sub/h"])),
+    ("unlink", lambda ns: ns.unlink(_ino(ns, "/a"), "f")),
+    ("unlink_path", lambda ns: ns.unlink_path("/a/g")),
+    ("unlink symlink", lambda ns: ns.unlink(ROOT_INO, "lnk")),
+    ("mkdir", lambda ns: ns.mkdir(_ino(ns, "/a"), "new", 0o755, 0, 0)),
+    ("rmdir", lambda ns: (ns.unlink(_ino(ns, "/a/sub"), "h"), ns.rmdir(_ino(ns, "/a"), "sub"))),
+    ("rename file", lambda ns: ns.rename(_ino(ns, "/a"), "f", _ino(ns, "/b"), "f")),
+    ("rename over", lambda ns: ns.rename(_ino(ns, "/a"), "g", _ino(ns, "/a"), "f")),
+    ("rename dir", lambda ns: ns.rename(_ino(ns, "/a"), "sub", _ino(ns, "/b"), "moved")),
+    ("rename parent", lambda ns: ns.rename(ROOT_INO, "a", ROOT_INO, "c")),
+    ("rename exchange", lambda ns: ns.rename(_ino(ns, "/a"), "f", _ino(ns, "/a"), "sub", RENAME_EXCHANGE)),
+    ("link", lambda ns: ns.link(_ino(ns, "/a/f"), _ino(ns, "/a"), "hard")),
+    ("symlink", lambda ns: ns.symlink(_ino(ns, "/a"), "new", "/b", 0, 0)),
+    ("mknod", lambda ns: ns.mknod(_ino(ns, "/a"), "new", stat.S_IFIFO | 0o644, 0, 0, 0, chains=[])),
+    ("setattr mode", lambda ns: ns.setattr(_ino(ns, "/a/f"), mode=0o600)),
+    ("setattr owner", lambda ns: ns.setattr(_ino(ns, "/a/sub"), uid=7, gid=8)),
+    ("setattr times", lambda ns: ns.setattr(_ino(ns, "/a/f"), atime_ns=1, mtime_ns=2)),
+    ("truncate", lambda ns: ns.setattr(_ino(ns, "/a/f"), size=5)),
+    ("commit_length", lambda ns: ns.commit_length(_ino(ns, "/a/f"), 100)),
+    ("setxattr", lambda ns: ns.setxattr(_ino(ns, "/a/f"), b"user.k", b"v")),
+    ("removexattr", lambda ns: (ns.setxattr(_ino(ns, "/a/f"), b"user.k", b"v"),
+                                ns.removexattr(_ino(ns, "/a/f"), b"user.k"))),
+]
+
+
+def _probe(ns: Namespace) -> dict[tuple[str, Any], tuple[Any, list[Any]]]:
+    """Per probed path: what it resolves to (follow or not) and what its listing is, with
+    the keys each answer depends on."""
+    out: dict[tuple[str, Any], tuple[Any, list[Any]]] = {}
+    for path in PROBES:
+        for how in (True, False, "list"):
+            keys: list[Any] = []
+            try:
+                found: Any = ns.list_names(path, "", 1000, keys) if how == "list" else ns.resolve(path, how, keys)
+            except StripefsError as exc:
+                found = exc.code
+            out[(path, how)] = (found, keys)
+    return out
+
+
+@pytest.mark.parametrize("op", _OPS, ids=[o[0] for o in _OPS])
+def test_a_write_that_changes_an_answer_touches_one_of_its_keys(ns: Namespace, op) -> None:
+    before = _probe(ns)
+    store = ns.store
+    assert isinstance(store, SqliteStore)
+    touched: set[Any] = set()
+    store.touched = touched
+    try:
+        op[1](ns)
+    finally:
+        store.touched = None
+    after = _probe(ns)
+    changed = [k for k in before if before[k][0] != after[k][0]]
+    assert changed, "the operation changed no probed answer: the case tests nothing"
+    for k in changed:
+        if isinstance(before[k][0], int) and not isinstance(before[k][0], bool):
+            continue  # an error before (never cached, never leased)
+        assert touched & set(before[k][1]), f"{k} changed, but none of its keys {before[k][1]} was written"
+
+
+def test_resolve_keys_name_the_entries_and_inodes_walked(ns: Namespace) -> None:
+    keys: list[Any] = []
+    attr = ns.resolve("/lnk", True, keys)
+    a = _ino(ns, "/a")
+    lnk = ns.resolve("/lnk", False).ino
+    assert keys == [(ROOT_INO, "lnk"), lnk, (ROOT_INO, "a"), (a, "f"), attr.ino]
+
+
+def test_nothing_is_recorded_unless_asked(ns: Namespace) -> None:
+    store = ns.store
+    assert isinstance(store, SqliteStore) and store.touched is None
+    ns.setattr(_ino(ns, "/a/f"), mode=0o600)
+    assert store.touched is None
+
+
+# -- the lease table -------------------------------------------------------------------------
+A, B = b"a" * 16, b"b" * 16
+
+
+def _run(fn: Callable[[], Any]) -> None:
+    trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_grants_only_to_a_watching_client_and_within_its_cap() -> None:
+    async def main() -> None:
+        table = LeaseTable(5.0, max_per_client=2)
+        assert table.grant(B, [1]) == (0, 0)  # no watch yet
+        assert (await table.watch(B, 0, 10))[1:] == ([], False)
+        first = table.grant(B, [1, (1, "x")])
+        assert first[0] and first[1] == 5000
+        assert table.grant(B, [2])[0]
+        assert table.grant(B, [3]) == (0, 0)  # the cap: refused, nothing evicted
+        assert len(table) == 2
+        since = table.changes
+        table.invalidate({99}, A)
+        assert table.grant(B, [4], since) == (0, 0)  # an invalidation during the read
+        assert LeaseTable(0).grant(B, [1]) == (0, 0)
+
+    _run(main)
+
+
+def test_a_change_waits_for_the_holders_ack() -> None:
+    async def main() -> None:
+        table = LeaseTable(5.0)
+        seq, _, _ = await table.watch(B, 0, 10)
+        lease, _ = table.grant(B, [7, (1, "f")])
+        table.grant(A, [7])  # the mutator's own lease: removed, never waited for
+        got: list[Any] = []
+
+        async def holder() -> None:
+            got.append(await table.watch(B, seq, 10))
+            await trio.sleep(0.3)  # the client drops its entries, then acknowledges
+            got.append(trio.current_time())
+            await table.watch(B, got[0][0], 0)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(holder)
+            await trio.sleep(0.1)
+            waits = table.invalidate({(1, "f")}, A)
+            assert len(waits) == 1 and len(table) == 0
+            await table.wait(waits)
+            done = trio.current_time()
+        assert got[0][1] == [lease] and not got[0][2]
+        assert done >= got[1]  # not before the acknowledgement
+        assert done < 1.0  # nor until the lease ran out
+
+    _run(main)
+
+
+def test_a_silent_holder_delays_a_change_until_its_lease_expires() -> None:
+    async def main() -> None:
+        table = LeaseTable(2.0)
+        await table.watch(B, 0, 10)
+        table.grant(B, [7])
+        start = trio.current_time()
+        await table.wait(table.invalidate([7], A))
+        assert 1.9 <= trio.current_time() - start <= 2.1
+        assert table.invalidate([7], A) == []  # nothing left to tell
+
+    _run(main)
+
+
+def test_a_watch_the_table_never_saw_is_told_to_reset() -> None:
+    async def main() -> None:
+        table = LeaseTable(2.0)
+        assert await table.watch(B, 57, 10) == (1, [], True)  # a restarted service
+        assert (await table.watch(B, 0, 10))[2] is False
+        with trio.move_on_after(1):
+            assert await table.watch(B, 1, 0.5) == (1, [], False)  # nothing to say: answered after the wait
+
+    _run(main)
+
+
+def test_expired_leases_are_purged() -> None:
+    async def main() -> None:
+        table = LeaseTable(1.0)
+        await table.watch(B, 0, 10)
+        table.grant(B, [1])
+        table.purge()
+        assert len(table) == 1
+        await trio.sleep(1.1)
+        table.purge()
+        assert len(table) == 0 and table.invalidate([1], A) == []
+
+    _run(main)
+
+
+def test_only_a_service_that_owns_its_store_grants_leases(store) -> None:
+    """SQLite: one service sees every mutation. PostgreSQL (several services) and the
+    in-memory store grant none: the watch is refused, a Resolve carries no lease."""
+    from metadata._server import Membership, MetadataService
+    from wire import ErrorCode
+    from wire import messages as m
+
+    ns = Namespace(store)
+    svc = MetadataService(ns, lambda doc, restarted: Membership(None, 1, doc=doc, restarted=restarted), "s" * 32)
+    grants = isinstance(store, SqliteStore)
+    assert svc.lease_table.enabled is grants
+
+    class Conn:
+        client_id = B
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.run_batches)
+            if grants:
+                assert (await svc._watch(Conn(), m.WatchLeases(after=0))).reset is False
+            else:
+                with pytest.raises(StripefsError) as info:
+                    await svc._watch(Conn(), m.WatchLeases(after=0))
+                assert info.value.code == ErrorCode.NOT_SUPPORTED
+            reply = await svc._resolve_leased(Conn(), m.Resolve(path="/", lease=True))
+            assert (reply.lease_ms > 0) is grants
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
