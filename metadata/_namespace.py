@@ -203,15 +203,24 @@ class Namespace:
         if self._dirs is None:
             self._dirs = {}
 
-    def getattr(self, ino: int) -> Attr:
+    def getattr(self, ino: int, keys: list[object] | None = None) -> Attr:
+        """The attributes of inode ``ino``; ``keys`` as :meth:`resolve`'s (the inode)."""
         with self._store.transaction() as txn:
-            return self._inode(txn, ino)
+            attr = self._inode(txn, ino)
+        if keys is not None:
+            keys.append(ino)
+        return attr
 
-    def lookup(self, parent: int, name: str) -> Attr:
+    def lookup(self, parent: int, name: str, keys: list[object] | None = None) -> Attr:
+        """The attributes of ``name`` in directory ``parent``; ``keys`` as :meth:`resolve`'s
+        (the entry and the inode it names)."""
         validate_name(name)
         with self._store.transaction() as txn:
             self._dir(txn, parent)
-            return self._inode(txn, self._entry(txn, parent, name).ino)
+            attr = self._inode(txn, self._entry(txn, parent, name).ino)
+        if keys is not None:
+            keys.extend(((parent, name), attr.ino))
+        return attr
 
     def resolve(self, path: str, follow: bool = True, keys: list[object] | None = None) -> Attr:
         """Walk an absolute path (a missing leading ``/`` is allowed) from the root.

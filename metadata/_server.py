@@ -697,6 +697,14 @@ def _page_reply(kind: Callable[[list[Any], bool], ReplyMessage]) -> Callable[[tu
 
 ReadPlan = tuple[Callable[..., Any], tuple[Any, ...], int, Callable[[Any], ReplyMessage]]
 
+# The reads that may ask for an attribute lease: the ``Namespace`` method, its arguments
+# (``keys``, filled with what the answer depends on, last) and its cost.
+_LEASED_ATTR: dict[type, Callable[[Any, list[Any]], tuple[Callable[..., Any], tuple[Any, ...], int]]] = {
+    m.Resolve: lambda q, keys: (Namespace.resolve, (q.path, q.follow, keys), _path_cost(q.path)),
+    m.Lookup: lambda q, keys: (Namespace.lookup, (q.parent, q.name, keys), 3 * STATEMENT_COST),
+    m.GetAttr: lambda q, keys: (Namespace.getattr, (q.ino, keys), STATEMENT_COST),
+}
+
 # The read requests: the ``Namespace`` method answering one, its arguments, what it costs at
 # most (``INLINE_COST`` units) and the reply made of its result.
 _READS: dict[type, Callable[[Any], ReadPlan]] = {
@@ -936,9 +944,10 @@ class MetadataService(Service):
         plan = _READS.get(type(msg))
         if plan is None or self._lns is None:
             return None
-        if type(msg) is m.Resolve and msg.lease and self.lease_table.enabled:
+        if isinstance(msg, (m.Resolve, m.Lookup, m.GetAttr)) and msg.lease and self.lease_table.enabled:
             keys: list[Any] = []
-            done, attr = self._read_now(Namespace.resolve, (msg.path, msg.follow, keys), _path_cost(msg.path))
+            fn, args, cost = _LEASED_ATTR[type(msg)](msg, keys)
+            done, attr = self._read_now(fn, args, cost)
             if not done:
                 return None
             # Read and registered in one step on the loop: no commit's invalidation between.
@@ -1026,8 +1035,8 @@ class MetadataService(Service):
             reply: ReplyMessage
             if type(msg) is m.WatchLeases:
                 reply = await self._watch(conn, msg)
-            elif type(msg) is m.Resolve and msg.lease and self.lease_table.enabled:
-                reply = await self._resolve_leased(conn, msg)
+            elif isinstance(msg, (m.Resolve, m.Lookup, m.GetAttr)) and msg.lease and self.lease_table.enabled:
+                reply = await self._attr_leased(conn, msg)
             elif type(msg) is m.StatMany and msg.lease and self.lease_table.enabled:
                 reply = await self._stat_many_leased(conn, msg)
             elif type(msg) is m.ListNames and msg.lease and self.lease_table.enabled:
@@ -1098,19 +1107,21 @@ class MetadataService(Service):
         return m.NamesReply(list(names), False, *self.lease_table.grant(conn.client_id, keys, since))
 
     async def _stat_many_leased(self, conn: ServerConn, msg: m.StatMany) -> m.StatManyReply:
-        """A ``StatMany`` asking for leases, not answered on the loop (see :meth:`_resolve_leased`)."""
+        """A ``StatMany`` asking for leases, not answered on the loop (see :meth:`_attr_leased`)."""
         since = self.lease_table.changes
         keys: list[list[Any]] = []
         found = await self._read(Namespace.resolve_many, list(msg.paths), msg.follow, keys,
                                  cost=sum(map(_path_cost, msg.paths)))
         return self._many_leased(conn, found, keys, since)
 
-    async def _resolve_leased(self, conn: ServerConn, msg: m.Resolve) -> m.AttrReply:
-        """A ``Resolve`` asking for a lease, not answered on the loop: granted only if no
-        invalidation happened while it was read (it may have read before a commit)."""
+    async def _attr_leased(self, conn: ServerConn, msg: Any) -> m.AttrReply:
+        """A ``Resolve``, ``Lookup`` or ``GetAttr`` asking for a lease, not answered on the
+        loop: granted only if no invalidation happened while it was read (it may have read
+        before a commit)."""
         since = self.lease_table.changes
         keys: list[Any] = []
-        attr = await self._read(Namespace.resolve, msg.path, msg.follow, keys, cost=_path_cost(msg.path))
+        fn, args, cost = _LEASED_ATTR[type(msg)](msg, keys)
+        attr = await self._read(fn, *args, cost=cost)
         return m.AttrReply(attr, *self.lease_table.grant(conn.client_id, keys, since))
 
     async def _watch(self, conn: ServerConn, msg: m.WatchLeases) -> m.WatchLeasesReply:

@@ -613,13 +613,28 @@ class Statfs(Message[StatfsReply]):
 
 @message(11)
 class GetAttr(Message[AttrReply]):
+    """``lease`` as :class:`Resolve`'s (sent only when true)."""
+
     ino: int
+    lease: bool = False
+
+    def to_header(self) -> dict[str, Any]:
+        return {"ino": self.ino, "lease": True} if self.lease else {"ino": self.ino}
 
 
 @message(12)
 class Lookup(Message[AttrReply]):
+    """``lease`` as :class:`Resolve`'s (sent only when true): the lease covers the entry
+    and the inode it names."""
+
     parent: int
     name: str
+    lease: bool = False
+
+    def to_header(self) -> dict[str, Any]:
+        if self.lease:
+            return {"parent": self.parent, "name": self.name, "lease": True}
+        return {"parent": self.parent, "name": self.name}
 
 
 @message(13)

@@ -38,6 +38,7 @@ def ns(tmp_path) -> Any:
     ns.create(sub.ino, "h", 0o644, 0, 0, chains=CHAINS)
     ns.symlink(ROOT_INO, "lnk", "/a/f", 0, 0)
     ns.symlink(ROOT_INO, "dlnk", "a/sub", 0, 0)
+    _entries_and_inos(ns)
     yield ns
     store.close()
 
@@ -89,7 +90,42 @@ def _probe(ns: Namespace) -> dict[tuple[str, Any], tuple[Any, list[Any]]]:
             except StripefsError as exc:
                 found = exc.code
             out[(path, how)] = (found, keys)
+    # Lookup(parent, name) and GetAttr(ino), by the numbers the probes had in the fixture.
+    for parent, name in _ENTRIES:
+        keys = []
+        try:
+            found = ns.lookup(parent, name, keys)
+        except StripefsError as exc:
+            found = exc.code
+        out[((parent, name), "lookup")] = (found, keys)
+    for ino in _INOS:
+        keys = []
+        try:
+            found = ns.getattr(ino, keys)
+        except StripefsError as exc:
+            found = exc.code
+        out[(ino, "getattr")] = (found, keys)
     return out
+
+
+_ENTRIES: list[tuple[int, str]] = []  # (parent, name) pairs to look up: filled by the ``ns`` fixture
+_INOS: list[int] = []  # inode numbers to get the attributes of
+
+
+def _entries_and_inos(ns: Namespace) -> None:
+    _ENTRIES.clear()
+    _INOS.clear()
+    for path in PROBES:
+        parent, _, name = path.rpartition("/")
+        try:
+            _INOS.append(ns.resolve(path, False).ino)
+            parent_ino = ns.resolve(parent or "/").ino
+        except StripefsError:
+            continue
+        if name not in ("", "..") and (parent_ino, name) not in _ENTRIES:
+            _ENTRIES.append((parent_ino, name))
+    _ENTRIES.extend([(_ino(ns, "/a"), "new"), (_ino(ns, "/a"), "hard"), (_ino(ns, "/b"), "f"),
+                     (_ino(ns, "/b"), "moved")])
 
 
 @pytest.mark.parametrize("op", _OPS, ids=[o[0] for o in _OPS])
@@ -118,6 +154,16 @@ def test_resolve_keys_name_the_entries_and_inodes_walked(ns: Namespace) -> None:
     a = _ino(ns, "/a")
     lnk = ns.resolve("/lnk", False).ino
     assert keys == [(ROOT_INO, "lnk"), lnk, (ROOT_INO, "a"), (a, "f"), attr.ino]
+
+
+def test_lookup_and_getattr_keys_name_the_entry_and_the_inode(ns: Namespace) -> None:
+    a, f = _ino(ns, "/a"), _ino(ns, "/a/f")
+    keys: list[Any] = []
+    assert ns.lookup(a, "f", keys).ino == f
+    assert keys == [(a, "f"), f]
+    keys = []
+    assert ns.getattr(f, keys).ino == f
+    assert keys == [f]
 
 
 def test_nothing_is_recorded_unless_asked(ns: Namespace) -> None:
@@ -227,6 +273,7 @@ def test_only_a_service_that_owns_its_store_grants_leases(store) -> None:
     from wire import messages as m
 
     ns = Namespace(store)
+    ns.mkdir(ROOT_INO, "d", 0o755, 0, 0)
     svc = MetadataService(ns, lambda doc, restarted: Membership(None, 1, doc=doc, restarted=restarted), "s" * 32)
     grants = isinstance(store, SqliteStore)
     assert svc.lease_table.enabled is grants
@@ -243,8 +290,21 @@ def test_only_a_service_that_owns_its_store_grants_leases(store) -> None:
                 with pytest.raises(StripefsError) as info:
                     await svc._watch(Conn(), m.WatchLeases(after=0))
                 assert info.value.code == ErrorCode.NOT_SUPPORTED
-            reply = await svc._resolve_leased(Conn(), m.Resolve(path="/", lease=True))
-            assert (reply.lease_ms > 0) is grants
+            for ask in (m.Resolve(path="/", lease=True), m.Lookup(parent=ROOT_INO, name="d", lease=True),
+                        m.GetAttr(ino=ROOT_INO, lease=True)):
+                reply = await svc._attr_leased(Conn(), ask)
+                assert (reply.lease_ms > 0) is grants, ask
+                assert (reply.lease_id > 0) is grants, ask
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_lease_asked_only_when_true_on_the_wire() -> None:
+    """A client that does not ask sends what it always did (older services understand it)."""
+    from wire import messages as m
+
+    assert m.Lookup(parent=1, name="x").to_header() == {"parent": 1, "name": "x"}
+    assert m.Lookup(parent=1, name="x", lease=True).to_header() == {"parent": 1, "name": "x", "lease": True}
+    assert m.GetAttr(ino=3).to_header() == {"ino": 3}
+    assert m.GetAttr(ino=3, lease=True).to_header() == {"ino": 3, "lease": True}
