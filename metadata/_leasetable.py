@@ -6,8 +6,9 @@ read (the inode the path leads to, symlinks followed, directories left by ``..``
 ``(parent, name)`` pair per directory entry followed (``Namespace.resolve(keys=...)``). A
 mutation records the keys it writes (``SqliteStore.touched``: every inode, directory row,
 xattr and directory entry put or deleted), and once it committed, before it is answered,
-:meth:`LeaseTable.invalidate` removes every lease on those keys; the holders (other than
-the mutating client, which drops its own entries on the answer) are told on their watch
+:meth:`LeaseTable.invalidate` removes every lease on those keys but the mutating client's own (it drops or updates its
+own entries on the answer; its leases stay, so another client's later change to the same
+keys is told to it), and their holders are told on their watch
 (``WatchLeases``, a long poll on a connection of their own) and the mutation waits until
 each has acknowledged, or its lease expired, whichever comes first
 (:meth:`LeaseTable.wait`). So a change is visible to every client's very next ``stat``
@@ -155,10 +156,15 @@ class LeaseTable:
             if not found:
                 continue
             for lease in list(found.values()):
-                self._remove(lease)
                 holder = lease.holder
-                if holder.client == mutator or lease.expires <= now:
-                    continue  # the mutator drops its own entries; an expired lease is trusted by nobody
+                if holder.client == mutator and lease.expires > now:
+                    # The mutator knows what it changed (it drops or updates its own entries);
+                    # its lease lives on, so another client's later change is still told to it
+                    # (a FUSE daemon's kernel keeps what it was told under the lease).
+                    continue
+                self._remove(lease)
+                if lease.expires <= now:
+                    continue  # an expired lease is trusted by nobody
                 entry = told.get(holder.client)
                 if entry is None:
                     told[holder.client] = (holder, [lease.id], lease.expires)

@@ -227,6 +227,25 @@ def test_a_change_waits_for_the_holders_ack() -> None:
     _run(main)
 
 
+def test_the_mutators_own_lease_lives_on_and_hears_of_the_next_change() -> None:
+    """A client's own change neither waits for it nor ends its lease: the next change by
+    someone else to the same keys is told to it (a FUSE kernel keeps what it was told)."""
+    async def main() -> None:
+        table = LeaseTable(5.0)
+        seq, _, _ = await table.watch(A, 0, 10)
+        await table.watch(B, 0, 10)
+        lease, _ = table.grant(A, [7, (1, "f")])
+        assert lease
+        assert table.invalidate({7}, A) == []  # its own change: nobody waited for
+        assert len(table) == 1
+        waits = table.invalidate({(1, "f")}, B)
+        assert [w[0].client for w in waits] == [A]
+        assert (await table.watch(A, seq, 10))[1] == [lease]
+        assert len(table) == 0
+
+    _run(main)
+
+
 def test_a_silent_holder_delays_a_change_until_its_lease_expires() -> None:
     async def main() -> None:
         table = LeaseTable(2.0)
