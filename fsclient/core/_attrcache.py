@@ -26,6 +26,7 @@ is in flight, and no invalidation was processed since.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -33,6 +34,8 @@ from typing import Any
 from rpc import Connection
 from wire import Attr, ErrorCode, Message, StripefsError
 from wire import messages as m
+
+log = logging.getLogger(__name__)
 
 MAX_ENTRIES = 65536  # cached paths (the oldest go first past it)
 WATCH_WAIT_MS = 10_000  # how long the service holds a watch with nothing to say
@@ -64,6 +67,10 @@ class AttrCache:
         self.inflight = 0  # mutations of this client not answered yet
         self.invalidations = 0  # watch answers (and watch failures) processed
         self.leasing = False  # the watch is live: stats may ask for leases
+        # Told on the watch thread, before the watch acknowledges, of every invalidation
+        # (``invalidated(lease ids)``) and watch failure (``lost()``): the FUSE daemon's
+        # ``KernelLeases``, which takes back what it told the kernel.
+        self.listener: Any = None
 
     def __len__(self) -> int:
         return len(self._by_path)
@@ -234,6 +241,18 @@ class LeaseWatch:
                 pass  # the leases run out on their own
             conn.close()  # the call in flight fails at once
 
+    def _lost(self) -> None:
+        self.cache.lost()
+        self._tell("lost")
+
+    def _tell(self, what: str, *args: Any) -> None:
+        listener = self.cache.listener
+        if listener is not None:
+            try:
+                getattr(listener, what)(*args)
+            except Exception:  # noqa: BLE001 -- the watch goes on (the listener logs its own trouble)
+                log.warning("the lease listener failed", exc_info=True)
+
     def _connect(self) -> Connection:
         core = self.core
         return Connection(core.config.addresses[0], core.config.secret, core.client_id, expect_role="metadata",
@@ -252,7 +271,7 @@ class LeaseWatch:
                 header = self._conn.call(msg, timeout=WATCH_WAIT_MS / 1000 + 30).header
                 reply = m.decode_reply(msg, header)
             except (StripefsError, OSError) as exc:
-                self.cache.lost()
+                self._lost()
                 after = 0
                 conn, self._conn = self._conn, None
                 if conn is not None:
@@ -264,10 +283,11 @@ class LeaseWatch:
             if self._stop.is_set():
                 return
             if reply.reset:
-                self.cache.lost()
+                self._lost()
                 after = 0
                 continue
             if reply.lease_ids:
                 self.cache.invalidate(reply.lease_ids)
-            after = reply.seq
+                self._tell("invalidated", reply.lease_ids)
+            after = reply.seq  # acknowledged by the next call
             self.cache.watching()

@@ -31,6 +31,10 @@ Semantics (docs/fuse.md has the long form):
   the smaller of the two timeouts and served again (:class:`~fsclient.fuse._listings.Listings`):
   a listing, or the lookup before a create, needs no round trip within them; this
   mount's own changes drop or update what is kept.
+* Attribute leases (:class:`~fsclient.fuse._kernelleases.KernelLeases`): lookups and
+  ``getattr`` ask for one while the client's lease watch is live; the kernel keeps a
+  leased answer for the lease's remaining lifetime, and another client's change to it
+  is taken back from the kernel (on the watch thread) before that change returns.
 * ``O_APPEND`` handles are ``direct_io``, and the daemon writes each append at the
   committed length (asked at every write), not at the kernel's cached size.
 * Stopping: :meth:`StripeOperations.drain` commits every open file before the
@@ -48,6 +52,7 @@ Caveats:
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import io
@@ -57,6 +62,7 @@ import mmap
 import os
 import socket
 import stat
+import time
 from concurrent.futures import Future
 from typing import Any, Awaitable, Callable, TypeVar
 
@@ -67,6 +73,7 @@ from wire import Attr, messages as m
 
 from ..core import AsyncClient, Client, StripeFile, pid_alive
 from ._dirattrs import DirAttrs
+from ._kernelleases import KernelLeases
 from ._listings import Listings, Page
 from ._mounts import process_start
 
@@ -337,6 +344,10 @@ class StripeOperations(pyfuse3.Operations):
         # security.capability before every write(2) to a file; answering that from here
         # keeps a metadata round trip off each write (as stale as attributes may be).
         self._no_xattr: dict[tuple[int, bytes], float] = {}
+        # Attribute leases (see _kernelleases.py): the client's lease watch, started now.
+        core = client._core
+        cache = core.lease_cache() if core.leases else None
+        self.kernel_leases = KernelLeases(cache, self._forget_inos) if cache is not None else None
 
     # -- helpers ------------------------------------------------------------------------
     def _entry(self, attr: Attr, age: float = 0.0) -> pyfuse3.EntryAttributes:
@@ -372,6 +383,27 @@ class StripeOperations(pyfuse3.Operations):
         finally:
             self.listings.drop(parent)
 
+    def _forget_inos(self, inos: set[int]) -> None:
+        """Another client changed these inodes (their leases were invalidated): what this
+        daemon keeps of them goes (on the loop, before the kernel is told)."""
+        for ino in inos:
+            self.dir_attrs.drop(ino)
+            self.listings.drop(ino)
+            self.listings.forget_names(ino)
+        for key in [k for k in self._no_xattr if k[0] in inos]:
+            del self._no_xattr[key]
+
+    async def _leased(self, msg: Any, ino: int | None = None, parent: int = 0,
+                      name: bytes = b"") -> tuple[Attr, float | None]:
+        """A ``Lookup`` or ``GetAttr``, asking for a lease while the watch is live: its
+        attributes, and the timeout the kernel may keep them for (None: the mount's own)."""
+        kl = self.kernel_leases
+        if kl is None or not kl.asking:
+            return await self.aio.attr(msg), None
+        token, sent = kl.token(), time.monotonic()
+        reply = await self.aio.call(dataclasses.replace(msg, lease=True))
+        return reply.attr, kl.timeout(token, reply.lease_id, reply.lease_ms, sent, reply.attr.ino, parent, name)
+
     async def _attr(self, ino: int) -> Attr:
         return await self.aio.attr(m.GetAttr(ino=ino))
 
@@ -389,9 +421,12 @@ class StripeOperations(pyfuse3.Operations):
             missing.st_ino = 0  # a negative entry: the kernel keeps "no such name" for the rest of the time
             missing.entry_timeout = left
             return missing
-        attr = await self.aio.attr(m.Lookup(parent=parent_inode, name=text))
+        attr, leased = await self._leased(m.Lookup(parent=parent_inode, name=text), parent=parent_inode, name=name)
         self.dir_attrs.put(attr, version)
-        return self._looked_up(attr)
+        e = self._looked_up(attr)
+        if leased is not None:
+            e.entry_timeout = e.attr_timeout = leased
+        return e
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
         for ino, n in inode_list:
@@ -411,9 +446,12 @@ class StripeOperations(pyfuse3.Operations):
             e.attr_timeout = min(e.attr_timeout, hit[1])
             return e
         version = self.dir_attrs.version
-        attr = await self._attr(inode)
+        attr, leased = await self._leased(m.GetAttr(ino=inode))
         self.dir_attrs.put(attr, version)
-        return self._entry(attr)
+        e = self._entry(attr)
+        if leased is not None:
+            e.attr_timeout = leased
+        return e
 
     @_errors
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
@@ -658,6 +696,9 @@ class StripeOperations(pyfuse3.Operations):
             if victim is not None:
                 await self._unkeep(victim.ino, linked)
             raise
+        else:
+            if self.kernel_leases is not None:  # the kernel knows the entry by its new name now
+                self.kernel_leases.renamed(parent_inode_old, name_old, parent_inode_new, name_new)
         finally:
             self.dir_attrs.clear()  # both parents, and a directory moved (its ".." and ctime)
             self.listings.clear()

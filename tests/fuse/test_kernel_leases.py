@@ -1,0 +1,143 @@
+"""The mount holds attribute leases (docs/fuse.md, "Leases"): what it told the kernel under
+a lease stays cached for the lease's lifetime with no metadata round trip, yet another
+client's change is visible through the mount at the very next ``stat`` -- the service tells
+the daemon, which takes it back from the kernel before the change returns.
+
+A private one-server cluster with a short lease TTL, mounted with long timeouts: without
+leases every such change would stay invisible for the whole timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import pytest
+
+from fsclient import Client
+from fsclient.fuse import mount_record
+from fsclient.testing import LocalCluster
+
+from .conftest import do_mount, do_umount
+
+pytestmark = pytest.mark.fuse
+T = TypeVar("T")
+
+LONG = 30.0  # the mount's own timeouts: nothing expires by itself within a test
+TTL = 2.0  # the service's lease TTL
+
+
+class Private:
+    def __init__(self, cluster: LocalCluster, mnt: str):
+        self.cluster, self.mnt = cluster, mnt
+        self.client = Client(cluster.file, leases=False)
+        self.n = 0
+
+    def fresh(self) -> tuple[str, str]:
+        """A new directory with a file ``f`` (4 bytes): (its path for the client, through the mount)."""
+        self.n += 1
+        path = f"/k{self.n}"
+        self.client.mkdir(path)
+        self.client.write_bytes(path + "/f", b"1234")
+        return path, self.mnt + path
+
+    def metadata_pid(self) -> int:
+        return int(self.cluster.data["metadata"]["pid"])
+
+
+@pytest.fixture(scope="module")
+def private(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Private]:
+    cluster = LocalCluster.start(str(tmp_path_factory.mktemp("kleases-cluster")), servers=1,
+                                 chunk_size=256 * 1024, lease_ttl=TTL)
+    mnt = str(tmp_path_factory.mktemp("kleases-mnt"))
+    try:
+        do_mount(mnt, cluster.file, f"attr_timeout={LONG}", f"entry_timeout={LONG}")
+        p = Private(cluster, mnt)
+        _leasing(p)
+        yield p
+        p.client.close()
+    finally:
+        do_umount(mnt)
+        cluster.down()
+
+
+def _leasing(p: Private, timeout: float = 10.0) -> None:
+    """Until the mount's lease watch is live: a stat, then a change by the client, then the
+    stat through the mount sees it (before it is live, answers carry plain timeouts)."""
+    d, md = p.fresh()
+    deadline = time.monotonic() + timeout
+    mode, seen = 0o644, 0  # the file's own mode: each round changes it
+    while seen < 3:  # three in a row
+        os.stat(md + "/f")
+        mode ^= 0o044
+        p.client.chmod(d + "/f", mode)
+        seen = seen + 1 if stat.S_IMODE(os.stat(md + "/f").st_mode) == mode else 0
+        assert time.monotonic() < deadline, "the mount's lease watch did not start"
+
+
+def _while_paused(pid: int, fn: Callable[[], T], wait: float) -> T | None:
+    got: list[T] = []
+    t = threading.Thread(target=lambda: got.append(fn()), daemon=True)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t.start()
+        t.join(wait)
+        return got[0] if got else None
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        t.join(10)
+
+
+def test_another_clients_chmod_shows_at_the_next_stat(private: Private) -> None:
+    d, md = private.fresh()
+    assert stat.S_IMODE(os.stat(md + "/f").st_mode) == 0o644
+    private.client.chmod(d + "/f", 0o600)
+    assert stat.S_IMODE(os.stat(md + "/f").st_mode) == 0o600
+
+
+def test_another_clients_rename_and_unlink_show_at_the_next_stat(private: Private) -> None:
+    d, md = private.fresh()
+    private.client.write_bytes(d + "/g", b"gg")
+    ino = os.stat(md + "/f").st_ino
+    os.stat(md + "/g")
+    private.client.rename(d + "/f", d + "/moved")
+    assert not os.path.exists(md + "/f")
+    assert os.stat(md + "/moved").st_ino == ino
+    private.client.remove(d + "/g")
+    assert not os.path.exists(md + "/g")
+
+
+def test_another_clients_write_shows_at_the_next_stat_and_read(private: Private) -> None:
+    d, md = private.fresh()
+    assert os.stat(md + "/f").st_size == 4
+    private.client.write_bytes(d + "/f", b"0123456789")
+    assert os.stat(md + "/f").st_size == 10
+    with open(md + "/f", "rb") as fh:
+        assert fh.read() == b"0123456789"
+
+
+def test_a_repeated_stat_makes_no_round_trip(private: Private) -> None:
+    d, md = private.fresh()
+    first = os.stat(md + "/f")
+    again = _while_paused(private.metadata_pid(), lambda: os.stat(md + "/f"), wait=TTL / 4)
+    assert again is not None, "a repeated stat waited for the (stopped) metadata service"
+    assert again.st_ino == first.st_ino and again.st_mode == first.st_mode
+
+
+def test_a_stopped_daemon_delays_a_change_by_at_most_the_ttl(private: Private) -> None:
+    d, md = private.fresh()
+    os.stat(md + "/f")
+    pid = mount_record(private.mnt)["pid"]
+    started = time.monotonic()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        private.client.chmod(d + "/f", 0o600)  # waits for the stopped daemon's lease to run out
+        took = time.monotonic() - started
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert took < TTL + 1.5, f"the change waited {took:.1f} s for a {TTL} s lease"
+    assert stat.S_IMODE(os.stat(md + "/f").st_mode) == 0o600
