@@ -19,6 +19,7 @@ from typing import TypeVar
 import pytest
 
 from fsclient import Client
+from fsclient.core import pid_alive
 from fsclient.fuse import mount_record
 from fsclient.testing import LocalCluster
 
@@ -141,3 +142,31 @@ def test_a_stopped_daemon_delays_a_change_by_at_most_the_ttl(private: Private) -
         os.kill(pid, signal.SIGCONT)
     assert took < TTL + 1.5, f"the change waited {took:.1f} s for a {TTL} s lease"
     assert stat.S_IMODE(os.stat(md + "/f").st_mode) == 0o600
+
+
+def test_a_broken_watch_takes_back_what_was_leased(make_cluster, tmp_path) -> None:
+    """A restarted service knows no lease: the daemon's watch breaks, and what the kernel
+    was told under a lease is taken back at once (here the lease outlives the test)."""
+    h = make_cluster(servers=1, lease_ttl=30.0)
+    mnt = str(tmp_path / "mnt")
+    do_mount(mnt, h.file, f"attr_timeout={LONG}", f"entry_timeout={LONG}")
+    try:
+        with Client(h.file, leases=False) as writer:
+            writer.write_bytes("/f", b"abc")
+            p = Private(h, mnt)
+            p.client.close()
+            p.client = writer
+            _leasing(p)
+            os.stat(mnt + "/f")
+            port, pid = h.data["metadata"]["port"], int(h.data["metadata"]["pid"])
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while pid_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            h.up()  # the service again, on its port, with no memory of the leases
+            if h.data["metadata"]["port"] != port:
+                pytest.skip("the port was not free again (TIME_WAIT): the mount cannot reach the new service")
+            writer.chmod("/f", 0o600)
+            assert stat.S_IMODE(os.stat(mnt + "/f").st_mode) == 0o600
+    finally:
+        do_umount(mnt)
