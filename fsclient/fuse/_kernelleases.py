@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 # The kernel's timeout ends this long before the lease could (the lease is counted from
 # before the request was sent; the kernel counts from the reply, in whole jiffies).
 MARGIN = 0.05
-MAX_TOLD = 200_000  # leased answers remembered (past it, the expired ones are forgotten)
+MAX_TOLD = 200_000  # leased answers remembered (past it, answers are given no timeout)
+PURGE_EVERY = 4096  # leased answers between two purges of the expired ones
 
 
 class KernelLeases:
@@ -53,6 +54,7 @@ class KernelLeases:
         # lease id -> (expiry (monotonic), parent (0: attributes only), name, ino)
         self._told: dict[int, tuple[float, int, bytes, int]] = {}
         self._token: trio.lowlevel.TrioToken | None = None
+        self._added = 0
         cache.listener = self
 
     # -- on the loop --------------------------------------------------------------------
@@ -79,7 +81,8 @@ class KernelLeases:
             left = expires - time.monotonic()
             if self.token() != token or not self.cache.leasing or left <= 0:
                 return 0.0
-            if len(self._told) >= MAX_TOLD:
+            self._added += 1
+            if len(self._told) >= MAX_TOLD or self._added % PURGE_EVERY == 0:
                 now = time.monotonic()
                 for old in [k for k, v in self._told.items() if v[0] <= now]:
                     del self._told[old]
