@@ -170,3 +170,14 @@ def test_a_broken_watch_takes_back_what_was_leased(make_cluster, tmp_path) -> No
             assert stat.S_IMODE(os.stat(mnt + "/f").st_mode) == 0o600
     finally:
         do_umount(mnt)
+
+
+def test_a_name_made_elsewhere_shows_in_a_directory_listed_here(private: Private) -> None:
+    """The names the daemon keeps of a listed directory (it answers "no such name" from
+    them) go when a lease on the directory is invalidated."""
+    d, md = private.fresh()
+    assert sorted(os.listdir(md)) == ["f"]
+    assert not os.path.exists(md + "/new")
+    private.client.write_bytes(d + "/new", b"n")
+    assert os.path.exists(md + "/new")
+    assert sorted(os.listdir(md)) == ["f", "new"]
