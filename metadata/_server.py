@@ -886,6 +886,11 @@ class MetadataService(Service):
             txn.put_reply(key[0], key[1], time.time_ns(), pickle.dumps(result))
         return result
 
+    def _applied(self, key: tuple[bytes, int]) -> bool:
+        """Whether request ``key`` was applied already, by any service sharing the store."""
+        with self.ns.store.transaction() as txn:
+            return txn.get_reply(key[0], key[1]) is not None
+
     def _forget_replies(self) -> None:
         with self.ns.store.transaction() as txn:
             txn.delete_replies(time.time_ns() - int(REPLIES_KEPT * 1e9))
@@ -1253,6 +1258,11 @@ class MetadataService(Service):
         if not self.members.frozen:
             await self.lead.refresh_view()
         if not self.members.frozen:
+            key = _REQUEST.get()
+            if key is not None and self.shared and await self._store_call(self._applied, key):
+                # A retry of a request some service applied already (its view of the frozen
+                # table may lag): _ns answers it from the record, the chains go unused.
+                return []
             self.lead.require()  # a follower cannot freeze the leader's table: the client fails over
             self.members.freeze()
             await self.lead.persist()  # durable before any file names the chains
