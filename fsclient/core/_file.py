@@ -330,7 +330,14 @@ class StripeFile(io.RawIOBase):
                 raise
             self._written_end = max(self._written_end, offset + n)
             return n
-        done = 0
+        self._fill_buffers(view, offset)
+        self._check_error()  # a background write failed: report it at this write already
+        return n
+
+    def _fill_buffers(self, view: memoryview, offset: int, block: bool = True) -> None:
+        """Copy ``view`` (at file ``offset``, continuing the write buffer) into write
+        buffers, sending each one that fills (``block``: see :meth:`_submit_buffer`)."""
+        n, done = len(view), 0
         while done < n:
             if self._wbuf is None:
                 self._wbuf = self._spare.pop() if self._spare else self._client.buffers.get(self.window)
@@ -340,9 +347,7 @@ class StripeFile(io.RawIOBase):
             self._wlen += k
             done += k
             if self._wlen == self.window:
-                self._submit_buffer()
-        self._check_error()  # a background write failed: report it at this write already
-        return n
+                self._submit_buffer(block=block)
 
     def buffered_fits(self, offset: int, n: int) -> bool | None:
         """Can a write of ``n`` bytes at ``offset`` be taken by :meth:`write_buffered`?
@@ -391,17 +396,7 @@ class StripeFile(io.RawIOBase):
         self._check_error()
         self._ra.clear()
         self._dirty = True
-        done = 0
-        while done < n:
-            if self._wbuf is None:
-                self._wbuf = self._spare.pop() if self._spare else self._client.buffers.get(self.window)
-                self._wstart, self._wlen = offset + done, 0
-            k = min(n - done, self.window - self._wlen)
-            self._wbuf[self._wlen : self._wlen + k] = view[done : done + k]
-            self._wlen += k
-            done += k
-            if self._wlen == self.window:
-                self._submit_buffer(block=False)
+        self._fill_buffers(view, offset, block=False)
         return n
 
     def _submit_buffer(self, block: bool = True) -> None:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
-from typing import Callable
+import threading
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
 
 
 def sh(cmd: str, cwd: str, timeout: float = 120) -> str:
@@ -37,3 +41,18 @@ def as_user(uid: int, directory: str, action: Callable[[int], object]) -> int:
     os.close(dirfd)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status)
+
+
+def while_paused(pid: int, fn: Callable[[], T], wait: float) -> T | None:
+    """``fn()`` on another thread while process ``pid`` is stopped; None if that took
+    over ``wait`` s."""
+    got: list[T] = []
+    t = threading.Thread(target=lambda: got.append(fn()), daemon=True)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t.start()
+        t.join(wait)
+        return got[0] if got else None
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        t.join(10)

@@ -11,10 +11,8 @@ from __future__ import annotations
 import os
 import signal
 import stat
-import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import Iterator
 
 import pytest
 
@@ -24,9 +22,9 @@ from fsclient.fuse import mount_record
 from fsclient.testing import LocalCluster
 
 from .conftest import do_mount, do_umount
+from .fuse_helpers import while_paused
 
 pytestmark = pytest.mark.fuse
-T = TypeVar("T")
 
 LONG = 30.0  # the mount's own timeouts: nothing expires by itself within a test
 TTL = 2.0  # the service's lease TTL
@@ -80,19 +78,6 @@ def _leasing(p: Private, timeout: float = 10.0) -> None:
         assert time.monotonic() < deadline, "the mount's lease watch did not start"
 
 
-def _while_paused(pid: int, fn: Callable[[], T], wait: float) -> T | None:
-    got: list[T] = []
-    t = threading.Thread(target=lambda: got.append(fn()), daemon=True)
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        t.start()
-        t.join(wait)
-        return got[0] if got else None
-    finally:
-        os.kill(pid, signal.SIGCONT)
-        t.join(10)
-
-
 def test_another_clients_chmod_shows_at_the_next_stat(private: Private) -> None:
     d, md = private.fresh()
     assert stat.S_IMODE(os.stat(md + "/f").st_mode) == 0o644
@@ -124,7 +109,7 @@ def test_another_clients_write_shows_at_the_next_stat_and_read(private: Private)
 def test_a_repeated_stat_makes_no_round_trip(private: Private) -> None:
     d, md = private.fresh()
     first = os.stat(md + "/f")
-    again = _while_paused(private.metadata_pid(), lambda: os.stat(md + "/f"), wait=TTL / 4)
+    again = while_paused(private.metadata_pid(), lambda: os.stat(md + "/f"), wait=TTL / 4)
     assert again is not None, "a repeated stat waited for the (stopped) metadata service"
     assert again.st_ino == first.st_ino and again.st_mode == first.st_mode
 

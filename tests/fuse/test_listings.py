@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import stat
-import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
 
 import pytest
 import trio
@@ -24,9 +21,9 @@ from fsclient.testing import LocalCluster
 from wire import DirEntry
 
 from .conftest import do_mount, do_umount
+from .fuse_helpers import while_paused
 
 pytestmark = pytest.mark.fuse
-T = TypeVar("T")
 
 LONG = 30.0  # the private mount's timeouts: long enough that nothing expires within a test
 ATTR_TIMEOUT = 1.0  # the shared mount's (the default)
@@ -65,24 +62,9 @@ def private(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Private]:
         cluster.down()
 
 
-def _while_paused(pid: int, fn: Callable[[], T], wait: float) -> T | None:
-    """``fn()`` on another thread while process ``pid`` is stopped; None if that took
-    over ``wait`` s."""
-    got: list[T] = []
-    t = threading.Thread(target=lambda: got.append(fn()), daemon=True)
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        t.start()
-        t.join(wait)
-        return got[0] if got else None
-    finally:
-        os.kill(pid, signal.SIGCONT)
-        t.join(10)
-
-
-def _listdir_while_paused(pid: int, path: str, wait: float) -> list[str] | None:
+def _listdir_paused(pid: int, path: str, wait: float) -> list[str] | None:
     """List ``path`` while process ``pid`` is stopped; None if that took over ``wait`` s."""
-    return _while_paused(pid, lambda: sorted(os.listdir(path)), wait)
+    return while_paused(pid, lambda: sorted(os.listdir(path)), wait)
 
 
 def test_a_listing_within_the_timeouts_needs_no_metadata_round_trip(private: Private) -> None:
@@ -92,7 +74,7 @@ def test_a_listing_within_the_timeouts_needs_no_metadata_round_trip(private: Pri
         private.client.write_bytes(f"{path}/{n}", b"")
     assert sorted(os.listdir(d)) == names  # fetched from the service, and kept
     # The metadata service stops answering: the next listing is served from the kept one.
-    assert _listdir_while_paused(private.metadata_pid(), d, wait=5.0) == names
+    assert _listdir_paused(private.metadata_pid(), d, wait=5.0) == names
 
 
 def test_own_changes_show_in_the_next_listing_at_once(private: Private) -> None:
@@ -274,10 +256,10 @@ def test_random_own_changes_always_show_in_the_next_listing_and_stat(private: Pr
                     assert got.st_size == want.size, f"seed {seed}: {sub}/{name}"
 
 # -- "no such name" from the names this mount knows -------------------------------------------
-def _exists_while_paused(pid: int, paths: list[str], wait: float) -> list[bool] | None:
+def _exists_paused(pid: int, paths: list[str], wait: float) -> list[bool] | None:
     """``os.path.exists`` of each path while process ``pid`` is stopped; None if that
     took over ``wait`` s."""
-    return _while_paused(pid, lambda: [os.path.exists(p) for p in paths], wait)
+    return while_paused(pid, lambda: [os.path.exists(p) for p in paths], wait)
 
 
 def test_a_name_missing_from_a_directory_made_or_listed_here_needs_no_round_trip(private: Private) -> None:
@@ -292,7 +274,7 @@ def test_a_name_missing_from_a_directory_made_or_listed_here_needs_no_round_trip
     os.unlink(f"{private.mnt}/made/f1")
     paths = [f"{private.mnt}/made/new", f"{private.mnt}/made/f1", f"{listed}/new", f"{listed}/there",
              f"{private.mnt}/made/f0"]
-    assert _exists_while_paused(private.metadata_pid(), paths, wait=5.0) == [False, False, False, True, True]
+    assert _exists_paused(private.metadata_pid(), paths, wait=5.0) == [False, False, False, True, True]
 
 
 def test_another_clients_new_name_in_a_directory_made_here(mdir: str, client: Client, testdir: str) -> None:
