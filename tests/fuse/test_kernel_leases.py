@@ -166,3 +166,42 @@ def test_a_name_made_elsewhere_shows_in_a_directory_listed_here(private: Private
     private.client.write_bytes(d + "/new", b"n")
     assert os.path.exists(md + "/new")
     assert sorted(os.listdir(md)) == ["f", "new"]
+
+
+def test_a_create_in_a_directory_walked_through_here_does_not_wait_for_this_mount(private: Private) -> None:
+    """Looking a directory up leases its entry, not its attributes: another client's create
+    or unlink inside it (which changes them) waits for no mount that only walked through
+    it, not even a stopped one. Yet the mount sees the names come and go at once."""
+    d, md = private.fresh()
+    os.stat(md + "/f")  # walks through d: looks it up, never lists it
+    private.client.write_bytes(d + "/g", b"g")
+    os.stat(md + "/g")
+    pid = mount_record(private.mnt)["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        private.client.write_bytes(d + "/new", b"n")
+        private.client.remove(d + "/g")
+        took = time.monotonic() - started
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert took < TTL / 2, f"a create and an unlink in {d} waited {took:.1f} s for a mount that walked through it"
+    assert os.path.exists(md + "/new")
+    assert not os.path.exists(md + "/g")
+    assert sorted(os.listdir(md)) == ["f", "new"]
+
+
+def test_a_name_made_elsewhere_goes_from_the_kept_names_of_a_listed_directory(private: Private) -> None:
+    """The listing lease: a directory listed here keeps its names (and answers "no such
+    name" from them) only until another client changes it, however long the timeouts."""
+    d, md = private.fresh()
+    assert sorted(os.listdir(md)) == ["f"]
+    for round_ in range(2):  # again once the first invalidation came and went
+        name = f"new{round_}"
+        assert not os.path.exists(md + "/" + name)
+        private.client.write_bytes(f"{d}/{name}", b"n")
+        assert os.path.exists(md + "/" + name)
+        assert name in os.listdir(md)
+    private.client.remove(d + "/new0")
+    assert sorted(os.listdir(md)) == ["f", "new1"]
+    assert not os.path.exists(md + "/new0")

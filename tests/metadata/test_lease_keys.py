@@ -309,8 +309,9 @@ def test_only_a_service_that_owns_its_store_grants_leases(store) -> None:
                 with pytest.raises(StripefsError) as info:
                     await svc._watch(Conn(), m.WatchLeases(after=0))
                 assert info.value.code == ErrorCode.NOT_SUPPORTED
+            f = ns.create(ROOT_INO, "f", 0o644, 0, 0, chains=CHAINS)[0].ino
             for ask in (m.Resolve(path="/", lease=True), m.Lookup(parent=ROOT_INO, name="d", lease=True),
-                        m.GetAttr(ino=ROOT_INO, lease=True)):
+                        m.GetAttr(ino=f, lease=True)):
                 reply = await svc._attr_leased(Conn(), ask)
                 assert (reply.lease_ms > 0) is grants, ask
                 assert (reply.lease_id > 0) is grants, ask
@@ -327,3 +328,77 @@ def test_lease_asked_only_when_true_on_the_wire() -> None:
     assert m.Lookup(parent=1, name="x", lease=True).to_header() == {"parent": 1, "name": "x", "lease": True}
     assert m.GetAttr(ino=3).to_header() == {"ino": 3}
     assert m.GetAttr(ino=3, lease=True).to_header() == {"ino": 3, "lease": True}
+
+
+def test_a_directorys_lookup_lease_leaves_its_attributes_to_the_listing_lease(tmp_path) -> None:
+    """A create or unlink in a directory changes its attributes: a mount that only looked
+    the directory up (walked through it) must not hold a lease on them, only on its entry;
+    a mount that listed it in full holds one on them (the names it keeps depend on them)."""
+    from metadata._server import Membership, MetadataService
+    from wire import messages as m
+
+    store = SqliteStore(str(tmp_path / "meta.db"))
+    ns = Namespace(store)
+    d = ns.mkdir(ROOT_INO, "d", 0o755, 0, 0).ino
+    f = ns.create(d, "f", 0o644, 0, 0, chains=CHAINS)[0].ino
+    svc = MetadataService(ns, lambda doc, restarted: Membership(None, 1, doc=doc, restarted=restarted), "s" * 32)
+
+    class Conn:
+        client_id = B
+
+    def told(keys: set[Any]) -> bool:
+        return bool(svc.lease_table.invalidate(keys, A))
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.run_batches)
+            await svc._watch(Conn(), m.WatchLeases(after=0))
+            looked = await svc._attr_leased(Conn(), m.Lookup(parent=ROOT_INO, name="d", lease=True))
+            assert looked.lease_id and looked.attr.ino == d
+            assert not told({d}), "a create in d waits for a mount that only walked through it"
+            assert told({(ROOT_INO, "d")}), "a rename or rmdir of d must still take the entry back"
+            nothing = await svc._attr_leased(Conn(), m.GetAttr(ino=d, lease=True))
+            assert (nothing.lease_id, nothing.lease_ms) == (0, 0)
+            assert (await svc._attr_leased(Conn(), m.Lookup(parent=d, name="f", lease=True))).lease_id
+            assert told({f})  # a file's lookup lease still covers its attributes
+            assert (await svc._attr_leased(Conn(), m.Resolve(path="/d", lease=True))).lease_id
+            assert told({d})  # a native stat of the directory asked for its attributes
+            for read in (svc._read_reply, lambda c, q: _now(svc, c, q)):
+                listed = await read(Conn(), m.Readdir(ino=d, plus=True, lease=True))
+                assert [e.name for e in listed.entries] == ["f"] and listed.lease_id and listed.lease_ms
+                assert told({d}), "a listing lease covers the directory's attributes"
+            partial = await svc._read_reply(Conn(), m.Readdir(ino=d, limit=1, after="", lease=True))
+            assert partial.lease_id  # one page that is the whole listing
+            ns.create(d, "g", 0o644, 0, 0, chains=CHAINS)
+            first = await svc._read_reply(Conn(), m.Readdir(ino=d, limit=1, lease=True))
+            assert first.more and (first.lease_id, first.lease_ms) == (0, 0)
+            rest = await svc._read_reply(Conn(), m.Readdir(ino=d, after="f", lease=True))
+            assert not rest.more and (rest.lease_id, rest.lease_ms) == (0, 0)
+            unasked = await svc._read_reply(Conn(), m.Readdir(ino=d))
+            assert (unasked.lease_id, unasked.lease_ms) == (0, 0)
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        store.close()
+
+
+async def _now(svc: Any, conn: Any, msg: Any) -> Any:
+    """``msg`` answered on the loop (``answer_now``), as a reply."""
+    header = svc.answer_now(conn, None, msg)
+    assert header is not None
+    return type(msg).Reply.from_header(header)
+
+
+def test_readdir_lease_fields_are_off_the_wire_at_their_defaults() -> None:
+    from wire import messages as m
+
+    assert "lease" not in m.Readdir(ino=3).to_header()
+    assert m.Readdir(ino=3, lease=True).to_header()["lease"] is True
+    assert m.decode_message(m.Readdir.MSG_ID, m.Readdir(ino=3, lease=True).to_header()) == m.Readdir(ino=3, lease=True)
+    assert m.ReaddirReply(entries=[], more=False).to_header() == {"entries": [], "more": False}
+    leased = m.ReaddirReply(entries=[], more=False, lease_id=7, lease_ms=2000)
+    assert leased.to_header() == {"entries": [], "more": False, "lease_id": 7, "lease_ms": 2000}
+    assert m.ReaddirReply.from_header(leased.to_header()) == leased
+    assert m.ReaddirReply.from_header({"entries": [], "more": True}) == m.ReaddirReply(entries=[], more=True)
