@@ -37,7 +37,7 @@ from typing import Any, Callable
 import trio
 
 from rpc import ServerConn, Service, TrioPool, serve_rpc
-from wire import Attr, ErrorCode, FrameHead, Message, ReplyMessage, Routing, ServerInfo, StripefsError, role_credential
+from wire import Attr, DirEntry, ErrorCode, FrameHead, Message, ReplyMessage, Routing, ServerInfo, StripefsError, role_credential
 from wire import messages as m
 
 from ._leader import Leadership
@@ -956,7 +956,11 @@ class MetadataService(Service):
             if not done:
                 return None
             # Read and registered in one step on the loop: no commit's invalidation between.
-            return m.AttrReply(attr, *self.lease_table.grant(conn.client_id, keys)).to_header()
+            return m.AttrReply(attr, *self._grant_attr(conn, msg, attr, keys, None)).to_header()
+        if type(msg) is m.Readdir and msg.lease and self.lease_table.enabled:
+            fn, args, cost, _ = plan(msg)
+            done, page = self._read_now(fn, args, cost)
+            return self._listing_leased(conn, msg, page, None).to_header() if done else None
         if type(msg) is m.ListNames and msg.lease and self.lease_table.enabled:
             walked: list[Any] = []
             done, page = self._read_now(Namespace.list_names, (msg.path, msg.after, msg.limit, walked),
@@ -1035,23 +1039,32 @@ class MetadataService(Service):
         except Exception:  # the next commits call for it again
             log.warning("checkpoint of the metadata log failed", exc_info=True)
 
+    async def _read_reply(self, conn: ServerConn, msg: Message) -> ReplyMessage:
+        """The answer to a request that changes nothing (with a lease where it asked for one)."""
+        if type(msg) is m.WatchLeases:
+            return await self._watch(conn, msg)
+        if not getattr(msg, "lease", False) or not self.lease_table.enabled:
+            return await self._dispatch(msg)
+        if isinstance(msg, (m.Resolve, m.Lookup, m.GetAttr)):
+            return await self._attr_leased(conn, msg)
+        if type(msg) is m.StatMany:
+            return await self._stat_many_leased(conn, msg)
+        if type(msg) is m.ListNames:
+            since = self.lease_table.changes
+            walked: list[Any] = []
+            names = await self._read(Namespace.list_names, msg.path, msg.after, msg.limit, walked,
+                                     cost=_path_cost(msg.path) + msg.limit * NAME_COST)
+            return self._names_leased(conn, names, walked if not msg.after else [], since)
+        if type(msg) is m.Readdir:
+            since = self.lease_table.changes
+            fn, args, cost, _ = _READS[m.Readdir](msg)
+            page = await self._read(fn, *args, cost=cost)
+            return self._listing_leased(conn, msg, page, since)
+        return await self._dispatch(msg)
+
     async def handle(self, conn: ServerConn, head: FrameHead, msg: Message, payload: Any) -> None:
         if not msg.MUTATES:
-            reply: ReplyMessage
-            if type(msg) is m.WatchLeases:
-                reply = await self._watch(conn, msg)
-            elif isinstance(msg, (m.Resolve, m.Lookup, m.GetAttr)) and msg.lease and self.lease_table.enabled:
-                reply = await self._attr_leased(conn, msg)
-            elif type(msg) is m.StatMany and msg.lease and self.lease_table.enabled:
-                reply = await self._stat_many_leased(conn, msg)
-            elif type(msg) is m.ListNames and msg.lease and self.lease_table.enabled:
-                since = self.lease_table.changes
-                walked: list[Any] = []
-                page = await self._read(Namespace.list_names, msg.path, msg.after, msg.limit, walked,
-                                        cost=_path_cost(msg.path) + msg.limit * NAME_COST)
-                reply = self._names_leased(conn, page, walked if not msg.after else [], since)
-            else:
-                reply = await self._dispatch(msg)
+            reply = await self._read_reply(conn, msg)
             await self.lead.persist()  # a membership change is durable before anyone hears of it
             await conn.send(head, reply.to_header())
             return
@@ -1127,7 +1140,29 @@ class MetadataService(Service):
         keys: list[Any] = []
         fn, args, cost = _LEASED_ATTR[type(msg)](msg, keys)
         attr = await self._read(fn, *args, cost=cost)
-        return m.AttrReply(attr, *self.lease_table.grant(conn.client_id, keys, since))
+        return m.AttrReply(attr, *self._grant_attr(conn, msg, attr, keys, since))
+
+    def _grant_attr(self, conn: ServerConn, msg: Any, attr: Attr, keys: list[Any],
+                    since: int | None) -> tuple[int, int]:
+        """The lease on a ``Resolve``, ``Lookup`` or ``GetAttr`` answer. A directory's
+        ``Lookup`` or ``GetAttr`` (a FUSE mount walking through it) leaves out its attributes:
+        every create or unlink in it changes them, and would wait for every mount that merely
+        walked through it. Those who keep what depends on them hold a listing lease
+        (:meth:`_listing_leased`); a ``Resolve`` (a native ``stat``) asked for them."""
+        if type(msg) is not m.Resolve and stat.S_ISDIR(attr.mode):
+            keys = [k for k in keys if k != attr.ino]
+        if not keys:
+            return 0, 0
+        return self.lease_table.grant(conn.client_id, keys, since)
+
+    def _listing_leased(self, conn: ServerConn, msg: m.Readdir, page: tuple[list[DirEntry], bool],
+                        since: int | None) -> m.ReaddirReply:
+        """A ``Readdir`` page, with a lease on the directory's attributes when it is a whole
+        listing (a first page with no more after it): its entries change only with them."""
+        entries, more = page
+        if more or msg.after:
+            return m.ReaddirReply(list(entries), bool(more))
+        return m.ReaddirReply(list(entries), False, *self.lease_table.grant(conn.client_id, [msg.ino], since))
 
     async def _watch(self, conn: ServerConn, msg: m.WatchLeases) -> m.WatchLeasesReply:
         if not self.lease_table.enabled:

@@ -442,8 +442,20 @@ class ReadlinkReply(ReplyMessage):
 
 @reply
 class ReaddirReply(ReplyMessage):
+    """``lease_id``/``lease_ms``: only in the answer to a ``Readdir`` that asked for a lease
+    on a whole listing (the first page, and no more after it): as :class:`AttrReply`'s, on
+    the directory's attributes (every create, unlink or rename in it changes them)."""
+
     entries: list[DirEntry]  # on the wire: [name, ino, mode, attr or None] each
     more: bool  # another page follows (ask again with after=<last name>)
+    lease_id: int = 0
+    lease_ms: int = 0
+
+    def to_header(self) -> dict[str, Any]:
+        header: dict[str, Any] = {"entries": [e.to_wire() for e in self.entries], "more": self.more}
+        if self.lease_ms or self.lease_id:
+            header["lease_id"], header["lease_ms"] = self.lease_id, self.lease_ms
+        return header
 
 
 @reply
@@ -698,13 +710,23 @@ class Link(Message[AttrReply]):
 class Readdir(Message[ReaddirReply]):
     """A page of a directory's entries; ``plus`` adds each entry's attributes, and
     ``layouts=False`` leaves files' layouts out of those (a FUSE daemon hands the kernel
-    attributes only: the layouts are most of a page's bytes and decoding)."""
+    attributes only: the layouts are most of a page's bytes and decoding). ``lease``: as
+    ``Resolve``'s (sent only when true), granted for a whole listing only (see
+    :class:`ReaddirReply`)."""
 
     ino: int
     after: str = ""
     limit: int = 1000
     plus: bool = False
     layouts: bool = True
+    lease: bool = False
+
+    def to_header(self) -> dict[str, Any]:
+        header: dict[str, Any] = {"ino": self.ino, "after": self.after, "limit": self.limit,
+                                  "plus": self.plus, "layouts": self.layouts}
+        if self.lease:
+            header["lease"] = True
+        return header
 
 
 @message(20, mutates=True)

@@ -29,9 +29,10 @@ class Page:
         replies: what the daemon tells the kernel of each entry, built at the first
             listing that serves the page (the daemon's business).
         serial: unique in the daemon; readdir offsets name the page by it.
+        keep: seconds after ``fetched`` it is kept for (set by :meth:`Listings.put`).
     """
 
-    __slots__ = ("entries", "fetched", "index", "more", "replies", "serial")
+    __slots__ = ("entries", "fetched", "index", "keep", "more", "replies", "serial")
 
     def __init__(self, entries: list[DirEntry], more: bool, fetched: float):
         self.entries = entries
@@ -40,6 +41,7 @@ class Page:
         self.fetched = fetched
         self.replies: list[Any] | None = None
         self.serial = next(_serials)  # names the page in the offsets handed to the kernel
+        self.keep = 0.0
 
 
 class Listings:
@@ -74,6 +76,10 @@ class Listings:
     * ``ttl`` is the smaller of the attribute and entry timeouts; 0 keeps nothing.
     * Bounded by :attr:`MAX_ENTRIES` entries in all: past it, everything is forgotten.
     * Names are kept only for directories of at most one page (1,000 entries).
+    * Under a listing lease (the daemon's, see ``_kernelleases.py``) a page and the names
+      are kept no longer than the lease lives (``keep``): the lease is what makes them
+      coherent, and its invalidation drops them at once. The "no such name" answers made
+      from leased names are then not for the kernel to keep (:meth:`leased`).
     """
 
     MAX_ENTRIES = 50_000  # ~0.7 KB each, with its attributes and what it tells the kernel
@@ -83,7 +89,8 @@ class Listings:
         self.pages: dict[int, dict[str, Page]] = {}  # directory ino -> after -> page
         self.entries = 0  # in all the pages kept
         self.holders: dict[int, set[int]] = {}  # directory ino -> directories whose kept pages list it
-        self.names: dict[int, tuple[set[str], float]] = {}  # directory ino -> (all its names, when asked)
+        # directory ino -> (all its names, when asked, seconds kept from then, under a lease)
+        self.names: dict[int, tuple[set[str], float, float, bool]] = {}
         self.named = 0  # names in all the sets kept
         self.version = 0  # moves at every drop: see put
 
@@ -93,15 +100,17 @@ class Listings:
         page = pages.get(after) if pages is not None else None
         if page is None:
             return None
-        if trio.current_time() - page.fetched >= self.ttl:
+        if trio.current_time() - page.fetched >= page.keep:
             self.drop(ino)  # its other pages are no younger in general: fetch them afresh too
             return None
         return page
 
-    def put(self, ino: int, after: str, page: Page, version: int) -> None:
+    def put(self, ino: int, after: str, page: Page, version: int, keep: float | None = None) -> None:
         """Keep ``page`` of ``ino``, asked for when :attr:`version` was ``version``; an
-        answer that crossed a change of this mount in flight may predate it: not kept."""
-        if self.ttl <= 0 or version != self.version:
+        answer that crossed a change of this mount in flight may predate it: not kept.
+        ``keep``: seconds after its fetch it may be kept at most (a lease's), else ``ttl``."""
+        page.keep = self.ttl if keep is None else min(self.ttl, keep)
+        if page.keep <= 0 or version != self.version:
             return
         if self.entries + len(page.entries) > self.MAX_ENTRIES:  # bounded: forget rather than grow
             self.clear()
@@ -135,16 +144,18 @@ class Listings:
         self.entries = 0
 
     # -- names --------------------------------------------------------------------------
-    def put_names(self, ino: int, names: set[str], asked: float, version: int) -> None:
+    def put_names(self, ino: int, names: set[str], asked: float, version: int, keep: float | None = None) -> None:
         """Keep ``names``, every name of directory ``ino`` as of ``asked`` (trio clock),
-        asked for when :attr:`version` was ``version`` (else not kept, as :meth:`put`)."""
-        if self.ttl <= 0 or version != self.version:
+        asked for when :attr:`version` was ``version`` (else not kept, as :meth:`put`);
+        ``keep`` as :meth:`put`'s (given: the names are under a lease)."""
+        kept = self.ttl if keep is None else min(self.ttl, keep)
+        if kept <= 0 or version != self.version:
             return
         if self.named + len(names) > self.MAX_ENTRIES:
             self.names.clear()
             self.named = 0
         self.forget_names(ino)
-        self.names[ino] = (names, asked)
+        self.names[ino] = (names, asked, kept, keep is not None)
         self.named += len(names)
 
     def absent(self, parent: int, name: str) -> float | None:
@@ -152,11 +163,16 @@ class Listings:
         hit = self.names.get(parent)
         if hit is None or name in hit[0]:
             return None
-        left = hit[1] + self.ttl - trio.current_time()
+        left = hit[1] + hit[2] - trio.current_time()
         if left <= 0:
             self.forget_names(parent)
             return None
         return left
+
+    def leased(self, parent: int) -> bool:
+        """Are the names kept of ``parent`` under a lease (its invalidation forgets them)?"""
+        hit = self.names.get(parent)
+        return hit is not None and hit[3]
 
     def added(self, parent: int, name: str) -> None:
         """This mount made ``name`` in ``parent``."""

@@ -419,13 +419,17 @@ class StripeOperations(pyfuse3.Operations):
         if left is not None:  # not among the names this mount knows of parent (see Listings)
             missing = pyfuse3.EntryAttributes()
             missing.st_ino = 0  # a negative entry: the kernel keeps "no such name" for the rest of the time
-            missing.entry_timeout = left
+            # ... unless the names are leased: their invalidation could not take it back
+            # from the kernel (it drops the names here, and each lookup asks this daemon).
+            missing.entry_timeout = 0.0 if self.listings.leased(parent_inode) else left
             return missing
         attr, leased = await self._leased(m.Lookup(parent=parent_inode, name=text), parent=parent_inode, name=name)
         self.dir_attrs.put(attr, version)
         e = self._looked_up(attr)
         if leased is not None:
-            e.entry_timeout = e.attr_timeout = leased
+            e.entry_timeout = leased
+            if not stat.S_ISDIR(attr.mode):  # a directory's lease covers its entry only
+                e.attr_timeout = leased
         return e
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
@@ -581,14 +585,23 @@ class StripeOperations(pyfuse3.Operations):
             return
         version, kept_version = self.dir_attrs.version, self.listings.version
         asked = trio.current_time()  # the timeouts count from the question: the answer is no older
-        reply = await self.aio.call(m.Readdir(ino=d.ino, after=after, limit=READDIR_PAGE, plus=True, layouts=False))
+        msg = m.Readdir(ino=d.ino, after=after, limit=READDIR_PAGE, plus=True, layouts=False)
+        kl, keep = self.kernel_leases, None
+        if kl is not None and kl.asking and not after:  # a listing lease: only a whole listing gets one
+            token, sent = kl.token(), time.monotonic()
+            reply = await self.aio.call(dataclasses.replace(msg, lease=True))
+            left = kl.timeout(token, reply.lease_id, reply.lease_ms, sent, d.ino)
+            if left is not None:  # kept no longer than the lease that keeps it coherent
+                keep = trio.current_time() - asked + left if left > 0 else 0.0
+        else:
+            reply = await self.aio.call(msg)
         for e in reply.entries:  # fresh (a page kept for the handle is not: put only now)
             if e.attr is not None:
                 self.dir_attrs.put(e.attr, version)
         page = Page(reply.entries, reply.more, asked)
-        self.listings.put(d.ino, after, page, kept_version)
+        self.listings.put(d.ino, after, page, kept_version, keep)
         if not after and not page.more:  # every name of the directory
-            self.listings.put_names(d.ino, set(page.index), asked, kept_version)
+            self.listings.put_names(d.ino, set(page.index), asked, kept_version, keep)
         d.set_page(after, page)
 
     def _told_otherwise(self, attr: Attr) -> bool:
