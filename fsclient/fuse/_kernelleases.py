@@ -3,7 +3,11 @@
 A ``Lookup`` or ``GetAttr`` the daemon sends while its lease watch is live asks for a lease
 (the native client's watch, :class:`~fsclient.core._attrcache.LeaseWatch`: one per client
 id). A leased answer goes to the kernel with the lease's remaining lifetime as its entry
-and attribute timeouts; an answer without a lease keeps the mount's own timeouts.
+and attribute timeouts (a directory's: its entry timeout only, the service leases no
+directory's attributes on a lookup); an answer without a lease keeps the mount's own
+timeouts. The first ``Readdir`` page of a directory asks for a listing lease (on the
+directory's attributes), registered with parent 0: its invalidation drops the daemon's
+kept listing and names of that directory.
 
 When the service names a lease (another client changed what the answer depends on), the
 watch thread, before it acknowledges: drops the daemon's own caches of the inodes

@@ -34,7 +34,10 @@ Semantics (docs/fuse.md has the long form):
 * Attribute leases (:class:`~fsclient.fuse._kernelleases.KernelLeases`): lookups and
   ``getattr`` ask for one while the client's lease watch is live; the kernel keeps a
   leased answer for the lease's remaining lifetime, and another client's change to it
-  is taken back from the kernel (on the watch thread) before that change returns.
+  is taken back from the kernel (on the watch thread) before that change returns. A
+  directory's lookup lease covers its entry only (creates in it must not wait for every
+  mount that walked through it); a whole listing's ``Readdir`` asks for a lease on the
+  directory's attributes, which the kept listing and names of it rest on.
 * ``O_APPEND`` handles are ``direct_io``, and the daemon writes each append at the
   committed length (asked at every write), not at the kernel's cached size.
 * Stopping: :meth:`StripeOperations.drain` commits every open file before the
