@@ -226,6 +226,12 @@ class LeaseTable:
             holder.last_seen = trio.current_time()
         return holder.seq, [i for _, ids in holder.queue for i in ids], False
 
+    def release(self, client: bytes) -> None:
+        """``client`` is gone: its leases end at once (its watch connection ended cleanly)."""
+        holder = self._holders.get(client)
+        if holder is not None:
+            self._release(holder)
+
     def _release(self, holder: _Holder) -> None:
         for lease_id in list(holder.leases):
             lease = self._leases.get(lease_id)

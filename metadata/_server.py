@@ -751,6 +751,7 @@ class MetadataService(Service):
         self.leases = Leases(ns.store)
         # Attribute leases (``_leasetable.py``): only a service that alone owns its store (SQLite)
         # sees every mutation, so only it grants them.
+        self._watchers: dict[ServerConn, bytes] = {}  # watch connections (connection_ended)
         self.lease_table = LeaseTable(lease_ttl if isinstance(ns.store, SqliteStore) else 0.0)
         self.gc_grace = gc_grace
         self._first_seen: dict[int, float] = {}
@@ -1168,8 +1169,19 @@ class MetadataService(Service):
         if not self.lease_table.enabled:
             raise StripefsError(ErrorCode.NOT_SUPPORTED, "this metadata service grants no leases"
                                 if not self.shared else "metadata services sharing a store grant no leases")
+        self._watchers[conn] = conn.client_id
         seq, ids, reset = await self.lease_table.watch(conn.client_id, msg.after, msg.wait_ms / 1000)
         return m.WatchLeasesReply(seq, ids, reset)
+
+    def connection_ended(self, conn: ServerConn, clean: bool) -> None:
+        """A client's watch connection closed by the client itself -- its close, or its
+        process's exit or death, the kernel closing the socket -- ends its leases at once:
+        its watch drops every leased entry before it closes the connection, and a dead
+        process caches nothing. A reset or an error (a network fault: the client may live
+        on, unaware yet) leaves them to run out."""
+        client = self._watchers.pop(conn, None)
+        if client is not None and clean:
+            self.lease_table.release(client)
 
     async def _dispatch(self, msg: Message[Any]) -> ReplyMessage:
         ns = self.ns

@@ -406,6 +406,10 @@ class Service:
     async def handle(self, conn: "ServerConn", head: FrameHead, msg: wire.Message, payload: Any) -> None:
         raise NotImplementedError
 
+    def connection_ended(self, conn: ServerConn, clean: bool) -> None:
+        """An admitted connection is over; ``clean``: the peer closed it (end of stream,
+        which only the peer's own close or exit sends), not an error or a reset."""
+
     def answer_now(self, conn: ServerConn, head: FrameHead, msg: wire.Message) -> dict[str, Any] | None:
         """The response header to a request without payload that can be answered at once,
         with no await (the reader task sends it: no task is started for it); None to have
@@ -580,6 +584,18 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
             if head.payload_len:
                 budget.release(head.payload_len)
 
+    told: list[bool] = []
+
+    def ended(clean: bool) -> None:
+        """Tell the service, once, that the connection is over."""
+        if told:
+            return
+        told.append(clean)
+        try:
+            service.connection_ended(conn, clean)
+        except Exception:
+            log.exception("connection end of %s", peer)
+
     async def read_loop(nursery: trio.Nursery) -> None:
         unyielded = 0
         while True:
@@ -648,6 +664,7 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
             try:
                 await read_loop(nursery)
                 clean_end = True
+                ended(True)  # now, not once the handlers in flight (a long poll) are done
             except _CONN_ERRORS:
                 pass
             except StripefsError as exc:  # protocol violation: stream position is lost
@@ -664,6 +681,7 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
     finally:
         if conn.peer_role:  # admitted: counted in ``clients``
             clients.release(conn.client_id)
+            ended(clean_end)
         conn.close(abandon=not clean_end)
 
 

@@ -294,6 +294,39 @@ def test_a_closed_holder_does_not_delay_a_change(lcluster: LocalCluster, pair, d
     assert plain.stat(f"{d}/f").mode & 0o777 == 0o600
 
 
+def test_a_killed_holder_does_not_delay_a_change(lcluster: LocalCluster, pair, d: str) -> None:
+    # kill -9: no atexit, no release message; the kernel closes its sockets, and the
+    # watch connection's clean end tells the service the holder is gone.
+    _, writer, plain = pair
+    writer.write_bytes(f"{d}/f", b"abc")
+    script = ("import sys, time\n"
+              "from fsclient import Client\n"
+              f"c = Client({lcluster.file!r})\n"
+              "c.stat('/')\n"
+              "while not c._core.attrs.leasing: time.sleep(0.01)\n"
+              f"p = {f'{d}/f'!r}\n"
+              "for _ in range(50):\n"
+              "    c.stat(p)\n"
+              "    if c._core.attrs.get(p, leased=True) is not None: break\n"
+              "    time.sleep(0.01)\n"
+              "else: raise SystemExit('no lease')\n"
+              "print('held', flush=True)\n"
+              "sys.stdin.readline()\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            cwd=os.getcwd())
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().split() == ["held"]
+    finally:
+        proc.kill()
+        proc.wait()
+    time.sleep(0.2)  # the end of its connections reaches the service
+    t = time.monotonic()
+    writer.chmod(f"{d}/f", 0o600)
+    assert time.monotonic() - t < TTL / 2  # its lease was not waited for (that takes TTL)
+    assert plain.stat(f"{d}/f").mode & 0o777 == 0o600
+
+
 def test_a_restarted_service_leaves_no_stale_entry(make_cluster) -> None:
     h = make_cluster(servers=1, lease_ttl=TTL)
     with Client(h.file) as writer, _watching(Client(h.file)) as holder:
