@@ -166,22 +166,28 @@ def test_another_clients_change_is_seen_by_the_next_stat(pair, d: str, case) -> 
     assert after != before  # the mutation changed what was cached (else the case tests nothing)
 
 
+def _holding(lcluster: LocalCluster, path: str) -> str:
+    """The start of a holder process's script: a client whose watch is live, holding a
+    lease on ``path`` (exits with "no lease" when none comes); ``c``, ``p`` for the rest."""
+    return ("import sys, time\n"
+            "from fsclient import Client\n"
+            f"c = Client({lcluster.file!r})\n"
+            "c.stat('/')\n"
+            "while not c._core.attrs.leasing: time.sleep(0.01)\n"
+            f"p = {path!r}\n"
+            "for _ in range(50):\n"
+            "    c.stat(p)\n"
+            "    if c._core.attrs.get(p, leased=True) is not None: break\n"
+            "    time.sleep(0.01)\n"
+            "else: raise SystemExit('no lease')\n")
+
+
 def test_a_stopped_holder_delays_a_change_by_at_most_the_ttl(lcluster: LocalCluster, pair, d: str) -> None:
     _, writer, plain = pair
     writer.write_bytes(f"{d}/f", b"abc")
-    script = ("import sys, time\n"
-              "from fsclient import Client\n"
-              f"c = Client({lcluster.file!r})\n"
-              "c.stat('/')\n"
-              "while not c._core.attrs.leasing: time.sleep(0.01)\n"
-              f"p = {f'{d}/f'!r}\n"
-              "for _ in range(50):\n"
-              "    c.stat(p)\n"
-              "    if c._core.attrs.get(p, leased=True) is not None: break\n"
-              "    time.sleep(0.01)\n"
-              "print('held', oct(c.stat(p).mode), flush=True)\n"
-              "sys.stdin.readline()\n"
-              "print('after', oct(c.stat(p).mode), flush=True)\n")
+    script = _holding(lcluster, f"{d}/f") + ("print('held', oct(c.stat(p).mode), flush=True)\n"
+                                             "sys.stdin.readline()\n"
+                                             "print('after', oct(c.stat(p).mode), flush=True)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             cwd=os.getcwd())
     try:
@@ -276,17 +282,7 @@ def test_a_closed_holder_does_not_delay_a_change(lcluster: LocalCluster, pair, d
     holder = _watching(Client(lcluster.file))
     _leased(holder, f"{d}/f")
     holder.close()  # tells the service its leases are gone
-    script = ("import time\n"
-              "from fsclient import Client\n"
-              f"c = Client({lcluster.file!r})\n"
-              "c.stat('/')\n"
-              "while not c._core.attrs.leasing: time.sleep(0.01)\n"
-              f"p = {f'{d}/f'!r}\n"
-              "for _ in range(50):\n"
-              "    c.stat(p)\n"
-              "    if c._core.attrs.get(p, leased=True) is not None: break\n"
-              "    time.sleep(0.01)\n"
-              "else: raise SystemExit('no lease')\n")  # exits without closing the client
+    script = _holding(lcluster, f"{d}/f")  # exits without closing the client
     subprocess.run([sys.executable, "-c", script], check=True, timeout=30, cwd=os.getcwd())
     t = time.monotonic()
     writer.chmod(f"{d}/f", 0o600)
@@ -299,19 +295,7 @@ def test_a_killed_holder_does_not_delay_a_change(lcluster: LocalCluster, pair, d
     # watch connection's clean end tells the service the holder is gone.
     _, writer, plain = pair
     writer.write_bytes(f"{d}/f", b"abc")
-    script = ("import sys, time\n"
-              "from fsclient import Client\n"
-              f"c = Client({lcluster.file!r})\n"
-              "c.stat('/')\n"
-              "while not c._core.attrs.leasing: time.sleep(0.01)\n"
-              f"p = {f'{d}/f'!r}\n"
-              "for _ in range(50):\n"
-              "    c.stat(p)\n"
-              "    if c._core.attrs.get(p, leased=True) is not None: break\n"
-              "    time.sleep(0.01)\n"
-              "else: raise SystemExit('no lease')\n"
-              "print('held', flush=True)\n"
-              "sys.stdin.readline()\n")
+    script = _holding(lcluster, f"{d}/f") + "print('held', flush=True)\nsys.stdin.readline()\n"
     proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             cwd=os.getcwd())
     try:
