@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from fsclient.batchread import ReadRing, SharedBuffer
+from fsclient.testing.procs import pause
 from storage import HEADER_SIZE
 from wire import ErrorCode, StripefsError
 
@@ -34,7 +35,7 @@ def test_server_killed_mid_batch_fails_only_its_reads(make_cluster) -> None:
         pid = next(s["pid"] for s in h.data["servers"] if s["port"] == port)
         with SharedBuffer(16 * CHUNK) as buf:
             ring.read([(buf.slice(i * CHUNK, CHUNK), f, i * CHUNK, CHUNK) for i in range(16)])  # warm connections
-            os.kill(pid, signal.SIGSTOP)  # requests reach a live socket and stay unanswered ...
+            pause(pid)  # requests reach a live socket and stay unanswered ...
             try:
                 for i in range(16):
                     ring.prepare(buf.slice(i * CHUNK, CHUNK), f, i * CHUNK, CHUNK, i)
@@ -123,7 +124,7 @@ def test_a_timed_out_ring_is_reusable_and_stale_reads_never_land(make_cluster) -
         with SharedBuffer(16 * CHUNK) as buf:
             ring.read([(buf.slice(i * CHUNK, CHUNK), f, i * CHUNK, CHUNK) for i in range(8)])  # warm connections
             # read(timeout=) gives up while a stopped server holds some pieces ...
-            os.kill(pid, signal.SIGSTOP)
+            pause(pid)
             try:
                 with pytest.raises(StripefsError) as info:
                     ring.read([(buf.slice(i * CHUNK, CHUNK), f, i * CHUNK, CHUNK) for i in range(8)], timeout=0.5)
@@ -140,7 +141,7 @@ def test_a_timed_out_ring_is_reusable_and_stale_reads_never_land(make_cluster) -
 
             # The same with prepare/submit/wait: a batch given up on is cancelled, and the
             # next batch (same userdata, same buffer slices) sees only its own completions.
-            os.kill(pid, signal.SIGSTOP)
+            pause(pid)
             try:
                 for i in range(8):
                     ring.prepare(buf.slice(i * CHUNK, CHUNK), f, i * CHUNK, CHUNK, userdata=i)

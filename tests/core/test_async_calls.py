@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from fsclient import AsyncClient
+from fsclient.testing.procs import pause
 from wire import StripefsError, messages as m
 
 
@@ -157,7 +158,7 @@ def test_a_cancelled_async_read_never_lands_later(make_cluster) -> None:
 
         async def main() -> None:
             await aio.read_into(attr.ino, attr.layout, attr.size, 0, memoryview(buf))  # connected
-            os.kill(pid, signal.SIGSTOP)  # the request reaches a live socket and stays unanswered
+            pause(pid)  # the request reaches a live socket and stays unanswered
             try:
                 with trio.move_on_after(0.5) as scope:
                     await aio.read_into(attr.ino, attr.layout, attr.size, 1000, memoryview(buf))

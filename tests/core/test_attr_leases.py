@@ -22,6 +22,7 @@ import pytest
 from fsclient import Client
 from fsclient.core import pid_alive
 from fsclient.testing import LocalCluster
+from fsclient.testing.procs import pause
 from tests.conftest import TEST_CHUNK
 
 TTL = 2.0
@@ -83,7 +84,7 @@ def test_a_repeated_stat_needs_no_metadata_round_trip(lcluster: LocalCluster, pa
     first = _leased(holder, f"{d}/f")
     pid = int(lcluster.data["metadata"]["pid"])
     got: list[Any] = []
-    os.kill(pid, signal.SIGSTOP)
+    pause(pid)
     try:
         t = threading.Thread(target=lambda: got.append([holder.stat(f"{d}/f") for _ in range(100)]), daemon=True)
         t.start()
@@ -193,7 +194,7 @@ def test_a_stopped_holder_delays_a_change_by_at_most_the_ttl(lcluster: LocalClus
     try:
         assert proc.stdout is not None and proc.stdin is not None
         assert proc.stdout.readline().split() == ["held", "0o100644"]
-        os.kill(proc.pid, signal.SIGSTOP)
+        pause(proc.pid)
         try:
             t = time.monotonic()
             writer.chmod(f"{d}/f", 0o600)
@@ -339,7 +340,7 @@ def test_stat_many_answers_from_leases_and_sees_changes(lcluster: LocalCluster, 
     assert cache is not None and all(cache.get(p, leased=True) is not None for p in paths)
     pid = int(lcluster.data["metadata"]["pid"])
     got: list[Any] = []
-    os.kill(pid, signal.SIGSTOP)
+    pause(pid)
     try:
         t = threading.Thread(target=lambda: got.append(holder.stat_many(paths)), daemon=True)
         t.start()
@@ -369,7 +370,7 @@ def test_a_listing_is_kept_under_a_lease_and_sees_changes(lcluster: LocalCluster
     assert first == ["a", "b", "sub"] and cache.get_names(d) == first
     pid = int(lcluster.data["metadata"]["pid"])
     got: list[Any] = []
-    os.kill(pid, signal.SIGSTOP)
+    pause(pid)
     try:
         t = threading.Thread(target=lambda: got.append(holder.listdir(d)), daemon=True)
         t.start()

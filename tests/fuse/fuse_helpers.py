@@ -8,6 +8,8 @@ import subprocess
 import threading
 from typing import Callable, TypeVar
 
+from fsclient.testing.procs import pause
+
 T = TypeVar("T")
 
 
@@ -48,7 +50,7 @@ def while_paused(pid: int, fn: Callable[[], T], wait: float) -> T | None:
     over ``wait`` s."""
     got: list[T] = []
     t = threading.Thread(target=lambda: got.append(fn()), daemon=True)
-    os.kill(pid, signal.SIGSTOP)
+    pause(pid)
     try:
         t.start()
         t.join(wait)

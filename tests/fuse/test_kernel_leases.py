@@ -20,6 +20,7 @@ from fsclient import Client
 from fsclient.core import pid_alive
 from fsclient.fuse import mount_record
 from fsclient.testing import LocalCluster
+from fsclient.testing.procs import pause
 
 from .conftest import do_mount, do_umount
 from .fuse_helpers import while_paused
@@ -119,7 +120,7 @@ def test_a_stopped_daemon_delays_a_change_by_at_most_the_ttl(private: Private) -
     os.stat(md + "/f")
     pid = mount_record(private.mnt)["pid"]
     started = time.monotonic()
-    os.kill(pid, signal.SIGSTOP)
+    pause(pid)
     try:
         private.client.chmod(d + "/f", 0o600)  # waits for the stopped daemon's lease to run out
         took = time.monotonic() - started
@@ -176,7 +177,7 @@ def test_a_create_in_a_directory_walked_through_here_does_not_wait_for_this_moun
     private.client.write_bytes(d + "/g", b"g")
     os.stat(md + "/f")  # walks through d: looks it up, never lists it (nor looks g up)
     pid = mount_record(private.mnt)["pid"]
-    os.kill(pid, signal.SIGSTOP)
+    pause(pid)
     try:
         started = time.monotonic()
         private.client.write_bytes(d + "/new", b"n")

@@ -24,6 +24,7 @@ import crc32c
 import trio
 
 from fsclient import Client
+from fsclient.testing.procs import pause
 from metadata._server import Membership
 from storage import ChunkStore
 from storage import _replication
@@ -241,7 +242,7 @@ def test_a_replica_never_serves_bytes_its_chain_has_not_acknowledged(make_cluste
             f.write(new)
         done.set()
 
-    os.kill(tail_pid, signal.SIGSTOP)  # well under the failure timeout: the chain stays as it is
+    pause(tail_pid)  # well under the failure timeout: the chain stays as it is
     writer = threading.Thread(target=write)
     try:
         writer.start()

@@ -19,6 +19,7 @@ import pytest
 
 from fsclient import Client
 from fsclient.batchread import ReadRing
+from fsclient.testing.procs import pause
 from tests.conftest import TEST_CHUNK
 from tests.replication.test_replication import server_pid, wait_all_serving
 
@@ -170,7 +171,7 @@ def test_a_syncing_server_with_no_source_does_not_serve_until_one_returns(make_c
         with c.open("/f", "r+b") as f:  # lands on the second server only
             f.write(new)
     second_pid = server_pid(h, second)
-    os.kill(second_pid, signal.SIGSTOP)  # the returning server's first listing hangs on it
+    pause(second_pid)  # the returning server's first listing hangs on it
     try:
         h.up()
         with h.client() as c:
@@ -212,7 +213,7 @@ def test_a_head_paused_past_the_failure_timeout_cannot_ack_a_write_the_chain_lac
     c1.routing(refresh=True)
     c1.read_bytes("/z/f", 0, 10)  # connections to both servers exist
     errors: list[BaseException] = []
-    os.kill(head_pid, signal.SIGSTOP)
+    pause(head_pid)
     try:
         def zombie_write() -> None:
             try:
@@ -252,7 +253,7 @@ def test_a_replica_paused_past_the_failure_timeout_does_not_serve_old_bytes(make
     try:
         assert reader.read_bytes("/p/f") == old  # its routing (both replicas serving) is cached
         pid = server_pid(h, paused)
-        os.kill(pid, signal.SIGSTOP)
+        pause(pid)
         try:
             with h.client() as c:
                 _wait_state(c, paused, "offline")
