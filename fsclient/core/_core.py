@@ -151,6 +151,24 @@ def busy_delay(attempt: int, rng: random.Random | None = None) -> float:
     return step / 2 + (rng or random).random() * step / 2
 
 
+def _read_request(ino: int, index: int, coff: int, k: int, chain: int,
+                  version: int) -> tuple[m.ReadChunk, Callable[[dict[str, Any], memoryview], None]]:
+    """The ``ReadChunk`` for ``k`` bytes at ``coff`` of chunk ``index``, and the check of its answer."""
+    msg = m.ReadChunk(ino=ino, index=index, offset=coff, length=k, chain=chain, routing_version=version)
+    return msg, functools.partial(check_read, coff=coff)
+
+
+def _landed(reply: Reply, dest: memoryview, k: int) -> None:
+    """Finish a ``ReadChunk`` answer received into ``dest`` (``k`` bytes asked): the bytes
+    it announces must be the bytes that came; a hole or a chunk shorter than the file
+    reads as zeros."""
+    got = _read_reply(reply.header).length
+    if got != reply.nbytes:
+        raise StripefsError(ErrorCode.PROTOCOL, f"ReadChunk reply announces {got} bytes, its payload has {reply.nbytes}")
+    if got < k:
+        dest[got:k] = bytes(k - got)
+
+
 def _settle(inflight: "deque[tuple[int, Future]]") -> None:
     """Before failing a call, let its other requests finish: none may write into the
     caller's buffer after we return. Requests that do not finish in time are abandoned."""
@@ -426,9 +444,7 @@ class ClientCore:
         def submit(p: tuple[int, int, int, int, int], attempt: int) -> Future:
             index, coff, k, pos, chain = p
             conn = self.data_conn(self._replica(chain, ino + index, attempt))
-            msg = m.ReadChunk(ino=ino, index=index, offset=coff, length=k, chain=chain,
-                              routing_version=self.routing().version)
-            check = functools.partial(check_read, coff=coff)
+            msg, check = _read_request(ino, index, coff, k, chain, self.routing().version)
             if not lone:
                 return conn.submit(msg, dest=dest[pos : pos + k], check=check)
             # One chunk (a dataloader's sample): a blocking call, whose thread receives the
@@ -444,13 +460,8 @@ class ClientCore:
             return done
 
         def finish(p: tuple[int, int, int, int, int], reply: Reply) -> None:
-            _index, coff, k, pos, _chain = p
-            rr = _read_reply(reply.header)
-            got = rr.length
-            if got != reply.nbytes:
-                raise StripefsError(ErrorCode.PROTOCOL, f"ReadChunk reply announces {got} bytes, its payload has {reply.nbytes}")
-            if got < k:  # a hole or a chunk shorter than the file length: zeros
-                dest[pos + got : pos + k] = bytes(k - got)
+            _index, _coff, k, pos, _chain = p
+            _landed(reply, dest[pos : pos + k], k)
 
         self._run_pieces(pieces, submit, finish)
         return n
@@ -482,15 +493,11 @@ class ClientCore:
         if conn is None:
             return None
         dest = (dest.cast("B") if dest.format != "B" or dest.ndim != 1 else dest)[:n]
-        msg = m.ReadChunk(ino=ino, index=index, offset=coff, length=n, chain=chain, routing_version=routing.version)
-        fut = conn.submit(msg, dest=dest, check=functools.partial(check_read, coff=coff))
+        msg, check = _read_request(ino, index, coff, n, chain, routing.version)
+        fut = conn.submit(msg, dest=dest, check=check)
 
         def finish(reply: Reply) -> int:
-            got = _read_reply(reply.header).length
-            if got != reply.nbytes:
-                raise StripefsError(ErrorCode.PROTOCOL, f"ReadChunk reply announces {got} bytes, its payload has {reply.nbytes}")
-            if got < n:  # a hole or a chunk shorter than the file length: zeros
-                dest[got:n] = bytes(n - got)
+            _landed(reply, dest, n)
             return n
 
         return fut, finish
