@@ -26,7 +26,7 @@ from typing import Any, Callable, ClassVar, Generic, TypeVar
 
 from ._build import positional_builder
 from ._errors import ErrorCode, StripefsError
-from ._types import Attr, DirEntry, Routing, ServerInfo
+from ._types import Attr, DirEntry, Routing, ServerInfo, dir_columns, dir_entries_from_columns
 
 __all__ = [
     "Message", "ReplyMessage", "MESSAGES", "message", "reply", "decode_message", "decode_reply", "encode_fields",
@@ -446,16 +446,35 @@ class ReaddirReply(ReplyMessage):
     on a whole listing (the first page, and no more after it): as :class:`AttrReply`'s, on
     the directory's attributes (every create, unlink or rename in it changes them)."""
 
-    entries: list[DirEntry]  # on the wire: [name, ino, mode, attr or None] each
+    entries: list[DirEntry]  # on the wire by columns (see dir_columns), or [name, ino, mode, attr or None] each
     more: bool  # another page follows (ask again with after=<last name>)
     lease_id: int = 0
     lease_ms: int = 0
 
     def to_header(self) -> dict[str, Any]:
-        header: dict[str, Any] = {"entries": [e.to_wire() for e in self.entries], "more": self.more}
+        columns = dir_columns(self.entries)
+        header: dict[str, Any] = ({"columns": columns} if columns is not None
+                                  else {"entries": [e.to_wire() for e in self.entries]})
+        header["more"] = self.more
         if self.lease_ms or self.lease_id:
             header["lease_id"], header["lease_ms"] = self.lease_id, self.lease_ms
         return header
+
+    @classmethod
+    def from_header(cls, header: dict[str, Any]) -> ReaddirReply:
+        """As :meth:`ReplyMessage.from_header`; a page by columns (``"columns"`` in place
+        of ``"entries"``) is rebuilt by :func:`dir_entries_from_columns`."""
+        if type(header) is not dict or "columns" not in header:
+            return ReplyMessage.from_header.__func__(cls, header)  # type: ignore[attr-defined,no-any-return]
+        if "entries" in header:
+            raise StripefsError(ErrorCode.PROTOCOL, "ReaddirReply: both 'columns' and 'entries'")
+        try:
+            entries = dir_entries_from_columns(header["columns"])
+        except StripefsError as exc:
+            raise StripefsError(ErrorCode.PROTOCOL, f"ReaddirReply: {exc.message}") from None
+        rest = ReplyMessage.from_header.__func__(  # type: ignore[attr-defined]
+            cls, {k: v for k, v in header.items() if k != "columns"} | {"entries": []})
+        return dataclasses.replace(rest, entries=entries)  # type: ignore[no-any-return]
 
 
 @reply

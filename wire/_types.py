@@ -333,3 +333,98 @@ class Routing:
             return cls(int(d["version"]), chains, servers, members, int(d.get("replicas", 1)))
         except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int() of an infinity
             raise _bad(f"bad routing: {exc}") from exc
+
+
+# --- listing pages by columns ---------------------------------------------------------------
+# A page of a listing travels as one list per field rather than a map per entry: msgpack
+# packs and unpacks a few long lists of ints far faster than hundreds of small maps, and
+# the receiver rebuilds the entries with one C-level map() per field (docs/protocol.md,
+# "Listing pages"). A plus page (every entry with its attributes) adds one column per
+# attribute field; "target" and "layout" only when some entry has one.
+
+_COLUMN_INT64 = (-(1 << 63), 1 << 63)
+_ENTRY_COLUMNS = ("name", "ino", "mode")
+_ATTR_COLUMNS = ("nlink", "uid", "gid", "size", "atime_ns", "mtime_ns", "ctime_ns", "rdev", "truncations")
+_ALL_COLUMNS = frozenset((*_ENTRY_COLUMNS, *_ATTR_COLUMNS, "target", "layout"))
+
+
+def dir_columns(entries: list[DirEntry]) -> dict[str, list] | None:
+    """``entries`` as columns (their wire form in a listing page), or None when they do not
+    fit one: some with attributes and some without, or attributes that disagree with
+    their entry's inode or mode (the sender then uses a map per entry)."""
+    columns: dict[str, list] = {"name": [e.name for e in entries], "ino": [e.ino for e in entries],
+                                "mode": [e.mode for e in entries]}
+    attrs = [e.attr for e in entries]
+    if not entries or attrs[0] is None:
+        return columns if all(a is None for a in attrs) else None
+    if None in attrs or any(a.ino != e.ino or a.mode != e.mode for a, e in zip(attrs, entries)):  # type: ignore[union-attr]
+        return None
+    for name in _ATTR_COLUMNS:
+        columns[name] = list(map(operator.attrgetter(name), attrs))
+    targets = [a.target for a in attrs]  # type: ignore[union-attr]
+    if any(t is not None for t in targets):
+        columns["target"] = targets
+    layouts = [a.layout for a in attrs]  # type: ignore[union-attr]
+    if any(lo is not None for lo in layouts):
+        columns["layout"] = [None if lo is None else lo.to_wire() for lo in layouts]
+    return columns
+
+
+def _column(columns: dict, name: str, n: int | None) -> list:
+    col = columns.get(name)
+    if type(col) is not list and type(col) is not tuple:
+        raise _bad(f"listing column {name!r} is missing or not a list")
+    if n is not None and len(col) != n:  # type: ignore[arg-type]
+        raise _bad(f"listing column {name!r} has {len(col)} values for {n} entries")  # type: ignore[arg-type]
+    return col  # type: ignore[return-value]
+
+
+def _int_column(columns: dict, name: str, n: int) -> list:
+    col = _column(columns, name, n)
+    if col and (not set(map(type, col)) <= {int} or min(col) < _COLUMN_INT64[0] or max(col) >= _COLUMN_INT64[1]):
+        raise _bad(f"listing column {name!r} holds a value that is not a 64-bit integer")
+    return col
+
+
+def dir_entries_from_columns(columns: object) -> list[DirEntry]:
+    """Rebuild a listing page from :func:`dir_columns`' form, checking every value's type.
+
+    Raises:
+        StripefsError: EINVAL for a bad page (a missing, short or mistyped column, or an
+            unknown one).
+    """
+    if type(columns) is not dict:
+        raise _bad("listing columns must be a map")
+    unknown = set(columns) - _ALL_COLUMNS  # type: ignore[arg-type]
+    if unknown:
+        raise _bad(f"unknown listing columns {sorted(map(str, unknown))}")
+    names = _column(columns, "name", None)  # type: ignore[arg-type]
+    n = len(names)
+    if n and not set(map(type, names)) <= {str}:
+        raise _bad("listing column 'name' holds a value that is not a string")
+    inos, modes = _int_column(columns, "ino", n), _int_column(columns, "mode", n)  # type: ignore[arg-type]
+    if "nlink" not in columns:  # type: ignore[operator]
+        if len(columns) != len(_ENTRY_COLUMNS):  # type: ignore[arg-type]
+            raise _bad("listing columns: attribute columns without 'nlink'")
+        return list(map(_new_dir_entry, names, inos, modes, [None] * n))
+    ints = [_int_column(columns, name, n) for name in _ATTR_COLUMNS]  # type: ignore[arg-type]
+    targets = columns.get("target")  # type: ignore[attr-defined]
+    if targets is None:
+        targets = [None] * n
+    else:
+        targets = _column(columns, "target", n)  # type: ignore[arg-type]
+        if not set(map(type, targets)) <= {str, type(None)}:
+            raise _bad("listing column 'target' holds a value that is neither a string nor nil")
+    layouts = columns.get("layout")  # type: ignore[attr-defined]
+    if layouts is None:
+        layouts = [None] * n
+    else:
+        given = _column(columns, "layout", n)  # type: ignore[arg-type]
+        try:
+            layouts = [None if lo is None else Layout.from_wire(lo) for lo in given]
+        except StripefsError as exc:
+            raise _bad(f"listing column 'layout': {exc.message}") from None
+    nlink, uid, gid, size, atime, mtime, ctime, rdev, truncations = ints
+    attrs = list(map(_new_attr, inos, modes, nlink, uid, gid, size, atime, mtime, ctime, layouts, targets, rdev,
+                     truncations))
+    return list(map(_new_dir_entry, names, inos, modes, attrs))

@@ -397,8 +397,9 @@ def test_readdir_lease_fields_are_off_the_wire_at_their_defaults() -> None:
     assert "lease" not in m.Readdir(ino=3).to_header()
     assert m.Readdir(ino=3, lease=True).to_header()["lease"] is True
     assert m.decode_message(m.Readdir.MSG_ID, m.Readdir(ino=3, lease=True).to_header()) == m.Readdir(ino=3, lease=True)
-    assert m.ReaddirReply(entries=[], more=False).to_header() == {"entries": [], "more": False}
+    empty = {"name": [], "ino": [], "mode": []}
+    assert m.ReaddirReply(entries=[], more=False).to_header() == {"columns": empty, "more": False}
     leased = m.ReaddirReply(entries=[], more=False, lease_id=7, lease_ms=2000)
-    assert leased.to_header() == {"entries": [], "more": False, "lease_id": 7, "lease_ms": 2000}
+    assert leased.to_header() == {"columns": empty, "more": False, "lease_id": 7, "lease_ms": 2000}
     assert m.ReaddirReply.from_header(leased.to_header()) == leased
     assert m.ReaddirReply.from_header({"entries": [], "more": True}) == m.ReaddirReply(entries=[], more=True)
