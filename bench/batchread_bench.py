@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from bench._report import write_json
 from bench.floors import floor_socket, parse_size
 from fsclient import Client, testing
 from fsclient.batchread import ReadRing
@@ -214,8 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     out = run(args)
     _summary(out)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        write_json(out, args.json)
 
 
 if __name__ == "__main__":

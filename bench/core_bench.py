@@ -14,7 +14,6 @@ own file, same total bytes. Prints GB/s and the ratios against the floors.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import multiprocessing as mp
 import os
@@ -24,6 +23,7 @@ import tempfile
 import time
 from typing import Any
 
+from bench._report import write_json
 from bench.floors import floor_disk_write, floor_socket, machine_facts, parse_size
 
 
@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     total, chunk = parse_size(args.size), parse_size(args.chunk_size)
-    from fsclient import testing
     import fsclient
+    from fsclient import testing
 
     root = args.root or tempfile.mkdtemp(prefix="stripefs-bench-")
     results: dict[str, Any] = {"machine": machine_facts(), "size": total, "servers": args.servers, "chunk_size": chunk}
@@ -113,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 pass
             shutil.rmtree(root, ignore_errors=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(results, args.json)
     return 0
 
 

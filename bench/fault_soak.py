@@ -19,12 +19,12 @@ Caveats:
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
 import traceback
 
+from bench._report import write_json
 from fsclient.testing.faults import run_schedule
 
 
@@ -61,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             failed.append((seed, replicas))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"seeds": records}, f, indent=2)
+        write_json({"seeds": records}, args.json)
     print(f"{args.seeds - len(failed)}/{args.seeds} seeds passed")
     if failed:
         print("failed seeds: " + " ".join(f"{s}(R={r})" for s, r in failed))

@@ -23,7 +23,6 @@ Caveats:
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import random
@@ -36,6 +35,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
+from bench._report import write_json
 from fsclient import testing
 from fsclient.fsspec import StripeFileSystem
 
@@ -199,8 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in report["peers_skipped"].items():
         print(f"{k}: skipped ({v})")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(report, args.json)
     return 0
 
 

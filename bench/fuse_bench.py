@@ -27,6 +27,8 @@ import tempfile
 import time
 from typing import Any, Callable
 
+from bench._report import write_json
+
 GiB = 1 << 30
 
 
@@ -209,8 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = run(a.size_mb, not a.no_peers, a.torch_mb, a.fio_seconds)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"results": results}, f, indent=1)
+        write_json({"results": results}, a.json)
     return 0
 
 

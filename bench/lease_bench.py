@@ -14,7 +14,6 @@ Timed figures on a loaded machine are noisy: compare the two sides of each pair.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import shutil
@@ -22,6 +21,8 @@ import statistics
 import tempfile
 import time
 from typing import Any
+
+from bench._report import write_json
 
 
 def _p50_us(lat: list[float]) -> float:
@@ -125,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         testing.down(root)
         shutil.rmtree(root, ignore_errors=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(results, args.json)
     return 0
 
 

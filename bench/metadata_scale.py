@@ -26,7 +26,6 @@ Caveats:
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import random
@@ -36,6 +35,7 @@ import tempfile
 import time
 from typing import Any
 
+from bench._report import write_json
 from bench.floors import machine_facts
 
 
@@ -106,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"{store:<11} {services:>8} {n:>7} {row['creates_per_s']:>10.0f} {row['stats_per_s']:>10.0f}", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": facts, "results": rows}, f, indent=2)
+        write_json({"machine": facts, "results": rows}, args.json)
     return 0
 
 

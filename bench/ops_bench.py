@@ -23,7 +23,6 @@ Every latency is also printed as a ratio to the echo floor of the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import random
@@ -33,6 +32,8 @@ import statistics
 import tempfile
 import time
 from typing import Any
+
+from bench._report import write_json
 
 PHASES = ("create", "stat", "readdir", "unlink")
 
@@ -278,8 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             testing.down(root)
             shutil.rmtree(root, ignore_errors=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(results, args.json)
     return 0
 
 

@@ -25,7 +25,6 @@ Caveats:
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import shutil
@@ -39,6 +38,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from bench._report import write_json
 from bench.floors import machine_facts, parse_size
 from wire import ServerInfo
 
@@ -328,8 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     report["verified"] = all(r.get("verified") for r in results)
     print(table(results))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(report, args.json)
     if not report["verified"]:
         print("VERIFICATION FAILED: wrong bytes or a failed check (see the JSON)")
     return 0 if report["verified"] else 1

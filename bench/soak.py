@@ -14,7 +14,6 @@ with ``STRIPEFS_DIFF_SEEDS=SEED`` in the tests) and the exit status is 1.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -23,8 +22,15 @@ import tempfile
 import time
 from typing import Any
 
+from bench._report import write_json
 from fsclient.testing import LocalCluster
-from fsclient.testing.differential import Divergence, LocalRoute, MountRoute, NativeRoute, run_seed
+from fsclient.testing.differential import (
+    Divergence,
+    LocalRoute,
+    MountRoute,
+    NativeRoute,
+    run_seed,
+)
 
 CHUNK = 256 * 1024
 OPS = 100
@@ -99,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<8} {st['seeds']:>6} seeds {st['ops']:>8} ops {st['ops_per_s']:>8} ops/s "
               f"{st['bytes_compared'] / 1e9:>8.2f} GB compared")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(stats, f, indent=2)
+        write_json(stats, a.json)
     return 0
 
 

@@ -17,7 +17,6 @@ and ``train``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -29,8 +28,8 @@ from typing import Any, Callable
 import torch
 
 import staging
+from bench._report import write_json
 from fsclient import Client, testing
-
 
 SECTIONS = ("blocking", "durable", "load", "dcp", "train")
 
@@ -123,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             train_bench(args, sdir, rec)
     finally:
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"results": results, "note": "shared 2-core VM; compare ratios within the run"}, f, indent=1)
+            write_json({"results": results, "note": "shared 2-core VM; compare ratios within the run"}, args.json)
         client.close()
         if root:
             testing.down(root)

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import msgpack
 
 import wire
+from bench._report import write_json
 from wire import messages as m
 
 _LAYOUT = wire.Layout(4 << 20, (3, 1, 2, 7))
@@ -227,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['message']:<24}{r['kind']:<9}{r['header_bytes']:>7}{r['encode_us']:>11.2f}{r['decode_us']:>11.2f}"
                   f"{r['floor_us']:>12.2f}{r['ratio']:>7.2f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(out, args.json)
     return 0
 
 
