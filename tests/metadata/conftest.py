@@ -6,11 +6,13 @@ import itertools
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
 from fsclient.testing import LocalPostgres, postgres_bin
+from metadata import Namespace
+from metadata._server import Membership, MetadataService
 from metadata._store import MemoryStore, SqliteStore, Store
 
 STORES = ["sqlite", "memory", "postgresql"]
@@ -34,9 +36,9 @@ def make_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Sto
         return SqliteStore(tmp_path / "meta.db")
     if kind == "memory":
         return MemoryStore()
-    from metadata._pgstore import PostgresStore
-
     import psycopg
+
+    from metadata._pgstore import PostgresStore
 
     url = request.getfixturevalue("pg_url")
     schema = f"t{os.getpid()}_{next(_schemas)}"  # a fresh namespace per test, cheaper than a database
@@ -58,3 +60,19 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     s = make_store(request.param, tmp_path, request)
     yield s
     s.close()
+
+
+def sqlite_service(tmp_path: Path, sync: str = "full", sync_log: Callable[[SqliteStore], None] | None = None,
+                   ) -> tuple[MetadataService, SqliteStore]:
+    """A metadata service in this process on a fresh SQLite store (the caller runs its
+    ``run_batches`` and closes the store), with one directory ``/d`` made already: the
+    first number handed out moves the counters' reserve (a durable commit), so the
+    commits a test watches are ordinary ones. ``sync_log`` replaces the store's log
+    fsync (a test's gate or fault)."""
+    store = SqliteStore(tmp_path / "meta.db", synchronous=sync)
+    if sync_log is not None:
+        store.sync_log = lambda: sync_log(store)  # type: ignore[method-assign]
+    ns = Namespace(store)
+    ns.mkdir(1, "d", 0o755, 0, 0)
+    return MetadataService(ns, lambda doc, restarted: Membership(None, doc=doc, restarted=restarted), "secret",
+                           sync=sync), store

@@ -14,19 +14,10 @@ import time
 
 import trio
 
+from fsclient.core import pid_alive
 from metadata import Namespace, SqliteStore
-from metadata._server import Membership, MetadataService
+from tests.metadata.conftest import sqlite_service
 from wire import messages as m
-
-
-def _service(tmp_path, sync: str = "full", sync_log=None) -> tuple[MetadataService, SqliteStore]:
-    store = SqliteStore(tmp_path / "meta.db", synchronous=sync)
-    if sync_log is not None:
-        store.sync_log = lambda: sync_log(store)  # type: ignore[method-assign]
-    ns = Namespace(store)
-    ns.mkdir(1, "d", 0o755, 0, 0)  # the first number handed out moves the reserve (a durable commit)
-    return MetadataService(ns, lambda doc, restarted: Membership(None, doc=doc, restarted=restarted), "secret",
-                           sync=sync), store
 
 
 def _mkdir(name: str) -> m.Mkdir:
@@ -34,7 +25,7 @@ def _mkdir(name: str) -> m.Mkdir:
 
 
 def test_full_mutations_commit_on_the_loop_without_a_writer_thread_hop(tmp_path) -> None:
-    svc, store = _service(tmp_path)
+    svc, store = sqlite_service(tmp_path)
     ran_before = svc._writer.jobs_run
 
     async def main() -> None:
@@ -68,7 +59,7 @@ def test_a_full_mutation_is_answered_only_after_the_log_fsync(tmp_path) -> None:
             gate.wait(10)
         SqliteStore.sync_log(store)
 
-    svc, store = _service(tmp_path, sync_log=held_sync)
+    svc, store = sqlite_service(tmp_path, sync_log=held_sync)
 
     async def main() -> None:
         nonlocal held
@@ -102,7 +93,7 @@ def test_a_full_mutation_is_answered_only_after_the_log_fsync(tmp_path) -> None:
 
 
 def test_concurrent_full_mutations_share_one_log_fsync(tmp_path) -> None:
-    svc, store = _service(tmp_path)
+    svc, store = sqlite_service(tmp_path)
     n = 40
 
     async def main() -> None:
@@ -161,7 +152,7 @@ def test_full_keeps_every_acknowledged_create_across_kill_9_mid_stream(tmp_path)
             proc.wait(30)
             reader.join(10)
         deadline = time.monotonic() + 10
-        while os.path.exists(f"/proc/{pid}") and _state(pid) not in ("Z", "gone") and time.monotonic() < deadline:
+        while pid_alive(pid) and time.monotonic() < deadline:  # a zombie counts as gone
             time.sleep(0.05)
         cluster.up()
         with cluster.client() as c:
@@ -169,13 +160,6 @@ def test_full_keeps_every_acknowledged_create_across_kill_9_mid_stream(tmp_path)
         missing = [i for i in acked if f"f{i:06d}" not in names]
         assert not missing, f"{len(missing)} acknowledged creates lost, first {missing[:5]}"
 
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
 
 
 def test_a_failed_log_fsync_fails_the_mutation_and_refuses_later_ones(tmp_path) -> None:
@@ -192,7 +176,7 @@ def test_a_failed_log_fsync_fails_the_mutation_and_refuses_later_ones(tmp_path) 
             raise OSError(errno.EIO, "injected")
         SqliteStore.sync_log(store)
 
-    svc, store = _service(tmp_path, sync_log=sync)
+    svc, store = sqlite_service(tmp_path, sync_log=sync)
 
     async def main() -> None:
         nonlocal failing
@@ -233,7 +217,7 @@ def test_every_answered_mutation_is_in_what_the_last_log_fsync_covered(tmp_path)
         for suffix in ("", "-wal"):
             os.replace(disk / f"next.db{suffix}", disk / f"meta.db{suffix}")
 
-    svc, store = _service(tmp_path, sync_log=sync_and_copy)
+    svc, store = sqlite_service(tmp_path, sync_log=sync_and_copy)
     answered: list[str] = []
 
     async def main() -> None:

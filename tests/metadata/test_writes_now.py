@@ -11,18 +11,11 @@ import pytest
 import trio
 
 from metadata import Namespace, SqliteStore
-from metadata._server import Membership, MetadataService
+from metadata._server import MetadataService
 from metadata._store import RESERVE
+from tests.metadata.conftest import sqlite_service
 from wire import StripefsError
 from wire import messages as m
-
-
-def _service(tmp_path, sync: str) -> tuple[MetadataService, SqliteStore]:
-    store = SqliteStore(tmp_path / "meta.db", synchronous=sync)
-    ns = Namespace(store)
-    ns.mkdir(1, "d", 0o755, 0, 0)
-    return MetadataService(ns, lambda doc, restarted: Membership(None, doc=doc, restarted=restarted), "secret",
-                           sync=sync), store
 
 
 def test_commit_unsynced_commits_what_needs_no_fsync_and_nothing_else(tmp_path) -> None:
@@ -62,7 +55,7 @@ def test_mutations_commit_on_the_loop_and_full_answers_after_the_log_fsync(tmp_p
 
     for sync in ("normal", "full"):
         os.makedirs(tmp_path / sync)
-        svc, store = _service(tmp_path / sync, sync)
+        svc, store = sqlite_service(tmp_path / sync, sync)
         try:
             with store.transaction() as txn:  # the next number handed out needs no durable commit
                 txn.put_meta("next_ino.reserved", str(RESERVE))
@@ -73,7 +66,7 @@ def test_mutations_commit_on_the_loop_and_full_answers_after_the_log_fsync(tmp_p
 
 
 def test_the_log_is_checkpointed_when_writes_commit_on_the_loop(tmp_path) -> None:
-    svc, store = _service(tmp_path, "normal")
+    svc, store = sqlite_service(tmp_path, "normal")
     wal = f"{tmp_path / 'meta.db'}-wal"
 
     async def main() -> None:
@@ -129,7 +122,7 @@ def test_a_write_whose_caller_gave_up_still_keeps_the_loop_off_the_connection(tm
     free the writing connection: mutations go on queueing behind that job until it ran."""
     import threading
 
-    svc, store = _service(tmp_path, "normal")
+    svc, store = sqlite_service(tmp_path, "normal")
     gate, started = threading.Event(), threading.Event()
 
     def slow() -> None:
@@ -248,7 +241,7 @@ def test_writes_on_the_loop_remember_the_directories_they_walk_until_one_changes
     """A create or unlink by path walks the parent's path by entries it remembers (one dentry
     lookup, the new name's, per create in a known directory); a rename or rmdir forgets them,
     so a path then leads where the namespace says, not where it led before."""
-    svc, store = _service(tmp_path, "full")
+    svc, store = sqlite_service(tmp_path, "full")
     svc.members.table, svc.members.frozen = {1: [1]}, True  # one chain: files can be made
 
     def create(path: str) -> m.CreatePath:
@@ -293,7 +286,7 @@ def test_a_failed_batch_leaves_no_remembered_directory_behind(tmp_path) -> None:
     """A directory renamed and walked through in a batch that then fails to commit is not
     remembered under its new name: a later create there is ENOENT, not a file in the
     directory that kept its old name."""
-    svc, store = _service(tmp_path, "full")
+    svc, store = sqlite_service(tmp_path, "full")
     svc.members.table, svc.members.frozen = {1: [1]}, True  # one chain: files can be made
     ns = svc.ns
 
