@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from typing import Callable, TypeVar
 
-__all__ = ["pause", "resume", "stopped"]
+__all__ = ["pause", "resume", "stopped", "while_paused"]
+
+T = TypeVar("T")
 
 
 def _states(pid: int) -> list[str]:
@@ -59,3 +63,18 @@ def resume(pid: int) -> None:
         os.kill(pid, signal.SIGCONT)
     except ProcessLookupError:
         pass
+
+
+def while_paused(pid: int, fn: Callable[[], T], wait: float) -> T | None:
+    """``fn()`` on another thread while process ``pid`` is stopped (:func:`pause`); None
+    if it took over ``wait`` s (it is then left to finish once ``pid`` runs again)."""
+    got: list[T] = []
+    t = threading.Thread(target=lambda: got.append(fn()), daemon=True)
+    pause(pid)
+    try:
+        t.start()
+        t.join(wait)
+        return got[0] if got else None
+    finally:
+        resume(pid)
+        t.join(10)

@@ -22,7 +22,7 @@ import pytest
 from fsclient import Client
 from fsclient.core import pid_alive
 from fsclient.testing import LocalCluster
-from fsclient.testing.procs import pause
+from fsclient.testing.procs import pause, while_paused
 from tests.conftest import TEST_CHUNK
 
 TTL = 2.0
@@ -83,15 +83,8 @@ def test_a_repeated_stat_needs_no_metadata_round_trip(lcluster: LocalCluster, pa
     writer.write_bytes(f"{d}/f", b"abc")
     first = _leased(holder, f"{d}/f")
     pid = int(lcluster.data["metadata"]["pid"])
-    got: list[Any] = []
-    pause(pid)
-    try:
-        t = threading.Thread(target=lambda: got.append([holder.stat(f"{d}/f") for _ in range(100)]), daemon=True)
-        t.start()
-        t.join(2.0)  # a round trip would wait for the stopped service
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    assert got and got[0] == [first] * 100
+    got = while_paused(pid, lambda: [holder.stat(f"{d}/f") for _ in range(100)], 2.0)  # a round trip would wait
+    assert got == [first] * 100
 
 
 def _setup_file(w: Client, d: str) -> None:
@@ -339,15 +332,7 @@ def test_stat_many_answers_from_leases_and_sees_changes(lcluster: LocalCluster, 
     cache = holder._core.attrs
     assert cache is not None and all(cache.get(p, leased=True) is not None for p in paths)
     pid = int(lcluster.data["metadata"]["pid"])
-    got: list[Any] = []
-    pause(pid)
-    try:
-        t = threading.Thread(target=lambda: got.append(holder.stat_many(paths)), daemon=True)
-        t.start()
-        t.join(2.0)  # a round trip would wait for the stopped service
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    assert got == [first]
+    assert while_paused(pid, lambda: holder.stat_many(paths), 2.0) == first  # a round trip would wait
     writer.chmod(paths[2], 0o600)
     writer.remove(paths[4])
     again = holder.stat_many(paths)
@@ -369,15 +354,7 @@ def test_a_listing_is_kept_under_a_lease_and_sees_changes(lcluster: LocalCluster
         time.sleep(0.01)
     assert first == ["a", "b", "sub"] and cache.get_names(d) == first
     pid = int(lcluster.data["metadata"]["pid"])
-    got: list[Any] = []
-    pause(pid)
-    try:
-        t = threading.Thread(target=lambda: got.append(holder.listdir(d)), daemon=True)
-        t.start()
-        t.join(2.0)  # a round trip would wait for the stopped service
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    assert got == [first]
+    assert while_paused(pid, lambda: holder.listdir(d), 2.0) == first  # a round trip would wait
     for change in (lambda: writer.write_bytes(f"{d}/c", b""), lambda: writer.remove(f"{d}/a"),
                    lambda: writer.rename(f"{d}/b", f"{sub}/b"), lambda: writer.rename(sub, f"{d}/moved"),
                    lambda: writer.mkdir(f"{d}/new")):

@@ -3,14 +3,8 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import threading
-from typing import Callable, TypeVar
-
-from fsclient.testing.procs import pause
-
-T = TypeVar("T")
+from typing import Callable
 
 
 def sh(cmd: str, cwd: str, timeout: float = 120) -> str:
@@ -43,18 +37,3 @@ def as_user(uid: int, directory: str, action: Callable[[int], object]) -> int:
     os.close(dirfd)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status)
-
-
-def while_paused(pid: int, fn: Callable[[], T], wait: float) -> T | None:
-    """``fn()`` on another thread while process ``pid`` is stopped; None if that took
-    over ``wait`` s."""
-    got: list[T] = []
-    t = threading.Thread(target=lambda: got.append(fn()), daemon=True)
-    pause(pid)
-    try:
-        t.start()
-        t.join(wait)
-        return got[0] if got else None
-    finally:
-        os.kill(pid, signal.SIGCONT)
-        t.join(10)

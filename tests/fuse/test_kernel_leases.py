@@ -20,10 +20,9 @@ from fsclient import Client
 from fsclient.core import pid_alive
 from fsclient.fuse import mount_record
 from fsclient.testing import LocalCluster
-from fsclient.testing.procs import pause
+from fsclient.testing.procs import pause, while_paused
 
 from .conftest import do_mount, do_umount
-from .fuse_helpers import while_paused
 
 pytestmark = pytest.mark.fuse
 

@@ -18,10 +18,10 @@ from trio.testing import MockClock
 from fsclient import Client
 from fsclient.fuse._listings import Listings, Page
 from fsclient.testing import LocalCluster
+from fsclient.testing.procs import while_paused
 from wire import DirEntry
 
 from .conftest import do_mount, do_umount
-from .fuse_helpers import while_paused
 
 pytestmark = pytest.mark.fuse
 
