@@ -37,6 +37,17 @@ def _watching(c: Any, leases: bool) -> None:
         time.sleep(0.01)
 
 
+def _timed(op: Any, paths: list[str]) -> dict[str, float]:
+    """``op(path)`` for each path in turn: p50 latency and operations per second."""
+    lat = []
+    t0 = time.perf_counter()
+    for p in paths:
+        t = time.perf_counter()
+        op(p)
+        lat.append(time.perf_counter() - t)
+    return {"p50_us": _p50_us(lat), "ops_per_s": len(paths) / (time.perf_counter() - t0)}
+
+
 def _holder(cluster_file: str, paths: list[str], leases: bool, ready: Any, done: Any) -> None:
     import fsclient
 
@@ -55,14 +66,7 @@ def restat(cluster_file: str, paths: list[str], leases: bool) -> dict[str, float
         _watching(c, leases)
         for p in paths:
             c.stat(p)
-        lat = []
-        t0 = time.perf_counter()
-        for p in paths:
-            t = time.perf_counter()
-            c.stat(p)
-            lat.append(time.perf_counter() - t)
-        took = time.perf_counter() - t0
-    return {"p50_us": _p50_us(lat), "ops_per_s": len(paths) / took}
+        return _timed(c.stat, paths)
 
 
 def unlink_under_holder(cluster_file: str, d: str, files: int, leases: bool) -> dict[str, float]:
@@ -79,17 +83,10 @@ def unlink_under_holder(cluster_file: str, d: str, files: int, leases: bool) -> 
         try:
             if not ready.wait(120):
                 raise RuntimeError("the holder did not start")
-            lat = []
-            t0 = time.perf_counter()
-            for p in paths:
-                t = time.perf_counter()
-                w.remove(p)
-                lat.append(time.perf_counter() - t)
-            took = time.perf_counter() - t0
+            return _timed(w.remove, paths)
         finally:
             done.set()
             proc.join(30)
-    return {"p50_us": _p50_us(lat), "ops_per_s": files / took}
 
 
 def main(argv: list[str] | None = None) -> int:
