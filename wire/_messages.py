@@ -120,8 +120,26 @@ def _fast_values(plan: tuple[_Field, ...], header: dict[Any, Any]) -> list[Any] 
     return values if found == len(header) else None  # found == len: no key is extra
 
 
+def _sparse(cls: type) -> tuple[tuple[str, Any], ...]:
+    """``(name, default)`` of each field the class lists in ``SPARSE``."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    return tuple((name, defaults[name]) for name in cls.SPARSE)  # type: ignore[attr-defined]
+
+
+def _drop_sparse(header: dict[str, Any], sparse: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    for name, default in sparse:
+        if header[name] == default:
+            del header[name]
+    return header
+
+
 class ReplyMessage:
     """Base of every reply. Subclasses are frozen dataclasses made by :func:`reply`."""
+
+    # Fields left off the wire while at their default (a lease a client did not ask for):
+    # peers that know nothing of them see the map they always did.
+    SPARSE: ClassVar[tuple[str, ...]] = ()
+    _sparse: ClassVar[tuple[tuple[str, Any], ...]]
 
     # Set by @reply: how each field is decoded and encoded (see _field_codec), and the
     # decode plan of the fast path of from_header (see _fast_values).
@@ -131,8 +149,9 @@ class ReplyMessage:
 
     def to_header(self) -> dict[str, Any]:
         """The msgpack map sent on the wire for this reply."""
-        return {name: getattr(self, name) if enc is None else enc(getattr(self, name))
-                for name, _dec, enc, _req in self._codecs}
+        header = {name: getattr(self, name) if enc is None else enc(getattr(self, name))
+                  for name, _dec, enc, _req in self._codecs}
+        return _drop_sparse(header, self._sparse) if self._sparse else header
 
     @classmethod
     def from_header(cls: type[RT], header: dict[str, Any]) -> RT:
@@ -233,6 +252,7 @@ def reply(cls: type[RT]) -> type[RT]:
     cls._codecs = tuple(codecs)
     cls._plan = _decode_plan(cls, hints, _fast_convert)
     cls._build = staticmethod(positional_builder(cls))  # type: ignore[assignment]
+    cls._sparse = _sparse(cls)
     return cls
 
 
@@ -247,13 +267,18 @@ class Message(Generic[R]):
     # The reply type (the class's type argument); None only for the server's Challenge,
     # which is never answered with a response of its own.
     Reply: ClassVar[type[ReplyMessage] | None]
+    # Fields left off the wire while at their default (``lease``: services that know no
+    # leases still understand a client that does not ask for one).
+    SPARSE: ClassVar[tuple[str, ...]] = ()
+    _sparse: ClassVar[tuple[tuple[str, Any], ...]]
     # Set by @message, once: the field names in order, and the decode plan (_fast_values).
     _names: ClassVar[tuple[str, ...]]
     _plan: ClassVar[tuple[_Field, ...]]
     _build: ClassVar[Callable[..., Any]]  # cls(*values) with every field, unrolled (wire._build)
 
     def to_header(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self._names}
+        header = {name: getattr(self, name) for name in self._names}
+        return _drop_sparse(header, self._sparse) if self._sparse else header
 
     def needs_server_role(self) -> bool:
         """Must the sender have authenticated as a server? (:attr:`SERVER_ONLY`, or a field says so.)"""
@@ -261,8 +286,8 @@ class Message(Generic[R]):
 
 
 def encode_fields(msg: object) -> dict[str, Any]:
-    """The header map of a dataclass message: its fields by name, in order (a request's
-    own ``to_header`` where it leaves out an optional field, as ``Resolve`` does)."""
+    """The header map of a dataclass message: its fields by name, in order (for a request,
+    its ``to_header``: without its ``SPARSE`` fields at their defaults)."""
     if isinstance(msg, Message):
         return msg.to_header()
     names = getattr(type(msg), "_names", None)
@@ -327,6 +352,7 @@ def message(msg_id: int, *, mutates: bool = False, answered: bool = True,
         cls._names = tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
         cls._plan = _decode_plan(cls, cls._hints, lambda _name, _tp: None)  # type: ignore[attr-defined]
         cls._build = staticmethod(positional_builder(cls))  # type: ignore[assignment]
+        cls._sparse = _sparse(cls)  # type: ignore[attr-defined]
         MESSAGES[msg_id] = cls
         return cls
 
@@ -422,11 +448,7 @@ class AttrReply(ReplyMessage):
     attr: Attr
     lease_id: int = 0
     lease_ms: int = 0
-
-    def to_header(self) -> dict[str, Any]:
-        if self.lease_ms or self.lease_id:
-            return {"attr": self.attr.to_wire(), "lease_id": self.lease_id, "lease_ms": self.lease_ms}
-        return {"attr": self.attr.to_wire()}
+    SPARSE = ("lease_id", "lease_ms")
 
 
 @reply
@@ -450,15 +472,14 @@ class ReaddirReply(ReplyMessage):
     more: bool  # another page follows (ask again with after=<last name>)
     lease_id: int = 0
     lease_ms: int = 0
+    SPARSE = ("lease_id", "lease_ms")
 
     def to_header(self) -> dict[str, Any]:
         columns = dir_columns(self.entries)
         header: dict[str, Any] = ({"columns": columns} if columns is not None
                                   else {"entries": [e.to_wire() for e in self.entries]})
-        header["more"] = self.more
-        if self.lease_ms or self.lease_id:
-            header["lease_id"], header["lease_ms"] = self.lease_id, self.lease_ms
-        return header
+        header.update(more=self.more, lease_id=self.lease_id, lease_ms=self.lease_ms)
+        return _drop_sparse(header, self._sparse)
 
     @classmethod
     def from_header(cls, header: dict[str, Any]) -> ReaddirReply:
@@ -648,9 +669,7 @@ class GetAttr(Message[AttrReply]):
 
     ino: int
     lease: bool = False
-
-    def to_header(self) -> dict[str, Any]:
-        return {"ino": self.ino, "lease": True} if self.lease else {"ino": self.ino}
+    SPARSE = ("lease",)
 
 
 @message(12)
@@ -661,11 +680,7 @@ class Lookup(Message[AttrReply]):
     parent: int
     name: str
     lease: bool = False
-
-    def to_header(self) -> dict[str, Any]:
-        if self.lease:
-            return {"parent": self.parent, "name": self.name, "lease": True}
-        return {"parent": self.parent, "name": self.name}
+    SPARSE = ("lease",)
 
 
 @message(13)
@@ -677,11 +692,7 @@ class Resolve(Message[AttrReply]):
     path: str
     follow: bool = True
     lease: bool = False
-
-    def to_header(self) -> dict[str, Any]:
-        if self.lease:
-            return {"path": self.path, "follow": self.follow, "lease": True}
-        return {"path": self.path, "follow": self.follow}
+    SPARSE = ("lease",)
 
 
 @message(14, mutates=True)
@@ -739,13 +750,7 @@ class Readdir(Message[ReaddirReply]):
     plus: bool = False
     layouts: bool = True
     lease: bool = False
-
-    def to_header(self) -> dict[str, Any]:
-        header: dict[str, Any] = {"ino": self.ino, "after": self.after, "limit": self.limit,
-                                  "plus": self.plus, "layouts": self.layouts}
-        if self.lease:
-            header["lease"] = True
-        return header
+    SPARSE = ("lease",)
 
 
 @message(20, mutates=True)
@@ -1051,13 +1056,7 @@ class StatManyReply(ReplyMessage):
     codes: list[int]
     lease_ids: list[int] | None = None
     lease_ms: int = 0
-
-    def to_header(self) -> dict[str, Any]:
-        header = {"attrs": [a.to_wire() for a in self.attrs], "failed": self.failed, "codes": self.codes}
-        if self.lease_ms or self.lease_ids is not None:
-            header["lease_ids"] = self.lease_ids
-            header["lease_ms"] = self.lease_ms
-        return header
+    SPARSE = ("lease_ids", "lease_ms")
 
 
 @message(60, mutates=True)
@@ -1087,11 +1086,7 @@ class StatMany(Message[StatManyReply]):
     paths: list[str]
     follow: bool = True
     lease: bool = False
-
-    def to_header(self) -> dict[str, Any]:
-        if self.lease:
-            return {"paths": self.paths, "follow": self.follow, "lease": True}
-        return {"paths": self.paths, "follow": self.follow}
+    SPARSE = ("lease",)
 
 
 @reply
@@ -1103,11 +1098,7 @@ class NamesReply(ReplyMessage):
     more: bool  # another page follows (ask again with after=<last name>)
     lease_id: int = 0
     lease_ms: int = 0
-
-    def to_header(self) -> dict[str, Any]:
-        if self.lease_ms or self.lease_id:
-            return {"names": self.names, "more": self.more, "lease_id": self.lease_id, "lease_ms": self.lease_ms}
-        return {"names": self.names, "more": self.more}
+    SPARSE = ("lease_id", "lease_ms")
 
 
 @message(63)
@@ -1121,12 +1112,7 @@ class ListNames(Message[NamesReply]):
     after: str = ""
     limit: int = 1000
     lease: bool = False
-
-    def to_header(self) -> dict[str, Any]:
-        header: dict[str, Any] = {"path": self.path, "after": self.after, "limit": self.limit}
-        if self.lease:
-            header["lease"] = True
-        return header
+    SPARSE = ("lease",)
 
 
 @message(64, mutates=True)
