@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	# torch trap: a bare `torch` requirement pulls a multi-GB CUDA build; 2.13.0 is a CPU build on disk.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
 	$(BIN)/pip install -q -e ".[fuse,torch,test,bench,postgres]" 2>&1 | grep -v "^WARNING: Location" || true
-	$(BIN)/python -c "import wire, metadata, storage, fsclient, pyfuse3, torch, psycopg"
+	$(BIN)/python -c "import stripefs.wire, stripefs.metadata, stripefs.storage, stripefs.fsclient, pyfuse3, torch, psycopg"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -36,7 +36,7 @@ test: setup
 	$(BIN)/python -m pytest -q tests
 
 bench: setup
-	$(BIN)/python -m bench.core_bench
+	$(BIN)/python -m stripefs.bench.core_bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -291,7 +291,7 @@ def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
     Raises:
         StripefsError: the local cluster could not start.
     """
-    from fsclient import testing
+    from stripefs.fsclient import testing
 
     display = display or _NullDisplay()
     out: dict[str, Any] = {"header": {"machine": floors.machine_facts(), "config": {
@@ -322,7 +322,7 @@ def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
         out["header"]["metadata_sync"] = cfg.metadata_sync or "full"
         lease_ttl = 0.0  # what the service grants (the local cluster's: read once it is up)
         if cfg.cluster:
-            from fsclient import Client
+            from stripefs.fsclient import Client
 
             with Client(cfg.cluster) as c:
                 server_counts = [len(c.routing().servers)]
@@ -346,7 +346,7 @@ def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
                 display.log(f"starting a local cluster: {servers} storage servers")
                 testing.up(root, servers=servers, chunk_size=cfg.chunk_size, metadata_sync=cfg.metadata_sync)
                 cluster_file = os.path.join(root, "cluster.json")
-                from fsclient import Client
+                from stripefs.fsclient import Client
 
                 with Client(cluster_file) as c:
                     leases_in_effect(float(c.status().metadata.get("lease_ttl", 0.0)))
@@ -394,7 +394,7 @@ def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
 
 def _remove_tree(cluster_file: str, path: str) -> None:
     """Delete what the run wrote inside an existing cluster."""
-    from fsclient import Client
+    from stripefs.fsclient import Client
 
     with Client(cluster_file) as c:
         def rm(p: str) -> None:

@@ -36,7 +36,7 @@ class ZerocopyRoute(Route):
     on_cluster = True
 
     def start(self, env: RunEnv) -> dict[str, Any]:
-        need_module("fsclient.batchread", self.name)
+        need_module("stripefs.fsclient.batchread", self.name)
         return {"kind": "zerocopy", "cluster": self._cluster(env), "root": self._root(env)}
 
 
@@ -45,8 +45,8 @@ class FsspecRoute(Route):
     on_cluster = True
 
     def start(self, env: RunEnv) -> dict[str, Any]:
-        need_module("fsclient.fsspec", self.name)
-        return {"kind": "fsspec", "cls": "fsclient.fsspec:StripeFileSystem",
+        need_module("stripefs.fsclient.fsspec", self.name)
+        return {"kind": "fsspec", "cls": "stripefs.fsclient.fsspec:StripeFileSystem",
                 "options": {"cluster": self._cluster(env)}, "root": self._root(env)}
 
 
@@ -62,7 +62,7 @@ class LocalDiskRoute(Route):
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "fsclient.fuse", *args]
+    return [sys.executable, "-m", "stripefs.fsclient.fuse", *args]
 
 
 class FuseRoute(Route):
@@ -78,7 +78,7 @@ class FuseRoute(Route):
     def start(self, env: RunEnv) -> dict[str, Any]:
         cluster = self._cluster(env)
         need_module("pyfuse3", self.name)
-        need_module("fsclient.fuse", self.name)
+        need_module("stripefs.fsclient.fuse", self.name)
         if not os.path.exists("/dev/fuse"):
             raise RouteSkipped("fuse: /dev/fuse is missing")
         self.mnt = os.path.join(env.workdir, f"fuse-mnt-{env.servers}")

@@ -80,7 +80,7 @@ class NativeSession:
     """fsclient.Client; its StripeFile already has write/pwrite/fsync/pread_into."""
 
     def __init__(self, cluster: str, root: str):
-        from fsclient import Client
+        from stripefs.fsclient import Client
 
         self.client = Client(cluster)
         self.root = root
@@ -150,7 +150,7 @@ class ZerocopySession(NativeSession):
 
     def __init__(self, cluster: str, root: str):
         super().__init__(cluster, root)
-        from fsclient.batchread import ReadRing
+        from stripefs.fsclient.batchread import ReadRing
 
         self.ring = ReadRing(self.client, entries=64)
 

@@ -6,7 +6,7 @@ through each route and reports samples/s and GB/s, plus large sequential batch
 reads through the ring against the loopback socket floor measured in the same
 run (these machines swing 2x between runs; ratios matter).
 
-    python -m bench.batchread_bench --size 2GiB --json out.json
+    python -m stripefs.bench.batchread_bench --size 2GiB --json out.json
 
 Routes: ``zerocopy`` (IndexDataset: a batch through one ring into one shared
 tensor), ``fsspec`` (``cat_file`` per sample), ``fuse`` (``os.pread`` per sample
@@ -34,11 +34,11 @@ from typing import Any, Callable
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from bench._report import write_json
-from bench.floors import floor_socket, parse_size
-from fsclient import Client, testing
-from fsclient.batchread import ReadRing
-from fsclient.batchread.dataset import IndexDataset, loader
+from stripefs.bench._report import write_json
+from stripefs.bench.floors import floor_socket, parse_size
+from stripefs.fsclient import Client, testing
+from stripefs.fsclient.batchread import ReadRing
+from stripefs.fsclient.batchread.dataset import IndexDataset, loader
 
 PATH = "/bench/dataset.bin"
 
@@ -63,7 +63,7 @@ class _FsspecRead:
 
     def __call__(self, off: int, n: int) -> bytes:
         if self.pid != os.getpid():
-            from fsclient.fsspec import StripeFileSystem
+            from stripefs.fsclient.fsspec import StripeFileSystem
 
             self.fs, self.pid = StripeFileSystem(cluster=self.cluster, skip_instance_cache=True), os.getpid()
         return self.fs.cat_file(PATH, start=off, end=off + n)  # type: ignore[union-attr]
@@ -111,7 +111,7 @@ def _write_dataset(client: Client, size: int) -> None:
 
 
 def _mount(cluster_file: str, mp: str) -> subprocess.Popen | None:
-    proc = subprocess.Popen([sys.executable, "-m", "fsclient.fuse", "mount", mp, "--cluster", cluster_file, "--foreground"],
+    proc = subprocess.Popen([sys.executable, "-m", "stripefs.fsclient.fuse", "mount", mp, "--cluster", cluster_file, "--foreground"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     for _ in range(100):
         if os.path.ismount(mp):
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if mproc is None:
             skipped.setdefault("fuse", "stripefs mount did not come up (needs root, /dev/fuse, fsclient.fuse)")
         try:
-            import fsclient.fsspec  # noqa: F401
+            import stripefs.fsclient.fsspec  # noqa: F401
         except ImportError as exc:
             skipped["fsspec"] = f"fsclient.fsspec not importable: {exc}"
         rng = random.Random(0)
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         client.close()
     finally:
         if mproc is not None:
-            subprocess.run([sys.executable, "-m", "fsclient.fuse", "umount", mp], capture_output=True)
+            subprocess.run([sys.executable, "-m", "stripefs.fsclient.fuse", "umount", mp], capture_output=True)
             try:
                 mproc.wait(10)
             except subprocess.TimeoutExpired:

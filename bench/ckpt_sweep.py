@@ -1,6 +1,6 @@
 """The checkpoint kill sweep, larger than ``make test`` runs it: every fault point × hit count.
 
-    python -m bench.ckpt_sweep [--files 8] [--pieces 6] [--who mover,trainer,trainer0] [--cluster C]
+    python -m stripefs.bench.ckpt_sweep [--files 8] [--pieces 6] [--who mover,trainer,trainer0] [--cluster C]
 
 For a checkpoint of ``--files`` data files of ``--pieces`` upload pieces each, kills
 ``stripefs mover`` (``mover``), a trainer saving with a local copy (``trainer``) and one saving
@@ -20,8 +20,8 @@ import sys
 import tempfile
 import time
 
-from fsclient import Client, testing
-from staging._sweep import sweep_mover, sweep_trainer
+from stripefs.fsclient import Client, testing
+from stripefs.staging._sweep import sweep_mover, sweep_trainer
 
 WHO = ("mover", "trainer", "trainer0")
 

@@ -1,6 +1,6 @@
 """A structured fuzz of the control plane, for a bounded number of frames or a duration.
 
-    python -m bench.control_fuzz [--duration 600] [--seed 20] [--root DIR]
+    python -m stripefs.bench.control_fuzz [--duration 600] [--seed 20] [--root DIR]
 
 Against a private local cluster (2 storage servers, R=2) it sends, round after round:
 
@@ -37,11 +37,11 @@ from typing import Any, Callable
 
 import crc32c
 
-import wire
-from fsclient import Client
-from fsclient.testing import LocalCluster
-from wire import ErrorCode, StripefsError
-from wire import messages as m
+from stripefs import wire
+from stripefs.fsclient import Client
+from stripefs.fsclient.testing import LocalCluster
+from stripefs.wire import ErrorCode, StripefsError
+from stripefs.wire import messages as m
 
 __all__ = ["membership_frame", "client_frame", "junk", "authenticated", "snapshot", "Fuzz", "main"]
 
@@ -301,7 +301,7 @@ class Fuzz:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.control_fuzz", description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m stripefs.bench.control_fuzz", description=(__doc__ or "").split("\n")[0])
     p.add_argument("--duration", type=float, default=600.0, help="seconds of fuzzing")
     p.add_argument("--seed", type=int, default=20)
     p.add_argument("--root", help="cluster directory (default: a temporary one, removed afterwards)")

@@ -1,6 +1,6 @@
 """Core data path vs this machine's floors, measured in one run.
 
-    python -m bench.core_bench [--size 1G] [--servers 4] [--clients 1,2,4] [--json FILE]
+    python -m stripefs.bench.core_bench [--size 1G] [--servers 4] [--clients 1,2,4] [--json FILE]
 
 Measures (a) the socket floor: ``--servers`` sendfile streams over loopback into
 page-aligned ``recv_into`` buffers, same total size; (b) the disk floor: the
@@ -23,12 +23,12 @@ import tempfile
 import time
 from typing import Any
 
-from bench._report import write_json
-from bench.floors import floor_disk_write, floor_socket, machine_facts, parse_size
+from stripefs.bench._report import write_json
+from stripefs.bench.floors import floor_disk_write, floor_socket, machine_facts, parse_size
 
 
 def _client_proc(cluster_file: str, path: str, size: int, barrier: Any, q: Any) -> None:
-    import fsclient
+    from stripefs import fsclient
 
     buf = mmap.mmap(-1, size)
     buf.write(os.urandom(1 << 20) * (size >> 20) + os.urandom(size % (1 << 20)))
@@ -72,7 +72,7 @@ def run_clients(cluster_file: str, nclients: int, total: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.core_bench")
+    p = argparse.ArgumentParser(prog="python -m stripefs.bench.core_bench")
     p.add_argument("--size", default="1G")
     p.add_argument("--servers", type=int, default=4)
     p.add_argument("--clients", default="1,2,4")
@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     total, chunk = parse_size(args.size), parse_size(args.chunk_size)
-    import fsclient
-    from fsclient import testing
+    from stripefs import fsclient
+    from stripefs.fsclient import testing
 
     root = args.root or tempfile.mkdtemp(prefix="stripefs-bench-")
     results: dict[str, Any] = {"machine": machine_facts(), "size": total, "servers": args.servers, "chunk_size": chunk}

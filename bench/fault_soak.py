@@ -1,6 +1,6 @@
 """Fault soak: many seeded fault schedules, each judged by the history checker.
 
-    python -m bench.fault_soak [--seeds 50] [--first 0] [--replicas 2,3] [--duration 20] [--json FILE]
+    python -m stripefs.bench.fault_soak [--seeds 50] [--first 0] [--replicas 2,3] [--duration 20] [--json FILE]
 
 Each seed plays :func:`fsclient.testing.faults.run_schedule` (kill -9, SIGSTOP
 pauses past the failure timeout, restarts, one ``add-server``; faults one at a
@@ -13,7 +13,7 @@ failed seed's cluster directory is kept for its logs.
 Caveats:
     * Each seed takes ``--duration`` plus the time to heal (~30-60 s in all on
       2 cores); 50 seeds take about half an hour.
-    * Replay a failure with ``python -m fsclient.testing.faults --seed N --replicas R``.
+    * Replay a failure with ``python -m stripefs.fsclient.testing.faults --seed N --replicas R``.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import sys
 import time
 import traceback
 
-from bench._report import write_json
-from fsclient.testing.faults import run_schedule
+from stripefs.bench._report import write_json
+from stripefs.fsclient.testing.faults import run_schedule
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.fault_soak", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m stripefs.bench.fault_soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=50, help="how many seeds")
     p.add_argument("--first", type=int, default=0, help="the first seed")
     p.add_argument("--replicas", default="2,3", help="replication factors, used in turn")

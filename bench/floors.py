@@ -455,8 +455,8 @@ def machine_facts() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m bench.floors --size 1G --streams 4``: measure and print the floors."""
-    ap = argparse.ArgumentParser(prog="python -m bench.floors", description=(__doc__ or "").split("\n")[0])
+    """``python -m stripefs.bench.floors --size 1G --streams 4``: measure and print the floors."""
+    ap = argparse.ArgumentParser(prog="python -m stripefs.bench.floors", description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--size", type=parse_size, default=parse_size("1G"))
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--processes", type=int, default=1)
@@ -487,7 +487,7 @@ if __name__ == "__main__":
     # module name (which would print runpy's "found in sys.modules" warning in every child).
     import sys
 
-    from bench import floors as _package_copy
+    from stripefs.bench import floors as _package_copy
 
     sys.modules["__main__"].__spec__ = None
     _package_copy.main()

@@ -1,6 +1,6 @@
 """``stripefs://`` through fsspec against the native client and a real fsspec peer, in one run.
 
-    python -m bench.fsspec_bench [--quick] [--json FILE] [--no-s3]
+    python -m stripefs.bench.fsspec_bench [--quick] [--json FILE] [--no-s3]
 
 Workloads (each the median of ``--repeat`` runs, on a fresh local 4-server cluster):
 
@@ -35,9 +35,9 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from bench._report import write_json
-from fsclient import testing
-from fsclient.fsspec import StripeFileSystem
+from stripefs.bench._report import write_json
+from stripefs.fsclient import testing
+from stripefs.fsclient.fsspec import StripeFileSystem
 
 SERVERS = 4
 

@@ -11,7 +11,7 @@ One run measures, on this machine and in the same run (these VMs are noisy: only
   method -> ratios stripefs/peer (target >= 2). A peer that cannot start is
   reported as skipped with the reason, never faked.
 
-Run as root (drop_caches, mounts): ``python -m bench.fuse_bench --size-mb 1024 --json out.json``.
+Run as root (drop_caches, mounts): ``python -m stripefs.bench.fuse_bench --size-mb 1024 --json out.json``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from bench._report import write_json
+from stripefs.bench._report import write_json
 
 GiB = 1 << 30
 
@@ -74,7 +74,7 @@ def dd_pair(results: list[dict[str, Any]], directory: str, path: str, mb: int) -
 
 
 def native_pair(results: list[dict[str, Any]], cluster_file: str, mb: int) -> dict[str, float]:
-    from fsclient import Client
+    from stripefs.fsclient import Client
 
     with Client(cluster_file) as c:
         buf = mmap.mmap(-1, 16 << 20)
@@ -142,8 +142,8 @@ def torch_pair(results: list[dict[str, Any]], mnt: str, local: str, mb: int) -> 
 
 # -- main ----------------------------------------------------------------------------------
 def run(mb: int, peers: bool, torch_mb: int, fio_seconds: int) -> list[dict[str, Any]]:
-    from fsclient import testing
-    from fsclient.fuse import main as fuse_main
+    from stripefs.fsclient import testing
+    from stripefs.fsclient.fuse import main as fuse_main
 
     results: list[dict[str, Any]] = []
     scratch = tempfile.mkdtemp(prefix="stripefs-fusebench-", dir=os.environ.get("BENCH_DIR", "/var/tmp"))

@@ -1,4 +1,4 @@
-"""``python -m bench.gpu_staging``: CUDA tensors through checkpoint staging, on a GPU machine.
+"""``python -m stripefs.bench.gpu_staging``: CUDA tensors through checkpoint staging, on a GPU machine.
 
 Starts a 4-server loopback cluster, saves a state dict of CUDA tensors (fp32, bf16, a tied
 view, a non-contiguous tensor, int8, a host tensor and a plain value) three times, and
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-import staging
-from fsclient.testing import LocalCluster
+from stripefs import staging
+from stripefs.fsclient.testing import LocalCluster
 
 
 def _state(mib: int) -> dict[str, Any]:
@@ -94,7 +94,7 @@ def run(mib: int, root: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_staging", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m stripefs.bench.gpu_staging", description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=int, default=256, help="size of the largest CUDA tensor (MiB of fp32)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():

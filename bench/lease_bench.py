@@ -1,6 +1,6 @@
 """What attribute leases buy and cost, measured in one run on a fresh local cluster.
 
-    python -m bench.lease_bench [--files 300] [--servers 2] [--metadata-sync full] [--json FILE]
+    python -m stripefs.bench.lease_bench [--files 300] [--servers 2] [--metadata-sync full] [--json FILE]
 
 * ``stat`` p50 of paths already stat'ed once: with leases (answered from the client's
   cache) and without (``Client(leases=False)``: a metadata round trip each);
@@ -22,7 +22,7 @@ import tempfile
 import time
 from typing import Any
 
-from bench._report import write_json
+from stripefs.bench._report import write_json
 
 
 def _p50_us(lat: list[float]) -> float:
@@ -49,7 +49,7 @@ def _timed(op: Any, paths: list[str]) -> dict[str, float]:
 
 
 def _holder(cluster_file: str, paths: list[str], leases: bool, ready: Any, done: Any) -> None:
-    import fsclient
+    from stripefs import fsclient
 
     with fsclient.Client(cluster_file, leases=leases) as c:
         _watching(c, leases)
@@ -60,7 +60,7 @@ def _holder(cluster_file: str, paths: list[str], leases: bool, ready: Any, done:
 
 
 def restat(cluster_file: str, paths: list[str], leases: bool) -> dict[str, float]:
-    import fsclient
+    from stripefs import fsclient
 
     with fsclient.Client(cluster_file, leases=leases) as c:
         _watching(c, leases)
@@ -70,7 +70,7 @@ def restat(cluster_file: str, paths: list[str], leases: bool) -> dict[str, float
 
 
 def unlink_under_holder(cluster_file: str, d: str, files: int, leases: bool) -> dict[str, float]:
-    import fsclient
+    from stripefs import fsclient
 
     paths = [f"{d}/f{k:05d}" for k in range(files)]
     ctx = mp.get_context("spawn")
@@ -90,14 +90,14 @@ def unlink_under_holder(cluster_file: str, d: str, files: int, leases: bool) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.lease_bench")
+    p = argparse.ArgumentParser(prog="python -m stripefs.bench.lease_bench")
     p.add_argument("--files", type=int, default=300)
     p.add_argument("--servers", type=int, default=2)
     p.add_argument("--metadata-sync", choices=["full", "normal"], default="full")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    import fsclient
-    from fsclient import testing
+    from stripefs import fsclient
+    from stripefs.fsclient import testing
 
     root = tempfile.mkdtemp(prefix="stripefs-leases-")
     results: dict[str, Any] = {"files": args.files, "servers": args.servers, "metadata_sync": args.metadata_sync}

@@ -1,7 +1,7 @@
 """Bounded load: many client processes writing at once to ONE storage server with a small
 payload budget.
 
-    python -m bench.load_bench [--clients 64] [--size-mb 4] [--budget-mb 8] [--busy-after 0.2] [--json FILE]
+    python -m stripefs.bench.load_bench [--clients 64] [--size-mb 4] [--budget-mb 8] [--busy-after 0.2] [--json FILE]
 
 Each client process opens its own ``fsclient.Client`` and writes one file of
 ``--size-mb``; the storage server holds at most ``--budget-mb`` of write payloads
@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 # The storage servers a cluster starts read their load bounds from the environment.
-from storage.__main__ import BUDGET_ENV, BUSY_AFTER_ENV
+from stripefs.storage.__main__ import BUDGET_ENV, BUSY_AFTER_ENV
 
 
 def pattern(i: int, n: int) -> bytes:
@@ -43,7 +43,7 @@ def pattern(i: int, n: int) -> bytes:
 
 
 def _writer(cluster_file: str, i: int, n: int, q: Any, go: Any) -> None:
-    import fsclient
+    from stripefs import fsclient
 
     data = pattern(i, n)
     try:
@@ -78,7 +78,7 @@ def run(root: str, *, clients: int = 64, size: int = 4 << 20, budget: int = 8 <<
     The cluster is stopped before returning. ``ok`` is true when the server is alive,
     every client finished in ``timeout`` seconds, and every file reads back exactly.
     """
-    from fsclient.testing import LocalCluster
+    from stripefs.fsclient.testing import LocalCluster
 
     saved = {k: os.environ.get(k) for k in (BUDGET_ENV, BUSY_AFTER_ENV)}
     os.environ[BUDGET_ENV], os.environ[BUSY_AFTER_ENV] = str(budget), str(busy_after)
@@ -155,7 +155,7 @@ def run(root: str, *, clients: int = 64, size: int = 4 << 20, budget: int = 8 <<
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.load_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m stripefs.bench.load_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, default=64, help="client processes")
     p.add_argument("--size-mb", type=float, default=4, help="MiB each client writes")
     p.add_argument("--budget-mb", type=float, default=8, help="the storage server's payload budget, MiB")

@@ -1,6 +1,6 @@
 """Metadata throughput: creates/s and stats/s by store and number of metadata services.
 
-    python -m bench.metadata_scale [--seconds 3] [--clients 2,8] [--services 1,2,3] [--json FILE]
+    python -m stripefs.bench.metadata_scale [--seconds 3] [--clients 2,8] [--services 1,2,3] [--json FILE]
 
 One run measures, on local clusters started for it (one storage server: files stay
 empty, only metadata moves):
@@ -35,14 +35,14 @@ import tempfile
 import time
 from typing import Any
 
-from bench._report import write_json
-from bench.floors import machine_facts
+from stripefs.bench._report import write_json
+from stripefs.bench.floors import machine_facts
 
 
 def _client(cluster_file: str, index: int, seconds: float, barrier: Any, out: Any) -> None:
     """One client process: creates for ``seconds``, then stats for ``seconds``."""
-    from fsclient import Client
-    from wire import messages as m
+    from stripefs.fsclient import Client
+    from stripefs.wire import messages as m
 
     with Client(cluster_file) as fs:
         d = f"/bench-{os.getpid()}-{index}"
@@ -64,7 +64,7 @@ def _client(cluster_file: str, index: int, seconds: float, barrier: Any, out: An
 
 def measure(store: str, services: int, clients: int, seconds: float) -> dict[str, Any]:
     """Start a cluster, run ``clients`` processes against it, stop it; one result row."""
-    from fsclient.testing import LocalCluster, LocalPostgres, down
+    from stripefs.fsclient.testing import LocalCluster, LocalPostgres, down
 
     root = tempfile.mkdtemp(prefix="stripefs-mdscale-")
     try:
@@ -88,7 +88,7 @@ def measure(store: str, services: int, clients: int, seconds: float) -> dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.metadata_scale", description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m stripefs.bench.metadata_scale", description=(__doc__ or "").split("\n")[0])
     p.add_argument("--seconds", type=float, default=3.0, help="length of each timed window")
     p.add_argument("--clients", default="2,8", help="client process counts, comma-separated")
     p.add_argument("--services", default="1,2,3", help="PostgreSQL metadata service counts, comma-separated")

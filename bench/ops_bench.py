@@ -1,6 +1,6 @@
 """Small operations against the request-path floor, measured in one run.
 
-    python -m bench.ops_bench [--clients 2] [--files 500] [--servers 2] [--reads 2000]
+    python -m stripefs.bench.ops_bench [--clients 2] [--files 500] [--servers 2] [--reads 2000]
                               [--metadata-sync full,normal] [--json FILE]
 
 Measures, on a fresh local cluster:
@@ -33,7 +33,7 @@ import tempfile
 import time
 from typing import Any
 
-from bench._report import write_json
+from stripefs.bench._report import write_json
 
 PHASES = ("create", "stat", "readdir", "unlink")
 
@@ -88,8 +88,8 @@ def echo_floor(n: int) -> dict[str, float]:
 # -- pings through the client connection ----------------------------------------------------------
 
 def ping_latency(cluster_file: str, n: int) -> dict[str, float]:
-    import fsclient
-    from wire import _messages as m
+    from stripefs import fsclient
+    from stripefs.wire import _messages as m
 
     out = {}
     with fsclient.Client(cluster_file) as c:
@@ -110,7 +110,7 @@ def ping_latency(cluster_file: str, n: int) -> dict[str, float]:
 # -- metadata phases ------------------------------------------------------------------------------
 
 def _meta_client(cluster_file: str, index: int, files: int, barrier: Any, q: Any, attr_timeout: float = 0.0) -> None:
-    import fsclient
+    from stripefs import fsclient
 
     d = f"/ops/c{index}"
     names = [f"{d}/f{k:06d}" for k in range(files)]
@@ -195,7 +195,7 @@ def metadata_phases(cluster_file: str, server_pids: list[int], clients: int, fil
 def random_reads(cluster_file: str, n: int, size: int = 64 << 20) -> dict[str, float]:
     import mmap
 
-    import fsclient
+    from stripefs import fsclient
 
     rng = random.Random(7)
     with fsclient.Client(cluster_file) as c:
@@ -214,7 +214,7 @@ def random_reads(cluster_file: str, n: int, size: int = 64 << 20) -> dict[str, f
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.ops_bench")
+    p = argparse.ArgumentParser(prog="python -m stripefs.bench.ops_bench")
     p.add_argument("--clients", type=int, default=2)
     p.add_argument("--files", type=int, default=500)
     p.add_argument("--servers", type=int, default=2)
@@ -224,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="durability settings of the metadata store to measure, comma-separated: full, normal")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    import fsclient
-    from fsclient import testing
+    from stripefs import fsclient
+    from stripefs.fsclient import testing
 
     syncs = [x.strip() for x in args.metadata_sync.split(",") if x.strip()]
     if not syncs or any(x not in ("full", "normal") for x in syncs):

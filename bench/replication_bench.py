@@ -1,6 +1,6 @@
 """Chain replication: its cost, failover, resync, measured in one run on 3 local servers.
 
-    python -m bench.replication_bench [--size 512M] [--servers 3] [--chunk-size 4M] [--json FILE]
+    python -m stripefs.bench.replication_bench [--size 512M] [--servers 3] [--chunk-size 4M] [--json FILE]
 
 Measures (1) sequential write and read of one file (native client, one process,
 page-aligned reused buffers) with R = 1, 2, 3, as GB/s and as a ratio to R = 1;
@@ -38,9 +38,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from bench._report import write_json
-from bench.floors import machine_facts, parse_size
-from wire import ServerInfo
+from stripefs.bench._report import write_json
+from stripefs.bench.floors import machine_facts, parse_size
+from stripefs.wire import ServerInfo
 
 MiB = 1 << 20
 STAMP = struct.Struct("!QQ")  # (file tag, MiB index) at the start of every MiB
@@ -158,7 +158,7 @@ def missed_bytes(c: Any, paths: list[str], sid: int) -> tuple[int, int]:
 
 def cost_of_replication(root: str, args: argparse.Namespace, src: mmap.mmap, dst: mmap.mmap) -> list[dict[str, Any]]:
     """Phase 1: one file written and read 3 times with R = 1, 2, 3."""
-    from fsclient import Client, testing
+    from stripefs.fsclient import Client, testing
 
     out: list[dict[str, Any]] = []
     for r in (1, 2, 3):
@@ -190,7 +190,7 @@ def cost_of_replication(root: str, args: argparse.Namespace, src: mmap.mmap, dst
 
 def failures(root: str, args: argparse.Namespace, src: mmap.mmap, src2: mmap.mmap) -> list[dict[str, Any]]:
     """Phases 2-4 on one R = 2 cluster: failover, degraded writes and reads, resync."""
-    from fsclient import Client, testing
+    from stripefs.fsclient import Client, testing
 
     kw = dict(servers=args.servers, replicas=2, chunk_size=args.chunk_size)
     croot, n, chunk = os.path.join(root, "r2-fail"), args.servers, args.chunk_size
@@ -300,7 +300,7 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.replication_bench", description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m stripefs.bench.replication_bench", description=(__doc__ or "").split("\n")[0])
     p.add_argument("--size", type=parse_size, default=parse_size("512M"), help="file size for phases 1 and 4")
     p.add_argument("--resync-size", type=parse_size, default=None, help="bytes written while a server is down (default --size)")
     p.add_argument("--servers", type=int, default=3)

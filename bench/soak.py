@@ -1,7 +1,7 @@
 """Soak the write path: the differential exerciser for minutes, over every route.
 
-    python -m bench.soak --minutes 10                  # native and FUSE, new seeds until time is up
-    python -m bench.soak --minutes 2 --routes native --first-seed 1000
+    python -m stripefs.bench.soak --minutes 10                  # native and FUSE, new seeds until time is up
+    python -m stripefs.bench.soak --minutes 2 --routes native --first-seed 1000
 
 Starts a local cluster (256 KiB chunks, so small files still stripe over every
 server), mounts it when FUSE is usable, and runs seeded operation sequences
@@ -22,9 +22,9 @@ import tempfile
 import time
 from typing import Any
 
-from bench._report import write_json
-from fsclient.testing import LocalCluster
-from fsclient.testing.differential import (
+from stripefs.bench._report import write_json
+from stripefs.fsclient.testing import LocalCluster
+from stripefs.fsclient.testing.differential import (
     Divergence,
     LocalRoute,
     MountRoute,
@@ -55,7 +55,7 @@ def soak(minutes: float, routes: list[str], first_seed: int, servers: int) -> di
                 window = f.window
             if "fuse" in routes:
                 os.makedirs(mnt)
-                subprocess.run([sys.executable, "-m", "fsclient.fuse", "mount", mnt, "--cluster", cluster.file],
+                subprocess.run([sys.executable, "-m", "stripefs.fsclient.fuse", "mount", mnt, "--cluster", cluster.file],
                                check=True)
                 mounted = True
             made = {"native": lambda: NativeRoute((a, b), "/soak"), "fuse": lambda: MountRoute(mnt + "/soak", a, "/soak")}
@@ -77,7 +77,7 @@ def soak(minutes: float, routes: list[str], first_seed: int, servers: int) -> di
                 seed += 1
     finally:
         if mounted:
-            subprocess.run([sys.executable, "-m", "fsclient.fuse", "umount", mnt], capture_output=True)
+            subprocess.run([sys.executable, "-m", "stripefs.fsclient.fuse", "umount", mnt], capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
     for st in stats.values():
         st["ops_per_s"] = round(st["ops"] / st["seconds"], 1) if st["seconds"] else 0.0
@@ -85,7 +85,7 @@ def soak(minutes: float, routes: list[str], first_seed: int, servers: int) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m stripefs.bench.soak", description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--routes", default="native,fuse", help="comma separated: native, fuse")
     p.add_argument("--first-seed", type=int, default=1000, help="seeds below 1000 are what make test runs")

@@ -1,6 +1,6 @@
 """Checkpoint staging benchmark: staging.save/load and the DCP bridge against floors and peers, one run.
 
-    python -m bench.staging_bench [--size-gb 2] [--json FILE] [--cluster C] [--only durable,load]
+    python -m stripefs.bench.staging_bench [--size-gb 2] [--json FILE] [--cluster C] [--only durable,load]
 
 Starts a private 4-server cluster unless ``--cluster`` is given. Every figure
 is a median of ``--repeat`` runs and is reported with the floor or peer
@@ -27,9 +27,9 @@ from typing import Any, Callable
 
 import torch
 
-import staging
-from bench._report import write_json
-from fsclient import Client, testing
+from stripefs import staging
+from stripefs.bench._report import write_json
+from stripefs.fsclient import Client, testing
 
 SECTIONS = ("blocking", "durable", "load", "dcp", "train")
 
@@ -224,7 +224,7 @@ def durable_bench(sd: dict[str, Any], args: Any, client: Client, sdir: str, url:
 def load_bench(sd: dict[str, Any], args: Any, client: Client, sdir: str, scratch: str, last: str,
                rec: Callable[..., None]) -> None:
     """staging.load from the store vs the loopback socket floor (same bytes, same run) and torch.load."""
-    from bench.floors import floor_socket
+    from stripefs.bench.floors import floor_socket
 
     size = nbytes(sd)
     floor: list[float] = []

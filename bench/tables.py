@@ -1,7 +1,7 @@
 """Markdown tables from a ``stripefs bench --json`` file: one side-by-side table per workload.
 
-    python -m bench.tables out.json [--clients N] [--servers M] > tables.md
-    python -m bench.tables sweep.json --sweep      # seed workloads across client counts
+    python -m stripefs.bench.tables out.json [--clients N] [--servers M] > tables.md
+    python -m stripefs.bench.tables sweep.json --sweep      # seed workloads across client counts
 
 Each table has one row per route (stripefs routes, the local disk, the peers) with the
 workload's headline figure, its latency, and the ratios that make runs on noisy machines
@@ -126,7 +126,7 @@ def sweep_table(report: dict[str, Any], workloads: tuple[str, ...] = ("dataloade
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.tables", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m stripefs.bench.tables", description=__doc__.split("\n")[0])
     ap.add_argument("json", help="a stripefs bench --json file")
     ap.add_argument("--clients", type=int, help="client count to tabulate (default: the first)")
     ap.add_argument("--servers", type=int, help="stripefs server count (default: the first)")

@@ -1,6 +1,6 @@
 """CPU cost of the wire codec per message, against msgpack alone, measured in one run.
 
-    python -m bench.wire_bench [--rounds N] [--min-time S] [--json FILE | --json -]
+    python -m stripefs.bench.wire_bench [--rounds N] [--min-time S] [--json FILE | --json -]
 
 For each common message (requests as the service receives them, replies as the
 client receives them) it times, in microseconds per operation:
@@ -32,9 +32,9 @@ from typing import Any, Callable
 
 import msgpack
 
-import wire
-from bench._report import write_json
-from wire import messages as m
+from stripefs import wire
+from stripefs.bench._report import write_json
+from stripefs.wire import messages as m
 
 _LAYOUT = wire.Layout(4 << 20, (3, 1, 2, 7))
 _FILE = wire.Attr(12345, 0o100644, 1, 1000, 1000, 1 << 20, 1_700_000_000_000_000_000, 1_700_000_000_000_000_001,
@@ -208,7 +208,7 @@ def run(rounds: int = 5, min_time: float = 0.2) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.wire_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m stripefs.bench.wire_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5, help="rounds per figure; the best is kept (default 5)")
     p.add_argument("--min-time", type=float, default=0.2, help="seconds per round (default 0.2)")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON ('-' for stdout only)")

@@ -1,4 +1,4 @@
-"""``python -m metadata``: run the metadata service (``stripefs up`` starts it for you)."""
+"""``python -m stripefs.metadata``: run the metadata service (``stripefs up`` starts it for you)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 
 import trio
 
-from wire import StripefsError
+from stripefs.wire import StripefsError
 
 from ._leasetable import LEASE_TTL
 from ._server import serve_metadata
@@ -35,7 +35,7 @@ async def _main(args: argparse.Namespace, secret: str, cluster_id: str, raw: dic
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m metadata")
+    p = argparse.ArgumentParser(prog="python -m stripefs.metadata")
     p.add_argument("--state", required=True, help="directory for the namespace database")
     p.add_argument("--cluster", required=True, help="cluster.json or secret file holding the secret")
     p.add_argument("--host", default="127.0.0.1")

@@ -25,7 +25,7 @@ from typing import Any
 
 import trio
 
-from wire import (
+from stripefs.wire import (
     NEED_DATA,
     ClientConnection,
     ConnectionClosed,
@@ -37,7 +37,7 @@ from wire import (
     StripefsError,
     role_credential,
 )
-from wire import (
+from stripefs.wire import (
     messages as m,
 )
 

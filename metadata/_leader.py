@@ -34,7 +34,7 @@ from typing import Any
 
 import trio
 
-from wire import ErrorCode, StripefsError
+from stripefs.wire import ErrorCode, StripefsError
 
 from ._leases import Leases
 from ._store import LockRow, Store

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import time
 
-from wire._errors import ErrorCode, StripefsError
-from wire._types import MAX_PATH
+from stripefs.wire._errors import ErrorCode, StripefsError
+from stripefs.wire._types import MAX_PATH
 
 from ._store import LockRow, Store
 

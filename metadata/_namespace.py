@@ -28,8 +28,8 @@ import stat
 import time
 from collections.abc import Callable
 
-from wire._errors import ErrorCode, StripefsError
-from wire._types import (MAX_CHUNK, MAX_FILE_SIZE, MAX_PATH, MAX_STRIPE, MAX_XATTR_NAME, MAX_XATTR_TOTAL,
+from stripefs.wire._errors import ErrorCode, StripefsError
+from stripefs.wire._types import (MAX_CHUNK, MAX_FILE_SIZE, MAX_PATH, MAX_STRIPE, MAX_XATTR_NAME, MAX_XATTR_TOTAL,
                          MAX_XATTR_VALUE, MIN_CHUNK, XATTR_NAMESPACES, Attr, DirEntry, Layout, validate_name)
 
 from ._store import DirRow, GarbageItem, Store, Txn

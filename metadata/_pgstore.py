@@ -22,7 +22,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from wire._errors import ErrorCode, StripefsError
+from stripefs.wire._errors import ErrorCode, StripefsError
 
 from ._store import _SCHEMA, SCHEMA_VERSION, SqlTxn, Store, Txn, check_schema_version
 

@@ -36,9 +36,9 @@ from typing import Any, Callable
 
 import trio
 
-from rpc import ServerConn, Service, TrioPool, serve_rpc
-from wire import Attr, DirEntry, ErrorCode, FrameHead, Message, ReplyMessage, Routing, ServerInfo, StripefsError, role_credential
-from wire import messages as m
+from stripefs.rpc import ServerConn, Service, TrioPool, serve_rpc
+from stripefs.wire import Attr, DirEntry, ErrorCode, FrameHead, Message, ReplyMessage, Routing, ServerInfo, StripefsError, role_credential
+from stripefs.wire import messages as m
 
 from ._leader import Leadership
 from ._admission import MAX_SERVER_ID, NOT_YET, connect_back, same_token, token_hash, validate

@@ -45,9 +45,9 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from wire._errors import ErrorCode, StripefsError
-from wire._build import positional_builder
-from wire._types import Attr, DirEntry, Layout
+from stripefs.wire._errors import ErrorCode, StripefsError
+from stripefs.wire._build import positional_builder
+from stripefs.wire._types import Attr, DirEntry, Layout
 
 __all__ = ["DirRow", "GarbageItem", "Txn", "Store", "MemoryStore", "SqliteStore"]
 

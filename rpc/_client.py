@@ -35,8 +35,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import wire
-from wire import (
+from stripefs import wire
+from stripefs.wire import (
     ClientConnection,
     ConnectionClosed,
     ConnState,

@@ -32,7 +32,7 @@ import weakref
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Generic, Hashable, Iterator, TypeVar
 
-import wire
+from stripefs import wire
 
 from ._client import Connection
 from ._trio_client import CALL_TIMEOUT, TrioConnection

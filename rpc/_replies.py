@@ -27,8 +27,8 @@ from typing import Any
 
 import trio
 
-import wire
-from wire import NEED_DATA, ErrorCode, FrameHead, Message, RequestReceived, ServerConnection, StripefsError
+from stripefs import wire
+from stripefs.wire import NEED_DATA, ErrorCode, FrameHead, Message, RequestReceived, ServerConnection, StripefsError
 
 __all__ = ["ConnThread", "ThreadReply", "send_all", "sendfile_all"]
 

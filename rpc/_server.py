@@ -40,8 +40,8 @@ from typing import Any
 
 import trio
 
-import wire
-from wire import (
+from stripefs import wire
+from stripefs.wire import (
     NEED_DATA,
     BadRequest,
     ErrorCode,

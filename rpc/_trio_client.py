@@ -14,8 +14,8 @@ from typing import Any
 
 import trio
 
-import wire
-from wire import (
+from stripefs import wire
+from stripefs.wire import (
     ClientConnection,
     ConnectionClosed,
     ErrorCode,

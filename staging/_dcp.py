@@ -31,7 +31,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
-from fsclient import normpath
+from stripefs.fsclient import normpath
 
 from ._durable import publish_dir
 from ._format import BASE_VERSION, FORMAT, MANIFEST, ChecksumError, chunk_crcs, manifest_bytes, parse_manifest

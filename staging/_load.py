@@ -21,7 +21,7 @@ from typing import Any, Callable
 import crc32c
 import torch
 
-from fsclient import normpath
+from stripefs.fsclient import normpath
 
 from ._format import MANIFEST, ChecksumError, decode_tree, dtype_from_name, parse_manifest
 from ._journal import Journal

@@ -41,8 +41,8 @@ from typing import Any, Callable
 
 import crc32c
 
-from fsclient import Client, normpath
-from wire import ErrorCode, StripefsError
+from stripefs.fsclient import Client, normpath
+from stripefs.wire import ErrorCode, StripefsError
 
 from ._durable import process_umask
 from ._format import MANIFEST, CheckpointConflict, ChecksumError, parse_manifest

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import crc32c
 
-from fsclient import normpath
+from stripefs.fsclient import normpath
 
 from ._format import CHECK_CHUNK, DEFAULT_SHARD, FORMAT, MANIFEST, chunk_crcs, manifest_bytes, plan_state_dict
 from ._durable import publish_dir

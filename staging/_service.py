@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Callable
 
-from fsclient import normpath
+from stripefs.fsclient import normpath
 
 from ._format import CheckpointConflict, ChecksumError
 from ._journal import CkptRow, Journal

@@ -38,7 +38,7 @@ __all__ = ["CHUNK", "PIECE", "state_for", "save_step", "run_forked", "mover_pass
            "check_latest", "sweep_mover", "sweep_trainer"]
 
 _ctx = multiprocessing.get_context("forkserver")
-_ctx.set_forkserver_preload(["staging", "staging.mover_cli", __name__])
+_ctx.set_forkserver_preload(["stripefs.staging", "stripefs.staging.mover_cli", __name__])
 
 # The checksum chunk is recorded per file in the manifest and the journal, and the mover's
 # piece is a whole number of them: a 256 KiB chunk keeps each of the many runs small.
@@ -66,10 +66,10 @@ def save_step(sdir: str, url: str, step: int, cluster: str, upload: bool, keep_l
     """Save ``state_for(step, files, pieces)`` as the sweep's trainer does; returns once globally
     (or, without ``upload``, locally) durable, when the standalone mover can take the checkpoint.
     ``keep_local=0`` streams the upload from memory and writes nothing locally."""
-    import staging
-    import staging._save
+    from stripefs import staging
+    from stripefs.staging import _save
 
-    staging._save.CHECK_CHUNK = CHUNK  # only ever in a forked child: the caller keeps 4 MiB
+    _save.CHECK_CHUNK = CHUNK  # only ever in a forked child: the caller keeps 4 MiB
     h = staging.save(state_for(step, files, pieces), url, staging_dir=sdir, cluster=cluster, upload=upload,
                      background_mover=False, keep_local=keep_local, shard_bytes=SHARD,
                      options=staging.MoverOptions(cluster=cluster, piece=PIECE, concurrency=1))
@@ -166,7 +166,7 @@ def check_latest(cluster: str, prefix: str, want_step: int, when: str, files: in
     Raises:
         AssertionError: naming ``when``.
     """
-    import staging
+    from stripefs import staging
 
     try:
         url = staging.latest(f"stripefs:/{prefix}", cluster=cluster)

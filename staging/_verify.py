@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 import crc32c
 
-from wire import CRC_BLOCK, messages as m
+from stripefs.wire import CRC_BLOCK, messages as m
 
 from ._journal import FileRow
 

@@ -1,4 +1,4 @@
-"""``python -m storage``: run one storage server (``stripefs up`` starts them for you)."""
+"""``python -m stripefs.storage``: run one storage server (``stripefs up`` starts them for you)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 
 import trio
 
-from rpc import BUSY_AFTER, MAX_CLIENT_CONNECTIONS, PAYLOAD_BUDGET
+from stripefs.rpc import BUSY_AFTER, MAX_CLIENT_CONNECTIONS, PAYLOAD_BUDGET
 
 from ._metalink import parse_addresses
 from ._server import serve_storage
@@ -59,7 +59,7 @@ def _seconds(text: str) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m storage")
+    p = argparse.ArgumentParser(prog="python -m stripefs.storage")
     p.add_argument("--root", required=True, help="target directory holding the chunks")
     p.add_argument("--metadata", required=True, help="host:port of the metadata service (several: comma-separated)")
     p.add_argument("--cluster", required=True, help="cluster.json or secret file holding the secret")

@@ -53,7 +53,7 @@ from typing import Any
 
 import crc32c
 
-from wire import CRC_BLOCK, ErrorCode, MAX_CHUNK, StripefsError, segments
+from stripefs.wire import CRC_BLOCK, ErrorCode, MAX_CHUNK, StripefsError, segments
 
 from ._crc import payload_crcs
 

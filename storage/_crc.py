@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import crc32c
 
-from wire import CRC_BLOCK
+from stripefs.wire import CRC_BLOCK
 
 __all__ = ["payload_crcs"]
 

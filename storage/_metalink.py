@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rpc import TrioConnection
-from wire import ErrorCode, Message, StripefsError
+from stripefs.rpc import TrioConnection
+from stripefs.wire import ErrorCode, Message, StripefsError
 
 __all__ = ["MetadataLink", "parse_addresses"]
 

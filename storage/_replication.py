@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, TypeVar
 
 import trio
 
-from rpc import TrioConnection, TrioPool
-from wire import ErrorCode, Message, ReplyMessage, Routing, StripefsError, role_credential
-from wire import messages as m
+from stripefs.rpc import TrioConnection, TrioPool
+from stripefs.wire import ErrorCode, Message, ReplyMessage, Routing, StripefsError, role_credential
+from stripefs.wire import messages as m
 
 from ._chunks import ChunkStore, VersionGap
 

@@ -29,11 +29,11 @@ from typing import Any
 
 import trio
 
-from rpc import (
+from stripefs.rpc import (
     BUSY_AFTER, MAX_CLIENT_CONNECTIONS, PAYLOAD_BUDGET, BufferPool, ServerConn, Service, ThreadReply, serve_rpc,
 )
-from wire import ErrorCode, FrameHead, Message, StripefsError, role_credential
-from wire import messages as m
+from stripefs.wire import ErrorCode, FrameHead, Message, StripefsError, role_credential
+from stripefs.wire import messages as m
 
 from ._chunks import ChunkStore
 from ._metalink import MetadataLink

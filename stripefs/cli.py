@@ -17,17 +17,17 @@ import sys
 import time
 from typing import Any, Callable
 
-from wire import ErrorCode, StripefsError
+from stripefs.wire import ErrorCode, StripefsError
 
-from fsclient import Client, testing
+from stripefs.fsclient import Client, testing
 
 # name -> "module:function" taking (argv) and returning an exit status; loaded lazily so
 # `stripefs ls` does not import torch or pyfuse3.
 EXTRA_COMMANDS: dict[str, tuple[str, str]] = {
-    "mount": ("fsclient.fuse", "Mount the file system with FUSE"),
-    "umount": ("fsclient.fuse", "Unmount a stripefs FUSE mount"),
-    "mover": ("staging.mover_cli", "Run the checkpoint mover for a staging directory"),
-    "bench": ("bench.cli", "Run the throughput benchmark"),
+    "mount": ("stripefs.fsclient.fuse", "Mount the file system with FUSE"),
+    "umount": ("stripefs.fsclient.fuse", "Unmount a stripefs FUSE mount"),
+    "mover": ("stripefs.staging.mover_cli", "Run the checkpoint mover for a staging directory"),
+    "bench": ("stripefs.bench.cli", "Run the throughput benchmark"),
 }
 
 
@@ -47,7 +47,7 @@ def _progress(total: int, desc: str) -> Any:
 
 # -- cluster commands ----------------------------------------------------------------------
 def cmd_up(a: argparse.Namespace) -> int:
-    from bench.floors import parse_size  # the one size parser; lazily, as bench is heavy to import
+    from stripefs.bench.floors import parse_size  # the one size parser; lazily, as bench is heavy to import
 
     c = testing.up(a.root, servers=a.servers, replicas=a.replicas, chunk_size=parse_size(a.chunk_size), stripe=a.stripe,
                    metadata_store=a.metadata_store, postgres_url=a.postgres_url,
@@ -70,7 +70,7 @@ SERVER_FILE = "server.json"  # beside a local cluster's cluster.json: the cluste
 
 def _server_config(a: argparse.Namespace) -> Any:
     """The servers' credential (ROOT/server.json): administration is not a client's to do."""
-    from fsclient.core import ClusterConfig, find_cluster
+    from stripefs.fsclient.core import ClusterConfig, find_cluster
 
     if a.root:
         return ClusterConfig.from_file(os.path.join(a.root, SERVER_FILE))
@@ -86,7 +86,7 @@ def _server_config(a: argparse.Namespace) -> Any:
 
 def _what_is_lost(c: Client, sid: int, chains: list[int]) -> str:
     """Chunks and bytes server ``sid`` holds of ``chains`` (ListChunks, paged; a server's request)."""
-    from wire import messages as m
+    from stripefs.wire import messages as m
 
     count = size = 0
     try:
@@ -106,7 +106,7 @@ def _what_is_lost(c: Client, sid: int, chains: list[int]) -> str:
 
 def cmd_remove_server(a: argparse.Namespace) -> int:
     """Drain a storage server (R >= 2) and remove it for good; with R = 1 only with --force."""
-    from wire import messages as m
+    from stripefs.wire import messages as m
 
     cfg = _server_config(a)
     with Client(cfg) as c:
@@ -155,7 +155,7 @@ def cmd_down(a: argparse.Namespace) -> int:
 
 def _service_roles(services: tuple[tuple[str, int], ...], secret: str) -> list[tuple[str, int, str]]:
     """Each metadata service's role as it says itself: leader, follower or unreachable."""
-    from wire import messages as m
+    from stripefs.wire import messages as m
 
     out = []
     for host, port in services:
@@ -205,7 +205,7 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 def cmd_scrub(a: argparse.Namespace) -> int:
     """Verify every chunk on every serving server; repair bad ones from a replica."""
-    from wire import messages as m
+    from stripefs.wire import messages as m
 
     bad_left = 0
     with Client(a.cluster) as c:
@@ -232,7 +232,7 @@ def cmd_scrub(a: argparse.Namespace) -> int:
 # -- checkpoint commands ------------------------------------------------------------------------
 def cmd_ckpt_verify(a: argparse.Namespace) -> int:
     """Check a committed checkpoint step: manifest checksum, every file's size and CRC32Cs."""
-    import staging  # here, not at the top: torch is imported only by checkpoint commands
+    from stripefs import staging  # here, not at the top: torch is imported only by checkpoint commands
 
     try:
         man = staging.verify(a.url, cluster=a.cluster)

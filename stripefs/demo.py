@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from fsclient import Client, testing
+from stripefs.fsclient import Client, testing
 
 
 def say(msg: str) -> None:
@@ -88,7 +88,7 @@ def demo_checkpoint(cluster_file: str, root: str) -> None:
     try:
         import torch
 
-        import staging
+        from stripefs import staging
 
         staging.save  # noqa: B018 - present once the staging package is built
     except (ImportError, AttributeError) as exc:

@@ -13,8 +13,8 @@ import pytest
 os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="stripefs-test-state-")
 os.environ.pop("STRIPEFS_CLUSTER", None)
 
-from fsclient import Client  # noqa: E402
-from fsclient.testing import LocalCluster  # noqa: E402
+from stripefs.fsclient import Client  # noqa: E402
+from stripefs.fsclient.testing import LocalCluster  # noqa: E402
 
 TEST_CHUNK = 256 * 1024  # small chunks so small test files still stripe over every server
 _counter = itertools.count()

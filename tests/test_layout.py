@@ -6,14 +6,21 @@ Every import is parsed from source, lazy ones included (inside functions, under
 imports and are left out: ``python -m MODULE`` argument lists (a process launch) and the
 body of ``if __name__ == "__main__":`` (the module runs as a script there).
 
-The package order it pins::
+The package order it pins, beneath the one import name ``stripefs``::
 
     wire < rpc < {metadata, storage, fsclient} < staging < bench < stripefs (the CLI)
+
+Each layer keeps its folder at the top of the repository and installs as
+``stripefs.LAYER`` (pyproject's ``package-dir``); the wheel's only top-level name is
+``stripefs``, and no module of ours imports a layer by its bare folder name.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
+import zipfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -21,18 +28,28 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK = {"wire": 0, "rpc": 1, "metadata": 2, "storage": 2, "fsclient": 2, "staging": 3, "bench": 4, "stripefs": 5}
+LAYERS = [pkg for pkg in RANK if pkg != "stripefs"]  # folders that install as stripefs.<folder>
 
 
 def _modules() -> dict[str, Path]:
-    """Every module of ours by dotted name (a package is its ``__init__``)."""
+    """Every module of ours by its installed dotted name (a package is its ``__init__``)."""
     found: dict[str, Path] = {}
     for pkg in RANK:
         for path in (ROOT / pkg).rglob("*.py"):
             parts = list(path.relative_to(ROOT).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
+            if pkg != "stripefs":
+                parts.insert(0, "stripefs")
             found[".".join(parts)] = path
     return found
+
+
+def layer(mod: str) -> str:
+    """The package of the order a module belongs to: ``stripefs.wire._frames`` -> ``wire``;
+    the modules of the ``stripefs`` folder itself (the CLI, the demo) are the top."""
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else "stripefs"
 
 
 MODULES = _modules()
@@ -44,9 +61,13 @@ def _is_main_guard(node: ast.AST) -> bool:
 
 
 def _launch_args(tree: ast.AST) -> set[int]:
-    """ids of string nodes that follow ``"-m"`` in a list or tuple: process launches."""
+    """ids of string nodes that are not imports: those that follow ``"-m"`` in a list or tuple
+    (process launches) and logger names (``logging.getLogger("stripefs.staging")``)."""
     skip: set[int] = set()
     for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "getLogger"
+                and node.args and isinstance(node.args[0], ast.Constant)):
+            skip.add(id(node.args[0]))
         if isinstance(node, (ast.List, ast.Tuple)):
             elts = node.elts
             for a, b in zip(elts, elts[1:]):
@@ -94,17 +115,18 @@ GRAPH = {mod: imports_of(mod) for mod in MODULES}
 
 def test_the_graph_sees_lazy_and_string_imports() -> None:
     # Guards the parser itself: these edges exist and are lazy or by name.
-    assert "staging.mover_cli" in GRAPH["stripefs.cli"]  # the CLI's dispatch table
-    assert "fsclient.fuse._operations" in GRAPH["fsclient.fuse._daemon"]  # inside a function
-    assert "metadata" not in GRAPH["fsclient.testing._cluster"]  # `python -m metadata` is a launch
+    assert "stripefs.staging.mover_cli" in GRAPH["stripefs.cli"]  # the CLI's dispatch table
+    assert "stripefs.fsclient.fuse._operations" in GRAPH["stripefs.fsclient.fuse._daemon"]  # inside a function
+    # `python -m stripefs.metadata` is a launch, not an import
+    assert "stripefs.metadata" not in GRAPH["stripefs.fsclient.testing._cluster"]
 
 
 @pytest.mark.parametrize("pkg", sorted(RANK))
 def test_packages_only_import_downwards(pkg: str) -> None:
     bad = sorted(
         f"{mod} -> {dep}"
-        for mod, deps in GRAPH.items() if mod.split(".")[0] == pkg
-        for dep in deps if dep.split(".")[0] != pkg and RANK[dep.split(".")[0]] >= RANK[pkg]
+        for mod, deps in GRAPH.items() if layer(mod) == pkg
+        for dep in deps if layer(dep) != pkg and RANK[layer(dep)] >= RANK[pkg]
     )
     assert not bad, "imports against the package order:\n" + "\n".join(bad)
 
@@ -159,10 +181,47 @@ def test_package_edges_are_what_the_docs_show() -> None:
     edges: dict[str, set[str]] = defaultdict(set)
     for mod, deps in GRAPH.items():
         for dep in deps:
-            a, b = mod.split(".")[0], dep.split(".")[0]
+            a, b = layer(mod), layer(dep)
             if a != b:
                 edges[a].add(b)
     # Every package depends on at least the one below it that it is built on.
     assert edges["rpc"] == {"wire"}
     assert edges["staging"] <= {"wire", "rpc", "fsclient"}
     assert "stripefs" not in set().union(*edges.values())
+
+
+def _bare_imports(path: Path) -> list[str]:
+    """Imports that name one of our layers by its folder (``import wire``, ``from fsclient
+    import Client``): they work from a checkout and fail where stripefs is installed."""
+    tree = ast.parse(path.read_text(), str(path))
+    bad = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module]
+        bad += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n.split(".")[0] in LAYERS]
+    return bad
+
+
+def test_every_import_of_a_layer_goes_through_stripefs() -> None:
+    files = [p for pkg in [*RANK, "tests"] for p in (ROOT / pkg).rglob("*.py")]
+    bad = [hit for path in files for hit in _bare_imports(path)]
+    assert not bad, "import stripefs.LAYER, not LAYER:\n" + "\n".join(bad)
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_one_top_level_name(tmp_path: Path) -> None:
+    # Build the real wheel and read it: every module of ours is in it, under stripefs/.
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("stripefs-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == {"stripefs"}
+    shipped = {n[: -len(".py")].replace("/", ".").removesuffix(".__init__") for n in names if n.endswith(".py")}
+    assert shipped == set(MODULES), sorted(shipped ^ set(MODULES))
+    entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "stripefs = stripefs.fsclient.fsspec:StripeFileSystem" in entry_points
+    assert "stripefs = stripefs.cli:main" in entry_points

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from fsclient.testing.procs import pause, resume, stopped, while_paused
+from stripefs.fsclient.testing.procs import pause, resume, stopped, while_paused
 
 # Three threads spinning on the CPU besides the main one: a process whose threads are all
 # running when the signal comes, the case in which the others run on for a while.

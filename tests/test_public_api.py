@@ -11,20 +11,21 @@ import importlib
 import pytest
 
 PUBLIC: dict[str, set[str]] = {
-    'wire': {'CRC_BLOCK', 'check_segments', 'segments', 'Attr', 'BadRequest', 'check_proof', 'ClientConnection', 'ConnectionClosed', 'ConnState', 'ErrorReceived', 'Event', 'HandshakeComplete', 'RequestReceived', 'ResponseCancelled', 'ResponseReceived', 'ServerConnection', 'client_proof', 'decode_message', 'decode_reply', 'DirEntry', 'encode_frame', 'encode_prefix', 'error_from_oserror', 'ErrorCode', 'FLAG_ERROR', 'FLAG_RESPONSE', 'Frame', 'FrameDecoder', 'FrameHead', 'Layout', 'MAGIC', 'MAX_CHUNK', 'MAX_FILE_SIZE', 'MAX_HEADER', 'MAX_NAME', 'MAX_PATH', 'MAX_PAYLOAD', 'MAX_STRIPE', 'Message', 'messages', 'MESSAGES', 'MIN_CHUNK', 'NEED_DATA', 'new_nonce', 'new_secret', 'PREFIX', 'ROLES', 'role_credential', 'ReplyMessage', 'Routing', 'server_proof', 'ServerInfo', 'StripefsError', 'validate_name', 'VERSION'},
-    'rpc': {'abandon', 'BUSY_AFTER', 'ByteBudget', 'ClientSlots', 'MAX_CLIENT_CONNECTIONS', 'PAYLOAD_BUDGET', 'aligned', 'BufferPool', 'Connection', 'ConnectionPool', 'ReplayCache', 'ThreadReply', 'TrioPool', 'Reply', 'serve_rpc', 'ServerConn', 'Service', 'TrioConnection', 'tune_socket', 'unavailable'},
-    'metadata': {'MemoryStore', 'MetadataService', 'Namespace', 'RENAME_EXCHANGE', 'RENAME_NOREPLACE', 'serve_metadata', 'SqliteStore'},
-    'storage': {'BLOCK', 'ChunkMeta', 'ChunkStore', 'HEADER_SIZE', 'serve_storage', 'StorageService'},
-    'fsclient': {'AsyncClient', 'Client', 'ClusterConfig', 'find_cluster', 'normpath', 'ROOT_INO', 'StripeFile'},
-    'fsclient.core': {'Lease', 'AsyncClient', 'Client', 'ClusterConfig', 'default_state_file', 'fill_bytes', 'find_cluster', 'mode_flags', 'mounts', 'normpath', 'pid_alive', 'PREFIX', 'remember_cluster', 'ROOT_INO', 'split', 'StripeFile'},
-    'fsclient.fuse': {'FuseConfig', 'main', 'mount', 'mount_record', 'MOUNT_STATE_DIR', 'mount_state_path', 'mounted_fstype', 'MountError', 'StripeOperations', 'umount'},
-    'fsclient.fsspec': {'StripeFileSystem', 'StripeFsFile'},
-    'fsclient.batchread': {'Completion', 'MOUNT_STATE_DIR', 'mount_state_path', 'MountedFile', 'read_batch', 'ReadRing', 'RegisteredFile', 'resolve_mounted', 'SharedBuffer'},
-    'fsclient.batchread.dataset': {'Batch', 'collate_batch', 'IndexDataset', 'loader', 'RecordDataset'},
-    'fsclient.testing': {'LocalPostgres', 'postgres_bin', 'add_server', 'down', 'LocalCluster', 'mark_removed', 'read_cluster', 'up'},
-    'fsclient.testing.differential': {'Divergence', 'LocalRoute', 'MountRoute', 'NativeRoute', 'parse_seeds', 'replay', 'Route', 'run_seed'},
-    'staging': {'CheckpointConflict', 'ChecksumError', 'default_staging_dir', 'latest', 'load', 'Mover', 'MoverOptions', 'read_manifest', 'save', 'SaveHandle', 'StagedStorageReader', 'StagedStorageWriter', 'verify'},
-    'bench': {'aggregate', 'BenchConfig', 'run_bench'},
+    'stripefs': {'AsyncClient', 'Client', 'ClusterConfig', 'find_cluster', 'StripeFile'},
+    'stripefs.wire': {'CRC_BLOCK', 'check_segments', 'segments', 'Attr', 'BadRequest', 'check_proof', 'ClientConnection', 'ConnectionClosed', 'ConnState', 'ErrorReceived', 'Event', 'HandshakeComplete', 'RequestReceived', 'ResponseCancelled', 'ResponseReceived', 'ServerConnection', 'client_proof', 'decode_message', 'decode_reply', 'DirEntry', 'encode_frame', 'encode_prefix', 'error_from_oserror', 'ErrorCode', 'FLAG_ERROR', 'FLAG_RESPONSE', 'Frame', 'FrameDecoder', 'FrameHead', 'Layout', 'MAGIC', 'MAX_CHUNK', 'MAX_FILE_SIZE', 'MAX_HEADER', 'MAX_NAME', 'MAX_PATH', 'MAX_PAYLOAD', 'MAX_STRIPE', 'Message', 'messages', 'MESSAGES', 'MIN_CHUNK', 'NEED_DATA', 'new_nonce', 'new_secret', 'PREFIX', 'ROLES', 'role_credential', 'ReplyMessage', 'Routing', 'server_proof', 'ServerInfo', 'StripefsError', 'validate_name', 'VERSION'},
+    'stripefs.rpc': {'abandon', 'BUSY_AFTER', 'ByteBudget', 'ClientSlots', 'MAX_CLIENT_CONNECTIONS', 'PAYLOAD_BUDGET', 'aligned', 'BufferPool', 'Connection', 'ConnectionPool', 'ReplayCache', 'ThreadReply', 'TrioPool', 'Reply', 'serve_rpc', 'ServerConn', 'Service', 'TrioConnection', 'tune_socket', 'unavailable'},
+    'stripefs.metadata': {'MemoryStore', 'MetadataService', 'Namespace', 'RENAME_EXCHANGE', 'RENAME_NOREPLACE', 'serve_metadata', 'SqliteStore'},
+    'stripefs.storage': {'BLOCK', 'ChunkMeta', 'ChunkStore', 'HEADER_SIZE', 'serve_storage', 'StorageService'},
+    'stripefs.fsclient': {'AsyncClient', 'Client', 'ClusterConfig', 'find_cluster', 'normpath', 'ROOT_INO', 'StripeFile'},
+    'stripefs.fsclient.core': {'Lease', 'AsyncClient', 'Client', 'ClusterConfig', 'default_state_file', 'fill_bytes', 'find_cluster', 'mode_flags', 'mounts', 'normpath', 'pid_alive', 'PREFIX', 'remember_cluster', 'ROOT_INO', 'split', 'StripeFile'},
+    'stripefs.fsclient.fuse': {'FuseConfig', 'main', 'mount', 'mount_record', 'MOUNT_STATE_DIR', 'mount_state_path', 'mounted_fstype', 'MountError', 'StripeOperations', 'umount'},
+    'stripefs.fsclient.fsspec': {'StripeFileSystem', 'StripeFsFile'},
+    'stripefs.fsclient.batchread': {'Completion', 'MOUNT_STATE_DIR', 'mount_state_path', 'MountedFile', 'read_batch', 'ReadRing', 'RegisteredFile', 'resolve_mounted', 'SharedBuffer'},
+    'stripefs.fsclient.batchread.dataset': {'Batch', 'collate_batch', 'IndexDataset', 'loader', 'RecordDataset'},
+    'stripefs.fsclient.testing': {'LocalPostgres', 'postgres_bin', 'add_server', 'down', 'LocalCluster', 'mark_removed', 'read_cluster', 'up'},
+    'stripefs.fsclient.testing.differential': {'Divergence', 'LocalRoute', 'MountRoute', 'NativeRoute', 'parse_seeds', 'replay', 'Route', 'run_seed'},
+    'stripefs.staging': {'CheckpointConflict', 'ChecksumError', 'default_staging_dir', 'latest', 'load', 'Mover', 'MoverOptions', 'read_manifest', 'save', 'SaveHandle', 'StagedStorageReader', 'StagedStorageWriter', 'verify'},
+    'stripefs.bench': {'aggregate', 'BenchConfig', 'run_bench'},
 }
 
 
@@ -43,7 +44,7 @@ def test_fsspec_entry_point() -> None:
     import fsspec
 
     cls = fsspec.get_filesystem_class("stripefs")
-    assert cls.__module__.startswith("fsclient.fsspec")
+    assert cls.__module__.startswith("stripefs.fsclient.fsspec")
     assert cls.__name__ == "StripeFileSystem" and "stripefs" in (cls.protocol if isinstance(cls.protocol, tuple) else (cls.protocol,))
 
 

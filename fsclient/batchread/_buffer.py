@@ -22,7 +22,7 @@ import os
 from multiprocessing import shared_memory
 from typing import Any
 
-from wire import ErrorCode, StripefsError
+from stripefs.wire import ErrorCode, StripefsError
 
 __all__ = ["SharedBuffer"]
 

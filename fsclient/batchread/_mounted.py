@@ -15,7 +15,7 @@ import os
 import posixpath
 from dataclasses import dataclass
 
-from wire import ErrorCode, StripefsError
+from stripefs.wire import ErrorCode, StripefsError
 
 from ..core import mounts, pid_alive
 from ..fuse._mounts import mount_state_path, record_path

@@ -33,14 +33,14 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from rpc import abandon
-from wire import Attr, ErrorCode, Layout, StripefsError, check_segments, messages as m
+from stripefs.rpc import abandon
+from stripefs.wire import Attr, ErrorCode, Layout, StripefsError, check_segments, messages as m
 
 from ..core import ClusterConfig, split
 from ._mounted import resolve_mounted
 
 if TYPE_CHECKING:
-    from rpc import Reply
+    from stripefs.rpc import Reply
 
     from ..core import Client
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from wire import ErrorCode, StripefsError
+from stripefs.wire import ErrorCode, StripefsError
 
 from ..core import Client, ClusterConfig, find_cluster
 from ._ring import ReadRing, RegisteredFile

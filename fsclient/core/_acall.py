@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
-from rpc import Reply, abandon
-from wire import ErrorCode, Layout, Message, ReplyMessage, StripefsError, messages as m
+from stripefs.rpc import Reply, abandon
+from stripefs.wire import ErrorCode, Layout, Message, ReplyMessage, StripefsError, messages as m
 
 from ._core import _RETRIED, REQUEST_TIMEOUT, MetaRetry
 

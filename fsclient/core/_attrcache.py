@@ -31,9 +31,9 @@ import threading
 import time
 from typing import Any
 
-from rpc import Connection
-from wire import Attr, ErrorCode, Message, StripefsError
-from wire import messages as m
+from stripefs.rpc import Connection
+from stripefs.wire import Attr, ErrorCode, Message, StripefsError
+from stripefs.wire import messages as m
 
 log = logging.getLogger(__name__)
 

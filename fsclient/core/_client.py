@@ -26,8 +26,8 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import trio
 
-from rpc import BufferPool, Connection
-from wire import MAX_PATH, Attr, DirEntry, ErrorCode, Layout, Message, ReplyMessage, Routing, StripefsError, messages as m
+from stripefs.rpc import BufferPool, Connection
+from stripefs.wire import MAX_PATH, Attr, DirEntry, ErrorCode, Layout, Message, ReplyMessage, Routing, StripefsError, messages as m
 
 from ._config import ClusterConfig, find_cluster
 from ._acall import acall, aread_into

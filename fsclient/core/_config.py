@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from wire import ErrorCode, StripefsError, role_credential
+from stripefs.wire import ErrorCode, StripefsError, role_credential
 
 __all__ = ["ClusterConfig", "find_cluster", "default_state_file", "remember_cluster"]
 

@@ -38,8 +38,8 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import crc32c
 
-from rpc import BufferPool, Connection, ConnectionPool, Reply, abandon
-from wire import Attr, ErrorCode, Layout, Message, ReplyMessage, Routing, StripefsError, check_segments, messages as m
+from stripefs.rpc import BufferPool, Connection, ConnectionPool, Reply, abandon
+from stripefs.wire import Attr, ErrorCode, Layout, Message, ReplyMessage, Routing, StripefsError, check_segments, messages as m
 
 from ._attrcache import AttrCache, LeaseWatch
 from ._config import ClusterConfig

@@ -27,12 +27,12 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from wire import Attr, ErrorCode, Layout, MAX_FILE_SIZE, Message, ReplyMessage, StripefsError, messages as m
+from stripefs.wire import Attr, ErrorCode, Layout, MAX_FILE_SIZE, Message, ReplyMessage, StripefsError, messages as m
 
 from ._rawbytes import fill_bytes
 
 if TYPE_CHECKING:
-    from rpc import BufferPool
+    from stripefs.rpc import BufferPool
 
 R = TypeVar("R", bound=ReplyMessage)
 

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from wire import messages as m
+from stripefs.wire import messages as m
 
 if TYPE_CHECKING:
     from ._core import ClientCore

@@ -16,7 +16,7 @@ import posixpath
 import uuid
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from wire import ErrorCode, StripefsError
+from stripefs.wire import ErrorCode, StripefsError
 
 from ..core import Client, fill_bytes
 

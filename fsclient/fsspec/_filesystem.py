@@ -43,7 +43,7 @@ from fsspec import AbstractFileSystem
 from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 from fsspec.utils import stringify_path
 
-from wire import Attr, ErrorCode, StripefsError
+from stripefs.wire import Attr, ErrorCode, StripefsError
 
 from ..core import Client, fill_bytes
 from ._file import StripeFsFile

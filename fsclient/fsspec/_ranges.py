@@ -18,7 +18,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from wire import Attr, ErrorCode, StripefsError
+from stripefs.wire import Attr, ErrorCode, StripefsError
 
 from ..core import fill_bytes
 

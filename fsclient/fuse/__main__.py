@@ -1,4 +1,4 @@
-"""``python -m fsclient.fuse mount|umount ...``: what the detached mount daemon runs."""
+"""``python -m stripefs.fsclient.fuse mount|umount ...``: what the detached mount daemon runs."""
 
 import sys
 

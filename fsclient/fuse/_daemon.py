@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from wire import StripefsError, messages as m
+from stripefs.wire import StripefsError, messages as m
 
 from ..core import Client, find_cluster
 from ._mounts import (daemon_alive, mount_record, mounted_fstype, process_start, record_path, remove_mount_record,
@@ -197,7 +197,7 @@ def mount(mountpoint: str, cluster: str | None, options: list[str], foreground: 
         return serve(mountpoint, cluster, options)
     log_path = record_path(mountpoint, create_dir=True)[:-5] + ".log"
     r, w = os.pipe()
-    cmd = [sys.executable, "-m", "fsclient.fuse", "mount", mountpoint, "--foreground", "--ready-fd", str(w)]
+    cmd = [sys.executable, "-m", "stripefs.fsclient.fuse", "mount", mountpoint, "--foreground", "--ready-fd", str(w)]
     if cluster:
         cmd += ["--cluster", cluster]
     for opt in options:

@@ -7,7 +7,7 @@ import dataclasses
 
 import trio
 
-from wire import Attr
+from stripefs.wire import Attr
 
 __all__ = ["DirAttrs"]
 

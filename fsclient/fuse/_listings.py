@@ -9,7 +9,7 @@ from typing import Any
 
 import trio
 
-from wire import DirEntry
+from stripefs.wire import DirEntry
 
 __all__ = ["Listings", "Page"]
 

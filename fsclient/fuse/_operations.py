@@ -72,7 +72,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 import pyfuse3
 import trio
 
-from wire import Attr, messages as m
+from stripefs.wire import Attr, messages as m
 
 from ..core import AsyncClient, Client, StripeFile, pid_alive
 from ._dirattrs import DirAttrs

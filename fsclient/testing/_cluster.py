@@ -1,6 +1,6 @@
 """A local cluster on 127.0.0.1: ``stripefs up`` / ``stripefs down``, tests, benchmarks, the demo.
 
-Real processes (``python -m metadata``, ``python -m storage``) on loopback; the
+Real processes (``python -m stripefs.metadata``, ``python -m stripefs.storage``) on loopback; the
 functions :func:`up`, :func:`down` and :func:`add_server` are what the CLI runs,
 and :class:`LocalCluster` is the handle tests and benchmarks hold::
 
@@ -31,7 +31,7 @@ import sys
 import time
 from typing import Any
 
-from wire import ErrorCode, StripefsError, new_secret, role_credential
+from stripefs.wire import ErrorCode, StripefsError, new_secret, role_credential
 
 from ..core import Client, pid_alive, remember_cluster
 
@@ -268,7 +268,7 @@ def _spawn_metadata(root: str, cluster: dict[str, Any], i: int, port: int) -> tu
     if os.path.exists(ready):
         os.unlink(ready)
     log_path = os.path.join(root, "logs", f"metadata{suffix}.log")
-    proc = _spawn(["-m", "metadata", "--state", os.path.join(root, "meta"), "--cluster", os.path.join(root, SERVER_FILE),
+    proc = _spawn(["-m", "stripefs.metadata", "--state", os.path.join(root, "meta"), "--cluster", os.path.join(root, SERVER_FILE),
                    "--port", str(port), "--chunk-size", str(cluster.get("chunk_size", 4 << 20)),
                    "--stripe", str(cluster.get("stripe", 16)), "--gc-grace", str(cluster.get("gc_grace", 30.0)),
                    "--replicas", str(cluster.get("replicas", 1)), "--sync", cluster.get("metadata_sync", "full"),
@@ -296,7 +296,7 @@ def _start_server(root: str, i: int, maddr: str, cluster_file: str) -> tuple[sub
     if os.path.exists(sready):
         os.unlink(sready)
     slog = os.path.join(root, "logs", f"storage-{i}.log")
-    sp = _spawn(["-m", "storage", "--root", sroot, "--metadata", maddr, "--cluster", cluster_file, "--ready", sready], slog)
+    sp = _spawn(["-m", "stripefs.storage", "--root", sroot, "--metadata", maddr, "--cluster", cluster_file, "--ready", sready], slog)
     return sp, sready, slog
 
 

@@ -25,7 +25,7 @@ import subprocess
 import tempfile
 from typing import Any
 
-from wire import ErrorCode, StripefsError
+from stripefs.wire import ErrorCode, StripefsError
 
 __all__ = ["LocalPostgres", "postgres_bin"]
 

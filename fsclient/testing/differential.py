@@ -13,7 +13,7 @@ The operations are chosen from the seed and the oracle's state only, so a seed
 replays exactly. A divergence fails with the seed, the operation number and the
 operation list (``replay`` runs such a list again). ``STRIPEFS_DIFF_SEEDS``
 (``"17"``, ``"0-499"``, ``"3,8,20-30"``) overrides the seeds a test runs: a
-single seed to replay, or many for a soak. ``python -m bench.soak`` runs it for
+single seed to replay, or many for a soak. ``python -m stripefs.bench.soak`` runs it for
 minutes over every route.
 """
 

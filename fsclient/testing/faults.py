@@ -18,8 +18,8 @@ operation may fail. Afterwards every server runs again, the cluster heals, and
 the checker verifies the history, the final bytes, and that every replica of
 every chunk has the same version and digest (asked of the storage servers).
 
-Run one schedule: ``python -m fsclient.testing.faults --seed 3 [--replicas 2]``;
-many: ``python -m bench.fault_soak --seeds 50``.
+Run one schedule: ``python -m stripefs.fsclient.testing.faults --seed 3 [--replicas 2]``;
+many: ``python -m stripefs.bench.fault_soak --seeds 50``.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from typing import Any
 
 import crc32c
 
-from wire import ErrorCode, StripefsError
-from wire import messages as m
+from stripefs.wire import ErrorCode, StripefsError
+from stripefs.wire import messages as m
 
 from ..core import Client
 from ._cluster import SERVER_FILE, LocalCluster
@@ -174,7 +174,7 @@ def _worker(spec: dict[str, Any]) -> None:
 
 
 def _spawn_worker(spec: dict[str, Any]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "fsclient.testing.faults", "--worker", json.dumps(spec)],
+    return subprocess.Popen([sys.executable, "-m", "stripefs.fsclient.testing.faults", "--worker", json.dumps(spec)],
                             stdin=subprocess.DEVNULL, start_new_session=True)
 
 
@@ -317,7 +317,7 @@ def _play(h: LocalCluster, schedule: Schedule, stopped: set[int]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fsclient.testing.faults", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m stripefs.fsclient.testing.faults", description=__doc__.split("\n\n")[0])
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--replicas", type=int, default=2)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from fsclient import Client
-from fsclient.batchread import ReadRing, SharedBuffer
+from stripefs.fsclient import Client
+from stripefs.fsclient.batchread import ReadRing, SharedBuffer
 
 def random_reads(files: dict[str, bytes], n: int, seed: int, max_len: int = 300_000) -> list[tuple[str, int, int]]:
     """Random (path, offset, length) ranges, some running past EOF."""

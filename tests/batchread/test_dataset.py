@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from fsclient import Client
-from fsclient.batchread.dataset import Batch, IndexDataset, RecordDataset, collate_batch, loader
-from wire import StripefsError
+from stripefs.fsclient import Client
+from stripefs.fsclient.batchread.dataset import Batch, IndexDataset, RecordDataset, collate_batch, loader
+from stripefs.wire import StripefsError
 
 REC = 3 * 16 * 16 * 4  # float32 (3, 16, 16)
 
@@ -84,7 +84,7 @@ def test_index_dataset_ragged_batches(cluster, records) -> None:
 def test_files_register_in_batches_and_a_bad_one_is_named(cluster, records, monkeypatch) -> None:
     """A dataset of many files registers them 200 per metadata round trip (StatMany),
     not one stat each; a missing path or a directory fails naming that path."""
-    from fsclient.batchread import ReadRing
+    from stripefs.fsclient.batchread import ReadRing
 
     paths, _ = records
     client = Client(cluster.file)

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from fsclient.batchread import ReadRing, SharedBuffer
-from fsclient.testing.procs import pause
-from storage import HEADER_SIZE
-from wire import ErrorCode, StripefsError
+from stripefs.fsclient.batchread import ReadRing, SharedBuffer
+from stripefs.fsclient.testing.procs import pause
+from stripefs.storage import HEADER_SIZE
+from stripefs.wire import ErrorCode, StripefsError
 
 CHUNK = 256 * 1024
 

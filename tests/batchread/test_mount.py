@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from fsclient import Client
-from fsclient.batchread import ReadRing, mount_state_path, resolve_mounted
-from wire import StripefsError
+from stripefs.fsclient import Client
+from stripefs.fsclient.batchread import ReadRing, mount_state_path, resolve_mounted
+from stripefs.wire import StripefsError
 
 
 def fake_mount(tmp_path, fstype: str = "fuse.stripefs", pid: int | None = None, cluster_file: str = "/c.json",

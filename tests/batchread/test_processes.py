@@ -7,7 +7,7 @@ import pickle
 import pytest
 
 from .brhelpers import random_reads, ring_child, spawn_ctx
-from fsclient.batchread import SharedBuffer
+from stripefs.fsclient.batchread import SharedBuffer
 
 
 def test_buffer_pickles_by_name_and_maps_the_same_memory() -> None:

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from .brhelpers import random_reads
-from fsclient import Client
-from fsclient.batchread import Completion, ReadRing, SharedBuffer, read_batch
-from wire import StripefsError
+from stripefs.fsclient import Client
+from stripefs.fsclient.batchread import Completion, ReadRing, SharedBuffer, read_batch
+from stripefs.wire import StripefsError
 
 CHUNK = 256 * 1024
 

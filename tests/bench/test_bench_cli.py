@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from bench import BenchConfig, run_bench
-from bench._pattern import Pattern, VerifyError, file_id
-from bench._routes import RouteSkipped, RunEnv, make_route
-from bench._seed import dataset_sizes
-from bench._tasks import BATCH_PARTS, WORKLOADS, record_names
-from bench.cli import main
+from stripefs.bench import BenchConfig, run_bench
+from stripefs.bench._pattern import Pattern, VerifyError, file_id
+from stripefs.bench._routes import RouteSkipped, RunEnv, make_route
+from stripefs.bench._seed import dataset_sizes
+from stripefs.bench._tasks import BATCH_PARTS, WORKLOADS, record_names
+from stripefs.bench.cli import main
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZE, BLOCK, CLIENTS = 1 * MiB, 256 * KiB, 2
@@ -223,7 +223,7 @@ def test_cli_json_and_plot(cluster: Any, tmp_path: Path, capsys: pytest.CaptureF
 
 
 def test_drop_caches_needs_root() -> None:
-    from bench._orchestrate import drop_caches
+    from stripefs.bench._orchestrate import drop_caches
 
     can = os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
     assert drop_caches() is can
@@ -243,7 +243,7 @@ def test_header_names_the_metadata_sync(report: dict[str, Any]) -> None:
 
 
 def test_metadata_sync_reaches_the_config() -> None:
-    from bench.cli import _parser, build_config
+    from stripefs.bench.cli import _parser, build_config
 
     assert build_config(_parser().parse_args(["--metadata-sync", "normal"])).metadata_sync == "normal"
     assert build_config(_parser().parse_args([])).metadata_sync is None
@@ -256,7 +256,7 @@ def test_cluster_directory_is_cleaned(cluster: Any, report: dict[str, Any]) -> N
 
 
 def test_attr_timeout_reaches_the_config_and_the_header(report: dict[str, Any]) -> None:
-    from bench.cli import _parser, build_config
+    from stripefs.bench.cli import _parser, build_config
 
     assert report["header"]["attr_timeout"] == 0.0  # none asked for: every stat crosses the network
     assert "STRIPEFS_ATTR_TIMEOUT" not in os.environ  # the run put the environment back

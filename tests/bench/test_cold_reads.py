@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from bench._pattern import Pattern, file_id
-from bench._sessions import PosixSession
-from bench._workloads import ClientContext, PartResult, _random_reads
+from stripefs.bench._pattern import Pattern, file_id
+from stripefs.bench._sessions import PosixSession
+from stripefs.bench._workloads import ClientContext, PartResult, _random_reads
 
 KiB = 1 << 10
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from bench import floors
+from stripefs.bench import floors
 
 MiB = 1 << 20
 

@@ -24,7 +24,7 @@ FIXED = {"workload", "path", "clients", "servers", "replicas", "bytes", "seconds
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("replbench") / "r.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.replication_bench", "--size", "8M", "--chunk-size", "1M",
+        [sys.executable, "-m", "stripefs.bench.replication_bench", "--size", "8M", "--chunk-size", "1M",
          "--settle", "0.3", "--json", str(out), "--root", str(out.parent)],
         cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=150,
     )

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench._validity import check_validity
-from bench.tables import add_peer_ratios, markdown_tables, sweep_table
+from stripefs.bench._validity import check_validity
+from stripefs.bench.tables import add_peer_ratios, markdown_tables, sweep_table
 
 
 def rec(path: str, workload: str, gbps: float, ops_per_s: float = 0.0, clients: int = 2,

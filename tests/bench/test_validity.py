@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from bench._validity import NETWORKED, check_validity
-from bench.cli import exit_status
+from stripefs.bench._validity import NETWORKED, check_validity
+from stripefs.bench.cli import exit_status
 
 
 def rec(path: str, workload: str, gbps: float, clients: int = 2, servers: int = 4,

@@ -11,9 +11,9 @@ import threading
 import pytest
 import trio
 
-from fsclient import AsyncClient
-from fsclient.testing.procs import pause
-from wire import StripefsError, messages as m
+from stripefs.fsclient import AsyncClient
+from stripefs.fsclient.testing.procs import pause
+from stripefs.wire import StripefsError, messages as m
 
 
 def test_metadata_calls_need_no_worker_thread_each(client, testdir: str) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 @pytest.fixture
 def cached(cluster):
-    from fsclient import Client
+    from stripefs.fsclient import Client
 
     c = Client(cluster.file, attr_timeout=0.5, leases=False)
     yield c
@@ -75,7 +75,7 @@ def test_a_link_to_a_changed_file_is_not_stale(cached, testdir: str) -> None:
 
 
 def test_no_cache_by_default(client, cluster, testdir: str) -> None:
-    from fsclient import Client
+    from stripefs.fsclient import Client
 
     p = f"{testdir}/f"
     client.write_bytes(p, b"abc")
@@ -87,8 +87,8 @@ def test_no_cache_by_default(client, cluster, testdir: str) -> None:
 
 def test_the_environment_sets_the_default_and_a_bad_value_is_refused(cluster, client, testdir: str,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    from fsclient import Client
-    from wire import StripefsError
+    from stripefs.fsclient import Client
+    from stripefs.wire import StripefsError
 
     p = f"{testdir}/env"
     client.write_bytes(p, b"abc")

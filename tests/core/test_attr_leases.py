@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from fsclient import Client
-from fsclient.core import pid_alive
-from fsclient.testing import LocalCluster
-from fsclient.testing.procs import pause, while_paused
+from stripefs.fsclient import Client
+from stripefs.fsclient.core import pid_alive
+from stripefs.fsclient.testing import LocalCluster
+from stripefs.fsclient.testing.procs import pause, while_paused
 from tests.conftest import TEST_CHUNK
 
 TTL = 2.0

@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import wire
-from fsclient.core._client import CREATE_MANY_MAX
-from rpc import Connection
-from wire import StripefsError, messages as m
+from stripefs import wire
+from stripefs.fsclient.core._client import CREATE_MANY_MAX
+from stripefs.rpc import Connection
+from stripefs.wire import StripefsError, messages as m
 
 
 def test_stat_many_answers_each_path_in_order(client, testdir: str) -> None:
@@ -163,7 +163,7 @@ def test_names_too_long_fail_alone(client, testdir: str) -> None:
 def test_a_retried_create_many_gets_the_first_answer(cluster, client, testdir: str) -> None:
     # A retry after a lost reply carries the same (client id, request id): whether the first
     # is still running or already answered, the batch is applied once and both get its answer.
-    from fsclient.core import find_cluster
+    from stripefs.fsclient.core import find_cluster
 
     cfg = find_cluster(cluster.file)
     client_id = os.urandom(16)

@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterator
 import crc32c
 import pytest
 
-from storage import BLOCK, ChunkStore
-from wire import StripefsError
+from stripefs.storage import BLOCK, ChunkStore
+from stripefs.wire import StripefsError
 
 CS = 4 << 20
 INO = 0x5EED

@@ -10,11 +10,11 @@ import random
 import crc32c
 import pytest
 
-import wire
-from storage import BLOCK, ChunkStore
-from storage._chunks import FDS_PER_LOCK
-from storage._server import SMALL_READ
-from wire import ErrorCode, StripefsError
+from stripefs import wire
+from stripefs.storage import BLOCK, ChunkStore
+from stripefs.storage._chunks import FDS_PER_LOCK
+from stripefs.storage._server import SMALL_READ
+from stripefs.wire import ErrorCode, StripefsError
 
 CS = 1 << 20
 
@@ -111,9 +111,9 @@ def test_small_reads_see_chunks_a_repair_replaced_under_them(make_cluster) -> No
     """A server that kept a file's chunk files open for small reads gets every copy damaged
     on disk and repaired by its scrub (a replica's copy renamed over each chunk): its small
     reads then return the repaired bytes, never a read of the old, damaged files."""
-    from storage import HEADER_SIZE
+    from stripefs.storage import HEADER_SIZE
     from tests.conftest import TEST_CHUNK
-    from wire import messages as m
+    from stripefs.wire import messages as m
 
     h = make_cluster(servers=2, replicas=2)
     data = os.urandom(TEST_CHUNK * 2)

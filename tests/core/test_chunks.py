@@ -8,9 +8,9 @@ import os
 import crc32c
 import pytest
 
-from storage import BLOCK, HEADER_SIZE, ChunkStore
-import wire
-from wire import MAX_CHUNK, ErrorCode, StripefsError
+from stripefs.storage import BLOCK, HEADER_SIZE, ChunkStore
+from stripefs import wire
+from stripefs.wire import MAX_CHUNK, ErrorCode, StripefsError
 
 CS = 4 << 20
 
@@ -114,7 +114,7 @@ def test_truncate_and_remove(tmp_path) -> None:
 
 def test_target_identity_replace_is_fsynced_in_its_directory(tmp_path, monkeypatch):
     """``target.json`` is replaced atomically, then its directory is fsynced (the rename is durable)."""
-    from storage import _server
+    from stripefs.storage import _server
 
     seen: list[tuple[str, str]] = []
     real_replace, real_fsync = os.replace, os.fsync

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import crc32c
 import pytest
 
-from fsclient import Client
+from stripefs.fsclient import Client
 from tests.conftest import TEST_CHUNK
 
 
@@ -296,7 +296,7 @@ def test_unlink_reclaims_chunks(client: Client, cluster, testdir: str) -> None:
 
 def test_front_end_interface_by_inode(client: Client, testdir: str) -> None:
     """The by-inode interface front ends use (docs/architecture.md): typed replies, no core."""
-    from wire import messages as m
+    from stripefs.wire import messages as m
 
     assert not hasattr(client, "core")  # the core is private: front ends use the interface
     path = f"{testdir}/iface"
@@ -428,7 +428,7 @@ def test_statfs_reports_usable_space_not_raw_capacity(client: Client, make_clust
 def test_the_umask_is_read_afresh_and_per_process(umask: Callable[[int], None]) -> None:
     """The client reads the umask through a descriptor it keeps: every change shows, and a
     forked child reads its own, not its parent's."""
-    from fsclient.core._client import _umask
+    from stripefs.fsclient.core._client import _umask
 
     for mask in (0o027, 0o002, 0o077):
         umask(mask)

@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-import wire
-from fsclient import Client
-from rpc import Connection
+from stripefs import wire
+from stripefs.fsclient import Client
+from stripefs.rpc import Connection
 from tests.conftest import TEST_CHUNK
-from wire import ErrorCode, StripefsError, messages as m
+from stripefs.wire import ErrorCode, StripefsError, messages as m
 
 CLI = [sys.executable, "-m", "stripefs"]
 
@@ -175,7 +175,7 @@ def test_dead_server_gives_clear_error_and_others_keep_serving(make_cluster) -> 
 
 
 def test_postgresql_metadata_store_end_to_end(make_cluster, tmp_path) -> None:
-    from fsclient.testing import LocalPostgres, postgres_bin
+    from stripefs.fsclient.testing import LocalPostgres, postgres_bin
 
     if postgres_bin("initdb") is None:
         pytest.skip("PostgreSQL server binaries are not installed (apt-get install postgresql)")
@@ -201,7 +201,7 @@ def test_postgresql_metadata_store_end_to_end(make_cluster, tmp_path) -> None:
 def test_a_retried_mutation_still_in_flight_runs_once(cluster, testdir: str) -> None:
     # A client whose connection broke retries with the same (client id, request id) on a
     # new one; the original may still be queued. Both must get the original's answer.
-    from fsclient.core import find_cluster
+    from stripefs.fsclient.core import find_cluster
 
     cfg = find_cluster(cluster.file)
     client_id = os.urandom(16)

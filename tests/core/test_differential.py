@@ -17,10 +17,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from fsclient import Client
-from fsclient.core._ordering import WriteOrder
+from stripefs.fsclient import Client
+from stripefs.fsclient.core._ordering import WriteOrder
 from tests.conftest import TEST_CHUNK
-from fsclient.testing.differential import LocalRoute, NativeRoute, parse_seeds, run_seed
+from stripefs.fsclient.testing.differential import LocalRoute, NativeRoute, parse_seeds, run_seed
 
 SEEDS = parse_seeds(range(24))
 OPS = 100

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from fsclient import Client
+from stripefs.fsclient import Client
 from tests.conftest import TEST_CHUNK
 
 _names = itertools.count()

@@ -7,7 +7,7 @@ import os
 import random
 import threading
 
-from fsclient import Client
+from stripefs.fsclient import Client
 from tests.conftest import TEST_CHUNK
 
 
@@ -60,12 +60,12 @@ def test_storage_small_reads_need_no_trio_worker_thread(tmp_path) -> None:
     import crc32c
     import trio
 
-    import wire
-    from rpc import Connection, serve_rpc
-    from storage._chunks import ChunkStore
-    from storage._replication import Replicator
-    from storage._server import SMALL_READ, StorageService
-    from wire import messages as m
+    from stripefs import wire
+    from stripefs.rpc import Connection, serve_rpc
+    from stripefs.storage._chunks import ChunkStore
+    from stripefs.storage._replication import Replicator
+    from stripefs.storage._server import SMALL_READ, StorageService
+    from stripefs.wire import messages as m
 
     store = ChunkStore(str(tmp_path))
     chunks = {index: os.urandom(TEST_CHUNK) for index in range(3)}

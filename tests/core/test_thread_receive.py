@@ -15,14 +15,14 @@ from collections.abc import Iterator
 import crc32c
 import pytest
 
-import wire
-from rpc import Connection
-from storage._chunks import ChunkStore
-from storage._replication import Replicator
-from storage._server import SMALL_READ, StorageService
+from stripefs import wire
+from stripefs.rpc import Connection
+from stripefs.storage._chunks import ChunkStore
+from stripefs.storage._replication import Replicator
+from stripefs.storage._server import SMALL_READ, StorageService
 from tests.conftest import TEST_CHUNK
 from tests.rpc.threaded import ThreadedServer
-from wire import messages as m
+from stripefs.wire import messages as m
 
 SECRET = "secret"
 INO = 9

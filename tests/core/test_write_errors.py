@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from fsclient import Client
+from stripefs.fsclient import Client
 from tests.conftest import TEST_CHUNK
-from wire import ErrorCode, StripefsError
+from stripefs.wire import ErrorCode, StripefsError
 
 
 def _fail_chunk(client: Client, monkeypatch: pytest.MonkeyPatch, index: int) -> list[int]:

@@ -9,7 +9,7 @@ from typing import Any, Iterator
 import fsspec
 import pytest
 
-from fsclient.fsspec import StripeFileSystem
+from stripefs.fsclient.fsspec import StripeFileSystem
 
 _ids = itertools.count()
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from fsclient import Client
-from fsclient.fsspec import StripeFileSystem
+from stripefs.fsclient import Client
+from stripefs.fsclient.fsspec import StripeFileSystem
 from tests.conftest import TEST_CHUNK
-from fsclient.testing.differential import LocalRoute, parse_seeds, run_seed
+from stripefs.fsclient.testing.differential import LocalRoute, parse_seeds, run_seed
 
 SEEDS = parse_seeds(range(8))
 OPS = 80

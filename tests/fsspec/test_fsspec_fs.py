@@ -12,7 +12,7 @@ import fsspec
 import pytest
 from fsspec.callbacks import Callback
 
-from fsclient.fsspec import StripeFileSystem, StripeFsFile
+from stripefs.fsclient.fsspec import StripeFileSystem, StripeFsFile
 from tests.conftest import TEST_CHUNK
 
 

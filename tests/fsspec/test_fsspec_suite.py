@@ -14,7 +14,7 @@ import fsspec
 import fsspec.tests.abstract as abstract
 import pytest
 
-from fsclient.fsspec import StripeFileSystem
+from stripefs.fsclient.fsspec import StripeFileSystem
 
 _ids = itertools.count()
 

@@ -10,7 +10,7 @@ from typing import Any
 import fsspec
 import pytest
 
-from fsclient.fsspec import StripeFileSystem
+from stripefs.fsclient.fsspec import StripeFileSystem
 
 torch = pytest.importorskip("torch")
 

@@ -8,7 +8,7 @@ from typing import Iterator
 
 import pytest
 
-from fsclient.fuse import main as fuse_main, mounted_fstype
+from stripefs.fsclient.fuse import main as fuse_main, mounted_fstype
 
 
 def _fuse_unusable() -> str | None:

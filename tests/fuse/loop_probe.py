@@ -16,7 +16,7 @@ from typing import Any
 
 import trio
 
-from fsclient.fuse import _daemon, _operations
+from stripefs.fsclient.fuse import _daemon, _operations
 
 counts = {"write_requests": 0, "write_hops": 0, "hops": 0, "max_sending": 0}
 

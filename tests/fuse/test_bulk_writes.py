@@ -21,9 +21,9 @@ from typing import Iterator
 
 import pytest
 
-from fsclient import Client
-from fsclient.fuse import main as fuse_main
-from fsclient.testing.differential import LocalRoute, MountRoute, run_seed
+from stripefs.fsclient import Client
+from stripefs.fsclient.fuse import main as fuse_main
+from stripefs.fsclient.testing.differential import LocalRoute, MountRoute, run_seed
 from tests.fuse.conftest import do_umount
 
 pytestmark = pytest.mark.fuse

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from fsclient import Client
+from stripefs.fsclient import Client
 
 from .conftest import do_mount, do_umount
 from .fuse_helpers import as_user

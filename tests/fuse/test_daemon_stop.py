@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from fsclient import Client
-from fsclient.fuse import _daemon, main as fuse_main, mount_record, mounted_fstype
+from stripefs.fsclient import Client
+from stripefs.fsclient.fuse import _daemon, main as fuse_main, mount_record, mounted_fstype
 
 from .conftest import do_mount, do_umount
 
@@ -158,7 +158,7 @@ def test_umount_never_signals_a_recycled_pid(cluster, tmp_path, monkeypatch) -> 
     bystander = subprocess.Popen(["sleep", "60"])
     try:
         # Simulate pid reuse: the record now names a live process that is not the daemon.
-        from fsclient.fuse._mounts import write_mount_record
+        from stripefs.fsclient.fuse._mounts import write_mount_record
 
         write_mount_record(mp, {**record, "pid": bystander.pid})
         assert fuse_main(["umount", mp]) == 0

@@ -13,9 +13,9 @@ import os
 
 import pytest
 
-from fsclient import Client
+from stripefs.fsclient import Client
 from tests.conftest import TEST_CHUNK
-from fsclient.testing.differential import LocalRoute, MountRoute, parse_seeds, run_seed
+from stripefs.fsclient.testing.differential import LocalRoute, MountRoute, parse_seeds, run_seed
 
 pytestmark = pytest.mark.fuse
 

@@ -16,11 +16,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from fsclient import Client
-from fsclient.core import pid_alive
-from fsclient.fuse import mount_record
-from fsclient.testing import LocalCluster
-from fsclient.testing.procs import pause, while_paused
+from stripefs.fsclient import Client
+from stripefs.fsclient.core import pid_alive
+from stripefs.fsclient.fuse import mount_record
+from stripefs.fsclient.testing import LocalCluster
+from stripefs.fsclient.testing.procs import pause, while_paused
 
 from .conftest import do_mount, do_umount
 

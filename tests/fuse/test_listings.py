@@ -15,11 +15,11 @@ import pytest
 import trio
 from trio.testing import MockClock
 
-from fsclient import Client
-from fsclient.fuse._listings import Listings, Page
-from fsclient.testing import LocalCluster
-from fsclient.testing.procs import while_paused
-from wire import DirEntry
+from stripefs.fsclient import Client
+from stripefs.fsclient.fuse._listings import Listings, Page
+from stripefs.fsclient.testing import LocalCluster
+from stripefs.fsclient.testing.procs import while_paused
+from stripefs.wire import DirEntry
 
 from .conftest import do_mount, do_umount
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from .conftest import do_mount, do_umount
-from fsclient.fuse import main as fuse_main, mount_record, mounted_fstype
+from stripefs.fsclient.fuse import main as fuse_main, mount_record, mounted_fstype
 
 pytestmark = pytest.mark.fuse
 
@@ -133,8 +133,8 @@ def test_mount_errors_are_clear(mnt: str, cluster, tmp_path) -> None:
 
 def test_batch_reads_of_files_under_the_mount(mnt: str, mdir: str, cluster) -> None:
     """The zero-copy ring resolves a mounted path to its cluster and inode (USRBIO's reg_fd)."""
-    from fsclient import Client
-    from fsclient.batchread import ReadRing, SharedBuffer
+    from stripefs.fsclient import Client
+    from stripefs.fsclient.batchread import ReadRing, SharedBuffer
 
     data = os.urandom(3 << 20)
     path = os.path.join(mdir, "samples.bin")

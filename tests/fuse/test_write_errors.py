@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from fsclient import Client
+from stripefs.fsclient import Client
 
 pytestmark = pytest.mark.fuse
 

@@ -19,11 +19,11 @@ from typing import Iterator
 
 import pytest
 
-from fsclient import Client
-from fsclient.core import pid_alive
-from fsclient.testing import LocalCluster
-from wire import StripefsError
-from wire import messages as m
+from stripefs.fsclient import Client
+from stripefs.fsclient.core import pid_alive
+from stripefs.fsclient.testing import LocalCluster
+from stripefs.wire import StripefsError
+from stripefs.wire import messages as m
 
 from ..conftest import TEST_CHUNK
 

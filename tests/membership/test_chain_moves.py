@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from metadata._server import Membership
-from wire import messages as m
+from stripefs.metadata._server import Membership
+from stripefs.wire import messages as m
 
 
 class Clock:
@@ -127,7 +127,7 @@ def test_pending_registrations_expire_and_are_bounded(tmp_path: Path) -> None:
 def test_tokens_and_joining_survive_a_metadata_restart(tmp_path: Path) -> None:
     import pytest
 
-    from wire import StripefsError
+    from stripefs.wire import StripefsError
 
     clock = Clock()
     path = str(tmp_path / "servers.json")

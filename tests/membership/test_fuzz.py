@@ -1,6 +1,6 @@
 """A bounded structured fuzz of the control plane (issue 20), with the soak's machinery.
 
-``bench.control_fuzz`` (``python -m bench.control_fuzz --duration 600`` for the
+``bench.control_fuzz`` (``python -m stripefs.bench.control_fuzz --duration 600`` for the
 soak) generates the frames: 2,000 membership frames (``RegisterServer``,
 ``Heartbeat``, ``SyncDone``) with random field values sent with the server
 credential, so they reach the service's validation; 300 server-only frames
@@ -18,9 +18,9 @@ from typing import Iterator
 
 import pytest
 
-from bench.control_fuzz import Fuzz, snapshot
-from fsclient import Client
-from fsclient.testing import LocalCluster
+from stripefs.bench.control_fuzz import Fuzz, snapshot
+from stripefs.fsclient import Client
+from stripefs.fsclient.testing import LocalCluster
 
 from ..conftest import TEST_CHUNK
 

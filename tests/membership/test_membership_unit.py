@@ -14,9 +14,9 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from metadata._server import OFFLINE_AFTER, Membership
+from stripefs.metadata._server import OFFLINE_AFTER, Membership
 from tests.membership.test_chain_moves import Clock, _beat, _join, _token
-from wire import messages as m
+from stripefs.wire import messages as m
 
 
 def _cluster(tmp: Path, servers: int, replicas: int) -> tuple[Membership, Clock, dict[int, int]]:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from metadata._server import OFFLINE_AFTER, Membership
-from wire import ErrorCode, StripefsError
-from wire import messages as m
+from stripefs.metadata._server import OFFLINE_AFTER, Membership
+from stripefs.wire import ErrorCode, StripefsError
+from stripefs.wire import messages as m
 
 from .test_chain_moves import Clock, _beat, _join, _serving_everywhere, _token
 

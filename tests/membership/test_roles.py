@@ -22,12 +22,12 @@ from typing import Any, Callable, Iterator
 import crc32c
 import pytest
 
-import wire
-from fsclient import Client
-from fsclient.core import ClusterConfig
-from fsclient.testing import LocalCluster
-from wire import ErrorCode, StripefsError
-from wire import messages as m
+from stripefs import wire
+from stripefs.fsclient import Client
+from stripefs.fsclient.core import ClusterConfig
+from stripefs.fsclient.testing import LocalCluster
+from stripefs.wire import ErrorCode, StripefsError
+from stripefs.wire import messages as m
 
 from ..conftest import TEST_CHUNK
 from ..rpc.threaded import ThreadedServer
@@ -189,7 +189,7 @@ class _Impostor(ThreadedServer):
     """
 
     def __init__(self, credential: str, root: str):
-        from rpc import Service
+        from stripefs.rpc import Service
 
         self.server_id: int | None = None
         impostor = self

@@ -10,10 +10,10 @@ from typing import Callable, Iterator
 
 import pytest
 
-from fsclient.testing import LocalPostgres, postgres_bin
-from metadata import Namespace
-from metadata._server import Membership, MetadataService
-from metadata._store import MemoryStore, SqliteStore, Store
+from stripefs.fsclient.testing import LocalPostgres, postgres_bin
+from stripefs.metadata import Namespace
+from stripefs.metadata._server import Membership, MetadataService
+from stripefs.metadata._store import MemoryStore, SqliteStore, Store
 
 STORES = ["sqlite", "memory", "postgresql"]
 _schemas = itertools.count()
@@ -38,7 +38,7 @@ def make_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Sto
         return MemoryStore()
     import psycopg
 
-    from metadata._pgstore import PostgresStore
+    from stripefs.metadata._pgstore import PostgresStore
 
     url = request.getfixturevalue("pg_url")
     schema = f"t{os.getpid()}_{next(_schemas)}"  # a fresh namespace per test, cheaper than a database

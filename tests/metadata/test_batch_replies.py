@@ -3,8 +3,8 @@ when the answers are batches: an answer counts by the attributes it holds."""
 
 from __future__ import annotations
 
-from metadata._server import Replies
-from wire import Attr, ErrorCode, Layout, StripefsError, messages as m
+from stripefs.metadata._server import Replies
+from stripefs.wire import Attr, ErrorCode, Layout, StripefsError, messages as m
 
 ATTR = Attr(7, 0o100644, 1, 0, 0, 0, 1, 2, 3, Layout(1 << 20, tuple(range(16))))
 

@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from fsclient.core import pid_alive
-from fsclient.testing import LocalCluster
-from metadata import SqliteStore
-from wire import ErrorCode, StripefsError
+from stripefs.fsclient.core import pid_alive
+from stripefs.fsclient.testing import LocalCluster
+from stripefs.metadata import SqliteStore
+from stripefs.wire import ErrorCode, StripefsError
 
 
 def test_store_defaults_to_full_and_takes_normal(tmp_path) -> None:
@@ -42,7 +42,7 @@ def test_unknown_setting_is_a_typed_error(tmp_path, bad: str) -> None:
 
 
 def test_up_refuses_bad_settings(tmp_path) -> None:
-    from fsclient.testing import up
+    from stripefs.fsclient.testing import up
 
     with pytest.raises(StripefsError) as info:
         up(str(tmp_path / "x"), servers=1, metadata_sync="off")
@@ -54,7 +54,7 @@ def test_up_refuses_bad_settings(tmp_path) -> None:
 
 
 def test_service_cli_refuses_a_bad_setting(tmp_path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "metadata", "--state", str(tmp_path), "--cluster", "/nonexistent",
+    proc = subprocess.run([sys.executable, "-m", "stripefs.metadata", "--state", str(tmp_path), "--cluster", "/nonexistent",
                            "--sync", "sometimes"], capture_output=True, timeout=60, check=False)
     assert proc.returncode == 2 and b"--sync: invalid choice" in proc.stderr
 
@@ -95,7 +95,7 @@ def test_normal_never_hands_out_a_number_twice_after_losing_commits(tmp_path) ->
     storage servers may hold chunks under it)."""
     import shutil
 
-    from metadata import Namespace
+    from stripefs.metadata import Namespace
 
     path = tmp_path / "meta.db"
     store = SqliteStore(path, synchronous="normal")

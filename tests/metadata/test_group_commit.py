@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from metadata import MemoryStore, Namespace, SqliteStore
+from stripefs.metadata import MemoryStore, Namespace, SqliteStore
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "memory"])
@@ -53,7 +53,7 @@ def test_stopping_waits_for_the_batch_in_hand(tmp_path) -> None:
 
     import trio
 
-    from metadata._server import Membership, MetadataService
+    from stripefs.metadata._server import Membership, MetadataService
 
     store = SqliteStore(tmp_path / "meta.db")
     svc = MetadataService(Namespace(store), lambda doc, restarted: Membership(None, doc=doc, restarted=restarted),

@@ -16,10 +16,10 @@ import pytest
 import trio
 import trio.testing
 
-from metadata._leasetable import LeaseTable
-from metadata._namespace import RENAME_EXCHANGE, ROOT_INO, Namespace
-from metadata._store import SqliteStore
-from wire._errors import StripefsError
+from stripefs.metadata._leasetable import LeaseTable
+from stripefs.metadata._namespace import RENAME_EXCHANGE, ROOT_INO, Namespace
+from stripefs.metadata._store import SqliteStore
+from stripefs.wire._errors import StripefsError
 
 CHAINS = [1, 2, 3]
 PROBES = ["/", "/a", "/a/f", "/a/g", "/a/sub", "/a/sub/h", "/a/sub/..", "/a/sub/../f", "/b", "/lnk", "/lnk/x",
@@ -287,9 +287,9 @@ def test_expired_leases_are_purged() -> None:
 def test_only_a_service_that_owns_its_store_grants_leases(store) -> None:
     """SQLite: one service sees every mutation. PostgreSQL (several services) and the
     in-memory store grant none: the watch is refused, a Resolve carries no lease."""
-    from metadata._server import Membership, MetadataService
-    from wire import ErrorCode
-    from wire import messages as m
+    from stripefs.metadata._server import Membership, MetadataService
+    from stripefs.wire import ErrorCode
+    from stripefs.wire import messages as m
 
     ns = Namespace(store)
     ns.mkdir(ROOT_INO, "d", 0o755, 0, 0)
@@ -322,7 +322,7 @@ def test_only_a_service_that_owns_its_store_grants_leases(store) -> None:
 
 def test_lease_asked_only_when_true_on_the_wire() -> None:
     """A client that does not ask sends what it always did (older services understand it)."""
-    from wire import messages as m
+    from stripefs.wire import messages as m
 
     assert m.Lookup(parent=1, name="x").to_header() == {"parent": 1, "name": "x"}
     assert m.Lookup(parent=1, name="x", lease=True).to_header() == {"parent": 1, "name": "x", "lease": True}
@@ -334,8 +334,8 @@ def test_a_directorys_lookup_lease_leaves_its_attributes_to_the_listing_lease(tm
     """A create or unlink in a directory changes its attributes: a mount that only looked
     the directory up (walked through it) must not hold a lease on them, only on its entry;
     a mount that listed it in full holds one on them (the names it keeps depend on them)."""
-    from metadata._server import Membership, MetadataService
-    from wire import messages as m
+    from stripefs.metadata._server import Membership, MetadataService
+    from stripefs.wire import messages as m
 
     store = SqliteStore(str(tmp_path / "meta.db"))
     ns = Namespace(store)
@@ -392,7 +392,7 @@ async def _now(svc: Any, conn: Any, msg: Any) -> Any:
 
 
 def test_readdir_lease_fields_are_off_the_wire_at_their_defaults() -> None:
-    from wire import messages as m
+    from stripefs.wire import messages as m
 
     assert "lease" not in m.Readdir(ino=3).to_header()
     assert m.Readdir(ino=3, lease=True).to_header()["lease"] is True

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from metadata._leases import Leases
-from metadata._store import Store
-from wire._errors import StripefsError
+from stripefs.metadata._leases import Leases
+from stripefs.metadata._store import Store
+from stripefs.wire._errors import StripefsError
 
 A, B = b"owner-a!", b"owner-b!"
 S = 1_000_000_000

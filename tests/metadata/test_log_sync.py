@@ -14,10 +14,10 @@ import time
 
 import trio
 
-from fsclient.core import pid_alive
-from metadata import Namespace, SqliteStore
+from stripefs.fsclient.core import pid_alive
+from stripefs.metadata import Namespace, SqliteStore
 from tests.metadata.conftest import sqlite_service
-from wire import messages as m
+from stripefs.wire import messages as m
 
 
 def _mkdir(name: str) -> m.Mkdir:
@@ -119,7 +119,7 @@ def test_concurrent_full_mutations_share_one_log_fsync(tmp_path) -> None:
 
 _CREATOR = """
 import sys
-import fsclient
+from stripefs import fsclient
 with fsclient.Client(sys.argv[1]) as c:
     c.makedirs("/k")
     for i in range(100000):
@@ -131,7 +131,7 @@ with fsclient.Client(sys.argv[1]) as c:
 def test_full_keeps_every_acknowledged_create_across_kill_9_mid_stream(tmp_path) -> None:
     """A client creates files as fast as the service answers; the service is killed -9 in
     the middle of the stream. Every name whose create was answered is there afterwards."""
-    from fsclient.testing import LocalCluster
+    from stripefs.fsclient.testing import LocalCluster
 
     with LocalCluster.start(str(tmp_path / "c"), servers=1, metadata_sync="full") as cluster:
         proc = subprocess.Popen([sys.executable, "-c", _CREATOR, cluster.file], stdout=subprocess.PIPE,
@@ -167,7 +167,7 @@ def test_a_failed_log_fsync_fails_the_mutation_and_refuses_later_ones(tmp_path) 
 
     import pytest
 
-    from wire import ErrorCode, StripefsError
+    from stripefs.wire import ErrorCode, StripefsError
 
     failing = False
 

@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 import trio
 
-from metadata._leader import RENEW, TTL
-from metadata._server import Membership, open_store, serve_metadata
-from metadata._store import SCHEMA_VERSION, SqliteStore
-from rpc import TrioConnection
-from wire import ErrorCode, StripefsError, role_credential
-from wire import messages as m
+from stripefs.metadata._leader import RENEW, TTL
+from stripefs.metadata._server import Membership, open_store, serve_metadata
+from stripefs.metadata._store import SCHEMA_VERSION, SqliteStore
+from stripefs.rpc import TrioConnection
+from stripefs.wire import ErrorCode, StripefsError, role_credential
+from stripefs.wire import messages as m
 
 SECRET = "multi-service-test-secret-0123456789"
 CLIENT = role_credential(SECRET, "client")  # what clients hold
@@ -134,7 +134,7 @@ def test_unknown_store_url_is_invalid(tmp_path: Path) -> None:
 
 
 def test_unreachable_postgres_is_a_clear_error_without_the_password(pg_url: str) -> None:
-    from metadata._pgstore import PostgresStore
+    from stripefs.metadata._pgstore import PostgresStore
 
     with pytest.raises(StripefsError) as err:
         PostgresStore("postgresql://someone:hunter2secret@127.0.0.1:1/nodb", connect_timeout=2)
@@ -145,7 +145,7 @@ def test_unreachable_postgres_is_a_clear_error_without_the_password(pg_url: str)
 def test_postgres_of_another_schema_version_is_refused_untouched(pg_schema: str) -> None:
     import psycopg
 
-    from metadata._pgstore import PostgresStore
+    from stripefs.metadata._pgstore import PostgresStore
 
     with psycopg.connect(pg_schema, autocommit=True) as conn:
         conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
@@ -217,7 +217,7 @@ def test_a_leader_whose_lease_another_holds_steps_down(tmp_path: Path, pg_schema
             (a, _), (b, _) = [await _start(nursery, tmp_path / f"s{i}", pg_schema) for i in range(2)]
             ca, cb = TrioConnection(a, CLIENT), TrioConnection(b, CLIENT)
             assert (await _call(ca, m.ClusterStatus())).metadata["leader"]  # the first one started leads
-            from metadata._store import LockRow
+            from stripefs.metadata._store import LockRow
 
             store = open_store(str(tmp_path), pg_schema)
             try:
@@ -239,7 +239,7 @@ def test_a_leader_whose_lease_another_holds_steps_down(tmp_path: Path, pg_schema
 
 
 def test_metadata_services_above_one_need_postgresql(tmp_path: Path) -> None:
-    from fsclient.testing import up
+    from stripefs.fsclient.testing import up
 
     with pytest.raises(StripefsError) as err:
         up(str(tmp_path / "c"), servers=1, metadata_services=2)
@@ -248,8 +248,8 @@ def test_metadata_services_above_one_need_postgresql(tmp_path: Path) -> None:
 
 
 def test_membership_write_is_fenced_by_the_lease_token(tmp_path: Path) -> None:
-    from metadata._leader import LEADER_KEY, Leadership
-    from metadata._store import LockRow
+    from stripefs.metadata._leader import LEADER_KEY, Leadership
+    from stripefs.metadata._store import LockRow
 
     store = SqliteStore(tmp_path / "meta.db")
     lead = Leadership(store, None, lambda doc, restarted: Membership(None, doc=doc, restarted=restarted))  # type: ignore[arg-type]
@@ -278,7 +278,7 @@ class Workload:
     def __init__(self, cluster_file: str, clients: int = 2) -> None:
         import threading
 
-        from fsclient import Client
+        from stripefs.fsclient import Client
 
         self.acked: list[tuple[str, bytes]] = []
         self.failures: list[tuple[float, str]] = []
@@ -324,7 +324,7 @@ class Workload:
 
 
 def _service_status(cluster: Any) -> list[dict[str, Any]]:
-    from fsclient import Client
+    from stripefs.fsclient import Client
 
     out = []
     for s in cluster.data["metadata_services"]:
@@ -345,11 +345,11 @@ def _check_history(cluster: Any, work: Workload) -> None:
 
 @pytest.fixture(scope="module")
 def pg_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from fsclient.testing import LocalCluster, postgres_bin
+    from stripefs.fsclient.testing import LocalCluster, postgres_bin
 
     if postgres_bin("initdb") is None:
         pytest.skip("PostgreSQL server binaries are not installed (apt-get install postgresql)")
-    from fsclient.testing import LocalPostgres
+    from stripefs.fsclient.testing import LocalPostgres
 
     root = tmp_path_factory.mktemp("pgmulti")
     try:
@@ -362,8 +362,8 @@ def pg_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 def test_a_retried_create_many_on_another_service_gets_the_first_answer(pg_cluster: Any) -> None:
     # Before the kill test below: every service of the module's cluster is up.
-    from fsclient import Client
-    from rpc import Connection
+    from stripefs.fsclient import Client
+    from stripefs.rpc import Connection
 
     with pg_cluster.client() as fs:
         fs.makedirs("/many")
@@ -411,11 +411,11 @@ def test_kill_9_the_leading_metadata_service_under_two_clients(pg_cluster: Any) 
     _check_history(pg_cluster, work)
     # Storage heartbeats found the new leader: past the offline timeout counted from the
     # takeover, every server still serves.
-    from metadata._server import OFFLINE_AFTER
+    from stripefs.metadata._server import OFFLINE_AFTER
 
     time.sleep(max(0.0, killed + TTL + 2 * RENEW + OFFLINE_AFTER - time.monotonic()))
     leader_now = next(s for s in _service_status_alive(pg_cluster, leader["pid"]) if s["leader"])
-    from fsclient import Client
+    from stripefs.fsclient import Client
 
     with Client(f"{leader_now['host']}:{leader_now['port']}", secret=role_credential(pg_cluster.data["secret"], "client")) as fs:
         assert {s.state for s in fs.status().servers} == {"serving"}
@@ -423,7 +423,7 @@ def test_kill_9_the_leading_metadata_service_under_two_clients(pg_cluster: Any) 
 
 
 def _service_status_alive(cluster: Any, dead_pid: int) -> list[dict[str, Any]]:
-    from fsclient import Client
+    from stripefs.fsclient import Client
 
     out = []
     for s in cluster.data["metadata_services"]:
@@ -435,7 +435,7 @@ def _service_status_alive(cluster: Any, dead_pid: int) -> list[dict[str, Any]]:
 
 
 def test_postgres_restart_under_load(pg_cluster: Any) -> None:
-    from fsclient.testing import LocalPostgres
+    from stripefs.fsclient.testing import LocalPostgres
 
     pg = LocalPostgres(pg_cluster.root)
     work = Workload(pg_cluster.file)
@@ -466,7 +466,7 @@ def test_postgres_restart_under_load(pg_cluster: Any) -> None:
 
 def test_malformed_postgres_url_is_invalid() -> None:
     pytest.importorskip("psycopg")
-    from metadata._pgstore import PostgresStore
+    from stripefs.metadata._pgstore import PostgresStore
 
     with pytest.raises(StripefsError) as err:
         PostgresStore("postgresql://u:pw@127.0.0.1:5432/db?nosuchoption=1")
@@ -475,8 +475,8 @@ def test_malformed_postgres_url_is_invalid() -> None:
 
 def test_up_with_an_unreachable_database_fails_clearly(tmp_path: Path) -> None:
     pytest.importorskip("psycopg")
-    from fsclient.testing import up
-    from fsclient.testing._cluster import read_cluster
+    from stripefs.fsclient.testing import up
+    from stripefs.fsclient.testing._cluster import read_cluster
 
     with pytest.raises(StripefsError) as err:
         up(str(tmp_path / "c"), servers=1, metadata_store="postgresql",
@@ -491,8 +491,8 @@ def test_postgres_inode_numbers_continue_past_an_older_database(pg_schema: str) 
     from before it continues where its ``meta`` counter stopped, and never goes back."""
     import psycopg
 
-    from metadata._namespace import Namespace
-    from metadata._pgstore import PostgresStore
+    from stripefs.metadata._namespace import Namespace
+    from stripefs.metadata._pgstore import PostgresStore
 
     PostgresStore(pg_schema).close()
     with psycopg.connect(pg_schema, autocommit=True) as conn:  # as an older version left it

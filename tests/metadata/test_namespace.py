@@ -15,11 +15,11 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from metadata import _namespace
-from metadata._namespace import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO, Namespace
-from metadata._store import MemoryStore, SqliteStore, Store
-from wire._errors import ErrorCode, StripefsError
-from wire._types import MAX_PATH, MIN_CHUNK
+from stripefs.metadata import _namespace
+from stripefs.metadata._namespace import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO, Namespace
+from stripefs.metadata._store import MemoryStore, SqliteStore, Store
+from stripefs.wire._errors import ErrorCode, StripefsError
+from stripefs.wire._types import MAX_PATH, MIN_CHUNK
 
 CHAINS = list(range(100, 108))
 FILE = 0o644

@@ -8,10 +8,10 @@ import stat
 
 import pytest
 
-from metadata._namespace import MAX_CREATE_MANY, ROOT_INO, Namespace
-from metadata._store import Store
-from wire._errors import StripefsError
-from wire._types import MAX_NAME, MAX_PATH
+from stripefs.metadata._namespace import MAX_CREATE_MANY, ROOT_INO, Namespace
+from stripefs.metadata._store import Store
+from stripefs.wire._errors import StripefsError
+from stripefs.wire._types import MAX_NAME, MAX_PATH
 
 CHAINS = list(range(100, 108))
 

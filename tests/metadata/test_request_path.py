@@ -8,9 +8,9 @@ import threading
 import pytest
 import trio
 
-from metadata import Namespace, SqliteStore
-from metadata._server import Membership, MetadataService
-from wire import messages as m
+from stripefs.metadata import Namespace, SqliteStore
+from stripefs.metadata._server import Membership, MetadataService
+from stripefs.wire import messages as m
 
 
 def _service(tmp_path) -> tuple[MetadataService, SqliteStore]:
@@ -83,8 +83,8 @@ def test_a_full_page_of_young_removals_does_not_make_every_unlink_rescan(tmp_pat
     every unlink's wake-up listed (and skipped) a thousand rows."""
     import time
 
-    from metadata._store import GarbageItem
-    from wire import Layout
+    from stripefs.metadata._store import GarbageItem
+    from stripefs.wire import Layout
 
     store = SqliteStore(tmp_path / "meta.db")
     svc = MetadataService(Namespace(store), lambda doc, restarted: Membership(None, doc=doc, restarted=restarted),

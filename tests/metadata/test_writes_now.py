@@ -10,12 +10,12 @@ import os
 import pytest
 import trio
 
-from metadata import Namespace, SqliteStore
-from metadata._server import MetadataService
-from metadata._store import RESERVE
+from stripefs.metadata import Namespace, SqliteStore
+from stripefs.metadata._server import MetadataService
+from stripefs.metadata._store import RESERVE
 from tests.metadata.conftest import sqlite_service
-from wire import StripefsError
-from wire import messages as m
+from stripefs.wire import StripefsError
+from stripefs.wire import messages as m
 
 
 def test_commit_unsynced_commits_what_needs_no_fsync_and_nothing_else(tmp_path) -> None:

@@ -23,16 +23,16 @@ from pathlib import Path
 import crc32c
 import trio
 
-from fsclient import Client
-from fsclient.testing.procs import pause
-from metadata._server import Membership
-from storage import ChunkStore
-from storage import _replication
-from storage._replication import Replicator
+from stripefs.fsclient import Client
+from stripefs.fsclient.testing.procs import pause
+from stripefs.metadata._server import Membership
+from stripefs.storage import ChunkStore
+from stripefs.storage import _replication
+from stripefs.storage._replication import Replicator
 from tests.conftest import TEST_CHUNK
 from tests.membership.test_chain_moves import Clock, _beat, _join
 from tests.replication.test_replication import server_pid, wait_all_serving
-from wire import messages as m
+from stripefs.wire import messages as m
 
 BLOCK = 64 * 1024
 

@@ -1,5 +1,5 @@
 """Seeded fault schedules judged by the history checker (issue 14): a few in ``make test``,
-many in ``python -m bench.fault_soak``.
+many in ``python -m stripefs.bench.fault_soak``.
 
 Each plays kill -9, SIGSTOP pauses past the failure timeout, restarts and an
 ``add-server`` one at a time against writer and reader processes; no operation
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsclient.testing.faults import Schedule, run_schedule
+from stripefs.fsclient.testing.faults import Schedule, run_schedule
 
 
 @pytest.mark.slow

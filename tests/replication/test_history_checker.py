@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fsclient.testing.history import Op, check
+from stripefs.fsclient.testing.history import Op, check
 
 S = (0, 0)
 

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from fsclient import Client
-from storage import HEADER_SIZE
+from stripefs.fsclient import Client
+from stripefs.storage import HEADER_SIZE
 from tests.conftest import TEST_CHUNK
 
 
@@ -140,7 +140,7 @@ def test_corrupt_replica_is_read_around_and_scrub_repairs(make_cluster) -> None:
     assert main(["scrub", "--cluster", h.file]) == 0  # found and repaired
     with h.client() as c:
         sid = next(s.server_id for s in c.status().servers if s.port == h.data["servers"][0]["port"])
-        from wire import messages as m
+        from stripefs.wire import messages as m
 
         again = c.call_storage(sid, m.Scrub(repair=False))
         assert again.bad == [] and again.checked >= flipped

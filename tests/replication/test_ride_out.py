@@ -17,9 +17,9 @@ import time
 
 import pytest
 
-from fsclient import Client
-from fsclient.batchread import ReadRing
-from fsclient.testing.procs import pause
+from stripefs.fsclient import Client
+from stripefs.fsclient.batchread import ReadRing
+from stripefs.fsclient.testing.procs import pause
 from tests.conftest import TEST_CHUNK
 from tests.replication.test_replication import server_pid, wait_all_serving
 
@@ -271,7 +271,7 @@ def test_a_write_forwarded_by_an_older_chain_table_is_refused(make_cluster) -> N
     skip a member that joined since: the receiver refuses, and the write is retried whole."""
     import crc32c
 
-    from wire import ErrorCode, StripefsError, messages as m
+    from stripefs.wire import ErrorCode, StripefsError, messages as m
 
     h = make_cluster(servers=2, replicas=2)
     with h.client() as c:

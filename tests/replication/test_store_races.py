@@ -10,7 +10,7 @@ from pathlib import Path
 
 import crc32c
 
-from storage import ChunkStore
+from stripefs.storage import ChunkStore
 
 CHUNK = 256 * 1024
 BLOCK = 64 * 1024

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import trio
 
-import wire
-from rpc import Connection, ServerConn, Service, serve_rpc
-from wire import ErrorCode, FrameHead, Message, StripefsError
-from wire import messages as m
+from stripefs import wire
+from stripefs.rpc import Connection, ServerConn, Service, serve_rpc
+from stripefs.wire import ErrorCode, FrameHead, Message, StripefsError
+from stripefs.wire import messages as m
 
 SECRET = "test-secret"
 CLIENT = wire.role_credential(SECRET, "client")

@@ -19,14 +19,14 @@ from typing import Any, Iterator
 import pytest
 import trio
 
-import rpc
-from bench.load_bench import run as run_load
-from fsclient.batchread import ReadRing
-from fsclient.core._core import BUSY_DELAY, BUSY_DELAY_MAX, busy_delay
-from rpc import ByteBudget, ClientSlots, Connection, ServerConn, Service
-from storage.__main__ import CLIENT_CONNECTIONS_ENV
-from wire import ErrorCode, FrameHead, Message, StripefsError, role_credential
-from wire import messages as m
+from stripefs import rpc
+from stripefs.bench.load_bench import run as run_load
+from stripefs.fsclient.batchread import ReadRing
+from stripefs.fsclient.core._core import BUSY_DELAY, BUSY_DELAY_MAX, busy_delay
+from stripefs.rpc import ByteBudget, ClientSlots, Connection, ServerConn, Service
+from stripefs.storage.__main__ import CLIENT_CONNECTIONS_ENV
+from stripefs.wire import ErrorCode, FrameHead, Message, StripefsError, role_credential
+from stripefs.wire import messages as m
 
 from .threaded import ThreadedServer
 
@@ -36,8 +36,8 @@ CLIENT = role_credential(SECRET, "client")
 _SERVER = textwrap.dedent("""
     import resource, sys
     import trio
-    import rpc
-    from wire import messages as m
+    from stripefs import rpc
+    from stripefs.wire import messages as m
 
     class Echo(rpc.Service):
         role = "storage"
@@ -268,7 +268,7 @@ def test_byte_budget_refuses_after_its_patience_or_at_once_behind_a_full_queue()
     ({"STRIPEFS_STORAGE_PAYLOAD_BUDGET": "lots"}, [], "--payload-budget: must be a positive integer, got 'lots'"),
 ])
 def test_bad_load_bounds_are_usage_errors(tmp_path, env: dict[str, str], args: list[str], said: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "storage", "--root", str(tmp_path), "--metadata", "127.0.0.1:1",
+    proc = subprocess.run([sys.executable, "-m", "stripefs.storage", "--root", str(tmp_path), "--metadata", "127.0.0.1:1",
                            "--cluster", str(tmp_path / "none.json"), *args], env={**os.environ, **env},
                           capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2 and said in proc.stderr, proc.stderr
@@ -284,7 +284,7 @@ def test_busy_backoff_grows_with_jitter_and_is_capped() -> None:
 
 
 def test_the_client_backs_off_from_busy_and_reports_ebusy_only_when_its_budget_runs_out(tmp_path, monkeypatch) -> None:
-    from fsclient.testing import LocalCluster
+    from stripefs.fsclient.testing import LocalCluster
 
     monkeypatch.setenv(CLIENT_CONNECTIONS_ENV, "1")  # the storage server admits one connection per client
     cluster = LocalCluster.start(str(tmp_path / "c"), servers=1, chunk_size=256 * 1024)
@@ -324,7 +324,7 @@ def test_the_client_backs_off_from_busy_and_reports_ebusy_only_when_its_budget_r
 
 @pytest.mark.slow
 def test_64_client_processes_writing_to_one_storage_server(tmp_path) -> None:
-    # The full-size run (64 x 4 MiB against an 8 MiB budget) is `python -m bench.load_bench`.
+    # The full-size run (64 x 4 MiB against an 8 MiB budget) is `python -m stripefs.bench.load_bench`.
     budget = 1 << 20  # four 256 KiB pieces: 64 clients sending two each overrun it
     out = run_load(str(tmp_path / "c"), clients=64, size=512 * 1024, budget=budget, busy_after=0.05,
                    chunk_size=256 * 1024, timeout=120)

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import trio
 
-import wire
-from rpc import Connection, ServerConn, Service, ThreadReply
-from wire import ErrorCode, FrameHead, Message, StripefsError
-from wire import messages as m
+from stripefs import wire
+from stripefs.rpc import Connection, ServerConn, Service, ThreadReply
+from stripefs.wire import ErrorCode, FrameHead, Message, StripefsError
+from stripefs.wire import messages as m
 
 from .threaded import ThreadedServer, temp_file
 

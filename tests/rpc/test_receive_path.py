@@ -13,9 +13,9 @@ from typing import Any, Iterator
 import pytest
 import trio
 
-from rpc import Connection, ServerConn, Service, abandon, serve_rpc
-import wire
-from wire import ErrorCode, FrameHead, Message, StripefsError, messages as m
+from stripefs.rpc import Connection, ServerConn, Service, abandon, serve_rpc
+from stripefs import wire
+from stripefs.wire import ErrorCode, FrameHead, Message, StripefsError, messages as m
 
 SECRET = "test-secret"
 CLIENT = wire.role_credential(SECRET, "client")

@@ -9,9 +9,9 @@ from typing import Any, Iterator
 import pytest
 import trio
 
-from rpc import Connection, ConnectionPool, ServerConn, Service, ThreadReply, TrioConnection, TrioPool
-import wire
-from wire import ErrorCode, FrameHead, Message, StripefsError, messages as m
+from stripefs.rpc import Connection, ConnectionPool, ServerConn, Service, ThreadReply, TrioConnection, TrioPool
+from stripefs import wire
+from stripefs.wire import ErrorCode, FrameHead, Message, StripefsError, messages as m
 
 from .threaded import ThreadedServer, temp_file
 
@@ -105,7 +105,7 @@ def test_reply_from_thread_failures_are_answered(server: Server) -> None:
 
 
 def test_thread_reply_answers_once() -> None:
-    from wire import ServerConnection
+    from stripefs.wire import ServerConnection
 
     machine = ServerConnection(SECRET, "storage")
     machine._authenticated = True  # as after a handshake

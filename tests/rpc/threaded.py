@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import trio
 
-from rpc import Service, serve_rpc
+from stripefs.rpc import Service, serve_rpc
 
 
 class ThreadedServer:

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-import staging
+from stripefs import staging
 
 
 def main() -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import staging
-from staging._snapshot import POOL
+from stripefs import staging
+from stripefs.staging._snapshot import POOL
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available())")
 

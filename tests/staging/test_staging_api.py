@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-import staging
-from staging import CheckpointConflict, ChecksumError, Mover, MoverOptions
+from stripefs import staging
+from stripefs.staging import CheckpointConflict, ChecksumError, Mover, MoverOptions
 
 
 class Opaque:
@@ -113,7 +113,7 @@ def test_non_json_values_never_unpickled_unrestricted(cluster, testdir, sdir):
     import base64
     import io
 
-    from staging._format import decode_tree
+    from stripefs.staging._format import decode_tree
 
     raw = io.BytesIO()
     torch.save(Opaque(3), raw)

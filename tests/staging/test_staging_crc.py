@@ -7,7 +7,7 @@ import os
 import crc32c
 import pytest
 
-from staging._format import chunk_crcs, crc_combine
+from stripefs.staging._format import chunk_crcs, crc_combine
 
 
 @pytest.mark.parametrize("n", [0, 1, 4095, 1 << 16, (1 << 16) + 1, 5 * (1 << 16), 5 * (1 << 16) + 777])

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import staging
-from staging import ChecksumError
+from stripefs import staging
+from stripefs.staging import ChecksumError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-import staging
-from staging._journal import Journal
+from stripefs import staging
+from stripefs.staging._journal import Journal
 
 HERE = os.path.dirname(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-import staging
-from staging import MoverOptions
-from staging._format import parse_manifest
-from staging._snapshot import POOL
+from stripefs import staging
+from stripefs.staging import MoverOptions
+from stripefs.staging._format import parse_manifest
+from stripefs.staging._snapshot import POOL
 
 
 @pytest.fixture
@@ -235,8 +235,8 @@ def test_manifest_version_and_hostile_views(cluster, sdir):
     """Plain checkpoints stay version 2 (older readers read them); views need 3 and are checked."""
     import json
 
-    from staging import ChecksumError
-    from staging._format import manifest_bytes
+    from stripefs.staging import ChecksumError
+    from stripefs.staging._format import manifest_bytes
 
     def manifest(h):
         with open(os.path.join(_local(sdir, h), "manifest.json"), "rb") as f:

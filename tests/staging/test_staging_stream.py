@@ -15,11 +15,11 @@ import time
 import pytest
 import torch
 
-import staging
-from staging import MoverOptions
-from staging._journal import Journal
+from stripefs import staging
+from stripefs.staging import MoverOptions
+from stripefs.staging._journal import Journal
 
-from staging._sweep import assert_same, check_latest, mover_pass, run_forked, save_step, state_for
+from stripefs.staging._sweep import assert_same, check_latest, mover_pass, run_forked, save_step, state_for
 
 
 @pytest.fixture
@@ -97,8 +97,8 @@ def test_keep_local_0_trainer_killed(cluster, client, testdir, tmp_path, kill_at
 
 def test_stored_checksums_check_every_replica(make_cluster):
     """The check a keep_local=0 upload gets instead of a read-back: every replica's stored CRC32Cs."""
-    from staging._journal import FileRow
-    from staging._verify import stored_problem
+    from stripefs.staging._journal import FileRow
+    from stripefs.staging._verify import stored_problem
 
     c = make_cluster(servers=3, replicas=2)
     client = c.client()

@@ -1,6 +1,6 @@
 """kill -9 of the mover, and of a saving trainer, at every fault point and every hit count.
 
-The sweep machinery lives in ``staging._sweep`` (shared with ``python -m bench.ckpt_sweep``,
+The sweep machinery lives in ``staging._sweep`` (shared with ``python -m stripefs.bench.ckpt_sweep``,
 which runs it larger): a traced, uninterrupted run of a checkpoint of three data files of three
 pieces (plus one small file) lists every fault point passed; each (point, hit count) is then
 killed in turn, resumed with ``stripefs mover --once``, and checked — ``latest()`` names only
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from staging._sweep import sweep_mover, sweep_trainer
+from stripefs.staging._sweep import sweep_mover, sweep_trainer
 
 
 def test_mover_killed_at_every_fault_point(cluster, client, testdir, tmp_path):

@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-import staging
-from staging import ChecksumError
-from staging._format import MANIFEST, manifest_bytes, parse_manifest
+from stripefs import staging
+from stripefs.staging import ChecksumError
+from stripefs.staging._format import MANIFEST, manifest_bytes, parse_manifest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
@@ -202,7 +202,7 @@ def test_dcp_reader_never_writes_outside_its_cache(cluster, client, testdir, tmp
 
 @pytest.mark.parametrize("index", [-1, 1, "0", True, 0.0])
 def test_tree_tensor_reference_must_name_a_listed_tensor(index):
-    from staging._format import decode_tree
+    from stripefs.staging._format import decode_tree
 
     only = torch.zeros(1)
     assert decode_tree({"t": 0}, [only]) is only

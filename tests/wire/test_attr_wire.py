@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from wire import Attr, Layout
+from stripefs.wire import Attr, Layout
 
 
 def test_attr_wire_map_has_every_field_and_round_trips() -> None:

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from wire import (
+from stripefs.wire import (
     NEED_DATA,
     BadRequest,
     ClientConnection,

@@ -19,9 +19,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import wire
-from wire import StripefsError
-from wire import messages as m
+from stripefs import wire
+from stripefs.wire import StripefsError
+from stripefs.wire import messages as m
 
 
 class _Int(int):
@@ -265,7 +265,7 @@ def test_frames_keep_their_bytes(msg_type: int, req_id: int, msg: Any, payload_l
 
 
 def test_positional_builders_make_the_same_objects() -> None:
-    from wire._build import positional_builder
+    from stripefs.wire._build import positional_builder
 
     assert positional_builder(wire.Attr)(*dataclasses.astuple(_ATTR, tuple_factory=list)[:9], _LAYOUT, None, 0, 4) == _ATTR
     classes = [*wire.MESSAGES.values(), *{c.Reply for c in wire.MESSAGES.values() if c.Reply},

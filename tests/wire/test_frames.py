@@ -11,8 +11,8 @@ import msgpack
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import wire
-from wire import FLAG_ERROR, FLAG_RESPONSE, NEED_DATA, PREFIX, ErrorCode, FrameDecoder, StripefsError, encode_frame
+from stripefs import wire
+from stripefs.wire import FLAG_ERROR, FLAG_RESPONSE, NEED_DATA, PREFIX, ErrorCode, FrameDecoder, StripefsError, encode_frame
 
 
 def test_exact_bytes_of_a_frame() -> None:

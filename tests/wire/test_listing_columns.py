@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wire import Attr, DirEntry, ErrorCode, Layout, StripefsError
-from wire import messages as m
+from stripefs.wire import Attr, DirEntry, ErrorCode, Layout, StripefsError
+from stripefs.wire import messages as m
 
 _I64 = st.integers(-(1 << 63), (1 << 63) - 1)
 _U32 = st.integers(0, (1 << 32) - 1)

@@ -13,8 +13,8 @@ import crc32c
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import wire
-from wire import ErrorCode, StripefsError, decode_message, messages as m
+from stripefs import wire
+from stripefs.wire import ErrorCode, StripefsError, decode_message, messages as m
 
 
 def test_message_ids_are_unique_and_stable() -> None:

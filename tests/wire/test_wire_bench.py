@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench import wire_bench
+from stripefs.bench import wire_bench
 
 
 def test_wire_bench_writes_a_row_per_message(capsys: pytest.CaptureFixture[str]) -> None:
