@@ -97,7 +97,7 @@ def run(root: str, *, clients: int = 64, size: int = 4 << 20, budget: int = 8 <<
             c.write_bytes("/load/warm", b"x" * size)  # the server's steady state before the flood
         base_hwm, base_rss = _status_kib(pid, "VmHWM"), _status_kib(pid, "VmRSS")
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["fsclient"])  # children forked ready, not one import each
+        ctx.set_forkserver_preload(["stripefs.fsclient"])  # children forked ready, not one import each
         q, go = ctx.Queue(), ctx.Event()
         procs = [ctx.Process(target=_writer, args=(cluster.file, i, size, q, go)) for i in range(clients)]
         for p in procs:

@@ -15,7 +15,7 @@ import trio
 from stripefs.wire import StripefsError
 
 from ._leasetable import LEASE_TTL
-from ._server import serve_metadata
+from ._service import serve_metadata
 
 
 async def _main(args: argparse.Namespace, secret: str, cluster_id: str, raw: dict) -> None:

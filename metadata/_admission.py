@@ -12,6 +12,12 @@ service trusts none of their fields:
 * :func:`connect_back` proves that the announced address is a storage server of
   this cluster answering as the registered server (same id, same data
   directory) before the registration may take a chain slot.
+
+A registration waits as a :class:`Candidate` (``pending``) in the membership
+(``_membership.py``) until :class:`Admission`, a task of the service, has connected
+back to it: it admits those that check out and tells the membership why the others
+did not, to be retried later. Failure detection (:func:`detect`), the other way out
+of the membership, runs beside it on its own clock.
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import logging
 import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -41,7 +49,12 @@ from stripefs.wire import (
     messages as m,
 )
 
-__all__ = ["MAX_SERVER_ID", "validate", "valid_host", "token_hash", "same_token", "connect_back", "NOT_YET"]
+from ._leader import Leadership
+
+__all__ = ["MAX_SERVER_ID", "validate", "valid_host", "token_hash", "same_token", "connect_back", "NOT_YET",
+           "Candidate", "Admission", "detect"]
+
+log = logging.getLogger(__name__)
 
 MAX_SERVER_ID = 2 ** 31 - 1
 _MAX_BYTES = 2 ** 63 - 1  # capacities and counts: anything larger is not a real disk
@@ -53,6 +66,13 @@ CONNECT_BACK_TIMEOUT = 2.0
 # The answer of a server that has not processed its registration reply yet (it learns
 # its id from that reply): not a refusal, the check is simply repeated shortly.
 NOT_YET = "the server has not taken its server id yet"
+# Connect-back checks running at once.
+MAX_VERIFYING = 8
+# Failure detection sweeps the membership this often (``_membership.OFFLINE_AFTER``).
+SWEEP_INTERVAL = 0.5
+# With several services, the leader rewrites the membership row followers read (capacities,
+# usage) at most this often.
+VIEW_REFRESH = 2.0
 
 
 def _invalid(msg: str) -> StripefsError:
@@ -187,3 +207,111 @@ async def connect_back(secret: str, host: str, port: int, server_id: int, root: 
     if os.path.normpath(info.root) != os.path.normpath(root):
         return f"{address} serves {info.root!r}, not the registered {root!r}"
     return None
+
+
+@dataclass
+class Candidate:
+    """A registration waiting for its connect-back check; never in the chain table.
+
+    Kept in ``Membership.pending``; :class:`Admission` checks it and marks its progress.
+    """
+
+    server_id: int
+    host: str
+    port: int
+    root: str
+    capacity: int
+    used: int
+    pid: int
+    token_hash: str
+    first_seen: float
+    last_seen: float
+    reason: str = "waiting for the connect-back check"
+    attempts: int = 0
+    next_try: float = 0.0
+    verifying: bool = False
+
+    def as_status(self, now: float) -> dict[str, Any]:
+        return {"server_id": self.server_id, "host": self.host, "port": self.port, "root": self.root,
+                "reason": self.reason, "attempts": self.attempts, "waiting": round(now - self.first_seen, 1)}
+
+
+class Admission:
+    """The connect-back checks of pending registrations, a few at a time (``MAX_VERIFYING``).
+
+    Args:
+        lead: the service's leadership; its membership (``lead.members``, replaced when
+            the lead changes hands) holds the candidates, and an admission is persisted
+            through it before anyone hears of it.
+        secret: the cluster secret, to connect back as a server of the cluster.
+    """
+
+    def __init__(self, lead: Leadership, secret: str) -> None:
+        self.lead = lead
+        self.secret = secret
+        self.wakeup = trio.Event()
+        self.verifying = trio.CapacityLimiter(MAX_VERIFYING)
+
+    def wake(self) -> None:
+        """Check now, not at the next poll (a registration came, or the lead changed hands)."""
+        self.wakeup.set()
+
+    async def run(self) -> None:
+        """Connect back to every pending registration that is due; admit those that check out."""
+        async with trio.open_nursery() as nursery:
+            while True:
+                if self.lead.members.pending:  # retries are due on their own schedule
+                    with trio.move_on_after(0.05):
+                        await self.wakeup.wait()
+                else:  # nothing to check until someone registers
+                    await self.wakeup.wait()
+                self.wakeup = trio.Event()
+                now = self.lead.members.clock()
+                for cand in list(self.lead.members.pending.values()):
+                    if not cand.verifying and cand.next_try <= now:
+                        cand.verifying = True
+                        nursery.start_soon(self._verify, cand)
+
+    async def _verify(self, cand: Candidate) -> None:
+        try:
+            async with self.verifying:
+                reason = await connect_back(self.secret, cand.host, cand.port, cand.server_id, cand.root)
+        except Exception as exc:  # never let one registration take the service down
+            log.exception("connect-back to storage server %d failed", cand.server_id)
+            reason = f"connect-back failed: {exc}"
+        finally:
+            cand.verifying = False
+        members = self.lead.members
+        if members.pending.get(cand.server_id) is not cand:
+            return  # replaced by a newer registration, or forgotten meanwhile
+        if reason is None:
+            members.admit(cand.server_id)
+            members.place()  # with replicas, its chain moves may start at once
+            try:
+                await self.lead.persist()
+            except StripefsError as exc:
+                log.warning("admission of storage server %d not recorded: %s", cand.server_id, exc.message)
+        else:
+            members.reject(cand.server_id, reason)
+
+
+async def detect(lead: Leadership, shared: bool) -> None:
+    """Failure detection on its own clock: never waits behind garbage collection's I/O.
+
+    While ``lead`` leads, its membership is swept every ``SWEEP_INTERVAL`` seconds
+    (``Membership.sweep``: silent servers go offline, silent registrations are
+    forgotten, due chain moves start) and persisted. ``shared``: other services read
+    the membership row, which then also carries fresh capacities and usage.
+    """
+    last_flush = trio.current_time()
+    while True:
+        if lead.leading:
+            lead.members.sweep()
+            if shared and trio.current_time() - last_flush > VIEW_REFRESH:
+                lead.members.dirty = True  # followers' view of capacities and usage
+                last_flush = trio.current_time()
+            try:
+                await lead.persist()
+            except StripefsError as exc:
+                log.warning("membership not recorded: %s", exc.message)
+        await trio.sleep(SWEEP_INTERVAL)

@@ -2,10 +2,10 @@
 
 Several metadata services may share one store (PostgreSQL). Namespace operations run
 on any of them (the store's transactions keep them consistent), but the storage
-membership and chain table are a state machine (:class:`~metadata._server.Membership`)
+membership and chain table are a state machine (:class:`~metadata._membership.Membership`)
 that exactly one of them runs at a time: the **leader**, holder of the lease row
 ``metadata-leader`` in the store's ``locks`` table (the same leases clients take,
-:mod:`metadata._leases`). The leader renews it every :data:`RENEW` seconds for
+:mod:`metadata._locks`). The leader renews it every :data:`RENEW` seconds for
 :data:`TTL` seconds; when it dies (``kill -9``) another service takes the lease once it
 expires, loads the membership row and carries on, within ``TTL + RENEW`` seconds.
 
@@ -36,7 +36,7 @@ import trio
 
 from stripefs.wire import ErrorCode, StripefsError
 
-from ._leases import Leases
+from ._locks import Leases
 from ._store import LockRow, Store
 
 log = logging.getLogger(__name__)

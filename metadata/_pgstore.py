@@ -1,6 +1,6 @@
 """The store on PostgreSQL: the same transaction interface, for metadata that outgrows one machine.
 
-The primitives are :class:`~metadata._store.SqlTxn`'s plain SQL (``%s`` markers);
+The primitives are :class:`~metadata._sqltxn.SqlTxn`'s plain SQL (``%s`` markers);
 this module adds the PostgreSQL schema (64-bit integers, ``BYTEA``), a connection,
 transactions at ``SERIALIZABLE`` isolation, savepoints for group commit, and
 :meth:`PostgresStore.retryable` so the metadata service reruns a batch that lost a
@@ -24,7 +24,8 @@ from typing import Iterator
 
 from stripefs.wire._errors import ErrorCode, StripefsError
 
-from ._store import _SCHEMA, SCHEMA_VERSION, SqlTxn, Store, Txn, check_schema_version
+from ._sqltxn import _SCHEMA, SCHEMA_VERSION, SqlTxn, check_schema_version
+from ._store import Store, Txn
 
 __all__ = ["PostgresStore", "PG_SCHEMA"]
 

@@ -3,7 +3,7 @@
     >>> with client.lease("/ckpt/run1", ttl=10.0) as lease:   # waits until free
     ...     write_checkpoint(fencing_token=lease.token)
 
-The metadata service keeps the lease (``metadata._leases``); a thread renews it
+The metadata service keeps the lease (``stripefs.metadata._locks``); a thread renews it
 at a third of its TTL while it is held. Closing the client releases its leases;
 a holder that dies stops renewing, and the lease expires after its TTL.
 

@@ -1,7 +1,11 @@
 """The FUSE mount: ``stripefs mount`` / ``stripefs umount`` and the daemon behind them.
 
 * :mod:`._operations` -- pyfuse3 ``Operations`` over the native client
-  (:class:`StripeOperations`, :class:`FuseConfig`);
+  (:class:`StripeOperations`, :class:`FuseConfig`); the state they keep is in
+  :mod:`._openfile` (an open file), :mod:`._writebehind` (the mount's write-behind
+  budget), :mod:`._dirhandle` (an open directory), :mod:`._orphans` (open-but-unlinked
+  files), :mod:`._dirattrs`, :mod:`._listings` and :mod:`._kernelleases` (what is
+  answered without a round trip); docs/fuse.md "Modules" has one line each;
 * :mod:`._daemon` -- mount preflight, the detached daemon, unmount;
 * :mod:`._mounts` -- the records a running daemon leaves for ``umount`` and for the
   batch reader (which maps a mounted path to its cluster and inode).
@@ -25,8 +29,12 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("StripeOperations", "FuseConfig", "ORPHAN_DIR"):
+    if name in ("StripeOperations", "FuseConfig"):
         from . import _operations
 
         return getattr(_operations, name)
+    if name == "ORPHAN_DIR":
+        from . import _orphans
+
+        return _orphans.ORPHAN_DIR
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,18 +7,18 @@ stripefs inode numbers are the FUSE inode numbers (root 1 == ``ROOT_INODE``).
 
 Semantics (docs/fuse.md has the long form):
 
-* Open files: one state per inode per mount (:class:`OpenFile`), shared by all
+* Open files: one state per inode per mount (:class:`~fsclient.fuse._openfile.OpenFile`), shared by all
   handles, holding a :class:`~fsclient.StripeFile` (write-behind buffers,
   sequential readahead). Writes are acknowledged once buffered; errors surface
   at ``flush`` (every ``close``), ``fsync`` or the next write. The file length
   is committed at every ``flush``/``fsync`` (close-to-open consistency).
   A sequential write is copied into the write-behind buffer on the trio loop (no
   worker-thread hop); a full buffer is sent in the background, the mount's bytes in
-  flight bounded by ``write_buffer_mb`` (:meth:`StripeOperations._write_on_loop`).
+  flight bounded by ``write_buffer_mb`` (:meth:`~fsclient.fuse._writebehind.WriteBudget.write_on_loop`).
 * Unlinking (or renaming over) a file that is open in this mount links it
   into ``/.stripefs-orphans`` first ("silly rename", as NFS does); the last
   ``release`` removes it. Orphans of a crashed daemon are removed by the next
-  mount on the same host.
+  mount on the same host (:class:`~fsclient.fuse._orphans.Orphans`).
 * Page cache: ``keep_cache`` is granted at open only when the file's
   ``(size, mtime)`` is the one this mount last saw; otherwise the kernel drops
   the cached pages and attributes (close-to-open across mounts). A new open of a
@@ -58,15 +58,12 @@ from __future__ import annotations
 import dataclasses
 import errno
 import functools
-import io
 import itertools
 import logging
 import mmap
 import os
-import socket
 import stat
 import time
-from concurrent.futures import Future
 from typing import Any, Awaitable, Callable, TypeVar
 
 import pyfuse3
@@ -74,20 +71,20 @@ import trio
 
 from stripefs.wire import Attr, messages as m
 
-from ..core import AsyncClient, Client, StripeFile, pid_alive
+from ..core import AsyncClient, Client
 from ._dirattrs import DirAttrs
+from ._dirhandle import OFFSET_BITS, READDIR_PAGE, DirHandle
 from ._kernelleases import KernelLeases
 from ._listings import Listings, Page
-from ._mounts import process_start
+from ._openfile import OpenFile
+from ._orphans import ORPHAN_DIR, Orphans
+from ._writebehind import WriteBudget
 
-__all__ = ["StripeOperations", "FuseConfig", "ORPHAN_DIR"]
+__all__ = ["StripeOperations", "FuseConfig"]
 
 log = logging.getLogger(__name__)
 
-ORPHAN_DIR = ".stripefs-orphans"
 BLKSIZE = 1 << 20  # st_blksize: stdio, Python io and cp size their buffers by it
-READDIR_PAGE = 1000
-OFFSET_BITS = 20  # a readdir offset is (page serial << OFFSET_BITS) + 1 + the entry's position in it
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 R = TypeVar("R")
 
@@ -135,180 +132,6 @@ def _name(raw: bytes) -> str:
     return os.fsdecode(raw)
 
 
-class OpenFile:
-    """The state of one inode open in this mount, shared by all its handles.
-
-    Every method is blocking and runs on a worker thread while the caller holds
-    ``lock`` (StripeFile is not thread-safe).
-    """
-
-    def __init__(self, client: Client, file: StripeFile):
-        self.client = client
-        self.file = file
-        self.stamp = _stamp(file.attr)  # the cluster's (size, mtime, truncations) this state started from
-        self.mode = file.attr.mode  # as this mount last saw it: writes clear setuid/setgid from it
-        self.handles = 0
-        self.lock = trio.Lock()
-        self.orphan: str | None = None  # name in ORPHAN_DIR once silly-renamed
-        self.dirty = False  # writes buffered since the last sync
-        self.written = False  # ever written or truncated through this state
-        self.read_from = False  # ever read through the file object (readahead may be in flight)
-        self.seq_end = 0
-        self._buf: mmap.mmap | None = None
-
-    def length(self) -> int:
-        """This mount's view of the length (buffered writes included)."""
-        return self.file.seek(0, io.SEEK_END)
-
-    def read(self, offset: int, size: int) -> memoryview:
-        """Read into this inode's reused page-aligned buffer and return a view of it.
-
-        The view is valid until the next read of this inode: pyfuse3 copies it
-        into the reply before any other task of the loop runs.
-        """
-        f = self.file
-        self.read_from = True
-        f.flush()  # reads see this mount's buffered writes
-        dest = self._dest(max(0, min(size, self.length() - offset)))
-        if not len(dest):
-            return dest
-        self.dirty = False
-        # StripeFile picks the path: readahead windows when sequential, exact fetches otherwise.
-        got = f.pread_into(dest, offset)
-        self.seq_end = offset + got
-        return dest[:got]
-
-    def _dest(self, n: int) -> memoryview:
-        """This inode's reused page-aligned reply buffer, at least ``n`` bytes."""
-        if self._buf is None or len(self._buf) < n:
-            self._buf = mmap.mmap(-1, max(n, 1 << 20))
-        return memoryview(self._buf)[:n]
-
-    def read_cached(self, offset: int, size: int) -> memoryview | None:
-        """Serve a read from an already filled readahead window, on the trio loop
-        (no worker-thread hop, no copy: a view of the window, which pyfuse3 copies into
-        the reply before any other task runs); None when the bytes are not in memory yet."""
-        view = self.file.buffered_view(offset, size)
-        if view is None:
-            return None
-        self.seq_end = offset + len(view)
-        return view
-
-    def write(self, offset: int, data: bytes) -> int:
-        self.dirty = self.written = True
-        return self.file.pwrite(data, offset)
-
-    def write_buffered(self, offset: int, data: bytes) -> int:
-        """:meth:`write` on the trio loop, for a write that ``file.buffered_fits`` (a copy
-        into the write-behind buffer; a full one is sent in the background)."""
-        self.dirty = self.written = True
-        return self.file.write_buffered(data, offset)
-
-    def sync(self) -> None:
-        """Wait for buffered writes and commit the length (flush and fsync)."""
-        self.file.fsync()
-        self.dirty = False
-
-    def append(self, data: bytes) -> tuple[int, int]:
-        """Write ``data`` at the end of the file as the cluster knows it now (``O_APPEND``).
-
-        The kernel picks an append's offset from its cached size, which may predate
-        another client's committed appends; this asks the metadata service instead, at
-        every write, and writes after both the committed length and this mount's own
-        bytes not committed yet. Returns (bytes written, the offset they went to).
-        """
-        attr = self.client.stat_inode(self.file.ino)
-        if attr.truncations != self.stamp[2]:
-            # Truncated since this state started (here or elsewhere): its idea of the
-            # length is stale. Commit what is ours and start over from the fresh attributes.
-            self.sync()
-            self.refresh(self.client.stat_inode(self.file.ino))
-            attr = self.file.attr
-        at = max(attr.size, self.length())
-        return self.write(at, data), at
-
-    def refresh(self, attr: Attr) -> None:
-        """Start over from ``attr``, fresh from the metadata service: another client may
-        have rewritten or grown the file. A new :class:`StripeFile` takes the fresh size,
-        truncate count and layout; the old one's readahead windows are dropped with it.
-
-        Only after :meth:`sync` succeeded: nothing is buffered or uncommitted, so closing
-        the old file object commits nothing and only releases its buffers.
-        """
-        old, self.file = self.file, self.client.open_inode(attr, readable=True, writable=True)
-        self.stamp = _stamp(attr)
-        self.mode = attr.mode
-        self.seq_end = 0
-        self.dirty = False
-        old.close()
-
-    def truncate(self, size: int) -> None:
-        self.written = True
-        self.file.truncate(size)
-        self.seq_end = 0
-
-    @property
-    def untouched(self) -> bool:
-        """Neither written nor read: closing sends, commits and waits for nothing, so it
-        may run on the trio loop (no worker-thread hop)."""
-        return not (self.written or self.read_from or self.lock.locked())
-
-    def close(self) -> None:
-        try:
-            self.file.close()
-        finally:
-            self._buf = None  # not closed: pyfuse3 may still hold a view of it
-
-
-class _Dir:
-    """A directory handle: the pages it listed, the offsets given to the kernel, its page.
-
-    The metadata service lists a directory in name order, a page at a time, resuming
-    ``after`` a name. Each offset handed to the kernel stands for "after this entry of
-    this page" (offset 0: from the start; see :meth:`Page.offset`), so a listing resumed
-    at any offset -- the next ``getdents``, or a ``seekdir`` back to a ``telldir`` --
-    continues right after the entry it stopped at, however the directory changed
-    meanwhile: no entry twice, none skipped, and one page fetched rather than the
-    listing read again from the start. The handle keeps every page it listed from, so
-    that its offsets stay valid until ``closedir``.
-    """
-
-    def __init__(self, ino: int):
-        self.ino = ino
-        self.listed: dict[int, Page] = {}  # serial -> a page this handle listed from
-        self.page_after: str | None = None  # the cursor ``page`` was fetched for
-        self.page: Page | None = None
-        self.kept = False  # ``page`` came from the daemon's kept listings, not this handle's fetch
-
-    def resume(self, offset: int) -> str | None:
-        """The name a listing at ``offset`` resumes after ("": from the start), or None
-        for an offset this handle never gave out."""
-        if offset == 0:
-            return ""
-        page = self.listed.get(offset >> OFFSET_BITS)
-        k = (offset & ((1 << OFFSET_BITS) - 1)) - 1
-        if page is None or not 0 <= k < len(page.entries):
-            return None
-        return page.entries[k].name
-
-    def find(self, after: str) -> int | None:
-        """Where the entries after ``after`` start in the page, or None if not there."""
-        page = self.page
-        if page is None:
-            return None
-        if after == self.page_after:
-            return 0
-        i = page.index.get(after)
-        if i is None or (i == len(page.entries) - 1 and page.more):
-            return None  # not in this page, or its last entry: the next page is needed
-        return i + 1
-
-    def set_page(self, after: str, page: Page | None, kept: bool = False) -> None:
-        self.page_after, self.page, self.kept = after, page, kept
-        if page is not None:
-            self.listed[page.serial] = page
-
-
 class StripeOperations(pyfuse3.Operations):
     """pyfuse3 operations serving a stripefs cluster.
 
@@ -324,24 +147,21 @@ class StripeOperations(pyfuse3.Operations):
         self.client = client
         self.aio = AsyncClient(client, limiter=trio.CapacityLimiter(64))
         self.config = config or FuseConfig()
-        # host@pid.start@random: the pid's start time tells a later mount whether this very
-        # daemon still runs (a pid alone may have been reused; see clean_orphans).
-        self.mount_id = f"{socket.gethostname()}@{os.getpid()}.{process_start(os.getpid())}@{os.urandom(3).hex()}"
         self.files: dict[int, OpenFile] = {}  # ino -> open state
         self.handles: dict[int, int] = {}  # fh -> ino
         self.appenders: set[int] = set()  # fhs opened with O_APPEND (see OpenFile.append)
         self.unprivileged: set[int] = set()  # fhs opened by a non-root user: their writes clear setuid/setgid
-        self.dirs: dict[int, _Dir] = {}
+        self.dirs: dict[int, DirHandle] = {}
         self.dir_attrs = DirAttrs(self.config.attr_timeout)
         self.listings = Listings(min(self.config.attr_timeout, self.config.entry_timeout))
+        self.orphans = Orphans(self.aio, self.dir_attrs, self.listings)
+        self.mount_id = self.orphans.mount_id  # the daemon writes it into the mount record too
         self.lookups: dict[int, int] = {}
         self.told: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime) last given to the kernel
         self.cached: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime) of the kernel's page cache
         self.closing: dict[int, trio.Event] = {}
-        self.sending_bytes = 0  # write-behind bytes in flight, sent from the loop (see _write_on_loop)
-        self._room = trio.Event()  # set (and replaced) whenever some of them are acknowledged
+        self.writes = WriteBudget(self.config.write_buffer_mb << 20)
         self._fh = itertools.count(1)
-        self._orphan_dir: int | None = None
         self._rbufs: list[mmap.mmap] = []  # never closed: pyfuse3 may still hold a view
         # (ino, name) -> when "no such attribute" stops being trusted. The kernel asks for
         # security.capability before every write(2) to a file; answering that from here
@@ -507,7 +327,7 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
         fh = next(self._fh)
-        self.dirs[fh] = _Dir(inode)
+        self.dirs[fh] = DirHandle(inode)
         return fh
 
     @_errors
@@ -579,7 +399,7 @@ class StripeOperations(pyfuse3.Operations):
         page.replies = replies
         return replies
 
-    async def _load_page(self, d: _Dir, after: str) -> None:
+    async def _load_page(self, d: DirHandle, after: str) -> None:
         """Give handle ``d`` the page after ``after``: a kept one (see Listings), or one
         fetched from the metadata service now (and kept)."""
         page = self.listings.get(d.ino, after)
@@ -671,11 +491,11 @@ class StripeOperations(pyfuse3.Operations):
             await self._unlink(parent_inode, name)
             return
         victim = await self.aio.attr(m.Lookup(parent=parent_inode, name=_name(name)))
-        linked = await self._keep_if_open(victim)
+        linked = await self.orphans.keep_if_open(self.files.get(victim.ino), victim)
         try:
             await self._unlink(parent_inode, name)
         except BaseException:
-            await self._unkeep(victim.ino, linked)
+            await self.orphans.unkeep(self.files.get(victim.ino), linked)
             raise
 
     async def _unlink(self, parent_inode: int, name: bytes) -> None:
@@ -704,13 +524,13 @@ class StripeOperations(pyfuse3.Operations):
             except FileNotFoundError:
                 victim = None
             if victim is not None:
-                linked = await self._keep_if_open(victim)
+                linked = await self.orphans.keep_if_open(self.files.get(victim.ino), victim)
         try:
             await self.aio.call(m.Rename(parent=parent_inode_old, name=_name(name_old), new_parent=parent_inode_new,
                                          new_name=_name(name_new), flags=flags))
         except BaseException:
             if victim is not None:
-                await self._unkeep(victim.ino, linked)
+                await self.orphans.unkeep(self.files.get(victim.ino), linked)
             raise
         else:
             if self.kernel_leases is not None:  # the kernel knows the entry by its new name now
@@ -721,61 +541,10 @@ class StripeOperations(pyfuse3.Operations):
             self.listings.forget_names(parent_inode_old)
             self.listings.forget_names(parent_inode_new)
 
-    async def _orphans(self) -> int:
-        if self._orphan_dir is None:
-            try:
-                attr = await self.aio.attr(m.Mkdir(parent=pyfuse3.ROOT_INODE, name=ORPHAN_DIR, mode=0o700))
-                self.dir_attrs.drop(pyfuse3.ROOT_INODE)  # its link count and times changed
-                self.listings.drop(pyfuse3.ROOT_INODE)
-                self.listings.added(pyfuse3.ROOT_INODE, ORPHAN_DIR)
-            except FileExistsError:
-                attr = await self.aio.attr(m.Lookup(parent=pyfuse3.ROOT_INODE, name=ORPHAN_DIR))
-            self._orphan_dir = attr.ino
-        return self._orphan_dir
-
-    async def _keep_if_open(self, victim: Attr) -> bool:
-        """Silly rename: give an open file losing its last name a hidden one."""
-        state = self.files.get(victim.ino)
-        if state is None or state.orphan is not None or not victim.is_file or victim.nlink != 1:
-            return False
-        name = f"{victim.ino}@{self.mount_id}"  # host@pid: a later mount can tell it is stale
-        orphans = await self._orphans()
-        try:
-            await self.aio.call(m.Link(ino=victim.ino, new_parent=orphans, new_name=name))
-        finally:
-            self.dir_attrs.drop(orphans)
-            self.listings.clear()  # the victim's link count
-            self.listings.forget_names(orphans)
-        state.orphan = name
-        return True
-
-    async def _unkeep(self, ino: int, linked: bool) -> None:
-        state = self.files.get(ino)
-        if linked and state is not None and state.orphan is not None:
-            name, state.orphan = state.orphan, None
-            await self.aio.call(m.Unlink(parent=await self._orphans(), name=name))
-
     async def clean_orphans(self) -> int:
-        """Remove orphans that dead daemons of this host left behind. Returns how many."""
-        try:
-            d = await self.aio.attr(m.Lookup(parent=pyfuse3.ROOT_INODE, name=ORPHAN_DIR))
-        except FileNotFoundError:
-            return 0
-        self._orphan_dir = d.ino
-        host, removed, after = socket.gethostname(), 0, ""
-        while True:
-            reply = await self.aio.call(m.Readdir(ino=d.ino, after=after, limit=READDIR_PAGE))
-            names = [e.name for e in reply.entries]
-            for name in names:
-                parts = name.split("@")
-                if len(parts) >= 4 and parts[-3] == host and not _orphan_owner_alive(parts[-2]):
-                    await self.aio.call(m.Unlink(parent=d.ino, name=name))
-                    self.listings.drop(d.ino)
-                    self.listings.removed(d.ino, name)
-                    removed += 1
-            if not reply.more or not names:
-                return removed
-            after = names[-1]
+        """Remove orphans that dead daemons of this host left behind (:meth:`Orphans.clean`).
+        Returns how many."""
+        return await self.orphans.clean()
 
     # -- files ------------------------------------------------------------------------------
     async def _open_state(self, attr: Attr, flags: int, uid: int) -> pyfuse3.FileInfo:
@@ -797,7 +566,7 @@ class StripeOperations(pyfuse3.Operations):
             # own writes are committed first, then fresh attributes say whether the file
             # changed since the state started; if so the state starts over from them.
             try:
-                attr = await self._locked(state, self._refresh, state, ino) or attr
+                attr = await self._locked(state, state.revalidate) or attr
             except BaseException:
                 await self.release(fh)
                 raise
@@ -826,23 +595,6 @@ class StripeOperations(pyfuse3.Operations):
             self.appenders.add(fh)
             direct = True
         return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=keep)
-
-    def _refresh(self, state: OpenFile, ino: int) -> Attr | None:
-        """Commit ``state``'s writes, fetch fresh attributes, start over if the file changed.
-
-        Runs on a worker thread under ``state.lock``. Returns the fresh attributes, or
-        None when a write of the state failed earlier: the state is kept then, so its
-        handles keep reporting the error (no length is committed over lost bytes).
-        """
-        try:
-            state.sync()
-        except OSError:
-            return None
-        attr = self.client.stat_inode(ino)
-        if _stamp(attr) != state.stamp:
-            state.refresh(attr)
-        state.mode = attr.mode  # a chmod elsewhere changes neither size nor mtime
-        return attr
 
     async def _wait_closing(self, ino: int) -> None:
         ev = self.closing.get(ino)
@@ -924,52 +676,10 @@ class StripeOperations(pyfuse3.Operations):
             if at != off:  # the kernel's size is off by what other clients appended: refresh it
                 await trio.to_thread.run_sync(_invalidate, self.handles[fh])
             return n
-        n = await self._write_on_loop(state, off, buf)
+        n = await self.writes.write_on_loop(state, off, buf)
         if n is not None:
             return n
         return await self._locked(state, state.write, off, buf)
-
-    async def _write_on_loop(self, state: OpenFile, off: int, buf: bytes) -> int | None:
-        """Take a sequential write into the file's write-behind buffer on the loop: no
-        worker-thread hop, acknowledged once copied (as every write is once buffered).
-
-        A write that fills the buffer sends it in the background; first it waits, on the
-        loop, while two buffers of the file are in flight or while the mount's in-flight
-        bytes are at ``write_buffer_mb`` (back-pressure). Returns None for any other write
-        (not contiguous, a window or larger, the state busy on a thread, an error
-        pending): :meth:`OpenFile.write` on a thread takes it and reports what it must.
-        """
-        f = state.file
-        while not state.lock.locked() and state.file is f:
-            fits = f.buffered_fits(off, len(buf))
-            if fits is None:
-                return None
-            if not fits:
-                blocker = f.send_blocker()
-                if blocker is not None:
-                    await _future_done(blocker)
-                    continue
-                if self.sending_bytes and self.sending_bytes + f.window > self.config.write_buffer_mb << 20:
-                    await self._room.wait()
-                    continue
-            before = len(f.sending())
-            n = state.write_buffered(off, buf)
-            for fut in f.sending()[before:]:
-                self._track_send(fut, f.window)
-            return n
-        return None
-
-    def _track_send(self, fut: "Future[None]", nbytes: int) -> None:
-        """Count ``nbytes`` in flight against the mount's write budget until ``fut`` is done."""
-        self.sending_bytes += nbytes
-        token = trio.lowlevel.current_trio_token()
-
-        def sent() -> None:
-            self.sending_bytes -= nbytes
-            self._room.set()
-            self._room = trio.Event()
-
-        fut.add_done_callback(lambda _: _soon(token, sent))
 
     async def _kill_privs(self, state: OpenFile, ino: int) -> None:
         """Drop setuid (and setgid, when group-executable) after an unprivileged write or truncate.
@@ -1026,9 +736,7 @@ class StripeOperations(pyfuse3.Operations):
             else:
                 await self._locked(state, state.close)
             if state.orphan is not None:
-                await self.aio.call(m.Unlink(parent=await self._orphans(), name=state.orphan))
-                self.listings.drop(self._orphan_dir or 0)
-                self.listings.forget_names(self._orphan_dir or 0)
+                await self.orphans.remove(state.orphan)
                 self.cached.pop(ino, None)
             elif state.written:  # the (size, mtime) the kernel's pages are of now
                 self.listings.clear()  # closing committed the length
@@ -1063,7 +771,7 @@ class StripeOperations(pyfuse3.Operations):
                 log.exception("drain: committing inode %d failed; its unwritten bytes are lost", ino)
             if state.orphan is not None:
                 try:
-                    await self.aio.call(m.Unlink(parent=await self._orphans(), name=state.orphan))
+                    await self.orphans.remove(state.orphan)
                 except Exception:
                     log.exception("drain: removing orphan %s failed", state.orphan)
         return len(states)
@@ -1149,51 +857,8 @@ def _killed(mode: int) -> int:
     return mode
 
 
-def _stamp(attr: Attr) -> tuple[int, int, int]:
-    """What tells one version of a file's contents from another, as far as a mount can see."""
-    return (attr.size, attr.mtime_ns, attr.truncations)
-
-
-async def _future_done(fut: "Future[None]") -> None:
-    """Wait on the trio loop until the concurrent future ``fut`` is done (its result is
-    not taken: the file object reaps it and keeps its error)."""
-    if fut.done():
-        return
-    done = trio.Event()
-    token = trio.lowlevel.current_trio_token()
-    fut.add_done_callback(lambda _: _soon(token, done.set))
-    await done.wait()
-
-
-def _soon(token: trio.lowlevel.TrioToken, fn: Callable[[], None]) -> None:
-    """Run ``fn`` on the loop of ``token`` (from any thread); nothing once the loop ended."""
-    try:
-        token.run_sync_soon(fn)
-    except trio.RunFinishedError:
-        pass
-
-
 def _invalidate(ino: int) -> None:
     try:
         pyfuse3.invalidate_inode(ino, attr_only=True)
     except OSError:  # the kernel forgot the inode meanwhile: nothing to drop
         pass
-
-
-def _orphan_owner_alive(owner: str) -> bool:
-    """Is the daemon named ``owner`` in an orphan name (``PID.START``) still running?
-
-    The start time identifies the process, whatever its command line (``stripefs mount
-    --foreground`` serves in the ``stripefs`` process itself) and even if the pid was
-    reused since. Names of older daemons carry the pid alone: those are kept while any
-    process has that pid (keeping a stale orphan is harmless, removing a live one is not).
-    Anything unparsable is kept.
-    """
-    pid, dot, start = owner.partition(".")
-    if not pid.isdigit():
-        return True
-    if not dot:
-        return pid_alive(int(pid))
-    if not start.isdigit():
-        return True
-    return process_start(int(pid)) == int(start)

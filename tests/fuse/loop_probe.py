@@ -38,7 +38,7 @@ async def _counted_write(self: Any, fh: int, off: int, buf: bytes) -> int:
         return await _write(self, fh, off, buf)
     finally:
         counts["write_hops"] += counts["hops"] - before
-        counts["max_sending"] = max(counts["max_sending"], getattr(self, "sending_bytes", 0))
+        counts["max_sending"] = max(counts["max_sending"], self.writes.sending_bytes)
 
 
 def main(argv: list[str]) -> int:

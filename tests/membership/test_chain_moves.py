@@ -1,4 +1,4 @@
-"""Chain moves after admission (issue 20), on :class:`metadata._server.Membership` directly.
+"""Chain moves after admission (issue 20), on :class:`metadata._membership.Membership` directly.
 
 A fake clock drives time: with one replica a newcomer takes chain slots only
 after it has heartbeated for ``admit_after`` seconds; moves are rate-limited
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stripefs.metadata._server import Membership
+from stripefs.metadata._membership import Membership
 from stripefs.wire import messages as m
 
 

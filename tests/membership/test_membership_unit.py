@@ -14,7 +14,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stripefs.metadata._server import OFFLINE_AFTER, Membership
+from stripefs.metadata._membership import OFFLINE_AFTER, Membership
 from tests.membership.test_chain_moves import Clock, _beat, _join, _token
 from stripefs.wire import messages as m
 

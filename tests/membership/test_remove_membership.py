@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from stripefs.metadata._server import OFFLINE_AFTER, Membership
+from stripefs.metadata._membership import OFFLINE_AFTER, Membership
 from stripefs.wire import ErrorCode, StripefsError
 from stripefs.wire import messages as m
 

@@ -12,8 +12,11 @@ import pytest
 
 from stripefs.fsclient.testing import LocalPostgres, postgres_bin
 from stripefs.metadata import Namespace
-from stripefs.metadata._server import Membership, MetadataService
-from stripefs.metadata._store import MemoryStore, SqliteStore, Store
+from stripefs.metadata._memstore import MemoryStore
+from stripefs.metadata._membership import Membership
+from stripefs.metadata._service import MetadataService
+from stripefs.metadata._sqlite import SqliteStore
+from stripefs.metadata._store import Store
 
 STORES = ["sqlite", "memory", "postgresql"]
 _schemas = itertools.count()
@@ -65,7 +68,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
 def sqlite_service(tmp_path: Path, sync: str = "full", sync_log: Callable[[SqliteStore], None] | None = None,
                    ) -> tuple[MetadataService, SqliteStore]:
     """A metadata service in this process on a fresh SQLite store (the caller runs its
-    ``run_batches`` and closes the store), with one directory ``/d`` made already: the
+    ``commit.run`` and closes the store), with one directory ``/d`` made already: the
     first number handed out moves the counters' reserve (a durable commit), so the
     commits a test watches are ordinary ones. ``sync_log`` replaces the store's log
     fsync (a test's gate or fault)."""

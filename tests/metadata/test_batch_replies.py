@@ -3,7 +3,7 @@ when the answers are batches: an answer counts by the attributes it holds."""
 
 from __future__ import annotations
 
-from stripefs.metadata._server import Replies
+from stripefs.metadata._replay import Replies
 from stripefs.wire import Attr, ErrorCode, Layout, StripefsError, messages as m
 
 ATTR = Attr(7, 0o100644, 1, 0, 0, 0, 1, 2, 3, Layout(1 << 20, tuple(range(16))))

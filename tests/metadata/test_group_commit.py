@@ -46,14 +46,15 @@ def test_a_failed_batch_commits_nothing(tmp_path) -> None:
 
 
 def test_stopping_waits_for_the_batch_in_hand(tmp_path) -> None:
-    """Once ``run_batches`` returns no store thread uses the store any more (the service
+    """Once ``CommitPath.run`` returns no store thread uses the store any more (the service
     closes it next): a cancelled run waits for the batch in hand."""
     import threading
     import time
 
     import trio
 
-    from stripefs.metadata._server import Membership, MetadataService
+    from stripefs.metadata._membership import Membership
+    from stripefs.metadata._service import MetadataService
 
     store = SqliteStore(tmp_path / "meta.db")
     svc = MetadataService(Namespace(store), lambda doc, restarted: Membership(None, doc=doc, restarted=restarted),
@@ -67,8 +68,8 @@ def test_stopping_waits_for_the_batch_in_hand(tmp_path) -> None:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(svc.run_batches)
-            nursery.start_soon(svc._store_call, slow)
+            nursery.start_soon(svc.commit.run)
+            nursery.start_soon(svc.commit.store_call, slow)
             while not started.is_set():
                 await trio.sleep(0.01)
             nursery.cancel_scope.cancel()

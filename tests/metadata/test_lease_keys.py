@@ -18,7 +18,7 @@ import trio.testing
 
 from stripefs.metadata._leasetable import LeaseTable
 from stripefs.metadata._namespace import RENAME_EXCHANGE, ROOT_INO, Namespace
-from stripefs.metadata._store import SqliteStore
+from stripefs.metadata._sqlite import SqliteStore
 from stripefs.wire._errors import StripefsError
 
 CHAINS = [1, 2, 3]
@@ -287,7 +287,8 @@ def test_expired_leases_are_purged() -> None:
 def test_only_a_service_that_owns_its_store_grants_leases(store) -> None:
     """SQLite: one service sees every mutation. PostgreSQL (several services) and the
     in-memory store grant none: the watch is refused, a Resolve carries no lease."""
-    from stripefs.metadata._server import Membership, MetadataService
+    from stripefs.metadata._membership import Membership
+    from stripefs.metadata._service import MetadataService
     from stripefs.wire import ErrorCode
     from stripefs.wire import messages as m
 
@@ -302,17 +303,17 @@ def test_only_a_service_that_owns_its_store_grants_leases(store) -> None:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(svc.run_batches)
+            nursery.start_soon(svc.commit.run)
             if grants:
-                assert (await svc._watch(Conn(), m.WatchLeases(after=0))).reset is False
+                assert (await svc.grants.watch(Conn(), m.WatchLeases(after=0))).reset is False
             else:
                 with pytest.raises(StripefsError) as info:
-                    await svc._watch(Conn(), m.WatchLeases(after=0))
+                    await svc.grants.watch(Conn(), m.WatchLeases(after=0))
                 assert info.value.code == ErrorCode.NOT_SUPPORTED
             f = ns.create(ROOT_INO, "f", 0o644, 0, 0, chains=CHAINS)[0].ino
             for ask in (m.Resolve(path="/", lease=True), m.Lookup(parent=ROOT_INO, name="d", lease=True),
                         m.GetAttr(ino=f, lease=True)):
-                reply = await svc._attr_leased(Conn(), ask)
+                reply = await svc.grants.reply(Conn(), ask)
                 assert (reply.lease_ms > 0) is grants, ask
                 assert (reply.lease_id > 0) is grants, ask
             nursery.cancel_scope.cancel()
@@ -334,7 +335,8 @@ def test_a_directorys_lookup_lease_leaves_its_attributes_to_the_listing_lease(tm
     """A create or unlink in a directory changes its attributes: a mount that only looked
     the directory up (walked through it) must not hold a lease on them, only on its entry;
     a mount that listed it in full holds one on them (the names it keeps depend on them)."""
-    from stripefs.metadata._server import Membership, MetadataService
+    from stripefs.metadata._membership import Membership
+    from stripefs.metadata._service import MetadataService
     from stripefs.wire import messages as m
 
     store = SqliteStore(str(tmp_path / "meta.db"))
@@ -351,17 +353,17 @@ def test_a_directorys_lookup_lease_leaves_its_attributes_to_the_listing_lease(tm
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(svc.run_batches)
-            await svc._watch(Conn(), m.WatchLeases(after=0))
-            looked = await svc._attr_leased(Conn(), m.Lookup(parent=ROOT_INO, name="d", lease=True))
+            nursery.start_soon(svc.commit.run)
+            await svc.grants.watch(Conn(), m.WatchLeases(after=0))
+            looked = await svc.grants.reply(Conn(), m.Lookup(parent=ROOT_INO, name="d", lease=True))
             assert looked.lease_id and looked.attr.ino == d
             assert not told({d}), "a create in d waits for a mount that only walked through it"
             assert told({(ROOT_INO, "d")}), "a rename or rmdir of d must still take the entry back"
-            nothing = await svc._attr_leased(Conn(), m.GetAttr(ino=d, lease=True))
+            nothing = await svc.grants.reply(Conn(), m.GetAttr(ino=d, lease=True))
             assert (nothing.lease_id, nothing.lease_ms) == (0, 0)
-            assert (await svc._attr_leased(Conn(), m.Lookup(parent=d, name="f", lease=True))).lease_id
+            assert (await svc.grants.reply(Conn(), m.Lookup(parent=d, name="f", lease=True))).lease_id
             assert told({f})  # a file's lookup lease still covers its attributes
-            assert (await svc._attr_leased(Conn(), m.Resolve(path="/d", lease=True))).lease_id
+            assert (await svc.grants.reply(Conn(), m.Resolve(path="/d", lease=True))).lease_id
             assert told({d})  # a native stat of the directory asked for its attributes
             for read in (svc._read_reply, lambda c, q: _now(svc, c, q)):
                 listed = await read(Conn(), m.Readdir(ino=d, limit=10, plus=True, lease=True))  # short: on the loop too

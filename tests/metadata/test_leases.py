@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from stripefs.metadata._leases import Leases
+from stripefs.metadata._locks import Leases
 from stripefs.metadata._store import Store
 from stripefs.wire._errors import StripefsError
 

@@ -26,11 +26,11 @@ def _mkdir(name: str) -> m.Mkdir:
 
 def test_full_mutations_commit_on_the_loop_without_a_writer_thread_hop(tmp_path) -> None:
     svc, store = sqlite_service(tmp_path)
-    ran_before = svc._writer.jobs_run
+    ran_before = svc.commit._writer.jobs_run
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(svc.run_batches)
+            nursery.start_soon(svc.commit.run)
             with trio.fail_after(20):
                 for k in range(60):
                     await svc._dispatch(_mkdir(f"e{k}"))
@@ -40,7 +40,7 @@ def test_full_mutations_commit_on_the_loop_without_a_writer_thread_hop(tmp_path)
         trio.run(main)
         assert store.synchronous == "full"
         # At most the odd job (a counter's reserve moving is fsynced there), not one per mkdir.
-        assert svc._writer.jobs_run - ran_before <= 2, svc._writer.jobs_run - ran_before
+        assert svc.commit._writer.jobs_run - ran_before <= 2, svc.commit._writer.jobs_run - ran_before
     finally:
         store.close()
     with SqliteStore(tmp_path / "meta.db") as again:
@@ -64,7 +64,7 @@ def test_a_full_mutation_is_answered_only_after_the_log_fsync(tmp_path) -> None:
     async def main() -> None:
         nonlocal held
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(svc.run_batches)
+            nursery.start_soon(svc.commit.run)
             await svc._dispatch(_mkdir("warm"))  # the first number handed out moves the reserve
             held = True
             answered: list[object] = []
@@ -98,15 +98,15 @@ def test_concurrent_full_mutations_share_one_log_fsync(tmp_path) -> None:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(svc.run_batches)
+            nursery.start_soon(svc.commit.run)
             await svc._dispatch(_mkdir("warm"))
-            before = svc.log_syncs
+            before = svc.commit.log_syncs
             with trio.fail_after(20):
                 async with trio.open_nursery() as creates:
                     for k in range(n):
                         creates.start_soon(svc._dispatch, _mkdir(f"c{k}"))
             # Every mkdir made before an fsync started shares it; those arriving during one join the next.
-            assert 1 <= svc.log_syncs - before <= n // 4, svc.log_syncs - before
+            assert 1 <= svc.commit.log_syncs - before <= n // 4, svc.commit.log_syncs - before
             nursery.cancel_scope.cancel()
 
     try:
@@ -181,7 +181,7 @@ def test_a_failed_log_fsync_fails_the_mutation_and_refuses_later_ones(tmp_path) 
     async def main() -> None:
         nonlocal failing
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(svc.run_batches)
+            nursery.start_soon(svc.commit.run)
             await svc._dispatch(_mkdir("warm"))
             failing = True
             for name in ("lost", "refused"):
@@ -222,7 +222,7 @@ def test_every_answered_mutation_is_in_what_the_last_log_fsync_covered(tmp_path)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(svc.run_batches)
+            nursery.start_soon(svc.commit.run)
 
             async def creator(k: int) -> None:
                 for i in range(25):

@@ -21,8 +21,10 @@ import pytest
 import trio
 
 from stripefs.metadata._leader import RENEW, TTL
-from stripefs.metadata._server import Membership, open_store, serve_metadata
-from stripefs.metadata._store import SCHEMA_VERSION, SqliteStore
+from stripefs.metadata._membership import Membership
+from stripefs.metadata._service import open_store, serve_metadata
+from stripefs.metadata._sqlite import SqliteStore
+from stripefs.metadata._sqltxn import SCHEMA_VERSION
 from stripefs.rpc import TrioConnection
 from stripefs.wire import ErrorCode, StripefsError, role_credential
 from stripefs.wire import messages as m
@@ -411,7 +413,7 @@ def test_kill_9_the_leading_metadata_service_under_two_clients(pg_cluster: Any) 
     _check_history(pg_cluster, work)
     # Storage heartbeats found the new leader: past the offline timeout counted from the
     # takeover, every server still serves.
-    from stripefs.metadata._server import OFFLINE_AFTER
+    from stripefs.metadata._membership import OFFLINE_AFTER
 
     time.sleep(max(0.0, killed + TTL + 2 * RENEW + OFFLINE_AFTER - time.monotonic()))
     leader_now = next(s for s in _service_status_alive(pg_cluster, leader["pid"]) if s["leader"])

@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 
 from stripefs.metadata import _namespace
 from stripefs.metadata._namespace import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO, Namespace
-from stripefs.metadata._store import MemoryStore, SqliteStore, Store
+from stripefs.metadata._memstore import MemoryStore
+from stripefs.metadata._sqlite import SqliteStore
+from stripefs.metadata._store import Store
 from stripefs.wire._errors import ErrorCode, StripefsError
 from stripefs.wire._types import MAX_PATH, MIN_CHUNK
 

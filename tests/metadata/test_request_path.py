@@ -9,7 +9,8 @@ import pytest
 import trio
 
 from stripefs.metadata import Namespace, SqliteStore
-from stripefs.metadata._server import Membership, MetadataService
+from stripefs.metadata._membership import Membership
+from stripefs.metadata._service import MetadataService
 from stripefs.wire import messages as m
 
 
@@ -34,8 +35,8 @@ def test_reads_are_answered_while_a_write_batch_is_running(tmp_path) -> None:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(svc.run_batches)
-            nursery.start_soon(svc._ns, slow_write)
+            nursery.start_soon(svc.commit.run)
+            nursery.start_soon(svc.commit.apply, slow_write)
             while not started.is_set():
                 await trio.sleep(0.01)
             try:
@@ -60,7 +61,7 @@ def test_a_read_after_an_acknowledged_write_sees_it(tmp_path) -> None:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(svc.run_batches)
+            nursery.start_soon(svc.commit.run)
             d = (await svc._dispatch(m.Resolve(path="/d"))).attr
             for k in range(60):
                 made = await svc._dispatch(m.Mkdir(parent=d.ino, name=f"f{k}", mode=0o755, uid=0, gid=0))
@@ -95,11 +96,11 @@ def test_a_full_page_of_young_removals_does_not_make_every_unlink_rescan(tmp_pat
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(svc.run_batches)
+            nursery.start_soon(svc.commit.run)
             before = time.monotonic()
-            await svc.collect()
+            await svc.collector.collect()
             # nothing was due: the next pass waits for the first grace to end
-            assert svc._gc_due >= before + 59, svc._gc_due - before
+            assert svc.collector.due >= before + 59, svc.collector.due - before
             nursery.cancel_scope.cancel()
 
     try:
@@ -115,7 +116,7 @@ def test_small_reads_are_answered_on_the_loop_and_big_listings_on_the_reader_thr
     svc, store = _service(tmp_path)
     gate = threading.Event()
     started = threading.Event()
-    assert svc._reader is not None
+    assert svc.commit._reader is not None
 
     def slow_read() -> None:  # stands in for a long listing holding the reader thread
         started.set()
@@ -123,8 +124,8 @@ def test_small_reads_are_answered_on_the_loop_and_big_listings_on_the_reader_thr
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(svc.run_batches)
-            nursery.start_soon(svc._reader.submit, slow_read)
+            nursery.start_soon(svc.commit.run)
+            nursery.start_soon(svc.commit._reader.submit, slow_read)
             while not started.is_set():
                 await trio.sleep(0.01)
             try:
@@ -180,14 +181,14 @@ def test_reads_on_the_loop_follow_renamed_and_replaced_directories(tmp_path, syn
     svc = MetadataService(ns, lambda doc, restarted: Membership(None, doc=doc, restarted=restarted), "secret",
                           sync=sync)
     statements: list[str] = []
-    svc._lns.store._conn.set_trace_callback(statements.append)  # type: ignore[union-attr]
+    svc.commit._lns.store._conn.set_trace_callback(statements.append)  # type: ignore[union-attr]
 
     def stat(path: str) -> int:
         return m.decode_reply(m.Resolve(path=path), svc.answer_now(None, None, m.Resolve(path=path))).attr.ino  # type: ignore[arg-type]
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(svc.run_batches)
+            nursery.start_soon(svc.commit.run)
             x = stat("/a/x")
             statements.clear()
             assert stat("/a/x") == x

@@ -11,8 +11,8 @@ import pytest
 import trio
 
 from stripefs.metadata import Namespace, SqliteStore
-from stripefs.metadata._server import MetadataService
-from stripefs.metadata._store import RESERVE
+from stripefs.metadata._service import MetadataService
+from stripefs.metadata._sqlite import RESERVE
 from tests.metadata.conftest import sqlite_service
 from stripefs.wire import StripefsError
 from stripefs.wire import messages as m
@@ -71,7 +71,7 @@ def test_the_log_is_checkpointed_when_writes_commit_on_the_loop(tmp_path) -> Non
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(svc.run_batches)
+            nursery.start_soon(svc.commit.run)
             d = (await svc._dispatch(m.Resolve(path="/d"))).attr
             for k in range(3000):
                 await svc._dispatch(m.Mkdir(parent=d.ino, name=f"f{k}", mode=0o755, uid=0, gid=0))
@@ -131,18 +131,18 @@ def test_a_write_whose_caller_gave_up_still_keeps_the_loop_off_the_connection(tm
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(svc.run_batches)
+            nursery.start_soon(svc.commit.run)
             with trio.move_on_after(0.2):
-                await svc._store_call(slow)  # the caller gives up; the job keeps running
+                await svc.commit.store_call(slow)  # the caller gives up; the job keeps running
             assert started.is_set()
-            assert svc._writing == 1  # counted until the job ran, not until its caller left
+            assert svc.commit._writing == 1  # counted until the job ran, not until its caller left
             made = None
             with trio.move_on_after(0.3):
                 made = await svc._dispatch(m.Mkdir(parent=1, name="e", mode=0o755, uid=0, gid=0))
             assert made is None  # queued behind the job, not committed beside it on the loop
             gate.set()
             with trio.fail_after(5):
-                while svc._writing:
+                while svc.commit._writing:
                     await trio.sleep(0.01)
                 await svc._dispatch(m.Mkdir(parent=1, name="f", mode=0o755, uid=0, gid=0))
             nursery.cancel_scope.cancel()
@@ -249,7 +249,7 @@ def test_writes_on_the_loop_remember_the_directories_they_walk_until_one_changes
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(svc.run_batches)
+            nursery.start_soon(svc.commit.run)
             a = (await svc._dispatch(m.Mkdir(parent=1, name="a", mode=0o755, uid=0, gid=0))).attr
             b = (await svc._dispatch(m.Mkdir(parent=a.ino, name="b", mode=0o755, uid=0, gid=0))).attr
             await svc._dispatch(create("/a/b/f0"))
@@ -292,7 +292,7 @@ def test_a_failed_batch_leaves_no_remembered_directory_behind(tmp_path) -> None:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(svc.run_batches)
+            nursery.start_soon(svc.commit.run)
             d = ns.resolve("/d")
             await svc._dispatch(m.Mkdir(parent=d.ino, name="old", mode=0o755, uid=0, gid=0))
             await svc._dispatch(m.CreatePath(path="/d/old/warm", mode=0o644, uid=0, gid=0))
@@ -305,7 +305,7 @@ def test_a_failed_batch_leaves_no_remembered_directory_behind(tmp_path) -> None:
                 store._conn.execute("ROLLBACK")
 
             with pytest.raises(StripefsError):
-                await svc._store_call(renamed_then_failed)
+                await svc.commit.store_call(renamed_then_failed)
             with pytest.raises(FileNotFoundError):
                 await svc._dispatch(m.CreatePath(path="/d/new/g", mode=0o644, uid=0, gid=0))
             await svc._dispatch(m.CreatePath(path="/d/old/g", mode=0o644, uid=0, gid=0))

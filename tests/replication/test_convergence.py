@@ -6,7 +6,7 @@ also reached (or passed) with other bytes. The test forges that state on the
 stopped server's disk (a :class:`storage.ChunkStore` over its root), which is
 what the crash leaves, instead of racing a kill -9 against a forward.
 
-Claim 2 (``SyncDone`` from a donor) runs on :class:`metadata._server.Membership`
+Claim 2 (``SyncDone`` from a donor) runs on :class:`metadata._membership.Membership`
 directly with a fake clock. Claim 3: truncation and removal with a replica
 offline, which drops what it missed once back. Claim 4: ``ListChunks`` pages.
 Claim 5: CRAQ reads, with the tail paused (SIGSTOP, well under the failure
@@ -25,7 +25,7 @@ import trio
 
 from stripefs.fsclient import Client
 from stripefs.fsclient.testing.procs import pause
-from stripefs.metadata._server import Membership
+from stripefs.metadata._membership import Membership
 from stripefs.storage import ChunkStore
 from stripefs.storage import _replication
 from stripefs.storage._replication import Replicator

@@ -9,6 +9,9 @@ shared by every metadata service on the same store.
 Each new holder gets a larger ``token`` (a fencing token): work done under a
 lease can carry it, and a receiver can refuse tokens older than one it has seen.
 
+Not the attribute leases of the clients' caches (``_leasetable.py``, ``_lease_grants.py``):
+these lock a key, those vouch for a cached answer.
+
 Caveats:
     * Expiry uses the metadata service's clock; a holder must renew well within
       its TTL (the client renews at a third of it).
