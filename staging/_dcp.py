@@ -11,6 +11,25 @@ against the manifest — using the local staged copy when there is one,
 otherwise downloading into the staging area's cache — and lets torch's
 ``FileSystemReader`` read them.
 
+A save by several ranks (a process group of more than one) is one checkpoint:
+
+1. the coordinator's ``prepare_global_plan`` names it: every rank's plan carries the
+   coordinator's checkpoint id, the URL and the number of ranks (:class:`_RankPart`);
+2. in ``write_data`` every rank writes its own files locally (DCP's ``__<rank>_<n>.distcp``),
+   uploads them into the checkpoint's hidden partial directory
+   (``.<name>.partial-<id>``, the one :func:`staging.save` uses), checks each in the store
+   (committed size and CRC32Cs) and then writes its part record ``.rank-<r>.json``, last;
+3. torch gathers every rank's write results to the coordinator, and calls ``finish`` there
+   only if every rank's ``write_data`` returned; a rank that failed, or died, fails every
+   rank's ``dcp.save`` (torch's ``CheckpointException``) and nothing commits;
+4. ``finish`` reads every rank's part record, checks that together they hold every file the
+   write results name, uploads DCP's ``.metadata``, and commits the step as a single-rank
+   save does: the manifest listing every rank's files, then one ``noreplace`` rename.
+
+So ``latest()`` can never name a step that lacks a rank's shards. A multi-rank save has no
+crash-safe local copy to resume from: it returns once the step is committed (a killed
+save is saved again by the resumed job); ``upload=False`` is refused there.
+
 Caveats:
     * DCP's own ``.metadata`` file is a pickle that torch loads itself; the
       manifest's checksum guarantees it is the file the writer produced.
@@ -19,32 +38,58 @@ Caveats:
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import posixpath
 import shutil
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
-from stripefs.fsclient import normpath
+from stripefs.fsclient import Client, normpath
 
 from ._durable import publish_dir
 from ._format import BASE_VERSION, FORMAT, MANIFEST, ChecksumError, chunk_crcs, manifest_bytes, parse_manifest
-from ._journal import CkptRow, FileRow, Journal
-from ._mover import MoverOptions, Uploader, client_for
+from ._journal import CkptRow, FileRow, Journal, fault_point
+from ._mover import MoverOptions, Uploader, client_for, drop_client, remote_paths, transient
+from ._verify import file_problems
 from ._save import default_staging_dir
 from ._service import apply_retention
 
 __all__ = ["StagedStorageWriter", "StagedStorageReader"]
 
 
+PIECE = 8 << 20  # bytes of a rank's file read and sent at a time
+CHECK_CHUNK = 4 << 20  # the checksum chunk of DCP's files
+
+
 def _is_url(checkpoint_id: Any) -> bool:
     return isinstance(checkpoint_id, str) and checkpoint_id.startswith("stripefs://")
+
+
+@dataclasses.dataclass
+class _RankPart(_StoragePrefix):
+    """One rank's share of a multi-rank save, as the coordinator planned it: DCP's file
+    prefix, the checkpoint id and URL every rank uploads under, and the number of ranks."""
+
+    group: str = ""
+    rank: int = 0
+    world: int = 1
+    url: str = ""
+
+
+def _part_name(rank: int) -> str:
+    """The part record a rank writes once its files are in the store (hidden, never committed)."""
+    return f".rank-{rank}.json"
 
 
 class StagedStorageWriter(FileSystemWriter):
@@ -120,6 +165,7 @@ class StagedStorageWriter(FileSystemWriter):
         if self._lock is not None:
             self.reset()
         self.t0 = time.monotonic()
+        self._coordinator, self._world = is_coordinator, 1
         # Register before DCP writes anything, so a mover never mistakes the files for orphans.
         self._lock = self.journal.lock(self.ckpt_id)
         self._lock.try_acquire()
@@ -128,30 +174,98 @@ class StagedStorageWriter(FileSystemWriter):
                            time.time(), None, None, 0, "dcp")
         self.journal.begin(self.row, [])
 
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """On the coordinator: with more than one rank, every rank's plan names the one
+        checkpoint they all upload into (this writer's id) and how many ranks take part."""
+        plans = super().prepare_global_plan(plans)
+        if len(plans) == 1:
+            return plans
+        if not self.upload:
+            raise ValueError("a save by several ranks commits once every rank's files are in the store; "
+                             "upload=False (a local copy for a standalone mover) is for one rank")
+        self._world = len(plans)
+        url = normpath(self.url)  # type: ignore[arg-type]
+        return [dataclasses.replace(p, storage_data=_RankPart(p.storage_data.prefix, self.ckpt_id, i, len(plans), url))
+                for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        part = plan.storage_data
+        if not isinstance(part, _RankPart):
+            return super().write_data(plan, planner)
+        try:
+            if normpath(self.url) != part.url:  # type: ignore[arg-type]
+                raise ValueError(f"rank {part.rank} saves to {self.url}, the coordinator to stripefs:/{part.url}")
+            written = super().write_data(plan, planner)  # local files, fsynced; done when it returns
+            written.wait()
+            _upload_part(self._client(), part, self._tmp, self.options)
+            return written
+        finally:
+            if not self._coordinator:  # finish runs on the coordinator only: this save ends here
+                self._end_save()
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)
         try:
-            self._stage_and_upload()
+            if self._world > 1:
+                self._commit_ranks(results)
+            else:
+                self._stage_and_upload()
         finally:
-            if self._lock is not None:
-                self._lock.release()
-                self._lock = None
-                self._new_id()
-                super().reset(self._tmp)
+            self._end_save()
+
+    def _end_save(self) -> None:
+        """This writer's save is over; the next one gets a new id. A rank of a multi-rank
+        save keeps no local copy (the store has its files) and no journal row, except the
+        coordinator's row of a committed step (retention counts it)."""
+        if self._world > 1 or not self._coordinator:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            row = self.journal.get(self.ckpt_id)
+            if row is not None and row.state != "committed":
+                self.journal.delete(self.ckpt_id)
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+            self._new_id()
+            super().reset(self._tmp)
+
+    def _client(self) -> Client:
+        return client_for(self.options.cluster or self.cluster)
+
+    def _commit_ranks(self, results: list[list[WriteResult]]) -> None:
+        """The coordinator's commit of a multi-rank save: every rank's part is in the store."""
+        client = self._client()
+        final, partial = remote_paths(self.row.url, self.ckpt_id)
+        records: list[dict[str, Any]] = []
+        for rank in range(self._world):
+            try:
+                raw = client.read_bytes(posixpath.join(partial, _part_name(rank)))
+            except FileNotFoundError:
+                raise RuntimeError(f"rank {rank}'s files of {self.row.url} are not in the store; nothing committed") from None
+            records += json.loads(raw)
+        named = {wr.storage_data.relative_path for rank_results in results for wr in rank_results}
+        missing = named - {r["name"] for r in records}
+        if missing:
+            raise RuntimeError(f"files of {self.row.url} missing from every rank's part: {sorted(missing)}")
+        meta, _ = _records(self._tmp, [".metadata"])
+        _retrying(lambda: _put_files(client, partial, self._tmp, meta, self.options.verify), self.options)
+        records += meta
+        for rank in range(self._world):
+            client.remove(posixpath.join(partial, _part_name(rank)))
+        self.journal.add_files(self.ckpt_id, [_row_of(r) for r in records])
+        raw_manifest = self._manifest(records)
+        fault_point("dcp_before_commit")
+        Uploader(self.journal, self.row, self.options, manifest=lambda: raw_manifest)._commit(client, final, partial)
+        self.timings["upload"] = time.monotonic() - self.t0
+        apply_retention(self.journal, self.journal.get(self.ckpt_id) or self.row, self.options)
+
+    def _manifest(self, records: list[dict[str, Any]]) -> bytes:
+        return manifest_bytes({"format": FORMAT, "version": BASE_VERSION, "id": self.ckpt_id, "kind": "dcp",
+                               "step": None, "created": self.row.created, "url": self.row.url, "files": records})
 
     def _stage_and_upload(self) -> None:
-        records, rows = [], []
-        for name in sorted(os.listdir(self._tmp)):
-            with open(os.path.join(self._tmp, name), "rb") as f:
-                data = f.read()
-            total, crcs = chunk_crcs(memoryview(data))
-            records.append({"name": name, "size": len(data), "crc32c": total, "chunk": 4 << 20, "chunk_crc32c": crcs,
-                            "encoding": "raw"})
-            rows.append(FileRow(name, len(data), total, 4 << 20, crcs, 0))
-        manifest = {"format": FORMAT, "version": BASE_VERSION, "id": self.ckpt_id, "kind": "dcp", "step": None,
-                    "created": self.row.created, "url": self.row.url, "files": records}
+        records, rows = _records(self._tmp, sorted(os.listdir(self._tmp)))
         with open(os.path.join(self._tmp, MANIFEST), "wb") as f:
-            f.write(manifest_bytes(manifest))
+            f.write(self._manifest(records))
             os.fsync(f.fileno())
         self.journal.add_files(self.ckpt_id, rows)
         publish_dir(self._tmp, self._final_local)  # durable before the journal says "staged"
@@ -209,6 +323,64 @@ class StagedStorageReader(FileSystemReader):
             shutil.rmtree(cache, ignore_errors=True)
             publish_dir(tmp, cache)
         return cache
+
+
+def _records(where: str, names: list[str]) -> tuple[list[dict[str, Any]], list[FileRow]]:
+    """The manifest records and journal rows of the local files ``names`` in ``where``."""
+    records = []
+    for name in names:
+        with open(os.path.join(where, name), "rb") as f:
+            data = f.read()
+        total, crcs = chunk_crcs(memoryview(data))
+        records.append({"name": name, "size": len(data), "crc32c": total, "chunk": CHECK_CHUNK, "chunk_crc32c": crcs,
+                        "encoding": "raw"})
+    return records, [_row_of(r) for r in records]
+
+
+def _row_of(record: dict[str, Any]) -> FileRow:
+    return FileRow(record["name"], record["size"], record["crc32c"], record["chunk"], record["chunk_crc32c"], 0)
+
+
+def _upload_part(client: Client, part: _RankPart, where: str, options: MoverOptions) -> None:
+    """Put one rank's files into the checkpoint's partial directory, check them there, then
+    write the rank's part record: the coordinator commits only what every record names."""
+    _, partial = remote_paths(part.url, part.group)
+    records, _ = _records(where, sorted(os.listdir(where)))
+    _retrying(lambda: _put_files(client, partial, where, records, options.verify), options)
+    fault_point("dcp_rank_uploaded")
+    client.write_bytes(posixpath.join(partial, _part_name(part.rank)), json.dumps(records).encode())
+
+
+def _put_files(client: Client, partial: str, where: str, records: list[dict[str, Any]], verify: bool) -> None:
+    """Send whole files from ``where`` into ``partial``, then check each in the store.
+
+    Raises:
+        ChecksumError: a file's committed size or CRC32Cs differ from what was sent.
+    """
+    client.makedirs(partial)
+    for rec in records:
+        with open(os.path.join(where, rec["name"]), "rb") as local, \
+                client.open(posixpath.join(partial, rec["name"]), "wb") as remote:
+            while piece := local.read(PIECE):
+                remote.write(piece)
+    problems = file_problems(client, partial, [_row_of(r) for r in records], checksums=verify)
+    if problems:
+        name, why = next(iter(problems.items()))
+        raise ChecksumError(f"uploaded file {name} fails its checks: {why}", partial)
+
+
+def _retrying(fn: Callable[[], None], options: MoverOptions) -> None:
+    """``fn()``, again after a transient failure (the store unreachable), as the mover retries."""
+    delay = options.backoff
+    for attempt in range(options.retries + 1):
+        try:
+            return fn()
+        except (ConnectionError, TimeoutError, OSError) as exc:  # StripefsError is an OSError
+            if isinstance(exc, ChecksumError) or not transient(exc) or attempt == options.retries:
+                raise
+            drop_client(options.cluster)
+            time.sleep(delay)
+            delay = min(delay * 2, 8.0)
 
 
 def _write_synced(path: str, data: bytes) -> None:

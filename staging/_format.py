@@ -483,6 +483,15 @@ def _hashable(k: Any) -> Any:
     return tuple(k) if isinstance(k, list) else k
 
 
+def step_order(name: str) -> tuple[int, str]:
+    """How steps of a series rank, newest last: the trailing number of the directory's name
+    (``step-000200`` is 200; none: -1), then the name. ``latest()`` picks the greatest and
+    retention keeps the greatest, so the two can never disagree about which step is newest."""
+    base = name.rstrip("/").rsplit("/", 1)[-1]
+    found = re.search(r"(\d+)$", base)
+    return (int(found.group(1)) if found else -1, base)
+
+
 def manifest_bytes(manifest: dict[str, Any]) -> bytes:
     """Serialize a manifest, its CRC32C appended as the last key.
 

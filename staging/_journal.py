@@ -197,9 +197,15 @@ class Journal:
             db.execute("UPDATE ckpt SET pinned=? WHERE id=?", (int(pinned), ckpt_id))
 
     def delete(self, ckpt_id: str) -> None:
+        """Forget a checkpoint nobody works on any more (committed and trimmed, or abandoned),
+        its lock file too: one inode per checkpoint would otherwise stay forever."""
         with self._tx() as db:
             db.execute("DELETE FROM file WHERE ckpt=?", (ckpt_id,))
             db.execute("DELETE FROM ckpt WHERE id=?", (ckpt_id,))
+        try:
+            os.unlink(self.lock(ckpt_id).path)
+        except FileNotFoundError:
+            pass
 
     # -- reads ----------------------------------------------------------------------------
     def get(self, ckpt_id: str) -> CkptRow | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
-import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -23,7 +22,7 @@ import torch
 
 from stripefs.fsclient import normpath
 
-from ._format import MANIFEST, ChecksumError, decode_tree, dtype_from_name, parse_manifest
+from ._format import MANIFEST, ChecksumError, decode_tree, dtype_from_name, parse_manifest, step_order
 from ._journal import Journal
 from ._mover import client_for
 from ._save import default_staging_dir
@@ -309,9 +308,8 @@ def latest(prefix: str, *, cluster: str | None = None) -> str | None:
     for e in entries:
         if e.name.startswith(".") or (e.attr is not None and not e.attr.is_dir):
             continue  # hidden: a partial upload, never a step
-        found = re.search(r"(\d+)$", e.name)
-        candidates.append((int(found.group(1)) if found else -1, e.name))
-    for _, name in sorted(candidates, reverse=True):
+        candidates.append(e.name)
+    for name in sorted(candidates, key=step_order, reverse=True):
         path = posixpath.join(base, name)
         try:
             man = parse_manifest(client.read_bytes(posixpath.join(path, MANIFEST)), path)

@@ -49,7 +49,7 @@ from ._format import MANIFEST, CheckpointConflict, ChecksumError, parse_manifest
 from ._journal import CkptRow, FileRow, Journal, fault_point
 from ._verify import file_problems, stored_problem
 
-__all__ = ["MoverOptions", "Uploader", "SnapshotViews", "remote_paths", "remove_tree", "client_for"]
+__all__ = ["MoverOptions", "Uploader", "SnapshotViews", "remote_paths", "remove_tree", "client_for", "transient"]
 
 log = logging.getLogger("stripefs.staging")
 
@@ -219,7 +219,7 @@ class Uploader:
             except (ChecksumError, CheckpointConflict):
                 raise
             except (ConnectionError, TimeoutError, StripefsError, OSError) as exc:
-                if not _transient(exc) or attempt == self.options.retries:
+                if not transient(exc) or attempt == self.options.retries:
                     raise
                 self.journal.note_error(self.row.id, f"{type(exc).__name__}: {exc}")
                 drop_client(self.options.cluster or self.row.cluster)  # re-read cluster.json: it may have moved
@@ -405,7 +405,7 @@ def _verify(view: memoryview, off: int, f: FileRow, where: str) -> None:
             raise ChecksumError(f"staged file {f.name} is corrupt at offset {off + k} (CRC32C mismatch)", where)
 
 
-def _transient(exc: BaseException) -> bool:
+def transient(exc: BaseException) -> bool:
     if isinstance(exc, StripefsError):
         return exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.IO, ErrorCode.STALE_ROUTING,
                             ErrorCode.BUSY, ErrorCode.NO_SPACE)

@@ -17,9 +17,10 @@ durable at once, at the commit, and a crash before it loses the step.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
-import re
+import sqlite3
 import tempfile
 import threading
 import time
@@ -31,7 +32,7 @@ import crc32c
 
 from stripefs.fsclient import normpath
 
-from ._format import CHECK_CHUNK, DEFAULT_SHARD, FORMAT, MANIFEST, chunk_crcs, manifest_bytes, plan_state_dict
+from ._format import CHECK_CHUNK, DEFAULT_SHARD, FORMAT, MANIFEST, chunk_crcs, manifest_bytes, plan_state_dict, step_order
 from ._durable import publish_dir
 from ._journal import CkptRow, FileRow, Journal, fault_point
 from ._mover import MoverOptions, SnapshotViews, Uploader, client_for, remote_paths, remove_tree
@@ -149,8 +150,8 @@ def _ensure_background_mover(staging_dir: str, options: MoverOptions) -> None:
 def _step_of(url: str, step: int | None) -> int | None:
     if step is not None:
         return step
-    found = re.search(r"(\d+)$", normpath(url))
-    return int(found.group(1)) if found else None
+    number = step_order(normpath(url))[0]
+    return None if number < 0 else number
 
 
 def save(state_dict: Any, url: str, *, staging_dir: str | None = None, compress: str | None = None,
@@ -221,7 +222,6 @@ def save(state_dict: Any, url: str, *, staging_dir: str | None = None, compress:
 def _background(h: SaveHandle, journal: Journal, row: CkptRow, plan: Any, buf: Any, compress: str | None,
                 upload: bool, options: MoverOptions) -> None:
     lock = journal.lock(row.id)
-    lock.try_acquire()  # a fresh id: nobody else can hold it
     lent: SnapshotViews | None = None
     held = [True]
 
@@ -234,6 +234,9 @@ def _background(h: SaveHandle, journal: Journal, row: CkptRow, plan: Any, buf: A
             POOL.release(buf)
 
     try:
+        # Inside the try: a lock file that cannot be made (no inodes, no space, EMFILE) fails
+        # this save's handle instead of killing the thread and leaving wait() to hang.
+        lock.try_acquire()  # a fresh id: nobody else can hold it
         streaming = row.keep_local == 0
         if streaming and compress is None:
             _stream_raw(h, journal, row, plan, buf, options)
@@ -259,6 +262,8 @@ def _background(h: SaveHandle, journal: Journal, row: CkptRow, plan: Any, buf: A
             if streaming:
                 h._local.set()  # no local copy: the step is safe from a crash once committed
             h._global.set()
+    except sqlite3.Error as exc:  # the journal (disk full, I/O error): typed as the docs promise
+        h._fail(OSError(errno.EIO, f"staging journal {journal.path} failed: {exc}"))
     except BaseException as exc:
         h._fail(exc)
     finally:

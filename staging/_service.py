@@ -15,9 +15,10 @@ whose lock it can take:
 
 Then retention: per series (the parent directory of the URL), keep the newest
 ``keep_local`` committed steps on local disk and the newest ``keep_remote`` in
-the store, plus pinned ones. Retention runs only after a commit and only
-counts committed steps, so no step is deleted before a newer one is globally
-durable.
+the store, plus pinned ones; newest by step number (as ``latest()`` ranks them),
+and a step is deleted only if the checkpoint at its URL is the one its row
+recorded. Retention runs only after a commit and only counts committed steps,
+so no step is deleted before a newer one is globally durable.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Callable
 
 from stripefs.fsclient import normpath
 
-from ._format import CheckpointConflict, ChecksumError
+from ._format import CheckpointConflict, ChecksumError, step_order
 from ._journal import CkptRow, Journal
 from ._mover import MoverOptions, Uploader, client_for, committed_id, remote_paths, remove_tree
 
@@ -52,27 +53,65 @@ def _rm_local(path: str) -> None:
 
 
 def apply_retention(journal: Journal, row: CkptRow, options: MoverOptions) -> None:
-    """Trim older committed steps of ``row``'s series to its keep_local/keep_remote."""
+    """Trim older committed steps of ``row``'s series to its keep_local/keep_remote.
+
+    Steps rank as ``latest()`` ranks them (:func:`step_order`: the step number in the
+    directory's name), never by when they committed: an older step whose slow upload
+    commits last does not push a newer one out. A row stands for the checkpoint it recorded
+    only while that checkpoint is the one at its URL: a URL saved again after a rollback
+    leaves the older row stale, and a stale row takes no keep slot and is forgotten without
+    touching what is at the URL now (remote deletions check the checkpoint id there first).
+    The newest step is never deleted, whatever ``keep_remote`` says.
+    """
     series = series_of(row.url)
     same = [r for r in journal.checkpoints("WHERE state='committed'") if series_of(r.url) == series]
-    same.sort(key=lambda r: (r.committed or 0, r.created), reverse=True)
-    if row.keep_local is not None:
-        for r in same[row.keep_local:]:
-            if not r.pinned and os.path.isdir(r.local_dir):
-                _rm_local(r.local_dir)
+    same.sort(key=lambda r: (step_order(r.url), r.committed or 0, r.created), reverse=True)
+    current: list[CkptRow] = []
+    for r in same:  # the same URL twice: only the last commit there can still be at it
+        (_forget(journal, r) if any(c.url == r.url and (c.committed or 0) > (r.committed or 0) for c in same)
+         else current.append(r))
     if row.keep_remote is not None:
-        for r in same[row.keep_remote:]:
+        current = _still_there(journal, current, options)
+        for r in current[max(1, row.keep_remote):]:
             if r.pinned:
                 continue
             client = client_for(options.cluster or r.cluster)
             final, _ = remote_paths(r.url, r.id)
             try:
-                remove_tree(client, final)
+                if committed_id(client, final) == r.id:
+                    remove_tree(client, final)
             except OSError as exc:  # retention is best effort; the next commit tries again
                 log.warning("retention: could not remove %s: %s", final, exc)
                 continue
-            _rm_local(r.local_dir)
-            journal.delete(r.id)
+            _forget(journal, r)
+        current = [r for r in current if journal.get(r.id) is not None]
+    if row.keep_local is not None:
+        for r in current[row.keep_local:]:
+            if not r.pinned and os.path.isdir(r.local_dir):
+                _rm_local(r.local_dir)
+
+
+def _still_there(journal: Journal, rows: list[CkptRow], options: MoverOptions) -> list[CkptRow]:
+    """The rows whose checkpoint is still the one at their URL; the others (their step was
+    deleted, or saved again by another run) are forgotten. Unreachable store: all are kept."""
+    kept = []
+    for r in rows:
+        try:
+            there = committed_id(client_for(options.cluster or r.cluster), normpath(r.url))
+        except OSError as exc:
+            log.warning("retention: could not check %s: %s", r.url, exc)
+            return rows
+        if there == r.id:
+            kept.append(r)
+        else:
+            _forget(journal, r)
+    return kept
+
+
+def _forget(journal: Journal, row: CkptRow) -> None:
+    """Drop a row (and its local copy) whose checkpoint is no longer at its URL, or was trimmed."""
+    _rm_local(row.local_dir)
+    journal.delete(row.id)
 
 
 class Mover:
