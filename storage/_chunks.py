@@ -193,6 +193,10 @@ class ChunkStore:
         return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
     def _load(self, ino: int, index: int, fd: int | None = None) -> ChunkMeta | None:
+        """The chunk's header, from the cache or its file. The caller holds the chunk's lock:
+        a header read from the file a copy-on-write write is replacing, and cached after the
+        write cached the new one, would be taken for the new file's (the next append then
+        writes the old block CRCs over new bytes: a permanent CHECKSUM error)."""
         key = (ino, index)
         meta = self._meta.get(key)
         if meta is not None:
@@ -236,9 +240,9 @@ class ChunkStore:
         segment_crcs, whole = payload_crcs(data, offset)
         if whole != crc:
             raise StripefsError(ErrorCode.CHECKSUM, "payload checksum mismatch (corrupted in transit)")
-        if not len(data):
-            return self._load(ino, index) or ChunkMeta()
         with self._lock(ino, index):
+            if not len(data):
+                return self._load(ino, index) or ChunkMeta()
             if version is not None:
                 cur = self._load(ino, index) or ChunkMeta()
                 if cur.version >= version:
@@ -565,7 +569,8 @@ class ChunkStore:
                 os.close(fd)
 
     def stat(self, ino: int, index: int) -> ChunkMeta | None:
-        return self._load(ino, index)
+        with self._lock(ino, index):
+            return self._load(ino, index)
 
     # -- replication support ---------------------------------------------------------------
     def replace(self, ino: int, index: int, chain: int, version: int, data: bytes | bytearray | memoryview, *, force: bool = False,
@@ -673,7 +678,8 @@ class ChunkStore:
         out: dict[int, list[tuple[int, int, int, int, int]]] = {}
         for ino, index in sorted(self.all_chunks()):
             try:
-                meta = self._load(ino, index)
+                with self._lock(ino, index):
+                    meta = self._load(ino, index)
             except StripefsError:
                 meta = None  # a corrupt header: scrub reports it
             if meta is not None:
@@ -692,18 +698,28 @@ class ChunkStore:
         return items[:limit] if limit > 0 else items
 
     def scrub(self) -> tuple[int, list[tuple[int, int, int]]]:
-        """Re-read and verify every chunk from disk: ``(checked, [(ino, index, chain)] bad)``."""
+        """Re-read and verify every chunk from disk: ``(checked, [(ino, index, chain)] bad)``.
+
+        Each chunk is read under its lock, header and bytes from one descriptor: a write
+        racing the scrub neither gets an old header cached over its new one nor makes a
+        half-written chunk look corrupt, and a chunk removed meanwhile is skipped."""
         checked, bad = 0, []
         for ino, index in self.all_chunks():
-            self._meta.pop((ino, index), None)  # trust nothing cached
             meta = None
             try:
-                meta = self._load(ino, index)
-                if meta is None:
-                    continue
-                with open(self.path(ino, index), "rb") as f:
-                    f.seek(HEADER_SIZE)
-                    self._verify(ino, index, meta, f.read(meta.length))
+                with self._lock(ino, index):
+                    try:
+                        fd = os.open(self.path(ino, index), os.O_RDONLY)
+                    except FileNotFoundError:
+                        continue  # removed since the listing
+                    try:
+                        self._meta.pop((ino, index), None)  # trust nothing cached
+                        meta = self._load(ino, index, fd)
+                        if meta is None:
+                            continue
+                        self._verify(ino, index, meta, os.pread(fd, meta.length, HEADER_SIZE))
+                    finally:
+                        os.close(fd)
                 checked += 1
             except StripefsError:
                 chain = meta.chain if meta is not None else 0
