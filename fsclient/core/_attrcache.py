@@ -93,7 +93,8 @@ class AttrCache:
                   sent: float) -> None:
         """Remember a whole listing of ``path`` under its lease (as :meth:`put`)."""
         with self._lock:
-            if self.inflight or (self.mutations, self.invalidations) != token or not (lease_ms > 0 and self.leasing):
+            if (self.inflight or (self.mutations, self.invalidations) != token
+                    or not (lease_ms > 0 and lease_id and self.leasing)):
                 return
             self._drop_names(path)
             while len(self._lists) >= self.max_entries:
@@ -118,7 +119,10 @@ class AttrCache:
         with self._lock:
             if self.inflight or (self.mutations, self.invalidations) != token:
                 return
-            if lease_ms > 0 and self.leasing:
+            # A lease is an id the service will invalidate: a lifetime without one (a batch
+            # answer whose other paths were leased, this path past the service's bounds)
+            # covers nothing, and is kept as a timed entry at most.
+            if lease_ms > 0 and lease_id and self.leasing:
                 expires = sent + lease_ms / 1000
             elif self.timeout > 0:
                 expires, lease_id = time.monotonic() + self.timeout, 0

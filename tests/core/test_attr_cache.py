@@ -106,3 +106,21 @@ def test_the_environment_sets_the_default_and_a_bad_value_is_refused(cluster, cl
     assert isinstance(err.value, OSError)
     with pytest.raises(StripefsError, match="attr_timeout must be >= 0"):
         Client(cluster.file, attr_timeout=-1)
+
+
+def test_a_lifetime_without_a_lease_id_is_not_kept_as_a_lease() -> None:
+    """A ``StatMany`` answer carries one ``lease_ms`` for the batch; a path the service gave no
+    lease (id 0: past its per-client bound) must not be kept for that lifetime, since nothing
+    on the service would invalidate it."""
+    from stripefs.fsclient.core._attrcache import AttrCache
+    from stripefs.wire import Attr
+
+    cache = AttrCache(0.0)  # no timed entries: only leases are kept
+    cache.leasing = True
+    attr = Attr(ino=7, mode=0o100644, nlink=1, uid=0, gid=0, size=3, atime_ns=0, mtime_ns=0, ctime_ns=0)
+    cache.put("/unleased", attr, cache.token(), 0, 60_000, time.monotonic())
+    cache.put("/leased", attr, cache.token(), 42, 60_000, time.monotonic())
+    cache.put_names("/d-unleased", ["a"], cache.token(), 0, 60_000, time.monotonic())
+    assert cache.get("/unleased") is None
+    assert cache.get("/leased") == attr
+    assert cache.get_names("/d-unleased") is None
