@@ -15,7 +15,6 @@ Caveats:
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -26,6 +25,7 @@ from stripefs.rpc import Reply, abandon
 from stripefs.wire import ErrorCode, Layout, Message, ReplyMessage, StripefsError, messages as m
 
 from ._core import _RETRIED, REQUEST_TIMEOUT, MetaRetry
+from ._proc import my_pid
 
 if TYPE_CHECKING:
     from ._core import ClientCore
@@ -64,7 +64,7 @@ async def acall(core: "ClientCore", msg: Message[R], timeout: float = 60.0) -> R
         while True:
             try:
                 key, address = ("metadata", retry.index), core.config.addresses[retry.index]
-                conn = core._meta.live_one(key, address) if core.pid == os.getpid() else None
+                conn = core._meta.live_one(key, address) if core.pid == my_pid() else None
                 if conn is None:  # connect (and handshake) off the loop; a forked child starts afresh there
                     conn = await trio.to_thread.run_sync(core._meta_conn, retry.index)
                 left = max(retry.deadline - time.monotonic(), 0.001)

@@ -44,6 +44,7 @@ from stripefs.wire import Attr, ErrorCode, Layout, Message, ReplyMessage, Routin
 from ._attrcache import AttrCache, LeaseWatch
 from ._config import ClusterConfig
 from ._ordering import WriteOrder
+from ._proc import my_pid
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def _release_leases_at_exit() -> None:
     its leases are gone (else others' changes to what it held wait for them to run out)."""
     for core in list(_LIVE):
         watch = core._watch
-        if watch is not None and core.pid == os.getpid():
+        if watch is not None and core.pid == my_pid():
             watch.close()
 
 
@@ -226,7 +227,7 @@ class ClientCore:
         _LIVE.add(self)
 
     def _init_state(self) -> None:
-        self.pid = os.getpid()
+        self.pid = my_pid()
         self.client_id = os.urandom(16)
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
@@ -253,7 +254,7 @@ class ClientCore:
     def lease_cache(self) -> AttrCache | None:
         """The attribute cache, its lease watch started (on first use, and again in a
         forked child): stats ask for leases once the watch is live."""
-        if os.getpid() != self.pid:
+        if my_pid() != self.pid:
             self._reset_after_fork()
         cache = self.attrs
         if cache is not None and self.leases and self._watch is None:
@@ -263,7 +264,7 @@ class ClientCore:
         return cache
 
     def close(self) -> None:
-        if self._watch is not None and os.getpid() == self.pid:
+        if self._watch is not None and my_pid() == self.pid:
             self._watch.close()
             self._watch = None
         self._data.close()  # in a forked child the pools only forget the parent's sockets
@@ -271,7 +272,7 @@ class ClientCore:
 
     # -- metadata ---------------------------------------------------------------------------
     def _meta_conn(self, index: int = 0) -> Connection:
-        if os.getpid() != self.pid:
+        if my_pid() != self.pid:
             self._reset_after_fork()
         return self._meta.get(("metadata", index), self.config.addresses[index])
 
@@ -321,7 +322,7 @@ class ClientCore:
 
     # -- routing ----------------------------------------------------------------------------
     def routing(self, refresh: bool = False) -> Routing:
-        if refresh or self._routing is None or os.getpid() != self.pid:
+        if refresh or self._routing is None or my_pid() != self.pid:
             routing = self.call(m.GetRouting()).routing
             with self._lock:
                 self._routing = routing  # servers that moved get new connections in data_conn
@@ -343,7 +344,7 @@ class ClientCore:
         return targets[(spread + attempt) % len(targets)]
 
     def data_conn(self, server_id: int) -> Connection:
-        if os.getpid() != self.pid:
+        if my_pid() != self.pid:
             self._reset_after_fork()
         info = self.routing().servers.get(server_id)
         if info is None:
@@ -481,7 +482,7 @@ class ClientCore:
         """
         routing = self._routing
         n = max(0, min(len(dest), file_size - offset))
-        if n == 0 or routing is None or os.getpid() != self.pid:
+        if n == 0 or routing is None or my_pid() != self.pid:
             return None
         index, coff = divmod(offset, layout.chunk_size)
         if coff + n > layout.chunk_size:

@@ -35,7 +35,7 @@ class OpenFile:
     def __init__(self, client: Client, file: StripeFile):
         self.client = client
         self.file = file
-        self.stamp = _stamp(file.attr)  # the cluster's (size, mtime, truncations) this state started from
+        self.stamp = stamp_of(file.attr)  # the version of the file this state started from
         self.mode = file.attr.mode  # as this mount last saw it: writes clear setuid/setgid from it
         self.handles = 0
         self.lock = trio.Lock()
@@ -45,6 +45,10 @@ class OpenFile:
         self.read_from = False  # ever read through the file object (readahead may be in flight)
         self.seq_end = 0
         self._buf: mmap.mmap | None = None
+        # A small file's bytes, read whole at its first read (``_operations._read_whole``);
+        # gone at the first write, truncate or refresh.
+        self.whole: memoryview | None = None
+        self.whole_buf: mmap.mmap | None = None  # the buffer ``whole`` views (the mount's pool lends it)
 
     def length(self) -> int:
         """This mount's view of the length (buffered writes included)."""
@@ -86,12 +90,14 @@ class OpenFile:
 
     def write(self, offset: int, data: bytes) -> int:
         self.dirty = self.written = True
+        self.whole = None
         return self.file.pwrite(data, offset)
 
     def write_buffered(self, offset: int, data: bytes) -> int:
         """:meth:`write` on the trio loop, for a write that ``file.buffered_fits`` (a copy
         into the write-behind buffer; a full one is sent in the background)."""
         self.dirty = self.written = True
+        self.whole = None
         return self.file.write_buffered(data, offset)
 
     def sync(self) -> None:
@@ -108,7 +114,7 @@ class OpenFile:
         bytes not committed yet. Returns (bytes written, the offset they went to).
         """
         attr = self.client.stat_inode(self.file.ino)
-        if attr.truncations != self.stamp[2]:
+        if attr.truncations != self.stamp[3]:  # stamp_of: (size, mtime, ctime, truncations)
             # Truncated since this state started (here or elsewhere): its idea of the
             # length is stale. Commit what is ours and start over from the fresh attributes.
             self.sync()
@@ -126,7 +132,8 @@ class OpenFile:
         the old file object commits nothing and only releases its buffers.
         """
         old, self.file = self.file, self.client.open_inode(attr, readable=True, writable=True)
-        self.stamp = _stamp(attr)
+        self.whole = None
+        self.stamp = stamp_of(attr)
         self.mode = attr.mode
         self.seq_end = 0
         self.dirty = False
@@ -145,13 +152,14 @@ class OpenFile:
         except OSError:
             return None
         attr = self.client.stat_inode(self.file.ino)
-        if _stamp(attr) != self.stamp:
+        if stamp_of(attr) != self.stamp:
             self.refresh(attr)
         self.mode = attr.mode  # a chmod elsewhere changes neither size nor mtime
         return attr
 
     def truncate(self, size: int) -> None:
         self.written = True
+        self.whole = None
         self.file.truncate(size)
         self.seq_end = 0
 
@@ -168,6 +176,14 @@ class OpenFile:
             self._buf = None  # not closed: pyfuse3 may still hold a view of it
 
 
-def _stamp(attr: Attr) -> tuple[int, int, int]:
-    """What tells one version of a file's contents from another, as far as a mount can see."""
-    return (attr.size, attr.mtime_ns, attr.truncations)
+Stamp = tuple[int, int, int, int]
+
+
+def stamp_of(attr: Attr, size: int | None = None) -> Stamp:
+    """What tells one version of a file's contents from another, as far as a mount can see:
+    ``(size, mtime, ctime, truncations)``, ``size`` overriding the cluster's (this mount's
+    writes not yet committed). Not ``(size, mtime)`` alone: ``cp -p``, ``rsync -a`` and ``tar``
+    rewrite a file at the same size and set its mtime back; no client can set the ctime back
+    (every write's length commit, truncate and utime moves it to the service's clock), and a
+    rewrite through ``O_TRUNC`` also counts a truncation."""
+    return (attr.size if size is None else size, attr.mtime_ns, attr.ctime_ns, attr.truncations)

@@ -19,8 +19,8 @@ Semantics (docs/fuse.md has the long form):
   into ``/.stripefs-orphans`` first ("silly rename", as NFS does); the last
   ``release`` removes it. Orphans of a crashed daemon are removed by the next
   mount on the same host (:class:`~fsclient.fuse._orphans.Orphans`).
-* Page cache: ``keep_cache`` is granted at open only when the file's
-  ``(size, mtime)`` is the one this mount last saw; otherwise the kernel drops
+* Page cache: ``keep_cache`` is granted at open only when the file's version
+  (``stamp_of``: size, mtime, ctime and truncation count) is the one this mount last saw; otherwise the kernel drops
   the cached pages and attributes (close-to-open across mounts). A new open of a
   file already open here commits this mount's writes and, when the file changed
   elsewhere, starts its state over from fresh attributes.
@@ -76,13 +76,17 @@ from ._dirattrs import DirAttrs
 from ._dirhandle import OFFSET_BITS, READDIR_PAGE, DirHandle
 from ._kernelleases import KernelLeases
 from ._listings import Listings, Page
-from ._openfile import OpenFile
+from ._openfile import OpenFile, Stamp, stamp_of
 from ._orphans import ORPHAN_DIR, Orphans
 from ._writebehind import WriteBudget
 
 __all__ = ["StripeOperations", "FuseConfig"]
 
 log = logging.getLogger(__name__)
+
+# A file up to this size is read whole at its first read, on the trio loop, and its later
+# reads are answered from memory: a dataset's small files cost one request each.
+SMALL_FILE = 1 << 20
 
 BLKSIZE = 1 << 20  # st_blksize: stdio, Python io and cp size their buffers by it
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -157,12 +161,13 @@ class StripeOperations(pyfuse3.Operations):
         self.orphans = Orphans(self.aio, self.dir_attrs, self.listings)
         self.mount_id = self.orphans.mount_id  # the daemon writes it into the mount record too
         self.lookups: dict[int, int] = {}
-        self.told: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime) last given to the kernel
-        self.cached: dict[int, tuple[int, int]] = {}  # ino -> (size, mtime) of the kernel's page cache
+        self.told: dict[int, Stamp] = {}  # ino -> the version (stamp_of) whose attributes the kernel was given last
+        self.cached: dict[int, Stamp] = {}  # ino -> the version (stamp_of) of the kernel's page cache
         self.closing: dict[int, trio.Event] = {}
         self.writes = WriteBudget(self.config.write_buffer_mb << 20)
         self._fh = itertools.count(1)
         self._rbufs: list[mmap.mmap] = []  # never closed: pyfuse3 may still hold a view
+        self._wbufs: list[mmap.mmap] = []  # SMALL_FILE buffers for whole reads, back at release
         # (ino, name) -> when "no such attribute" stops being trusted. The kernel asks for
         # security.capability before every write(2) to a file; answering that from here
         # keeps a metadata round trip off each write (as stale as attributes may be).
@@ -171,6 +176,9 @@ class StripeOperations(pyfuse3.Operations):
         core = client._core
         cache = core.lease_cache() if core.leases else None
         self.kernel_leases = KernelLeases(cache, self._forget_inos) if cache is not None else None
+        # ino -> (attributes, lease expiry, cache state) of a leased LOOKUP or GETATTR answer:
+        # the OPEN that follows a lookup takes them instead of asking again (_open_attr).
+        self._fresh: dict[int, tuple[Attr, float, tuple[int, int]]] = {}
 
     # -- helpers ------------------------------------------------------------------------
     def _entry(self, attr: Attr, age: float = 0.0) -> pyfuse3.EntryAttributes:
@@ -182,7 +190,7 @@ class StripeOperations(pyfuse3.Operations):
             size = max(size, state.length())
             if state.orphan:  # an orphaned (silly-renamed) inode is unlinked as far as users can tell
                 nlink -= 1
-        self.told[attr.ino] = (size, attr.mtime_ns)
+        self.told[attr.ino] = stamp_of(attr, size)
         return _attributes(attr, size, nlink, max(0.0, self.config.entry_timeout - age),
                            max(0.0, self.config.attr_timeout - age))
 
@@ -210,6 +218,7 @@ class StripeOperations(pyfuse3.Operations):
         """Another client changed these inodes (their leases were invalidated): what this
         daemon keeps of them goes (on the loop, before the kernel is told)."""
         for ino in inos:
+            self._fresh.pop(ino, None)
             self.dir_attrs.drop(ino)
             self.listings.drop(ino)
             self.listings.forget_names(ino)
@@ -229,6 +238,35 @@ class StripeOperations(pyfuse3.Operations):
 
     async def _attr(self, ino: int) -> Attr:
         return await self.aio.attr(m.GetAttr(ino=ino))
+
+    def _cache_state(self) -> tuple[int, int] | None:
+        """What changes whenever a leased answer may have gone stale: this client's own
+        mutations begun or ended and the invalidations it was told of (None while one of
+        its mutations is unanswered, or without leases)."""
+        kl = self.kernel_leases
+        if kl is None or not kl.asking or kl.cache.inflight:
+            return None
+        return kl.cache.mutations, kl.cache.invalidations
+
+    def _keep_fresh(self, attr: Attr, leased: float) -> None:
+        """Remember a leased answer for the OPEN that usually follows it."""
+        state = self._cache_state()
+        if not attr.is_file or leased <= 0 or state is None:
+            return
+        if len(self._fresh) >= 65536:
+            self._fresh.clear()
+        self._fresh[attr.ino] = (attr, time.monotonic() + leased, state)
+
+    async def _open_attr(self, ino: int, flags: int) -> Attr:
+        """The attributes an OPEN starts from: fresh ones (close-to-open), which a read-only
+        open takes from a leased LOOKUP or GETATTR answer when nothing could have changed
+        them since -- another client's change would have invalidated the lease first, and
+        this client changed nothing meanwhile -- and asks the service for otherwise."""
+        hit = self._fresh.pop(ino, None)
+        if (hit is not None and flags & os.O_ACCMODE == os.O_RDONLY and not flags & os.O_TRUNC
+                and hit[1] > time.monotonic() and hit[2] == self._cache_state()):
+            return hit[0]
+        return await self._attr(ino)
 
     async def _locked(self, state: OpenFile, fn: Callable[..., Any], *args: Any) -> Any:
         async with state.lock:
@@ -250,6 +288,7 @@ class StripeOperations(pyfuse3.Operations):
         self.dir_attrs.put(attr, version)
         e = self._looked_up(attr)
         if leased is not None:
+            self._keep_fresh(attr, leased)
             e.entry_timeout = leased
             if not stat.S_ISDIR(attr.mode):  # a directory's lease covers its entry only
                 e.attr_timeout = leased
@@ -264,6 +303,7 @@ class StripeOperations(pyfuse3.Operations):
                 self.lookups.pop(ino, None)
                 self.told.pop(ino, None)
                 self.cached.pop(ino, None)
+                self._fresh.pop(ino, None)
 
     @_errors
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
@@ -277,6 +317,7 @@ class StripeOperations(pyfuse3.Operations):
         self.dir_attrs.put(attr, version)
         e = self._entry(attr)
         if leased is not None:
+            self._keep_fresh(attr, leased)
             e.attr_timeout = leased
         return e
 
@@ -395,7 +436,7 @@ class StripeOperations(pyfuse3.Operations):
                 replies.append(None)
             else:
                 replies.append((os.fsencode(e.name), _attributes(attr, attr.size, attr.nlink, entry_timeout, attr_timeout),
-                                (attr.size, attr.mtime_ns), e.ino))
+                                stamp_of(attr), e.ino))
         page.replies = replies
         return replies
 
@@ -435,7 +476,7 @@ class StripeOperations(pyfuse3.Operations):
             return False
         state = self.files.get(attr.ino)
         size = attr.size if state is None else max(attr.size, state.length())
-        return told != (size, attr.mtime_ns)
+        return told != stamp_of(attr, size)
 
     async def releasedir(self, fh: int) -> None:
         self.dirs.pop(fh, None)
@@ -570,7 +611,7 @@ class StripeOperations(pyfuse3.Operations):
             except BaseException:
                 await self.release(fh)
                 raise
-        stamp: tuple[int, int] | None = (attr.size, attr.mtime_ns)
+        stamp: Stamp | None = stamp_of(attr)
         if uid != 0:
             self.unprivileged.add(fh)
         if flags & os.O_TRUNC and (attr.size or state.length()):
@@ -581,7 +622,7 @@ class StripeOperations(pyfuse3.Operations):
             stamp = None
             if uid != 0:
                 await self._kill_privs(state, ino)
-        # The kernel's pages are kept only when they are of this very (size, mtime).
+        # The kernel's pages are kept only when they are of this very version (stamp_of).
         keep = stamp is not None and self.cached.get(ino) == stamp
         if not keep and self.told.get(ino) not in (None, stamp):
             # The kernel holds attributes (size) older than the file: drop them now.
@@ -604,7 +645,7 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         await self._wait_closing(inode)
-        return await self._open_state(await self._attr(inode), flags, ctx.uid)
+        return await self._open_state(await self._open_attr(inode, flags), flags, ctx.uid)
 
     @_errors
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
@@ -643,9 +684,13 @@ class StripeOperations(pyfuse3.Operations):
     async def read(self, fh: int, off: int, size: int) -> memoryview:
         state = self._state(fh)
         if not state.dirty and not state.lock.locked():
+            if state.whole is not None:  # a small file read whole at its first read
+                return state.whole[off : off + size]
             view = state.read_cached(off, size)  # already in a readahead window: no thread hop
             if view is not None:
                 return view
+            if off == 0 and not state.written and state.length() <= SMALL_FILE:
+                return (await self._read_whole(state))[:size]
         if state.dirty or off in (0, state.seq_end) or state.file.in_window(off):
             # Buffered writes must land first. Sequential reads use StripeFile's readahead
             # windows: one parallel fetch of a whole window (all servers at once, refilled in
@@ -665,6 +710,24 @@ class StripeOperations(pyfuse3.Operations):
             if len(self._rbufs) < 64:
                 self._rbufs.append(buf)
         return memoryview(buf)[:n]
+
+    async def _read_whole(self, state: OpenFile) -> memoryview:
+        """Read a small file whole, on the loop (one request to one server when it is one
+        chunk, and no worker thread), into the state's buffer; the kernel's next reads of
+        it are answered from there. Not through ``StripeFile``: nothing of it (readahead,
+        buffers) needs closing, so the release runs on the loop too."""
+        f = state.file
+        length = state.length()
+        if state.whole_buf is None or len(state.whole_buf) < length:
+            # Apart from OpenFile.read's buffer: the kernel sends a file's reads at once,
+            # and one of them may be read into that one meanwhile.
+            state.whole_buf = self._wbufs.pop() if self._wbufs else mmap.mmap(-1, SMALL_FILE)
+        dest = memoryview(state.whole_buf)[:length]
+        n = await self.aio.read_into(f.ino, f.layout, length, 0, dest)
+        if state.dirty or state.written or state.file is not f:  # changed while we read
+            return dest[:n]
+        state.whole = dest[:n]
+        return state.whole
 
     @_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
@@ -738,16 +801,20 @@ class StripeOperations(pyfuse3.Operations):
             if state.orphan is not None:
                 await self.orphans.remove(state.orphan)
                 self.cached.pop(ino, None)
-            elif state.written:  # the (size, mtime) the kernel's pages are of now
+            elif state.written:  # the version the kernel's pages are of now
                 self.listings.clear()  # closing committed the length
                 attr = await self._attr(ino)
-                self.cached[ino] = (attr.size, attr.mtime_ns)
-            # Never written here: the pages are of the (size, mtime) recorded at the last
+                self.cached[ino] = stamp_of(attr)
+            # Never written here: the pages are of the version recorded at the last
             # open, and a change made elsewhere since must not be taken for theirs.
         except Exception:  # release cannot report errors; flush already did
             log.exception("release of inode %d", ino)
             self.cached.pop(ino, None)
         finally:
+            if state.whole_buf is not None:  # its reads are over: the buffer goes back to the pool
+                if len(self._wbufs) < 64:
+                    self._wbufs.append(state.whole_buf)
+                state.whole = state.whole_buf = None
             del self.closing[ino]
             done.set()
 

@@ -36,6 +36,55 @@ def test_new_open_sees_another_clients_rewrite_while_open_here(mdir: str, client
             assert f.read() == b"NEW!" * 100_000 + b"tail"
 
 
+@pytest.mark.parametrize("held", [True, False], ids=["another-handle-open", "listed-by-ls-l"])
+@pytest.mark.parametrize("how", ["wb", "in-place"])
+def test_a_rewrite_at_the_same_size_with_the_mtime_set_back_is_seen(mdir: str, client: Client, testdir: str,
+                                                                     held: bool, how: str) -> None:
+    """``cp -p``, ``rsync -a`` and ``tar`` rewrite a file at the same size and set its mtime back:
+    the mount must not keep its pages of the old bytes (the version it checks includes the
+    ctime and the truncation count, which no client can set back)."""
+    path = f"{testdir}/f"
+    client.write_bytes(path, b"old." * 262_144)  # 1 MiB
+    before = client.stat(path)
+    keep = open(f"{mdir}/f", "rb") if held else None
+    try:
+        if not held:
+            os.listdir(mdir)  # the mount learns the entry from a listing (readdirplus)
+            os.stat(f"{mdir}/f")
+        with open(f"{mdir}/f", "rb") as f:  # the kernel's page cache now holds the old bytes
+            assert f.read() == b"old." * 262_144
+        if how == "wb":
+            client.write_bytes(path, b"NEW!" * 262_144)
+        else:
+            with client.open(path, "r+b") as f:
+                f.write(b"NEW!" * 262_144)
+        client.utime(path, (before.atime_ns, before.mtime_ns))  # the mtime set back, as `cp -p` does
+        assert (client.stat(path).size, client.stat(path).mtime_ns) == (before.size, before.mtime_ns)
+        with open(f"{mdir}/f", "rb") as f:
+            assert f.read() == b"NEW!" * 262_144
+    finally:
+        if keep is not None:
+            keep.close()
+
+
+@pytest.mark.parametrize("size", [4096, 300_000, 3 << 20], ids=["page", "small", "large"])
+def test_an_open_right_after_a_lookup_sees_a_rewrite_made_between(mdir: str, client: Client, testdir: str,
+                                                                    size: int) -> None:
+    """A read-only open takes its attributes from the leased lookup before it; another
+    client's rewrite between the two must not be read past (its lease is invalidated first),
+    nor must a small file's whole-file read serve the old bytes."""
+    path = f"{testdir}/g"
+    client.write_bytes(path, b"a" * size)
+    with open(f"{mdir}/g", "rb") as f:
+        assert f.read() == b"a" * size
+    for round_ in range(3):
+        os.stat(f"{mdir}/g")  # a lookup (leased): the open below may take its attributes
+        new = bytes([ord("b") + round_]) * (size + 10 * round_)
+        client.write_bytes(path, new)  # another client's rewrite, in between
+        with open(f"{mdir}/g", "rb") as f:
+            assert f.read() == new, round_
+
+
 # -- O_APPEND across clients ------------------------------------------------------------------
 def test_o_append_lands_at_the_committed_length(mdir: str, client: Client, testdir: str) -> None:
     """Within the attribute timeout, appends through the mount never overwrite another
