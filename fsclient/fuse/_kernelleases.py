@@ -95,12 +95,19 @@ class KernelLeases:
             self._told[lease_id] = (expires, parent, name, ino)
         return left
 
-    def renamed(self, parent: int, name: bytes, new_parent: int, new_name: bytes) -> None:
-        """This mount renamed an entry: the kernel now knows it under its new name."""
+    def renamed(self, parent: int, name: bytes) -> bool:
+        """This mount renamed ``name`` of ``parent``: the kernel moved its entry, with the
+        leased timeout, to the new name, but the service's lease stays on what the answer
+        depended on -- for a directory, the old name alone (its lookup lease covers its
+        entry only), and as the mutator this mount is not told of its own change. Another
+        client renaming the new name away would then never take it back. So the leases of
+        the old name are dropped here; True when there were any: the caller takes the
+        entry back from the kernel (it is looked up again, with a lease on the new name)."""
         with self._lock:
-            for lease_id, (expires, p, n, ino) in list(self._told.items()):
-                if p == parent and n == name:
-                    self._told[lease_id] = (expires, new_parent, new_name, ino)
+            gone = [lease_id for lease_id, (_, p, n, _) in self._told.items() if p == parent and n == name]
+            for lease_id in gone:
+                del self._told[lease_id]
+        return bool(gone)
 
     # -- on the watch thread ------------------------------------------------------------
     def invalidated(self, lease_ids: list[int]) -> None:

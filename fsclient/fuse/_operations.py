@@ -574,8 +574,11 @@ class StripeOperations(pyfuse3.Operations):
                 await self.orphans.unkeep(self.files.get(victim.ino), linked)
             raise
         else:
-            if self.kernel_leases is not None:  # the kernel knows the entry by its new name now
-                self.kernel_leases.renamed(parent_inode_old, name_old, parent_inode_new, name_new)
+            if self.kernel_leases is not None and self.kernel_leases.renamed(parent_inode_old, name_old):
+                # The kernel keeps the entry, moved to its new name, for the old lease's time:
+                # take it back once this reply is out (invalidating it from inside the rename
+                # would wait for the rename itself).
+                pyfuse3.invalidate_entry_async(parent_inode_new, name_new, ignore_enoent=True)
         finally:
             self.dir_attrs.clear()  # both parents, and a directory moved (its ".." and ctime)
             self.listings.clear()

@@ -97,6 +97,28 @@ def test_another_clients_rename_and_unlink_show_at_the_next_stat(private: Privat
     assert not os.path.exists(md + "/g")
 
 
+@pytest.mark.parametrize("kind", ["dir", "file"])
+def test_a_name_this_mount_renamed_is_taken_back_when_another_client_renames_it(private: Private, kind: str) -> None:
+    """The mount stats d1 (leased), renames it to d2; the client renames d2 to d3: the mount
+    must see d2 gone at once (the service's lease stayed on the name d1, and the renaming
+    mount is not told of its own change), and a file it makes in d2 must not land in d3."""
+    d, md = private.fresh()
+    if kind == "dir":
+        private.client.mkdir(d + "/d1")
+    else:
+        private.client.write_bytes(d + "/d1", b"x")
+    os.stat(md + "/d1")
+    os.rename(md + "/d1", md + "/d2")
+    time.sleep(0.05)  # the mount takes its moved entry back after its reply (asynchronously)
+    private.client.rename(d + "/d2", d + "/d3")
+    assert not os.path.exists(md + "/d2")
+    assert os.path.exists(md + "/d3")
+    if kind == "dir":
+        with pytest.raises(FileNotFoundError):
+            open(md + "/d2/new", "wb").close()
+        assert private.client.listdir(d + "/d3") == []
+
+
 def test_another_clients_write_shows_at_the_next_stat_and_read(private: Private) -> None:
     d, md = private.fresh()
     assert os.stat(md + "/f").st_size == 4
