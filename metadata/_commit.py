@@ -26,10 +26,14 @@ A mutation (:meth:`CommitPath.apply`) goes through these steps, in this order:
    fsync, a store shared by several services) joins the writer's next batch. On a
    shared store a request's first operation is applied at most once, across services:
    :func:`~metadata._replay.apply_once` records its result in the same commit;
-2. **visible to reads**: every read (the loop's, the reader thread's, another
-   service's) sees the last committed state, so under SQLite a commit is visible from
-   the moment it returns -- before its fsync has, under ``full`` (only a power loss in
-   that window, a few ms, can take it back, together with its unanswered mutation);
+2. **seen by reads, not yet told**: every read (the loop's, the reader thread's,
+   another service's) runs on the last committed state, so under SQLite a read may see
+   a commit before its fsync has made it durable. Under ``full`` no answer that rests on
+   it leaves before it is durable: a read's answer, and a mutation's refusal (``EEXIST``
+   for a name made a moment ago), wait in :meth:`CommitPath.visible` for the fsyncs that
+   cover what the store showed them; while a commit waits for its fsync
+   (:attr:`CommitPath.settled` false) no read is answered on the loop. A rename or rmdir
+   drops the loop's remembered directories the moment it commits (``_committed``);
 3. **durable**, as far as the store's setting makes anything durable: under ``full`` a
    batch once the writer thread hands it back (its commit fsyncs the log, as SQLite's
    ``synchronous=FULL``), a commit on the loop once :meth:`CommitPath._made_durable`
@@ -58,6 +62,7 @@ import functools
 import logging
 import random
 import time
+from collections import deque
 from typing import Any, Callable
 
 import trio
@@ -122,6 +127,11 @@ class CommitPath:
         # batch's durable commit, and see every write acknowledged before they started.
         self._writer = StoreThread(self._run_batch, MAX_BATCH)
         self._writing = 0  # writer-thread jobs queued or running: the loop leaves the connection alone
+        # Writer-thread jobs handed over and finished, in order (the thread runs them first in,
+        # first out): a read waits for those handed over before it, their commits being
+        # visible before their fsync (:meth:`visible`).
+        self._sent = self._ran = 0
+        self._ran_waiters: deque[tuple[int, trio.Event]] = deque()
         # Mutations commit on the loop, a write of the log to the page cache (``CHECKPOINT_EVERY``);
         # under ``full`` they are acknowledged once a group fsync of the log covers them.
         store = ns.store
@@ -143,14 +153,17 @@ class CommitPath:
             # directory reads no entry of its path); a batch rolled back forgets them (_run_batch).
             ns.remember_dirs()
 
-    async def apply(self, fn: Callable[..., Any], *args: Any, _now: bool = True, **kwargs: Any) -> Any:
+    async def apply(self, fn: Callable[..., Any], *args: Any, _now: bool = True,
+                    _committed: Callable[[], None] | None = None, **kwargs: Any) -> Any:
         """Run one namespace operation; operations queued meanwhile commit together.
 
         Inside a mutation on a shared store the first call is applied at most once per
         request id, across services (``_replay.apply_once``). ``_now``: it may commit here on the
         loop (False for operations on many paths: too long). Returns once the operation
         is durable, either way: the writer thread's batch fsyncs before it answers, a
-        commit on the loop waits in :meth:`_made_durable`.
+        commit on the loop waits in :meth:`_made_durable`. ``_committed``: called as soon as
+        the operation committed on the loop, before anything else runs there (a rename's
+        remembered directories go before any read can walk them).
         """
         if self._log_sync is not None and self._log_sync.failed is not None:
             raise StripefsError(ErrorCode.IO, f"metadata log could not be made durable: {self._log_sync.failed}; "
@@ -165,6 +178,8 @@ class CommitPath:
         if _now and self._write_now and not self._writing:
             done, result = self._commit_now(functools.partial(fn, *args, **kwargs))
             if done:
+                if _committed is not None:
+                    _committed()
                 await self._made_durable()
                 return result
         return await self.store_call(fn, *args, **kwargs)  # durable when it returns
@@ -218,10 +233,48 @@ class CommitPath:
     async def store_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` in the writer's next batch (group commit)."""
         self._writing += 1  # until the job ran, even if this caller is cancelled meanwhile
+        self._sent += 1
         return await self._stored(self._writer, lambda: fn(*args, **kwargs), self._written)
 
     def _written(self) -> None:
         self._writing -= 1
+        self._ran += 1
+        waiters = self._ran_waiters
+        while waiters and waiters[0][0] <= self._ran:
+            waiters.popleft()[1].set()
+
+    @property
+    def settled(self) -> bool:
+        """Nothing a read could see is waiting for its fsync: every commit so far is durable."""
+        ls = self._log_sync
+        return ls is None or (ls.settled and not self._writing)
+
+    async def visible(self) -> None:
+        """Return once everything a read may have seen so far is durable.
+
+        Under ``full`` with the log fsynced by this service (``LogSync``), SQLite shows a
+        commit to every reader as soon as it is made, and makes it durable after: the loop's
+        commits at the next group fsync, the writer thread's batches at the fsync that ends
+        them. A power loss between the two would undo a mutation some client was already
+        told of -- by a read that saw it, or by a refusal that rested on it (``EEXIST`` for
+        a name made a moment ago). So every answer that is not the mutation's own waits
+        here first: visible means durable. Quiet stores (:attr:`settled`) cost nothing.
+
+        Raises:
+            StripefsError: IO when the log could not be fsynced.
+        """
+        ls = self._log_sync
+        if ls is None or (ls.settled and not self._writing):
+            return
+        target = self._sent
+        if self._ran < target:
+            done = trio.Event()
+            self._ran_waiters.append((target, done))
+            await done.wait()
+        try:
+            await ls.caught_up()
+        except OSError as exc:
+            raise StripefsError(ErrorCode.IO, f"metadata log could not be made durable: {exc}") from exc
 
     async def read(self, fn: Callable[..., Any], *args: Any, cost: int | None = None) -> Any:
         """Run the read-only ``Namespace`` method ``fn`` (unbound) on a reader, never

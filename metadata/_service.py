@@ -116,8 +116,8 @@ class MetadataService(Service):
 
         No membership is persisted first: a read's answer says nothing of it."""
         plan = READS.get(type(msg))
-        if plan is None or not self.commit.reads_now:
-            return None
+        if plan is None or not self.commit.reads_now or not self.commit.settled:
+            return None  # (not settled: a commit is not durable yet, the answer must wait for it)
         if type(msg) in LEASED and msg.lease and self.lease_table.enabled:  # type: ignore[attr-defined]
             leased = self.grants.reply_now(conn, msg)
             return None if leased is None else leased.to_header()
@@ -135,8 +135,13 @@ class MetadataService(Service):
 
     async def handle(self, conn: ServerConn, head: FrameHead, msg: Message, payload: Any) -> None:
         if not msg.MUTATES:
-            reply = await self._read_reply(conn, msg)
-            await self.lead.persist()  # a membership change is durable before anyone hears of it
+            try:
+                reply = await self._read_reply(conn, msg)
+            except StripefsError:
+                await self.commit.visible()  # ENOENT tells of a removal as much as an answer of a name
+                raise
+            await self.commit.visible()  # what it saw is durable before anyone hears of it
+            await self.lead.persist()  # a membership change too
             await conn.send(head, reply.to_header())
             return
         key = (conn.client_id, head.req_id)
@@ -157,6 +162,10 @@ class MetadataService(Service):
                 prior = reply.to_header()  # the encoded header: resent as is
             except StripefsError as exc:
                 prior = exc
+                try:  # a refusal may rest on another mutation not durable yet (EEXIST)
+                    await self.commit.visible()
+                except StripefsError as io:
+                    prior = io
             finally:
                 REQUEST.reset(request)
                 TOUCHED.reset(recording)
@@ -233,13 +242,14 @@ class MetadataService(Service):
             return m.AttrReply(attr)
         if isinstance(msg, m.Rmdir):
             try:
-                await apply(ns.rmdir, msg.parent, msg.name)
+                await apply(ns.rmdir, msg.parent, msg.name, _committed=self.commit.forget_dirs)
             finally:
                 self.commit.forget_dirs()
             return m.EmptyReply()
         if isinstance(msg, m.Rename):
             try:
-                await apply(ns.rename, msg.parent, msg.name, msg.new_parent, msg.new_name, msg.flags)
+                await apply(ns.rename, msg.parent, msg.name, msg.new_parent, msg.new_name, msg.flags,
+                            _committed=self.commit.forget_dirs)
             finally:
                 self.commit.forget_dirs()
             self.collector.garbage_added()

@@ -198,6 +198,30 @@ class LogSync:
         if self.failed is not None and self.synced < seq:
             raise self.failed
 
+    @property
+    def settled(self) -> bool:
+        """Every commit made on the loop so far is durable."""
+        return self.synced >= self.committed
+
+    async def caught_up(self) -> None:
+        """Return once every commit made on the loop so far is durable, without adding one:
+        what a read saw of them may be told (a commit is visible before its fsync).
+
+        Raises:
+            OSError: an fsync failed (now or before).
+        """
+        if self.failed is not None:
+            raise self.failed
+        seq = self.committed
+        if self.synced >= seq:
+            return
+        done = trio.Event()
+        self._waiters.append((seq, done))  # in order: every waiter queued has seq <= committed
+        self._asked.set()
+        await done.wait()
+        if self.failed is not None and self.synced < seq:
+            raise self.failed
+
     async def run(self) -> None:
         """Run the sync thread until cancelled (an fsync in progress finishes first)."""
         token = trio.lowlevel.current_trio_token()

@@ -245,3 +245,144 @@ def test_every_answered_mutation_is_in_what_the_last_log_fsync_covered(tmp_path)
         names = {e.name for e in Namespace(copy).readdir(1, limit=1000)[0]}
     missing = sorted(set(answered) - names)
     assert not missing, f"{len(missing)} answered creates were not on disk, e.g. {missing[:5]}"
+
+
+class _Peer:
+    """The service's end of one client's connection: what was sent back on it."""
+
+    def __init__(self, name: bytes):
+        self.client_id = name.ljust(16, b"-")
+        self.sent: list[dict] = []
+
+    async def send(self, head: object, header: dict) -> None:
+        self.sent.append(header)
+
+
+def test_under_full_no_answer_tells_of_a_mutation_before_it_is_durable(tmp_path) -> None:
+    """A's ``mkdir /q`` commits on the loop and waits for its fsync (held back). Meanwhile B
+    asks for ``/q`` (stat, listing, its own mkdir): under ``full`` none of them is answered
+    before A's mkdir is durable -- a power loss then would undo what B was told (that /q
+    exists, EEXIST). Once the fsync returns, B's answers show /q."""
+    from stripefs.wire import FrameHead
+
+    gate, syncing = threading.Event(), threading.Event()
+    held = False
+
+    def held_sync(store: SqliteStore) -> None:
+        if held:
+            syncing.set()
+            gate.wait(10)
+        SqliteStore.sync_log(store)
+
+    svc, store = sqlite_service(tmp_path, sync_log=held_sync)
+    a, b = _Peer(b"a"), _Peer(b"b")
+    heads = iter(range(1, 1000))
+
+    def head() -> FrameHead:
+        return FrameHead(0, next(heads), 0, {}, 0)
+
+    async def main() -> None:
+        nonlocal held
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.commit.run)
+            await svc._dispatch(_mkdir("warm"))
+            held = True
+            nursery.start_soon(svc.handle, a, head(), _mkdir("q"), None)
+            with trio.fail_after(5):
+                while not syncing.is_set():
+                    await trio.sleep(0.005)
+            assert svc.ns.lookup(1, "q").is_dir  # committed on the loop, not durable
+            assert svc.answer_now(b, head(), m.Resolve(path="/q")) is None  # not answered on the loop
+            refused: list[BaseException] = []
+
+            async def b_mkdir() -> None:
+                try:
+                    await svc.handle(b, head(), _mkdir("q"), None)
+                except Exception as exc:  # noqa: BLE001 -- EEXIST, checked below
+                    refused.append(exc)
+
+            nursery.start_soon(svc.handle, b, head(), m.Resolve(path="/q"), None)
+            nursery.start_soon(svc.handle, b, head(), m.Readdir(ino=1), None)
+            nursery.start_soon(b_mkdir)
+            await trio.sleep(0.3)
+            assert b.sent == [] and refused == [] and a.sent == []  # nobody told of /q yet
+            gate.set()
+            with trio.fail_after(5):
+                while len(b.sent) < 2 or not refused or not a.sent:
+                    await trio.sleep(0.005)
+            assert isinstance(refused[0], FileExistsError)
+            stat_reply, listing = sorted(b.sent, key=lambda h: "columns" in h)
+            assert m.Resolve.Reply.from_header(stat_reply).attr.is_dir
+            assert "q" in [e.name for e in m.Readdir.Reply.from_header(listing).entries]
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        gate.set()
+        store.close()
+
+
+def test_under_full_a_renamed_directory_is_never_seen_under_its_old_name_after_the_new_one(tmp_path) -> None:
+    """B walks /r1 (the loop's reads remember the directory), A renames /r1 to /r2 with the
+    log fsync held back, B asks for /r2/f and then /r1/f: once answered, /r2/f exists and
+    /r1/f does not -- never the new name and then the old one."""
+    from stripefs.wire import FrameHead
+
+    gate, syncing = threading.Event(), threading.Event()
+    held = False
+
+    def held_sync(store: SqliteStore) -> None:
+        if held:
+            syncing.set()
+            gate.wait(10)
+        SqliteStore.sync_log(store)
+
+    svc, store = sqlite_service(tmp_path, sync_log=held_sync)
+    a, b = _Peer(b"a"), _Peer(b"b")
+    heads = iter(range(1, 1000))
+    answers: dict[str, object] = {}
+
+    def head() -> FrameHead:
+        return FrameHead(0, next(heads), 0, {}, 0)
+
+    async def ask(path: str) -> None:
+        peer = _Peer(path.encode())
+        try:
+            await svc.handle(peer, head(), m.Resolve(path=path), None)
+            answers[path] = m.Resolve.Reply.from_header(peer.sent[0]).attr.ino
+        except FileNotFoundError:
+            answers[path] = None
+
+    async def main() -> None:
+        nonlocal held
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(svc.commit.run)
+            r1 = (await svc._dispatch(_mkdir("r1"))).attr.ino
+            await svc._dispatch(m.Mkdir(parent=r1, name="f", mode=0o755, uid=0, gid=0))
+            assert svc.answer_now(b, head(), m.Resolve(path="/r1/f")) is not None  # remembered now
+            held = True
+            nursery.start_soon(svc.handle, a, head(), m.Rename(parent=1, name="r1", new_parent=1, new_name="r2"), None)
+            with trio.fail_after(5):
+                while not syncing.is_set():
+                    await trio.sleep(0.005)
+            await ask_both(nursery)
+            gate.set()
+            with trio.fail_after(5):
+                while len(answers) < 2 or not a.sent:
+                    await trio.sleep(0.005)
+            assert answers["/r2/f"] is not None and answers["/r1/f"] is None, answers
+            nursery.cancel_scope.cancel()
+
+    async def ask_both(nursery: trio.Nursery) -> None:
+        nursery.start_soon(ask, "/r2/f")
+        await trio.sleep(0.01)
+        nursery.start_soon(ask, "/r1/f")
+        await trio.sleep(0.1)
+        assert answers == {}  # neither told before the rename is durable
+
+    try:
+        trio.run(main)
+    finally:
+        gate.set()
+        store.close()
