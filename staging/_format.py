@@ -66,6 +66,11 @@ class CheckpointConflict(FileExistsError):
         super().__init__(errno.EEXIST, message, filename)
 
 
+class CheckpointSuperseded(CheckpointConflict):
+    """A later save of the same step from the same staging directory took this one's place
+    (a resumed run saved again the step its dead predecessor left behind)."""
+
+
 def align_up(n: int, a: int) -> int:
     return -(-n // a) * a
 

@@ -108,6 +108,22 @@ class CkptRow:
     kind: str
 
 
+def _wal(db: sqlite3.Connection) -> None:
+    """Put the journal in WAL mode (once per file: it stays so). Ranks of one node sharing a
+    staging directory open it at the same moment, and switching the mode takes a lock that
+    SQLite's busy timeout does not wait for ("database is locked"): those that lose retry."""
+    deadline = time.monotonic() + 30.0
+    while True:
+        try:
+            if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
 class CkptLock:
     """Exclusive ``flock`` on one checkpoint; released on close or when the process dies."""
 
@@ -146,7 +162,7 @@ class Journal:
         db = getattr(self._local, "db", None)
         if db is None or getattr(self._local, "pid", None) != os.getpid():
             db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
+            _wal(db)
             db.execute("PRAGMA synchronous=FULL")  # a recorded upload offset must survive power loss
             self._local.db, self._local.pid = db, os.getpid()
         return db

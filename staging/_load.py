@@ -11,6 +11,7 @@ before it is returned: a mismatch raises :class:`ChecksumError` (fail closed).
 from __future__ import annotations
 
 import logging
+import errno
 import os
 import posixpath
 import threading
@@ -20,11 +21,9 @@ from typing import Any, Callable
 import crc32c
 import torch
 
-from stripefs.fsclient import normpath
-
 from ._format import MANIFEST, ChecksumError, decode_tree, dtype_from_name, parse_manifest, step_order
 from ._journal import Journal
-from ._mover import client_for
+from ._mover import checkpoint_path, client_for
 from ._save import default_staging_dir
 from ._verify import file_problems, rows_of
 
@@ -210,6 +209,9 @@ def _load_zstd(src: _Source, rec: dict[str, Any], index: list[dict[str, Any]], m
 
 
 def _materialize(src: _Source, man: dict[str, Any], verify: bool, map_location: Any) -> Any:
+    if man.get("kind") == "dcp":
+        raise ValueError(f"{man.get('url')} is a torch DCP checkpoint: load it with torch.distributed.checkpoint.load "
+                         "and staging.StagedStorageReader(url)")
     tensors: list[Any] = _load_from(src, man, verify)
     index = man["tensors"]
     if map_location is not None:
@@ -229,11 +231,11 @@ def _materialize(src: _Source, man: dict[str, Any], verify: bool, map_location: 
 def read_manifest(url: str, *, cluster: str | None = None) -> dict[str, Any]:
     """The committed manifest of ``url``. Raises FileNotFoundError when no step is committed there."""
     client = client_for(cluster)
-    final = normpath(url)
+    final = checkpoint_path(url)
     return parse_manifest(client.read_bytes(posixpath.join(final, MANIFEST)), final)
 
 
-def load(url: str, *, map_location: Any = None, verify: bool = True, staging_dir: str | None = None,
+def load(url: str | None, *, map_location: Any = None, verify: bool = True, staging_dir: str | None = None,
          cluster: str | None = None, prefer_local: bool = True) -> Any:
     """Load a checkpoint saved by :func:`staging.save`.
 
@@ -248,13 +250,15 @@ def load(url: str, *, map_location: Any = None, verify: bool = True, staging_dir
         FileNotFoundError: nothing committed at ``url``. ChecksumError: corrupt bytes.
         pickle.UnpicklingError: a non-JSON value needs a type the restricted loader refuses.
     """
-    if not url.startswith("stripefs://") and os.path.isfile(os.path.join(url, MANIFEST)):
+    if url is None:  # load(latest(prefix)) on a first run
+        raise FileNotFoundError(errno.ENOENT, "no checkpoint to load (latest() found none: a first run?)")
+    if isinstance(url, str) and not url.startswith("stripefs://") and os.path.isfile(os.path.join(url, MANIFEST)):
         src = _Source(url, None)
         try:
             return _materialize(src, parse_manifest(src.manifest(), url), verify, map_location)
         finally:
             src.close()
-    final = normpath(url)
+    final = checkpoint_path(url)
     client = client_for(cluster)
     remote = _Source(final, client)
     try:
@@ -299,7 +303,7 @@ def latest(prefix: str, *, cluster: str | None = None) -> str | None:
         OSError: the store could not be asked (a broken step is skipped, not an error).
     """
     client = client_for(cluster)
-    base = normpath(prefix)
+    base = checkpoint_path(prefix)
     try:
         entries = list(client.scandir(base))
     except (FileNotFoundError, NotADirectoryError):
@@ -342,7 +346,7 @@ def verify(url: str, *, cluster: str | None = None) -> dict[str, Any]:
         OSError: the store could not be read.
     """
     client = client_for(cluster)
-    final = normpath(url)
+    final = checkpoint_path(url)
     man = parse_manifest(client.read_bytes(posixpath.join(final, MANIFEST)), final)
     problems = file_problems(client, final, rows_of(man["files"]), checksums=True)
     if problems:

@@ -32,6 +32,8 @@ import logging
 import mmap
 import os
 import posixpath
+import re
+import shutil
 import threading
 import time
 from collections import deque
@@ -45,11 +47,12 @@ from stripefs.fsclient import Client, normpath
 from stripefs.wire import ErrorCode, StripefsError
 
 from ._durable import process_umask
-from ._format import MANIFEST, CheckpointConflict, ChecksumError, parse_manifest
+from ._format import MANIFEST, CheckpointConflict, CheckpointSuperseded, ChecksumError, parse_manifest
 from ._journal import CkptRow, FileRow, Journal, fault_point
 from ._verify import file_problems, stored_problem
 
-__all__ = ["MoverOptions", "Uploader", "SnapshotViews", "remote_paths", "remove_tree", "client_for", "transient"]
+__all__ = ["MoverOptions", "Uploader", "SnapshotViews", "checkpoint_path", "remote_paths", "remove_tree", "client_for",
+           "transient"]
 
 log = logging.getLogger("stripefs.staging")
 
@@ -96,9 +99,29 @@ def drop_client(cluster: str | None) -> None:
             pass
 
 
+def checkpoint_path(url: Any) -> str:
+    """The path in the file system of checkpoint ``url``: ``stripefs://run/step-100`` or an
+    absolute path (``/run/step-100``).
+
+    Raises:
+        ValueError: not a string, or a URL of another scheme (``s3://``, ``file://``;
+            ``stripefs:/x`` with one slash), which would otherwise become a directory of
+            that name in the file system.
+    """
+    if not isinstance(url, str):
+        raise ValueError(f"a checkpoint URL is a string such as 'stripefs://run/step-100', not {url!r}")
+    scheme = _SCHEME.match(url)
+    if scheme and not url.startswith("stripefs://"):
+        raise ValueError(f"{url!r} is not a stripefs URL: use 'stripefs://path' or an absolute path '/path'")
+    return normpath(url)
+
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
 def remote_paths(url: str, ckpt_id: str) -> tuple[str, str]:
     """``(final, partial)`` paths of a checkpoint in the file system."""
-    final = normpath(url)
+    final = checkpoint_path(url)
     head, name = posixpath.split(final)
     if not name:
         raise StripefsError(ErrorCode.INVALID, "checkpoint URL must name a directory below the root", url)
@@ -233,8 +256,9 @@ class Uploader:
         existing = committed_id(client, final)
         if existing == self.row.id:
             self.journal.set_state(self.row.id, "committed")
+            remove_tree(client, partial)  # what a commit that replaced an earlier save left there
             return
-        if existing is not None:
+        if existing is not None and not self._replaces(existing):
             raise CheckpointConflict(f"{final} already holds checkpoint {existing} (another writer saved this step)", final)
         files = self.journal.files(self.row.id)
         if not client.isdir(partial):
@@ -363,15 +387,45 @@ class Uploader:
         client.write_bytes(posixpath.join(partial, MANIFEST), raw)
         _apply_umask(client, posixpath.join(partial, MANIFEST), 0o666)
         fault_point("before_rename")
+        replaced: CkptRow | None = None
         try:
             client.rename(partial, final, noreplace=True)
         except FileExistsError:
             other = committed_id(client, final)
             if other != self.row.id:
-                remove_tree(client, partial)
-                raise CheckpointConflict(f"{final} was committed by another writer (checkpoint {other})", final) from None
+                if other is None or not self._replaces(other):
+                    remove_tree(client, partial)
+                    raise CheckpointConflict(f"{final} was committed by another writer (checkpoint {other})",
+                                             final) from None
+                # An earlier save of this step from this staging directory (a run that died and
+                # was resumed): this one takes its place in one step, the old one moves to the
+                # partial name and goes.
+                client.rename(partial, final, exchange=True)
+                replaced = self.journal.get(other)
         fault_point("after_rename")
         self.journal.set_state(self.row.id, "committed")
+        if replaced is not None:
+            remove_tree(client, partial)
+            shutil.rmtree(replaced.local_dir, ignore_errors=True)
+            self.journal.delete(replaced.id)
+
+    def _replaces(self, other: str) -> bool:
+        """Whether this checkpoint may replace checkpoint ``other``, committed at its URL: an
+        earlier save of the same step recorded in this staging directory's journal (the
+        leftover of a run that died, finished by a mover, then saved again by the resumed
+        run: its own state wins). A checkpoint of another writer never is.
+
+        Raises:
+            CheckpointConflict: ``other`` is a later save of this step from this journal:
+                this one is superseded.
+        """
+        row = self.journal.get(other)
+        if row is None or row.url != self.row.url:
+            return False
+        if (row.created, row.id) > (self.row.created, self.row.id):
+            raise CheckpointSuperseded(f"checkpoint {self.row.id} of {self.row.url} was superseded by a later save "
+                                       f"of the same step (checkpoint {other})", self.row.url)
+        return True
 
 
 def _file_index(name: str) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import sqlite3
 import tempfile
 import threading
@@ -186,7 +187,8 @@ def save(state_dict: Any, url: str, *, staging_dir: str | None = None, compress:
         ``extra_buffer`` say whether the save waited for a buffer or took another one.
 
     Raises:
-        ValueError: unknown ``compress``; ``keep_local=0`` with ``upload=False``. TypeError: a value that ``load`` could not give
+        ValueError: unknown ``compress``; ``keep_local=0`` with ``upload=False``; a URL of another
+            scheme (``s3://``, ``file://``: ``stripefs://path`` or an absolute path). TypeError: a value that ``load`` could not give
             back (the message names its key).
         TimeoutError: no snapshot buffer within ``snapshot_timeout`` (nothing was saved).
         an unobserved error of an earlier save of this process.
@@ -197,10 +199,14 @@ def save(state_dict: Any, url: str, *, staging_dir: str | None = None, compress:
         raise ValueError("keep_local=0 keeps no local copy, so it needs upload=True (nothing would be saved)")
     _raise_unobserved()
     staging_dir = os.path.abspath(staging_dir or default_staging_dir())
-    journal = Journal(staging_dir)
+    try:
+        journal = Journal(staging_dir)
+    except sqlite3.Error as exc:  # typed, as every other failure of a save
+        raise OSError(errno.EIO, f"staging journal in {staging_dir} cannot be opened: {exc}") from exc
     options = options or MoverOptions(cluster=cluster)
     cluster_spec = cluster or client_for(cluster).config.path
-    remote_paths(url, "x")  # validate the URL before any work
+    final, _ = remote_paths(url, "x")  # the URL checked before any work
+    _supersede_leftovers(journal, final)
     t0 = time.monotonic()
     plan = plan_state_dict(state_dict, shard_bytes)
     buf = snapshot(plan, POOL, snapshot_timeout, snapshot_memory)
@@ -217,6 +223,24 @@ def save(state_dict: Any, url: str, *, staging_dir: str | None = None, compress:
     if background_mover:
         _ensure_background_mover(staging_dir, options)
     return h
+
+
+def _supersede_leftovers(journal: Journal, url: str) -> None:
+    """This save supersedes what an earlier save of the same step from this staging
+    directory left behind, its writer dead before the upload was done (a run killed and
+    resumed from an older step, saving this step again): the leftover is abandoned, so no
+    mover commits it over (or before) this one. A leftover that a mover is uploading right
+    now (its lock held) is left to the commit: the later save replaces the earlier one
+    (``Uploader._replaces``). Checkpoints of other writers still conflict."""
+    for row in journal.checkpoints("WHERE url=? AND state IN ('writing','streaming','staged')", (url,)):
+        lock = journal.lock(row.id)
+        if not lock.try_acquire():
+            continue  # its writer lives, or a mover uploads it
+        try:
+            journal.set_state(row.id, "abandoned", "superseded by a later save of the same step")
+            shutil.rmtree(row.local_dir, ignore_errors=True)
+        finally:
+            lock.release()
 
 
 def _background(h: SaveHandle, journal: Journal, row: CkptRow, plan: Any, buf: Any, compress: str | None,
@@ -476,7 +500,5 @@ def write_local_dir(final: str, files: list[tuple[str, Any]], manifest: bytes) -
                 os.close(fd)
         publish_dir(tmp, final)
     except BaseException:
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -33,7 +33,7 @@ from typing import Callable
 
 from stripefs.fsclient import normpath
 
-from ._format import CheckpointConflict, ChecksumError, step_order
+from ._format import CheckpointConflict, CheckpointSuperseded, ChecksumError, step_order
 from ._journal import CkptRow, Journal
 from ._mover import MoverOptions, Uploader, client_for, committed_id, remote_paths, remove_tree
 
@@ -165,6 +165,12 @@ class Mover:
         t0 = time.monotonic()
         try:
             up.run()
+        except CheckpointSuperseded as exc:  # the resumed run saved this step again: its copy stands
+            log.info("checkpoint %s: %s", row.url, exc)
+            self.journal.set_state(row.id, "abandoned", str(exc))
+            self._remove_partial(row)
+            _rm_local(row.local_dir)
+            return "abandoned"
         except (ChecksumError, CheckpointConflict) as exc:
             log.error("checkpoint %s failed: %s", row.url, exc)
             self.journal.set_state(row.id, "failed", f"{type(exc).__name__}: {exc}")

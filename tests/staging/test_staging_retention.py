@@ -83,7 +83,7 @@ def tiny_fs(tmp_path):
 
 def test_a_save_whose_lock_file_cannot_be_made_fails_instead_of_hanging(cluster, testdir, tiny_fs):
     sdir = str(tiny_fs / "s")
-    staging.Mover(sdir)  # the staging directory and its journal exist
+    keep = staging.Mover(sdir)  # the staging directory and its journal exist (open: its -wal and -shm stay)
     fill = []
     try:
         while True:  # take every inode left: the save's lock file cannot be created
@@ -101,6 +101,7 @@ def test_a_save_whose_lock_file_cannot_be_made_fails_instead_of_hanging(cluster,
     h = staging.save(_state(2), f"stripefs:/{testdir}/step-2", staging_dir=sdir, cluster=cluster.file,
                      background_mover=False, snapshot_timeout=5)
     assert h.wait(60)
+    assert keep.journal.get(h.id) is not None
 
 
 def test_lock_files_go_with_their_rows(cluster, testdir, tmp_path):
@@ -157,3 +158,61 @@ def test_retention_matches_a_model_of_which_steps_survive(cluster, client, testd
             assert _tag_at(cluster, url(step)) == t
         newest = staging.latest(f"stripefs:/{testdir}", cluster=cluster.file)
         assert newest == (url(max(model)) if model else None)
+
+
+def test_a_resumed_run_saves_again_the_step_its_dead_predecessor_left_staged(cluster, client, testdir, tmp_path):
+    """The dead run's step 200 is staged (its writer gone before the upload); the resumed run,
+    from the same staging directory, saves step 200 again: its save succeeds, the mover never
+    commits the leftover over it, and step 200 holds the resumed run's state."""
+    sdir, url = str(tmp_path / "s"), f"stripefs:/{testdir}/step-000200"
+    _save(cluster, sdir, url, tag=1, keep_remote=None, upload=False)  # the dead run's leftover
+    h = _save(cluster, sdir, url, tag=2, keep_remote=None)  # the resumed run
+    assert h.globally_durable
+    assert staging.Mover(sdir, staging.MoverOptions(cluster=cluster.file)).run_once() == {}
+    assert _tag_at(cluster, url) == 2
+    assert client.listdir(testdir) == ["step-000200"]
+    states = sorted(r.state for r in staging.Mover(sdir).journal.checkpoints())
+    assert states == ["abandoned", "committed"]
+
+
+def test_a_resumed_run_replaces_the_step_a_mover_committed_for_its_dead_predecessor(cluster, client, testdir,
+                                                                                    tmp_path):
+    """As above, but the background mover committed the leftover before the resumed run got
+    to step 200 again: the resumed run's save replaces it in one step (rename exchange)."""
+    sdir, url = str(tmp_path / "s"), f"stripefs:/{testdir}/step-000200"
+    _save(cluster, sdir, url, tag=1, keep_remote=None, upload=False)
+    assert list(staging.Mover(sdir, staging.MoverOptions(cluster=cluster.file)).run_once().values()) == ["committed"]
+    assert _tag_at(cluster, url) == 1
+    h = _save(cluster, sdir, url, tag=2, keep_remote=None)
+    assert h.globally_durable
+    assert _tag_at(cluster, url) == 2
+    assert client.listdir(testdir) == ["step-000200"]  # the replaced checkpoint went
+    rows = staging.Mover(sdir).journal.checkpoints()
+    assert [(r.id, r.state) for r in rows] == [(h.id, "committed")]
+
+
+def test_another_staging_directory_still_conflicts(cluster, testdir, tmp_path):
+    url = f"stripefs:/{testdir}/step-000200"
+    _save(cluster, str(tmp_path / "a"), url, tag=1, keep_remote=None)
+    with pytest.raises(staging.CheckpointConflict):
+        _save(cluster, str(tmp_path / "b"), url, tag=2, keep_remote=None)
+    assert _tag_at(cluster, url) == 1
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/x/step-1", "file:///tmp/x/step-1", "stripefs:/ckpt/step-1", None])
+def test_a_url_of_another_scheme_is_refused_before_anything_is_written(cluster, client, tmp_path, url):
+    with pytest.raises(ValueError, match="stripefs"):
+        staging.save(_state(1), url, staging_dir=str(tmp_path / "s"), cluster=cluster.file, background_mover=False)
+    assert not any(n.startswith(("s3:", "file:", "stripefs:")) for n in client.listdir("/"))
+
+
+def test_load_of_no_checkpoint_or_a_dcp_step_says_what_to_do(cluster, testdir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="latest"):
+        staging.load(staging.latest(f"stripefs:/{testdir}/nothing-yet", cluster=cluster.file), cluster=cluster.file)
+    import torch.distributed.checkpoint as dcp
+
+    url = f"stripefs:/{testdir}/dcp-1"
+    dcp.save({"w": torch.ones(3)}, storage_writer=staging.StagedStorageWriter(url, staging_dir=str(tmp_path / "s"),
+                                                                             cluster=cluster.file))
+    with pytest.raises(ValueError, match="DCP"):
+        staging.load(url, cluster=cluster.file)
