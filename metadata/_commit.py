@@ -32,8 +32,9 @@ A mutation (:meth:`CommitPath.apply`) goes through these steps, in this order:
    it leaves before it is durable: a read's answer, and a mutation's refusal (``EEXIST``
    for a name made a moment ago), wait in :meth:`CommitPath.visible` for the fsyncs that
    cover what the store showed them; while a commit waits for its fsync
-   (:attr:`CommitPath.settled` false) no read is answered on the loop. A rename or rmdir
-   drops the loop's remembered directories the moment it commits (``_committed``);
+   (:attr:`CommitPath.settled` false) no read is answered on the loop. The writer thread's
+   batches commit at SQLite's FULL (the log fsynced before the commit is published). A
+   rename or rmdir drops the loop's remembered directories the moment it commits (``_committed``);
 3. **durable**, as far as the store's setting makes anything durable: under ``full`` a
    batch once the writer thread hands it back (its commit fsyncs the log, as SQLite's
    ``synchronous=FULL``), a commit on the loop once :meth:`CommitPath._made_durable`
@@ -62,7 +63,6 @@ import functools
 import logging
 import random
 import time
-from collections import deque
 from typing import Any, Callable
 
 import trio
@@ -127,11 +127,6 @@ class CommitPath:
         # batch's durable commit, and see every write acknowledged before they started.
         self._writer = StoreThread(self._run_batch, MAX_BATCH)
         self._writing = 0  # writer-thread jobs queued or running: the loop leaves the connection alone
-        # Writer-thread jobs handed over and finished, in order (the thread runs them first in,
-        # first out): a read waits for those handed over before it, their commits being
-        # visible before their fsync (:meth:`visible`).
-        self._sent = self._ran = 0
-        self._ran_waiters: deque[tuple[int, trio.Event]] = deque()
         # Mutations commit on the loop, a write of the log to the page cache (``CHECKPOINT_EVERY``);
         # under ``full`` they are acknowledged once a group fsync of the log covers them.
         store = ns.store
@@ -233,44 +228,34 @@ class CommitPath:
     async def store_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` in the writer's next batch (group commit)."""
         self._writing += 1  # until the job ran, even if this caller is cancelled meanwhile
-        self._sent += 1
         return await self._stored(self._writer, lambda: fn(*args, **kwargs), self._written)
 
     def _written(self) -> None:
         self._writing -= 1
-        self._ran += 1
-        waiters = self._ran_waiters
-        while waiters and waiters[0][0] <= self._ran:
-            waiters.popleft()[1].set()
 
     @property
     def settled(self) -> bool:
         """Nothing a read could see is waiting for its fsync: every commit so far is durable."""
-        ls = self._log_sync
-        return ls is None or (ls.settled and not self._writing)
+        return self._log_sync is None or self._log_sync.settled
 
     async def visible(self) -> None:
         """Return once everything a read may have seen so far is durable.
 
         Under ``full`` with the log fsynced by this service (``LogSync``), SQLite shows a
-        commit to every reader as soon as it is made, and makes it durable after: the loop's
-        commits at the next group fsync, the writer thread's batches at the fsync that ends
-        them. A power loss between the two would undo a mutation some client was already
-        told of -- by a read that saw it, or by a refusal that rested on it (``EEXIST`` for
-        a name made a moment ago). So every answer that is not the mutation's own waits
-        here first: visible means durable. Quiet stores (:attr:`settled`) cost nothing.
+        commit made on the loop to every reader as soon as it is made, and the next group
+        fsync makes it durable. A power loss between the two would undo a mutation some
+        client was already told of -- by a read that saw it, or by a refusal that rested on
+        it (``EEXIST`` for a name made a moment ago). So every answer that is not the
+        mutation's own waits here first: visible means durable. (The writer thread's batches
+        commit at SQLite's FULL, which publishes a commit only after its fsync:
+        ``SqliteStore._begin``.) Quiet stores (:attr:`settled`) cost nothing.
 
         Raises:
             StripefsError: IO when the log could not be fsynced.
         """
         ls = self._log_sync
-        if ls is None or (ls.settled and not self._writing):
+        if ls is None or ls.settled:
             return
-        target = self._sent
-        if self._ran < target:
-            done = trio.Event()
-            self._ran_waiters.append((target, done))
-            await done.wait()
         try:
             await ls.caught_up()
         except OSError as exc:

@@ -192,6 +192,10 @@ class SqliteStore(Store):
         self.synchronous_mode = synchronous
         self.durable_commit = False  # set by a commit that must be fsynced even under ``normal``
         self.touched: set[object] | None = None  # keys written, while a caller records them (_SqliteTxn)
+        self._sync_now = synchronous  # SQLite's ``synchronous`` on the writing connection now
+        # ``full`` with the log fsynced by the owner (:meth:`sync_log_by_owner`).
+        self.log_by_owner = False
+        self._dir_synced = False
         self._lock_fd = _lock_writer(self.path)
         try:
             self._open_database(busy_timeout_s, synchronous)
@@ -203,9 +207,6 @@ class SqliteStore(Store):
         self._batching = False
         self._readers: list[_SqliteReader] = []
         self._bare: list[bool] | None = None  # commit_unsynced's transactions: False = needed a savepoint
-        # ``full`` with the log fsynced by the owner (:meth:`sync_log_by_owner`).
-        self.log_by_owner = False
-        self._dir_synced = False
         self._changes = 0  # total_changes when the open transaction began: a commit that wrote nothing needs no fsync
         # Counters kept in memory under a reserve (``_SqliteTxn.allocate``): next numbers, durable bounds.
         self.counters: dict[str, int] = {}
@@ -278,16 +279,28 @@ class SqliteStore(Store):
                                    "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (counter, str(bound)))
 
     def _begin(self) -> None:
+        # A commit made here (on a thread) must not be seen before it is durable: under the
+        # owner's log sync SQLite runs at NORMAL, which shows a commit to every reader as soon
+        # as its frames are written and fsyncs nothing. At FULL it fsyncs the log first and
+        # only then publishes the commit (the WAL index), so durable comes before visible.
+        self._synchronous("full" if self.log_by_owner else None)
         self._conn.execute("BEGIN IMMEDIATE")
         self._changes = self._conn.total_changes
 
     def _commit(self) -> None:
         self._conn.execute("COMMIT")
         self.unchecked += 1
-        if self.durable_commit or (self.log_by_owner and self._conn.total_changes != self._changes):
+        if self.durable_commit or (self.log_by_owner and self._conn.total_changes != self._changes
+                                   and not self._dir_synced):
             self.durable_commit = False
-            # SQLite's NORMAL wrote the commit to the WAL without an fsync: do that one now.
+            # The log's own name is durable only once its directory is (sync_log's first call).
             self.sync_log()
+
+    def _synchronous(self, mode: str | None) -> None:
+        """Set SQLite's ``synchronous`` for the next commits (None: leave it)."""
+        if mode is not None and mode != self._sync_now:
+            self._conn.execute(f"PRAGMA synchronous={SYNC_MODES[mode]}")
+            self._sync_now = mode
 
     def sync_log(self) -> None:
         """Make every commit that returned before this call durable: fsync the log (WAL).
@@ -329,7 +342,7 @@ class SqliteStore(Store):
         self.take_checkpoints()
         if self.synchronous_mode != "full":
             return
-        self._conn.execute(f"PRAGMA synchronous={SYNC_MODES['normal']}")
+        self._synchronous("normal")
         self.log_by_owner = True
 
     def _migrate(self) -> None:
@@ -362,6 +375,7 @@ class SqliteStore(Store):
         self._batching = True
         self._bare = []
         try:
+            self._synchronous("normal" if self.log_by_owner else None)  # the owner fsyncs (LogSync)
             self._conn.execute("BEGIN IMMEDIATE")
             result = fn()
             # A reserve bound moved (that commit is fsynced, on a thread), or a transaction
