@@ -11,7 +11,9 @@ whose lock it can take:
   ``committed``, when the trainer died between the rename and the journal
   update);
 * ``staged`` — upload from the last durable offset and commit;
-* ``failed`` — remove the remote partial directory (best effort).
+* ``failed`` (on an earlier pass) — remove what is left of it, the remote partial
+  directory and the local copy (best effort); the row stays, with its error. A pass
+  reports such a row as ``cleaned``: only this pass's failures count as failures.
 
 Then retention: per series (the parent directory of the URL), keep the newest
 ``keep_local`` committed steps on local disk and the newest ``keep_remote`` in
@@ -154,9 +156,10 @@ class Mover:
             _rm_local(row.local_dir)
             self.journal.set_state(row.id, "abandoned", "writer died before the local copy was durable")
             return "abandoned"
-        if row.state == "failed":
+        if row.state == "failed":  # failed on an earlier pass: what is left of it goes, the row stays to tell why
             self._remove_partial(row)
-            return "failed"
+            _rm_local(row.local_dir)
+            return "cleaned"
         if not os.path.isdir(row.local_dir):
             self.journal.set_state(row.id, "failed", "local staged copy is missing")
             return "failed"
@@ -172,9 +175,11 @@ class Mover:
             _rm_local(row.local_dir)
             return "abandoned"
         except (ChecksumError, CheckpointConflict) as exc:
+            # For good: its staged bytes are corrupt, or another writer's step holds the URL.
             log.error("checkpoint %s failed: %s", row.url, exc)
             self.journal.set_state(row.id, "failed", f"{type(exc).__name__}: {exc}")
             self._remove_partial(row)
+            _rm_local(row.local_dir)
             return "failed"
         except OSError as exc:
             log.error("checkpoint %s: upload failed, will retry on the next pass: %s", row.url, exc)

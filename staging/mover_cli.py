@@ -63,7 +63,8 @@ def main(argv: list[str]) -> int:
             row = mover.journal.get(cid)
             print(f"{row.url if row else cid}: {state}" + (f" ({row.error})" if row and row.error and state != "committed" else ""))
         print(f"uploaded {mover.uploaded} bytes")
-        return 0 if all(s in ("committed", "abandoned") for s in states.values()) else 1
+        # The exit status is this pass's: a checkpoint that failed on an earlier pass ("cleaned") is not a failure again.
+        return 0 if all(s in ("committed", "abandoned", "cleaned") for s in states.values()) else 1
     stop = threading.Event()
     try:
         mover.run_forever(stop, args.interval)

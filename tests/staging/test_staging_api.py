@@ -161,6 +161,14 @@ def test_corrupted_staged_file_is_never_committed(cluster, testdir, sdir):
     assert mover.run_once() == {h.id: "failed"}
     assert "ChecksumError" in (mover.journal.get(h.id).error or "")
     assert cluster.client().listdir(testdir) == []
+    assert not os.path.exists(os.path.join(sdir, "steps", h.id))  # its corrupt local copy went with it
+    # The row stays, with its error; later passes report it as cleaned up, not as a new
+    # failure, so a standalone mover's exit status is about its own pass.
+    assert mover.run_once() == {h.id: "cleaned"}
+    assert "ChecksumError" in (mover.journal.get(h.id).error or "")
+    from stripefs.staging import mover_cli
+
+    assert mover_cli.main(["mover", "--staging", sdir, "--cluster", cluster.file, "--once", "-q"]) == 0
 
 
 def test_retention_keeps_last_k_local_n_remote_and_pins(cluster, testdir, sdir):

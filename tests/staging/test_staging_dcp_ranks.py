@@ -78,22 +78,34 @@ def test_every_rank_shards_are_in_the_one_commit(cluster, client, testdir, tmp_p
         assert rows == []
 
 
-@pytest.mark.parametrize("victim", [0, 1])
-def test_a_rank_killed_before_its_part_is_in_the_store_commits_nothing(cluster, client, testdir, tmp_path, victim):
+# Every fault point a rank of a 2-rank save passes, and whether the step is committed when a
+# rank is killed there: before the coordinator's rename nothing is, after it all of it is.
+KILLS = [("dcp_rank_uploaded", 0, False), ("dcp_rank_uploaded", 1, False), ("dcp_before_commit", 0, False),
+         ("before_rename", 0, False), ("after_rename", 0, True)]
+
+
+@pytest.mark.parametrize("point,victim,committed", KILLS, ids=[f"{p}-rank{v}" for p, v, _ in KILLS])
+def test_a_rank_killed_at_any_point_never_leaves_a_step_without_every_rank(cluster, client, testdir, tmp_path,
+                                                                           point, victim, committed):
     first = f"stripefs:/{testdir}/step-000100"
     assert _save(cluster, first, [str(tmp_path / "a0"), str(tmp_path / "a1")], tmp_path) == [{"ok": True}] * 2
     url = f"stripefs:/{testdir}/step-000200"
-    kill = {"STRIPEFS_STAGING_KILL_AT": "dcp_rank_uploaded"}
+    kill = {"STRIPEFS_STAGING_KILL_AT": point}
     (tmp_path / "second").mkdir()
     results = _save(cluster, url, [str(tmp_path / "b0"), str(tmp_path / "b1")], tmp_path / "second",
                     env_of=lambda rank: kill if rank == victim else {})
-    assert results[victim] == {}  # killed
+    assert results[victim] == {}  # killed there
     survivor = results[1 - victim]
-    assert "error" in survivor, survivor  # its dcp.save failed instead of committing a step without the dead rank
-    assert not client.exists(f"{testdir}/step-000200")
-    assert staging.latest(f"stripefs:/{testdir}", cluster=cluster.file) == first
-    loaded = _load(cluster, first, 2, tmp_path)
-    assert torch.equal(loaded["w1"], state(1)["w1"])
+    assert "error" in survivor, survivor  # its dcp.save failed: it never heard of a commit
+    assert client.exists(f"{testdir}/step-000200") == committed
+    newest = staging.latest(f"stripefs:/{testdir}", cluster=cluster.file)
+    assert newest == (url if committed else first)
+    loaded = _load(cluster, newest, 2, tmp_path)  # whatever latest() names loads with every rank's keys
+    for rank in range(2):
+        for k, v in state(rank).items():
+            assert torch.equal(loaded[k], v), k
+    if committed:
+        staging.verify(url, cluster=cluster.file)
 
 
 def test_a_rank_whose_url_differs_fails_every_rank(cluster, client, testdir, tmp_path):
