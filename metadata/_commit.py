@@ -63,7 +63,7 @@ import functools
 import logging
 import random
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import trio
 
@@ -187,13 +187,8 @@ class CommitPath:
         Raises:
             StripefsError: IO when the log could not be fsynced (the mutation may be lost).
         """
-        if self._log_sync is None:
-            return
-        try:
-            await self._log_sync.durable()
-        except OSError as exc:
-            log.error("fsync of the metadata log failed: %s; mutations are refused until a restart", exc)
-            raise StripefsError(ErrorCode.IO, f"metadata log could not be made durable: {exc}") from exc
+        if self._log_sync is not None:
+            await _logged(self._log_sync.durable)
 
     @property
     def log_syncs(self) -> int:
@@ -253,13 +248,8 @@ class CommitPath:
         Raises:
             StripefsError: IO when the log could not be fsynced.
         """
-        ls = self._log_sync
-        if ls is None or ls.settled:
-            return
-        try:
-            await ls.caught_up()
-        except OSError as exc:
-            raise StripefsError(ErrorCode.IO, f"metadata log could not be made durable: {exc}") from exc
+        if self._log_sync is not None and not self._log_sync.settled:
+            await _logged(self._log_sync.caught_up)
 
     async def read(self, fn: Callable[..., Any], *args: Any, cost: int | None = None) -> Any:
         """Run the read-only ``Namespace`` method ``fn`` (unbound) on a reader, never
@@ -369,3 +359,16 @@ class CommitPath:
             store.checkpoint()
         except Exception:  # the next commits call for it again
             log.warning("checkpoint of the metadata log failed", exc_info=True)
+
+
+async def _logged(wait: Callable[[], Awaitable[None]]) -> None:
+    """``await wait()``, a wait for the log's fsync, its failure as the IO error clients get.
+
+    Raises:
+        StripefsError: IO when the log could not be fsynced (what waited may be lost).
+    """
+    try:
+        await wait()
+    except OSError as exc:
+        log.error("fsync of the metadata log failed: %s; mutations are refused until a restart", exc)
+        raise StripefsError(ErrorCode.IO, f"metadata log could not be made durable: {exc}") from exc

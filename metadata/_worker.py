@@ -190,13 +190,8 @@ class LogSync:
         """
         if self.failed is not None:
             raise self.failed
-        seq = self.committed = self.committed + 1
-        done = trio.Event()
-        self._waiters.append((seq, done))
-        self._asked.set()
-        await done.wait()
-        if self.failed is not None and self.synced < seq:
-            raise self.failed
+        self.committed += 1
+        await self._until(self.committed)
 
     @property
     def settled(self) -> bool:
@@ -212,9 +207,11 @@ class LogSync:
         """
         if self.failed is not None:
             raise self.failed
-        seq = self.committed
-        if self.synced >= seq:
-            return
+        if self.synced < self.committed:
+            await self._until(self.committed)
+
+    async def _until(self, seq: int) -> None:
+        """Wait for the fsync that covers commit ``seq`` (the thread is asked for one)."""
         done = trio.Event()
         self._waiters.append((seq, done))  # in order: every waiter queued has seq <= committed
         self._asked.set()

@@ -45,8 +45,9 @@ import posixpath
 import shutil
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any
 
+import crc32c
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
@@ -58,9 +59,9 @@ from torch.futures import Future
 from stripefs.fsclient import Client, normpath
 
 from ._durable import publish_dir
-from ._format import BASE_VERSION, FORMAT, MANIFEST, ChecksumError, chunk_crcs, manifest_bytes, parse_manifest
+from ._format import BASE_VERSION, FORMAT, MANIFEST, ChecksumError, chunk_crcs, crc_combine, manifest_bytes, parse_manifest
 from ._journal import CkptRow, FileRow, Journal, fault_point
-from ._mover import MoverOptions, Uploader, client_for, drop_client, remote_paths, transient
+from ._mover import MoverOptions, Uploader, client_for, remote_paths, with_retries
 from ._verify import file_problems
 from ._save import default_staging_dir
 from ._service import apply_retention
@@ -247,7 +248,8 @@ class StagedStorageWriter(FileSystemWriter):
         if missing:
             raise RuntimeError(f"files of {self.row.url} missing from every rank's part: {sorted(missing)}")
         meta, _ = _records(self._tmp, [".metadata"])
-        _retrying(lambda: _put_files(client, partial, self._tmp, meta, self.options.verify), self.options)
+        with_retries(lambda: _put_files(client, partial, self._tmp, meta, self.options.verify), self.options,
+                     self.row.url, self.options.cluster)
         records += meta
         for rank in range(self._world):
             client.remove(posixpath.join(partial, _part_name(rank)))
@@ -326,13 +328,17 @@ class StagedStorageReader(FileSystemReader):
 
 
 def _records(where: str, names: list[str]) -> tuple[list[dict[str, Any]], list[FileRow]]:
-    """The manifest records and journal rows of the local files ``names`` in ``where``."""
+    """The manifest records and journal rows of the local files ``names`` in ``where``, read
+    a checksum chunk at a time (a rank's file may be many GB: never whole in memory)."""
     records = []
     for name in names:
+        size, total, crcs = 0, 0, []
         with open(os.path.join(where, name), "rb") as f:
-            data = f.read()
-        total, crcs = chunk_crcs(memoryview(data))
-        records.append({"name": name, "size": len(data), "crc32c": total, "chunk": CHECK_CHUNK, "chunk_crc32c": crcs,
+            while piece := f.read(CHECK_CHUNK):
+                crcs.append(crc32c.crc32c(piece))
+                total = crc_combine(total, crcs[-1], len(piece))
+                size += len(piece)
+        records.append({"name": name, "size": size, "crc32c": total, "chunk": CHECK_CHUNK, "chunk_crc32c": crcs,
                         "encoding": "raw"})
     return records, [_row_of(r) for r in records]
 
@@ -346,7 +352,8 @@ def _upload_part(client: Client, part: _RankPart, where: str, options: MoverOpti
     write the rank's part record: the coordinator commits only what every record names."""
     _, partial = remote_paths(part.url, part.group)
     records, _ = _records(where, sorted(os.listdir(where)))
-    _retrying(lambda: _put_files(client, partial, where, records, options.verify), options)
+    with_retries(lambda: _put_files(client, partial, where, records, options.verify), options, part.url,
+                 options.cluster)
     fault_point("dcp_rank_uploaded")
     client.write_bytes(posixpath.join(partial, _part_name(part.rank)), json.dumps(records).encode())
 
@@ -367,20 +374,6 @@ def _put_files(client: Client, partial: str, where: str, records: list[dict[str,
     if problems:
         name, why = next(iter(problems.items()))
         raise ChecksumError(f"uploaded file {name} fails its checks: {why}", partial)
-
-
-def _retrying(fn: Callable[[], None], options: MoverOptions) -> None:
-    """``fn()``, again after a transient failure (the store unreachable), as the mover retries."""
-    delay = options.backoff
-    for attempt in range(options.retries + 1):
-        try:
-            return fn()
-        except (ConnectionError, TimeoutError, OSError) as exc:  # StripefsError is an OSError
-            if isinstance(exc, ChecksumError) or not transient(exc) or attempt == options.retries:
-                raise
-            drop_client(options.cluster)
-            time.sleep(delay)
-            delay = min(delay * 2, 8.0)
 
 
 def _write_synced(path: str, data: bytes) -> None:

@@ -52,7 +52,7 @@ from ._journal import CkptRow, FileRow, Journal, fault_point
 from ._verify import file_problems, stored_problem
 
 __all__ = ["MoverOptions", "Uploader", "SnapshotViews", "checkpoint_path", "remote_paths", "remove_tree", "client_for",
-           "transient"]
+           "transient", "with_retries"]
 
 log = logging.getLogger("stripefs.staging")
 
@@ -158,6 +158,34 @@ def committed_id(client: Client, final: str) -> str | None:
     return str(parse_manifest(raw, final).get("id"))
 
 
+def with_retries(fn: Callable[[], None], options: MoverOptions, what: str, cluster: str | None,
+                 noted: Callable[[BaseException], None] | None = None) -> None:
+    """``fn()``, again after each transient failure (the store unreachable, a timeout), up to
+    ``options.retries`` times with exponential backoff; the client of ``cluster`` is dropped
+    between tries (cluster.json is read again: the cluster may have moved).
+
+    Raises:
+        ChecksumError, CheckpointConflict: at once (never retried).
+        OSError: the last failure, or one that is not transient.
+    """
+    delay = options.backoff
+    for attempt in range(options.retries + 1):
+        try:
+            fn()
+            return
+        except (ChecksumError, CheckpointConflict):
+            raise
+        except (ConnectionError, TimeoutError, StripefsError, OSError) as exc:
+            if not transient(exc) or attempt == options.retries:
+                raise
+            if noted is not None:
+                noted(exc)
+            drop_client(cluster)
+            log.warning("checkpoint %s: upload failed (%s); retry %d in %.1fs", what, exc, attempt + 1, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 8.0)
+
+
 class _Throttle:
     def __init__(self, rate: float | None):
         self.rate, self.t0, self.sent, self.lock = rate, time.monotonic(), 0, threading.Lock()
@@ -234,21 +262,8 @@ class Uploader:
             CheckpointConflict: another checkpoint is committed under the URL.
             OSError: the store stayed unreachable through every retry.
         """
-        delay = self.options.backoff
-        for attempt in range(self.options.retries + 1):
-            try:
-                self._attempt(wait_local)
-                return
-            except (ChecksumError, CheckpointConflict):
-                raise
-            except (ConnectionError, TimeoutError, StripefsError, OSError) as exc:
-                if not transient(exc) or attempt == self.options.retries:
-                    raise
-                self.journal.note_error(self.row.id, f"{type(exc).__name__}: {exc}")
-                drop_client(self.options.cluster or self.row.cluster)  # re-read cluster.json: it may have moved
-                log.warning("checkpoint %s: upload failed (%s); retry %d in %.1fs", self.row.url, exc, attempt + 1, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 8.0)
+        with_retries(lambda: self._attempt(wait_local), self.options, self.row.url, self.options.cluster or self.row.cluster,
+                     lambda exc: self.journal.note_error(self.row.id, f"{type(exc).__name__}: {exc}"))
 
     def _attempt(self, wait_local: Callable[[], None] | None) -> None:
         client = client_for(self.options.cluster or self.row.cluster)

@@ -5,6 +5,7 @@ no reply before the commit is durable."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -17,7 +18,36 @@ import trio
 from stripefs.fsclient.core import pid_alive
 from stripefs.metadata import Namespace, SqliteStore
 from tests.metadata.conftest import sqlite_service
+from stripefs.wire import FrameHead
 from stripefs.wire import messages as m
+
+
+class _HeldFsync:
+    """The store's log fsync, held back at ``gate`` while ``held`` is set (by the test, once
+    the commits it watches are ordinary ones); ``syncing`` is set when one waits there."""
+
+    def __init__(self) -> None:
+        self.gate, self.syncing, self.held = threading.Event(), threading.Event(), False
+
+    def __call__(self, store: SqliteStore) -> None:
+        if self.held:
+            self.syncing.set()
+            self.gate.wait(10)
+        SqliteStore.sync_log(store)
+
+    async def waiting(self) -> None:
+        """Until an fsync waits at the gate."""
+        with trio.fail_after(5):
+            while not self.syncing.is_set():
+                await trio.sleep(0.005)
+
+
+_req_ids = itertools.count(1)
+
+
+def _head() -> FrameHead:
+    """The frame head of a new request (only its id matters to the service)."""
+    return FrameHead(0, next(_req_ids), 0, {}, 0)
 
 
 def _mkdir(name: str) -> m.Mkdir:
@@ -50,36 +80,25 @@ def test_full_mutations_commit_on_the_loop_without_a_writer_thread_hop(tmp_path)
 def test_a_full_mutation_is_answered_only_after_the_log_fsync(tmp_path) -> None:
     """The reply waits for the fsync of the log that covers its commit: with that fsync held
     back, the mutation is applied (visible on the loop) but not acknowledged."""
-    gate, syncing = threading.Event(), threading.Event()
-    held = False
-
-    def held_sync(store: SqliteStore) -> None:
-        if held:
-            syncing.set()
-            gate.wait(10)
-        SqliteStore.sync_log(store)
-
-    svc, store = sqlite_service(tmp_path, sync_log=held_sync)
+    fsync = _HeldFsync()
+    svc, store = sqlite_service(tmp_path, sync_log=fsync)
 
     async def main() -> None:
-        nonlocal held
         async with trio.open_nursery() as nursery:
             nursery.start_soon(svc.commit.run)
             await svc._dispatch(_mkdir("warm"))  # the first number handed out moves the reserve
-            held = True
+            fsync.held = True
             answered: list[object] = []
 
             async def one() -> None:
                 answered.append(await svc._dispatch(_mkdir("held")))
 
             nursery.start_soon(one)
-            with trio.fail_after(5):
-                while not syncing.is_set():
-                    await trio.sleep(0.005)
+            await fsync.waiting()
             await trio.sleep(0.2)
             assert answered == []  # committed, not durable yet: no answer
             assert svc.ns.lookup(1, "held").is_dir  # committed here on the loop, no writer thread involved
-            gate.set()
+            fsync.gate.set()
             with trio.fail_after(5):
                 while not answered:
                     await trio.sleep(0.005)
@@ -88,7 +107,7 @@ def test_a_full_mutation_is_answered_only_after_the_log_fsync(tmp_path) -> None:
     try:
         trio.run(main)
     finally:
-        gate.set()
+        fsync.gate.set()
         store.close()
 
 
@@ -263,50 +282,32 @@ def test_under_full_no_answer_tells_of_a_mutation_before_it_is_durable(tmp_path)
     asks for ``/q`` (stat, listing, its own mkdir): under ``full`` none of them is answered
     before A's mkdir is durable -- a power loss then would undo what B was told (that /q
     exists, EEXIST). Once the fsync returns, B's answers show /q."""
-    from stripefs.wire import FrameHead
-
-    gate, syncing = threading.Event(), threading.Event()
-    held = False
-
-    def held_sync(store: SqliteStore) -> None:
-        if held:
-            syncing.set()
-            gate.wait(10)
-        SqliteStore.sync_log(store)
-
-    svc, store = sqlite_service(tmp_path, sync_log=held_sync)
+    fsync = _HeldFsync()
+    svc, store = sqlite_service(tmp_path, sync_log=fsync)
     a, b = _Peer(b"a"), _Peer(b"b")
-    heads = iter(range(1, 1000))
-
-    def head() -> FrameHead:
-        return FrameHead(0, next(heads), 0, {}, 0)
-
     async def main() -> None:
-        nonlocal held
         async with trio.open_nursery() as nursery:
             nursery.start_soon(svc.commit.run)
             await svc._dispatch(_mkdir("warm"))
-            held = True
-            nursery.start_soon(svc.handle, a, head(), _mkdir("q"), None)
-            with trio.fail_after(5):
-                while not syncing.is_set():
-                    await trio.sleep(0.005)
+            fsync.held = True
+            nursery.start_soon(svc.handle, a, _head(), _mkdir("q"), None)
+            await fsync.waiting()
             assert svc.ns.lookup(1, "q").is_dir  # committed on the loop, not durable
-            assert svc.answer_now(b, head(), m.Resolve(path="/q")) is None  # not answered on the loop
+            assert svc.answer_now(b, _head(), m.Resolve(path="/q")) is None  # not answered on the loop
             refused: list[BaseException] = []
 
             async def b_mkdir() -> None:
                 try:
-                    await svc.handle(b, head(), _mkdir("q"), None)
+                    await svc.handle(b, _head(), _mkdir("q"), None)
                 except Exception as exc:  # noqa: BLE001 -- EEXIST, checked below
                     refused.append(exc)
 
-            nursery.start_soon(svc.handle, b, head(), m.Resolve(path="/q"), None)
-            nursery.start_soon(svc.handle, b, head(), m.Readdir(ino=1), None)
+            nursery.start_soon(svc.handle, b, _head(), m.Resolve(path="/q"), None)
+            nursery.start_soon(svc.handle, b, _head(), m.Readdir(ino=1), None)
             nursery.start_soon(b_mkdir)
             await trio.sleep(0.3)
             assert b.sent == [] and refused == [] and a.sent == []  # nobody told of /q yet
-            gate.set()
+            fsync.gate.set()
             with trio.fail_after(5):
                 while len(b.sent) < 2 or not refused or not a.sent:
                     await trio.sleep(0.005)
@@ -319,7 +320,7 @@ def test_under_full_no_answer_tells_of_a_mutation_before_it_is_durable(tmp_path)
     try:
         trio.run(main)
     finally:
-        gate.set()
+        fsync.gate.set()
         store.close()
 
 
@@ -327,47 +328,30 @@ def test_under_full_a_renamed_directory_is_never_seen_under_its_old_name_after_t
     """B walks /r1 (the loop's reads remember the directory), A renames /r1 to /r2 with the
     log fsync held back, B asks for /r2/f and then /r1/f: once answered, /r2/f exists and
     /r1/f does not -- never the new name and then the old one."""
-    from stripefs.wire import FrameHead
-
-    gate, syncing = threading.Event(), threading.Event()
-    held = False
-
-    def held_sync(store: SqliteStore) -> None:
-        if held:
-            syncing.set()
-            gate.wait(10)
-        SqliteStore.sync_log(store)
-
-    svc, store = sqlite_service(tmp_path, sync_log=held_sync)
+    fsync = _HeldFsync()
+    svc, store = sqlite_service(tmp_path, sync_log=fsync)
     a, b = _Peer(b"a"), _Peer(b"b")
-    heads = iter(range(1, 1000))
     answers: dict[str, object] = {}
-
-    def head() -> FrameHead:
-        return FrameHead(0, next(heads), 0, {}, 0)
 
     async def ask(path: str) -> None:
         peer = _Peer(path.encode())
         try:
-            await svc.handle(peer, head(), m.Resolve(path=path), None)
+            await svc.handle(peer, _head(), m.Resolve(path=path), None)
             answers[path] = m.Resolve.Reply.from_header(peer.sent[0]).attr.ino
         except FileNotFoundError:
             answers[path] = None
 
     async def main() -> None:
-        nonlocal held
         async with trio.open_nursery() as nursery:
             nursery.start_soon(svc.commit.run)
             r1 = (await svc._dispatch(_mkdir("r1"))).attr.ino
             await svc._dispatch(m.Mkdir(parent=r1, name="f", mode=0o755, uid=0, gid=0))
-            assert svc.answer_now(b, head(), m.Resolve(path="/r1/f")) is not None  # remembered now
-            held = True
-            nursery.start_soon(svc.handle, a, head(), m.Rename(parent=1, name="r1", new_parent=1, new_name="r2"), None)
-            with trio.fail_after(5):
-                while not syncing.is_set():
-                    await trio.sleep(0.005)
+            assert svc.answer_now(b, _head(), m.Resolve(path="/r1/f")) is not None  # remembered now
+            fsync.held = True
+            nursery.start_soon(svc.handle, a, _head(), m.Rename(parent=1, name="r1", new_parent=1, new_name="r2"), None)
+            await fsync.waiting()
             await ask_both(nursery)
-            gate.set()
+            fsync.gate.set()
             with trio.fail_after(5):
                 while len(answers) < 2 or not a.sent:
                     await trio.sleep(0.005)
@@ -384,5 +368,5 @@ def test_under_full_a_renamed_directory_is_never_seen_under_its_old_name_after_t
     try:
         trio.run(main)
     finally:
-        gate.set()
+        fsync.gate.set()
         store.close()
