@@ -132,6 +132,10 @@ class ChunkStore:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         self._fds_per_lock = FDS_PER_LOCK if soft == resource.RLIM_INFINITY else min(FDS_PER_LOCK, soft // 1024)
         self._mlock = threading.Lock()
+        # Inodes whose directory entry in ``chunks/`` this process has fsynced (or seen
+        # fsynced): a first chunk of any other inode fsyncs ``chunks/`` before it is
+        # acknowledged, whichever thread made the directory (see _dir_entry_synced).
+        self._synced_dirs: set[int] = set()
         self.used = 0
         self.chunks = 0
         self._scan_usage()
@@ -262,11 +266,10 @@ class ChunkStore:
             segment_crcs = payload_crcs(data, offset)[0]
         path = self.path(ino, index)
         fresh = not os.path.exists(path)
-        new_dir = False
         if fresh:
             if self.is_removed(ino):  # a late write must not bring back chunks nobody collects
                 raise self._stale(ino)
-            new_dir = self._make_dir(ino)
+            self._make_dir(ino)
             # A new chunk appears under its name only with its header written: a server
             # killed in between leaves a .tmp (swept at start), never a chunk whose
             # header is zeros, which would read as corrupt until a resync replaced it.
@@ -281,6 +284,12 @@ class ChunkStore:
                 os.close(fd)
                 fd = -1
                 return self._write_cow(ino, index, offset, data, meta, segment_crcs)
+            if offset > meta.length and not fresh and os.fstat(fd).st_size > HEADER_SIZE + meta.length:
+                # Bytes past the header's length are not data: an append killed between
+                # its data and its header, a truncate killed between its header and its
+                # cut. A gap this write leaves must read as zeros, not as those bytes
+                # (the CRCs below are computed over what is on disk).
+                os.ftruncate(fd, HEADER_SIZE + meta.length)
             os.pwrite(fd, data, HEADER_SIZE + offset)
             if meta.length % BLOCK:
                 # The last block holds acknowledged bytes and gets a CRC over old and
@@ -295,8 +304,7 @@ class ChunkStore:
         if fresh:
             os.rename(path + ".tmp", path)
             self._fsync_dir(self._dir(ino))
-            if new_dir:
-                self._fsync_dir(self.chunk_root)  # the inode directory's own entry
+            self._dir_entry_synced(ino)
             self.chunks += 1
         self.used += new.length - meta.length
         self._meta[(ino, index)] = new
@@ -351,13 +359,26 @@ class ChunkStore:
         os.pwrite(fd, new.pack(), 0)
         return new
 
-    def _make_dir(self, ino: int) -> bool:
-        """Create the inode's directory if missing; True when this call created it."""
+    def _make_dir(self, ino: int) -> None:
+        """Create the inode's directory if missing."""
         try:
             os.mkdir(self._dir(ino))
         except FileExistsError:
-            return False
-        return True
+            pass
+
+    def _dir_entry_synced(self, ino: int) -> None:
+        """Make the inode directory's entry in ``chunks/`` durable before a new chunk in it
+        is acknowledged. Not only the thread whose ``mkdir`` made it: a first write to
+        another chunk of the same inode, at the same time, finds the directory there but
+        its entry maybe not on disk yet. Once per inode and process (a restarted server
+        syncs again: a killed predecessor may have left an entry that is only cached)."""
+        if ino in self._synced_dirs:
+            return
+        self._fsync_dir(self.chunk_root)
+        with self._mlock:
+            if len(self._synced_dirs) > 100_000:
+                self._synced_dirs.clear()  # costs one more fsync per inode, never a missed one
+            self._synced_dirs.add(ino)
 
     @staticmethod
     def _fsync_dir(path: str) -> None:
@@ -520,6 +541,8 @@ class ChunkStore:
                     self.chunks -= 1
                     removed += 1
         if from_index == 0:
+            with self._mlock:
+                self._synced_dirs.discard(ino)  # a later chunk makes a new directory entry
             shutil.rmtree(d, ignore_errors=True)
             self._forget_ino_fds(ino)  # chunks that appeared after the listing went with it
         return removed
@@ -596,7 +619,7 @@ class ChunkStore:
                 return cur
             if self.is_removed(ino):  # a copy from a peer that has not collected it yet
                 raise self._stale(ino)
-            new_dir = self._make_dir(ino)
+            self._make_dir(ino)
             path = self.path(ino, index)
             tmp = path + ".tmp"
             view = memoryview(data)
@@ -613,8 +636,7 @@ class ChunkStore:
             self._forget_fd(ino, index)
             os.rename(tmp, path)
             self._fsync_dir(self._dir(ino))
-            if new_dir:
-                self._fsync_dir(self.chunk_root)
+            self._dir_entry_synced(ino)
             self.used += new.length - (cur.length if cur else 0)
             self.chunks += cur is None
             self._meta[(ino, index)] = new

@@ -25,8 +25,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+import contextlib
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, AsyncIterator, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, TypeVar
 
 import trio
 
@@ -44,6 +45,7 @@ R = TypeVar("R", bound=ReplyMessage)
 
 POOL_PER_PEER = 8
 LIST_PAGE = 8192  # chunks per ListChunks reply: ~50 bytes each, far below the frame limit
+PENDING = -1  # a ``dirty`` mark set before the local write knows its version
 SETTLE = 3.0  # seconds: > 2 heartbeats, so every peer routes by the table that includes us
 # Seconds without an answer from the metadata service after which this server may have been
 # declared offline (the failure timeout is 5 s) and left out of writes: reads ask for the
@@ -187,30 +189,58 @@ class Replicator:
             if pos != 0:
                 raise StripefsError(ErrorCode.STALE_ROUTING, f"server {self.server_id} is not the head of chain {msg.chain}")
             async with self.chunk_lock((msg.ino, msg.index)):
-                meta = await trio.to_thread.run_sync(
-                    self.store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain
-                )
+                with self._dirty_while_applied((msg.ino, msg.index), pos + 1 < len(order)):
+                    meta = await trio.to_thread.run_sync(
+                        self.store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain
+                    )
                 await self._forward_marked(order, pos, msg, view, meta.version, routing.version, meta.digest)
         else:
-            try:
-                meta = await trio.to_thread.run_sync(
-                    self.store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain, msg.version
-                )
-            except VersionGap:
-                # We missed versions (we were away): take the predecessor's whole chunk, which
-                # already includes this write, then pass the write on.
-                meta = await self.copy_chunk(order[pos - 1], msg.ino, msg.index)
-            if msg.digest is not None and len(view) and (meta.version != msg.version or meta.digest != msg.digest):
-                # Our copy diverged: we applied another write as this version (or a later
-                # one) while heading the chain and failed before forwarding it. The head
-                # holds the chunk's lock for this round trip, so the predecessor's copy is
-                # exactly this version: take it instead of acknowledging bytes we lack. (An
-                # empty write creates no version: there is nothing to compare.)
-                log.warning("chunk %d:%d diverged here (version %d, chain at %d): copying it from server %d",
-                            msg.ino, msg.index, meta.version, msg.version, order[pos - 1])
-                meta = await self.copy_chunk(order[pos - 1], msg.ino, msg.index, force=True)
+            with self._dirty_while_applied((msg.ino, msg.index), pos + 1 < len(order)):
+                meta = await self._apply_forwarded(order, pos, msg, view)
             await self._forward_marked(order, pos, msg, view, msg.version, routing.version, msg.digest)
         return m.WriteChunkReply(length=meta.length, version=meta.version)
+
+    async def _apply_forwarded(self, order: list[int], pos: int, msg: m.WriteChunk, view: memoryview) -> Any:
+        """Apply a write forwarded by our predecessor here; the chunk's meta now."""
+        try:
+            meta = await trio.to_thread.run_sync(
+                self.store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain, msg.version
+            )
+        except VersionGap:
+            # We missed versions (we were away): take the predecessor's whole chunk, which
+            # already includes this write, then pass the write on.
+            meta = await self.copy_chunk(order[pos - 1], msg.ino, msg.index)
+        if msg.digest is not None and len(view) and (meta.version != msg.version or meta.digest != msg.digest):
+            # Our copy diverged: we applied another write as this version (or a later
+            # one) while heading the chain and failed before forwarding it. The head
+            # holds the chunk's lock for this round trip, so the predecessor's copy is
+            # exactly this version: take it instead of acknowledging bytes we lack. (An
+            # empty write creates no version: there is nothing to compare.)
+            log.warning("chunk %d:%d diverged here (version %d, chain at %d): copying it from server %d",
+                        msg.ino, msg.index, meta.version, msg.version, order[pos - 1])
+            meta = await self.copy_chunk(order[pos - 1], msg.ino, msg.index, force=True)
+        return meta
+
+    @contextlib.contextmanager
+    def _dirty_while_applied(self, key: tuple[int, int], has_successor: bool) -> Iterator[None]:
+        """Mark the chunk dirty before the local write, not after: the worker thread's bytes
+        are readable here the moment they are written, and a read in that window must go
+        to the tail too (the chain may never apply this version). A write that fails here
+        puts back what the mark was (a failed forward's mark stays)."""
+        if not has_successor:
+            yield
+            return
+        before = self.dirty.get(key)
+        self.dirty[key] = PENDING
+        try:
+            yield
+        except BaseException:
+            if self.dirty.get(key) == PENDING:
+                if before is None:
+                    del self.dirty[key]
+                else:
+                    self.dirty[key] = before
+            raise
 
     async def _forward_marked(self, order: list[int], pos: int, msg: m.WriteChunk, view: memoryview, version: int,
                               rv: int, digest: int | None) -> None:
