@@ -30,11 +30,15 @@ the server checks it before writing. A read verifies the blocks it covers once;
 later reads of verified blocks go straight to ``sendfile`` as long as the file
 was not modified behind the server's back (its mtime is remembered).
 
+Locks: one per chunk, made on demand (:class:`_ChunkLocks`), so a read never waits
+for another chunk's write and its ``fdatasync``.
+
 Small reads (``inline``) keep their chunk file open: a bounded cache of read
-descriptors, ``FDS_PER_LOCK`` per chunk lock, used only under that lock. Every
-change that replaces or removes a chunk file (copy-on-write, a replica's copy,
-truncate, remove) closes the chunk's cached descriptor under the same lock, so a
-read never sees an old file's bytes; writes in place keep it (same inode).
+descriptors, ``FDS_PER_LOCK`` per slot of 256. Every change that replaces or removes
+a chunk file (copy-on-write, a replica's copy, truncate, remove) closes the chunk's
+cached descriptor under the chunk's lock, and a reader checks the link count of a
+cached descriptor before using it, so a read never sees an old file's bytes; writes
+in place keep it (same inode).
 
 Caveats:
   * a chunk's header cache lives in this process; only one server may own a root.
@@ -63,8 +67,61 @@ MAGIC = b"SFCHUNK1"
 _HDR = struct.Struct("!8sQQIIQ")
 _CRC_OFF = 64
 MAX_BLOCKS = (HEADER_SIZE - _CRC_OFF) // 4
-FDS_PER_LOCK = 4  # chunk files kept open for small reads, per chunk lock (256 locks), at most
+FDS_PER_LOCK = 4  # chunk files kept open for small reads, per slot of the descriptor cache (256), at most
 assert MAX_CHUNK // BLOCK <= MAX_BLOCKS
+
+
+class _ChunkLock:
+    """The lock of one chunk, from :class:`_ChunkLocks` (a lock object while held)."""
+
+    __slots__ = ("_locks", "_key", "_entry")
+
+    def __init__(self, locks: "_ChunkLocks", key: tuple[int, int]) -> None:
+        self._locks, self._key, self._entry = locks, key, None
+
+    def acquire(self) -> None:
+        self._entry = self._locks.enter(self._key)
+        self._entry[0].acquire()
+
+    def release(self) -> None:
+        entry, self._entry = self._entry, None
+        assert entry is not None
+        entry[0].release()
+        self._locks.leave(self._key, entry)
+
+    def __enter__(self) -> None:
+        self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class _ChunkLocks:
+    """One lock per chunk, made while someone wants it and dropped after. A fixed table of
+    striped locks made unrelated chunks wait for each other: a dataloader's small read
+    waited behind a checkpoint chunk's write and ``fdatasync`` (tens of milliseconds)
+    whenever their keys shared a stripe."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._held: dict[tuple[int, int], list[Any]] = {}  # key -> [lock, wanted by]
+
+    def __call__(self, key: tuple[int, int]) -> _ChunkLock:
+        return _ChunkLock(self, key)
+
+    def enter(self, key: tuple[int, int]) -> list[Any]:
+        with self._mutex:
+            entry = self._held.get(key)
+            if entry is None:
+                entry = self._held[key] = [threading.Lock(), 0]
+            entry[1] += 1
+            return entry
+
+    def leave(self, key: tuple[int, int], entry: list[Any]) -> None:
+        with self._mutex:
+            entry[1] -= 1
+            if not entry[1]:
+                del self._held[key]
 
 
 class VersionGap(Exception):
@@ -125,8 +182,12 @@ class ChunkStore:
         self.tomb_root = os.path.join(self.root, "removed")
         os.makedirs(self.tomb_root, exist_ok=True)
         self._meta: dict[tuple[int, int], ChunkMeta] = {}
-        self._locks = [threading.Lock() for _ in range(256)]
-        # Read descriptors of recently read chunks, per lock (used and changed under it).
+        self._chunk_locks = _ChunkLocks()
+        # Read descriptors of recently read chunks, in 256 slots by key, each dict changed
+        # under its slot's lock (held for dict operations only, never across I/O). A cached
+        # descriptor may outlive its file (replaced by a copy-on-write rename, removed):
+        # a reader checks its link count before using it (see open_read_checked).
+        self._fd_locks = [threading.Lock() for _ in range(256)]
         self._fds: list[dict[tuple[int, int], int]] = [{} for _ in range(256)]
         # At most a quarter of the process's descriptor limit (connections need the rest).
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -147,29 +208,36 @@ class ChunkStore:
     def path(self, ino: int, index: int) -> str:
         return os.path.join(self._dir(ino), f"{index:08x}")
 
-    def _lock(self, ino: int, index: int) -> threading.Lock:
-        return self._locks[hash((ino, index)) & 255]
+    def _lock(self, ino: int, index: int) -> _ChunkLock:
+        """The chunk's own lock: every change of its file and header, and every read that
+        loads its header, holds it."""
+        return self._chunk_locks((ino, index))
 
     def _forget_fd(self, ino: int, index: int) -> None:
         """Close the chunk's cached read descriptor (caller holds the chunk's lock): its
         file is being replaced, cut or removed."""
-        fd = self._fds[hash((ino, index)) & 255].pop((ino, index), None)
+        slot = hash((ino, index)) & 255
+        with self._fd_locks[slot]:
+            fd = self._fds[slot].pop((ino, index), None)
         if fd is not None:
             os.close(fd)
 
     def _forget_ino_fds(self, ino: int) -> None:
         """Close every cached read descriptor of an inode (its directory is going)."""
-        for lock, fds in zip(self._locks, self._fds):
+        for lock, fds in zip(self._fd_locks, self._fds):
             with lock:
-                for key in [k for k in fds if k[0] == ino]:
-                    os.close(fds.pop(key))
+                gone = [fds.pop(k) for k in [k for k in fds if k[0] == ino]]
+            for fd in gone:
+                os.close(fd)
 
     def close(self) -> None:
         """Close the cached read descriptors (the store stays usable)."""
-        for lock, fds in zip(self._locks, self._fds):
+        for lock, fds in zip(self._fd_locks, self._fds):
             with lock:
-                while fds:
-                    os.close(fds.popitem()[1])
+                gone = list(fds.values())
+                fds.clear()
+            for fd in gone:
+                os.close(fd)
 
     def __del__(self) -> None:
         try:
@@ -417,13 +485,19 @@ class ChunkStore:
             raise StripefsError(ErrorCode.INVALID, "read range outside a chunk")
         key = (ino, index)
         slot = hash(key) & 255
-        with self._locks[slot]:
+        with self._lock(ino, index):
             # Opened under the lock: a copy-on-write rename between the open and the lock would
             # leave fd on the old file, and reloading the header from it would cache the old
             # meta for the new file (its CRCs then fail reads, and the next write builds on it).
             cached = length <= inline
-            fds = self._fds[slot]
-            fd = fds.pop(key, -1) if cached else -1
+            fds, fd_lock = self._fds[slot], self._fd_locks[slot]
+            fd = -1
+            if cached:
+                with fd_lock:
+                    fd = fds.pop(key, -1)
+                if fd >= 0 and os.fstat(fd).st_nlink == 0:
+                    os.close(fd)  # its file was replaced or removed since it was cached
+                    fd = -1
             if fd < 0:
                 try:
                     fd = os.open(self.path(ino, index), os.O_RDONLY)
@@ -437,9 +511,11 @@ class ChunkStore:
                 os.close(fd)
                 raise
             if cached and self._fds_per_lock:
-                while len(fds) >= self._fds_per_lock:  # the least recently read goes
-                    os.close(fds.pop(next(iter(fds))))
-                fds[key] = fd  # last: the most recently read
+                with fd_lock:
+                    evicted = [fds.pop(next(iter(fds))) for _ in range(len(fds) - self._fds_per_lock + 1)]
+                    fds[key] = fd  # last: the most recently read
+                for old in evicted:  # the least recently read go
+                    os.close(old)
             elif out[0] < 0:
                 os.close(fd)
             return out

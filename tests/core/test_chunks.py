@@ -260,3 +260,26 @@ def test_scrub_racing_copy_on_write_writes_never_corrupts_a_chunk(tmp_path) -> N
         shutil.rmtree(root, ignore_errors=True)
     assert not errors
     assert corrupt == [], f"{len(corrupt)} corrupt chunks in {n} rounds"
+
+
+def test_a_read_never_waits_for_another_chunks_write(tmp_path) -> None:
+    """A dataloader's small read must not queue behind a checkpoint chunk's write and its
+    fdatasync. The chunk being written here shares the read chunk's slot in the
+    descriptor cache (the stripe a fixed lock table put them both under)."""
+    import threading
+
+    s = ChunkStore(str(tmp_path))
+    write(s, 1, 0, 0, b"r" * 4096)
+    other = next((ino, 0) for ino in range(2, 100_000) if hash((ino, 0)) & 255 == hash((1, 0)) & 255)
+    held = s._lock(*other)  # a writer of the other chunk, in the middle of its fdatasync
+    held.acquire()
+    try:
+        got: list[bytes] = []
+        reader = threading.Thread(target=lambda: got.append(read(s, 1, 0, 0, 4096)))
+        reader.start()
+        reader.join(5)
+        assert got == [b"r" * 4096], "a read waited for a write to an unrelated chunk"
+    finally:
+        held.release()
+    reader.join(10)
+    assert not s._chunk_locks._held  # locks of chunks nobody wants are dropped
