@@ -63,7 +63,7 @@ from ._format import BASE_VERSION, FORMAT, MANIFEST, ChecksumError, chunk_crcs, 
 from ._journal import CkptRow, FileRow, Journal, fault_point
 from ._mover import MoverOptions, Uploader, client_for, remote_paths, with_retries
 from ._verify import file_problems
-from ._save import default_staging_dir
+from ._save import _step_of, default_staging_dir
 from ._service import apply_retention
 
 __all__ = ["StagedStorageWriter", "StagedStorageReader"]
@@ -171,7 +171,8 @@ class StagedStorageWriter(FileSystemWriter):
         self._lock = self.journal.lock(self.ckpt_id)
         self._lock.try_acquire()
         self.row = CkptRow(self.ckpt_id, normpath(self.url), self.cluster or client_for(self.cluster).config.path,
-                           self._final_local, "writing", None, False, self.keep_local, self.keep_remote,
+                           self._final_local, "writing", _step_of(self.url, None), False, self.keep_local,
+                           self.keep_remote,
                            time.time(), None, None, 0, "dcp")
         self.journal.begin(self.row, [])
 
@@ -262,7 +263,7 @@ class StagedStorageWriter(FileSystemWriter):
 
     def _manifest(self, records: list[dict[str, Any]]) -> bytes:
         return manifest_bytes({"format": FORMAT, "version": BASE_VERSION, "id": self.ckpt_id, "kind": "dcp",
-                               "step": None, "created": self.row.created, "url": self.row.url, "files": records})
+                               "step": self.row.step, "created": self.row.created, "url": self.row.url, "files": records})
 
     def _stage_and_upload(self) -> None:
         records, rows = _records(self._tmp, sorted(os.listdir(self._tmp)))

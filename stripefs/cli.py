@@ -2,7 +2,11 @@
 
 Cluster: ``up``, ``down``, ``status``, ``add-server``, ``remove-server``. Files: ``ls stat cat put get cp mv rm mkdir``
 (paths inside the file system; the ``stripefs://`` prefix is optional).
-Checkpoints: ``ckpt verify URL``.
+Checkpoints: ``ckpt list|latest PREFIX``, ``ckpt verify URL``.
+
+A command not given ``--cluster`` (nor ``STRIPEFS_CLUSTER``) uses the cluster of the last
+``stripefs up`` and says which on stderr (one line; stdout stays the command's output).
+Output into a closed pipe (``stripefs ls | head``) ends the command quietly, as ``ls`` does.
 Other commands (``mount``, ``umount``, ``mover``, ``bench``) are provided by
 their packages and registered in :data:`EXTRA_COMMANDS`.
 """
@@ -10,8 +14,10 @@ their packages and registered in :data:`EXTRA_COMMANDS`.
 from __future__ import annotations
 
 import argparse
+import grp
 import json
 import os
+import pwd
 import stat as _stat
 import sys
 import time
@@ -20,6 +26,9 @@ from typing import Any, Callable
 from stripefs.wire import ErrorCode, StripefsError
 
 from stripefs.fsclient import Client, testing
+
+from . import _cli_ckpt, _upload
+from ._units import human as _human, ls_size
 
 # name -> "module:function" taking (argv) and returning an exit status; loaded lazily so
 # `stripefs ls` does not import torch or pyfuse3.
@@ -31,14 +40,6 @@ EXTRA_COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def _progress(total: int, desc: str) -> Any:
     from tqdm import tqdm
 
@@ -46,14 +47,84 @@ def _progress(total: int, desc: str) -> Any:
 
 
 # -- cluster commands ----------------------------------------------------------------------
-def cmd_up(a: argparse.Namespace) -> int:
-    from stripefs.bench.floors import parse_size  # the one size parser; lazily, as bench is heavy to import
+UP_DEFAULTS = {"servers": 4, "replicas": 1, "chunk_size": "4M", "stripe": 16, "metadata_store": "sqlite",
+               "metadata_services": 1}  # `up`'s defaults for a new cluster (argparse leaves them None: given or not)
 
-    c = testing.up(a.root, servers=a.servers, replicas=a.replicas, chunk_size=parse_size(a.chunk_size), stripe=a.stripe,
-                   metadata_store=a.metadata_store, postgres_url=a.postgres_url,
-                   metadata_services=a.metadata_services, metadata_sync=a.metadata_sync, lease_ttl=a.lease_ttl)
+
+def _live_servers(cluster: dict[str, Any]) -> int:
+    return sum(1 for s in cluster.get("servers", []) if isinstance(s, dict) and not s.get("removed"))
+
+
+def _up_conflicts(a: argparse.Namespace, running: dict[str, Any]) -> list[str]:
+    """The arguments given to ``up`` that a running cluster differs from and ``up`` cannot apply."""
+    from stripefs.bench.floors import parse_size  # the one size parser; lazily, as bench is heavy to import
+    from stripefs.metadata._leasetable import LEASE_TTL
+
+    have = {"replicas": running.get("replicas", 1), "chunk_size": running.get("chunk_size"),
+            "stripe": running.get("stripe"), "metadata_store": running.get("metadata_store", "sqlite"),
+            "metadata_services": max(1, len(running.get("metadata_services") or [])),
+            "metadata_sync": running.get("metadata_sync", "full"),
+            "lease_ttl": running.get("lease_ttl", LEASE_TTL), "postgres_url": running.get("metadata_store_url")}
+    fixed = {"replicas": "replication is set when a cluster is made",
+             "chunk_size": "the default layout is set when a cluster is made",
+             "stripe": "the default layout is set when a cluster is made",
+             "metadata_store": "the store is set when a cluster is made",
+             "postgres_url": "the store is set when a cluster is made",
+             "metadata_services": "services are started with the cluster: `stripefs down` first",
+             "metadata_sync": "it applies when the metadata service starts: `stripefs down` first",
+             "lease_ttl": "it applies when the metadata service starts: `stripefs down` first"}
+    out = []
+    for name, why in fixed.items():
+        given = getattr(a, name)
+        if given is None:
+            continue
+        wanted = parse_size(given) if name == "chunk_size" else given
+        if wanted != have[name]:
+            shown = have[name] if name != "postgres_url" else "another database"
+            out.append(f"--{name.replace('_', '-')} {given}: the cluster runs with {shown} ({why})")
+    live = _live_servers(running)
+    if a.servers is not None and a.servers < live:
+        out.append(f"--servers {a.servers}: the cluster has {live} storage servers and `up` never removes one "
+                   "(`stripefs remove-server ID`)")
+    return out
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    """Start a cluster, restart its dead processes, or (running) apply what can be: more servers.
+
+    An argument a running cluster differs from and that cannot be applied (its replication,
+    layout, store) is refused -- exit status 1, nothing changed -- rather than ignored.
+    """
+    from stripefs.bench.floors import parse_size
+    from stripefs.fsclient.core import pid_alive
+
+    old = testing.read_cluster(os.path.abspath(a.root))
+    running = old is not None and any(pid_alive(p) for p in old.get("pids", []))
+    if running:
+        assert old is not None
+        conflicts = _up_conflicts(a, old)
+        for line in conflicts:
+            print(f"stripefs up: {line}", file=sys.stderr)
+        if conflicts:
+            print(f"stripefs up: the cluster under {a.root} is running; nothing was changed", file=sys.stderr)
+            return 1
+        c = testing.up(a.root)  # restarts dead processes with the cluster's own settings
+        more = (a.servers or 0) - _live_servers(c)
+        for _ in range(more):
+            c = testing.add_server(a.root)
+        if more > 0:
+            print(f"added {more} storage server{'s' if more > 1 else ''}; they take over their share of the chains in the background "
+                  "(`stripefs status`)", file=sys.stderr)
+    else:
+        opts = {k: getattr(a, k) if getattr(a, k) is not None else v for k, v in UP_DEFAULTS.items()}
+        c = testing.up(a.root, servers=opts["servers"], replicas=opts["replicas"],
+                       chunk_size=parse_size(opts["chunk_size"]), stripe=opts["stripe"],
+                       metadata_store=opts["metadata_store"], postgres_url=a.postgres_url,
+                       metadata_services=opts["metadata_services"], metadata_sync=a.metadata_sync,
+                       lease_ttl=a.lease_ttl)
     print(f"{c['metadata']['host']}:{c['metadata']['port']}")
-    print(f"cluster file: {os.path.join(c['root'], 'cluster.json')} ({len(c['servers'])} storage servers)", file=sys.stderr)
+    print(f"cluster file: {os.path.join(c['root'], 'cluster.json')} ({_live_servers(c)} storage servers)",
+          file=sys.stderr)
     return 0
 
 
@@ -229,44 +300,55 @@ def cmd_scrub(a: argparse.Namespace) -> int:
     return 1 if bad_left else 0
 
 
-# -- checkpoint commands ------------------------------------------------------------------------
-def cmd_ckpt_verify(a: argparse.Namespace) -> int:
-    """Check a committed checkpoint step: manifest checksum, every file's size and CRC32Cs."""
-    from stripefs import staging  # here, not at the top: torch is imported only by checkpoint commands
-
-    try:
-        man = staging.verify(a.url, cluster=a.cluster)
-    except FileNotFoundError:
-        print(f"stripefs ckpt verify: {a.url}: no checkpoint is committed there", file=sys.stderr)
-        return 1
-    except staging.ChecksumError as exc:
-        print(f"stripefs ckpt verify: {a.url}: BAD: {exc.strerror}", file=sys.stderr)
-        return 1
-    total = sum(f["size"] for f in man["files"])
-    print(f"{a.url}: OK (step {man.get('step')}, {len(man['files'])} files, {_human(total)}, every CRC32C checked)")
-    return 0
-
-
 # -- file commands ----------------------------------------------------------------------------
 def _type_char(mode: int) -> str:
     return _stat.filemode(mode)[0]  # d l - p s c b, as ls shows them
 
 
+def _owner(uid: int, names: dict[int, str]) -> str:
+    if uid not in names:
+        try:
+            names[uid] = pwd.getpwuid(uid).pw_name
+        except KeyError:  # no such user here: the number, as ls shows it
+            names[uid] = str(uid)
+    return names[uid]
+
+
+def _group(gid: int, names: dict[int, str]) -> str:
+    if gid not in names:
+        try:
+            names[gid] = grp.getgrgid(gid).gr_name
+        except KeyError:
+            names[gid] = str(gid)
+    return names[gid]
+
+
 def cmd_ls(a: argparse.Namespace) -> int:
+    """List directories (names starting with '.' only with -a, as ls); -l long, -h human sizes."""
+    users: dict[int, str] = {}
+    groups: dict[int, str] = {}
+
+    def size_of(attr: Any) -> str:
+        if _stat.S_ISCHR(attr.mode) or _stat.S_ISBLK(attr.mode):  # device nodes show their number, as ls does
+            return f"{os.major(attr.rdev)}, {os.minor(attr.rdev)}"
+        return ls_size(attr.size) if a.human else str(attr.size)
+
+    def long_line(attr: Any, name: str) -> str:
+        mtime = time.strftime("%Y-%m-%d %H:%M", time.localtime(attr.mtime_ns / 1e9))
+        return (f"{_stat.filemode(attr.mode)} {attr.nlink:>3} {_owner(attr.uid, users):<8} {_group(attr.gid, groups):<8} "
+                f"{size_of(attr):>12} {mtime} {name}")
+
     with Client(a.cluster) as c:
         for path in a.paths or ["/"]:
             st = c.stat(path)
-            entries = list(c.scandir(path)) if st.is_dir else None
-            if entries is None:
-                print(f"{_stat.filemode(st.mode)} {st.size:>12} {path}")
+            if not st.is_dir:
+                print(long_line(st, path) if a.long else f"{_stat.filemode(st.mode)} {size_of(st):>12} {path}")
                 continue
-            for e in entries:
-                attr = e.attr
-                if a.long and attr is not None:
-                    mtime = time.strftime("%Y-%m-%d %H:%M", time.localtime(attr.mtime_ns / 1e9))
-                    size = (f"{os.major(attr.rdev)}, {os.minor(attr.rdev)}"  # device nodes show their number, as ls does
-                            if _stat.S_ISCHR(attr.mode) or _stat.S_ISBLK(attr.mode) else str(attr.size))
-                    print(f"{_stat.filemode(attr.mode)} {attr.nlink:>3} {attr.uid:>5} {attr.gid:>5} {size:>12} {mtime} {e.name}")
+            for e in c.scandir(path):
+                if e.name.startswith(".") and not a.all:
+                    continue
+                if a.long and e.attr is not None:
+                    print(long_line(e.attr, e.name))
                 else:
                     print(e.name + ("/" if _stat.S_ISDIR(e.mode) else ""))
     return 0
@@ -308,13 +390,30 @@ def _pump(fin: Any, fout: Any, size: int, window: int, desc: str) -> None:
 
 
 def cmd_put(a: argparse.Namespace) -> int:
+    """Copy a local file in; with -r a directory tree (in parallel: :mod:`stripefs._upload`)."""
+    if os.path.isdir(a.src) and not a.recursive:
+        raise StripefsError(ErrorCode.IS_DIR, "is a directory (use put -r)", a.src)
     with Client(a.cluster) as c:
         dst = a.dst
-        if c.isdir(dst):
-            dst = dst.rstrip("/") + "/" + os.path.basename(a.src)
-        with open(a.src, "rb") as fin, c.open(dst, "wb") as fout:
-            _pump(fin, fout, os.path.getsize(a.src), fout.window, "put")
-    return 0
+        if c.isdir(dst):  # into an existing directory, as cp does
+            dst = dst.rstrip("/") + "/" + os.path.basename(os.path.abspath(a.src))
+        if not os.path.isdir(a.src):
+            with open(a.src, "rb") as fin, c.open(dst, "wb") as fout:
+                _pump(fin, fout, os.path.getsize(a.src), fout.window, "put")
+            return 0
+        plan = _upload.plan_tree(a.src, dst)
+        t0 = time.monotonic()
+        with _progress(plan.size, "put") as bar:
+            failed = _upload.put_tree(c, plan, workers=a.jobs, progress=bar.update)
+    for local, remote, exc in failed:
+        print(f"stripefs put: {local} -> {remote}: {exc.strerror or exc}", file=sys.stderr)
+    if plan.skipped:
+        print(f"stripefs put: skipped {len(plan.skipped)} entries that are not regular files "
+              f"(e.g. {plan.skipped[0]})", file=sys.stderr)
+    took = time.monotonic() - t0
+    print(f"{len(plan.files) - len(failed)} files, {len(plan.dirs)} directories, {_human(plan.size)} "
+          f"in {took:.1f} s", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def cmd_get(a: argparse.Namespace) -> int:
@@ -374,28 +473,36 @@ def cmd_mkdir(a: argparse.Namespace) -> int:
     return 0
 
 
+CLUSTER_HELP = ("cluster.json path, the directory holding it, or host:port (default: $STRIPEFS_CLUSTER, then the "
+                "last `stripefs up` as this command found it)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stripefs", description="stripefs: a parallel file system for training clusters")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str, cluster: bool = True) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help, description=help)
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str, cluster: bool = True,
+            **kw: Any) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help, **kw)
         sp.set_defaults(fn=fn)
         if cluster:
-            sp.add_argument("--cluster", "-c", help="cluster.json path or host:port (default: $STRIPEFS_CLUSTER, then the last `up`)")
+            sp.add_argument("--cluster", "-c", help=CLUSTER_HELP)
         return sp
 
-    sp = add("up", cmd_up, "Start (or restart) a local cluster under --root", cluster=False)
+    sp = add("up", cmd_up, "Start (or restart) a local cluster under --root; on a running one, add servers "
+                           "up to --servers (other settings that differ are refused)", cluster=False)
     sp.add_argument("--root", required=True)
-    sp.add_argument("--servers", type=int, default=4)
-    sp.add_argument("--replicas", type=int, default=1, help="targets per chain: 1, 2 or 3")
-    sp.add_argument("--chunk-size", default="4M")
-    sp.add_argument("--stripe", type=int, default=16)
-    sp.add_argument("--metadata-store", choices=["sqlite", "postgresql"], default="sqlite",
-                    help="where the namespace lives (postgresql: a private server under --root unless --postgres-url)")
+    sp.add_argument("--servers", type=int, help="storage servers (default 4)")
+    sp.add_argument("--replicas", type=int, help="targets per chain: 1 (default), 2 or 3")
+    sp.add_argument("--chunk-size", help="default chunk size of new files (default 4M)")
+    sp.add_argument("--stripe", type=int, help="default stripe width of new files (default 16)")
+    sp.add_argument("--metadata-store", choices=["sqlite", "postgresql"],
+                    help="where the namespace lives, sqlite (default) or postgresql (a private server under "
+                         "--root unless --postgres-url)")
     sp.add_argument("--postgres-url", help="postgresql://user:password@host:port/db for --metadata-store postgresql")
-    sp.add_argument("--metadata-services", type=int, default=1,
-                    help="metadata service processes sharing the store (above 1 needs --metadata-store postgresql)")
+    sp.add_argument("--metadata-services", type=int,
+                    help="metadata service processes sharing the store (default 1; above 1 needs --metadata-store "
+                         "postgresql)")
     sp.add_argument("--metadata-sync", choices=["full", "normal"], default=None,
                     help="SQLite durability: full (default) = each acknowledged operation survives power loss; "
                          "normal = no fsync per commit: it survives a kill -9, the last ones may be lost on power "
@@ -419,15 +526,24 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
     sp = add("status", cmd_status, "Show servers, their state and usage, and the chain table")
     sp.add_argument("--json", action="store_true")
-    sp = add("ls", cmd_ls, "List directories")
-    sp.add_argument("-l", "--long", action="store_true")
+    sp = add("ls", cmd_ls, "List directories", add_help=False)  # -h is human sizes, as in ls: --help for help
+    sp.add_argument("--help", action="help", help="show this help message and exit")
+    sp.add_argument("-l", "--long", action="store_true", help="mode, links, owner, group, size, mtime")
+    sp.add_argument("-a", "--all", action="store_true", help="also names starting with '.'")
+    sp.add_argument("-h", "--human-readable", dest="human", action="store_true", help="sizes as 1.5K 23M 4.0G")
     sp.add_argument("paths", nargs="*")
     sp = add("stat", cmd_stat, "Show attributes and layout")
     sp.add_argument("--chunks", action="store_true", help="list every chunk and the server holding it")
     sp.add_argument("paths", nargs="+")
     add("cat", cmd_cat, "Write files to stdout").add_argument("paths", nargs="+")
-    for name, fn, help in (("put", cmd_put, "Copy a local file in"), ("get", cmd_get, "Copy a file out"),
-                           ("cp", cmd_cp, "Copy inside the file system"), ("mv", cmd_mv, "Rename atomically")):
+    sp = add("put", cmd_put, "Copy a local file in (a directory tree with -r, many files at once)")
+    sp.add_argument("-r", "--recursive", action="store_true",
+                    help="copy a directory tree: files created in batches, written by --jobs threads")
+    sp.add_argument("-j", "--jobs", type=int, default=16, help="files written at once with -r (default 16)")
+    sp.add_argument("src")
+    sp.add_argument("dst")
+    for name, fn, help in (("get", cmd_get, "Copy a file out"), ("cp", cmd_cp, "Copy inside the file system"),
+                           ("mv", cmd_mv, "Rename atomically")):
         sp = add(name, fn, help)
         sp.add_argument("src")
         sp.add_argument("dst")
@@ -437,14 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("mkdir", cmd_mkdir, "Create directories")
     sp.add_argument("-p", "--parents", action="store_true")
     sp.add_argument("paths", nargs="+")
-    sp = sub.add_parser("ckpt", help="Checkpoints written by staging (verify)", description="Checkpoints written by staging")
-    ckpt = sp.add_subparsers(dest="ckpt_cmd", required=True, metavar="SUBCOMMAND")
-    sp = ckpt.add_parser("verify", help="Check a committed step's manifest and every file's checksums",
-                         description="Check a committed step's manifest and every file's size and CRC32Cs "
-                                     "(exit status 0: good, 1: missing or damaged)")
-    sp.set_defaults(fn=cmd_ckpt_verify)
-    sp.add_argument("--cluster", "-c", help="cluster.json path or host:port (default: $STRIPEFS_CLUSTER, then the last `up`)")
-    sp.add_argument("url", help="the step, e.g. stripefs://ckpt/run1/step-000100")
+    _cli_ckpt.add_parsers(sub, CLUSTER_HELP)
     for name, (_mod, help) in EXTRA_COMMANDS.items():
         sub.add_parser(name, help=help, add_help=False)
     return p
@@ -464,13 +573,44 @@ def main(argv: list[str] | None = None) -> int:
         return int(mod.main(argv) or 0)
     args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        if hasattr(args, "cluster") and args.cluster is None and not getattr(args, "root", None):
+            args.cluster = _default_cluster()
+        status = args.fn(args)
+        sys.stdout.flush()  # here, so that a closed pipe is seen by the handler below
+        return status
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"stripefs {args.cmd}: {where}{exc.strerror or exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _default_cluster() -> str | None:
+    """The cluster a command not given ``--cluster`` uses; when it is the last ``stripefs up``'s
+    (not named by ``STRIPEFS_CLUSTER``), one line on stderr says which."""
+    from stripefs.fsclient.core import find_cluster
+
+    if os.environ.get("STRIPEFS_CLUSTER"):
+        return None  # named by the user; Client reads it
+    cfg = find_cluster(None)
+    print(f"stripefs: cluster {cfg.path} (the last `stripefs up`; --cluster or STRIPEFS_CLUSTER to choose)",
+          file=sys.stderr)
+    return cfg.path
+
+
+def _quiet_broken_pipe() -> int:
+    """Whoever read our output is gone (``| head``): end quietly, with the status a process
+    killed by SIGPIPE has (128 + 13), as ls or cat do. SIGPIPE itself stays ignored (Python's
+    default): it would also kill the process on a write to a server's closed socket."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
+    except (OSError, ValueError):
+        pass
+    return 141
 
 
 if __name__ == "__main__":

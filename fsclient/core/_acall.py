@@ -24,7 +24,8 @@ import trio
 from stripefs.rpc import Reply, abandon
 from stripefs.wire import ErrorCode, Layout, Message, ReplyMessage, StripefsError, messages as m
 
-from ._core import _RETRIED, REQUEST_TIMEOUT, MetaRetry
+from ._core import _RETRIED, REQUEST_TIMEOUT
+from ._metaretry import MetaRetry
 from ._proc import my_pid
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ async def acall(core: "ClientCore", msg: Message[R], timeout: float = 60.0) -> R
                     conn = await trio.to_thread.run_sync(core._meta_conn, retry.index)
                 left = max(retry.deadline - time.monotonic(), 0.001)
                 header = (await _result(conn.submit(msg, req_id=req_id), left)).header
+                core.meta_health.ok()
                 break
             except StripefsError as exc:
                 wait = retry.after(exc)

@@ -1,5 +1,11 @@
 """Finding the cluster: ``cluster=`` argument, ``STRIPEFS_CLUSTER``, then the last ``stripefs up``.
 
+"The last ``stripefs up``" is a per-user pointer file (:func:`default_state_file`) that any
+``up`` on the machine rewrites. A process reads it once -- when this module is imported,
+else the first time it needs it -- and keeps that answer (its own ``up`` moves it): a
+running program never changes clusters because someone else started one. The resolved
+:class:`ClusterConfig` says where it came from (``source``), so tools can tell the user.
+
 A cluster is named by a path to its ``cluster.json`` or by ``host:port`` of the
 metadata service (the client credential then comes from ``secret=`` or
 ``STRIPEFS_SECRET``). With several metadata services the file lists them all
@@ -17,8 +23,10 @@ cluster secret; reading it gives a configuration that authenticates as a server
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +43,7 @@ class ClusterConfig:
     path: str | None = None  # the cluster.json it came from
     role: str = "client"  # what connections authenticate as
     services: tuple[tuple[str, int], ...] = ()  # every metadata service, ``metadata`` first
+    source: str = ""  # what named it: "argument", "STRIPEFS_CLUSTER" or "last up" (the pointer file)
 
     @property
     def addresses(self) -> tuple[tuple[str, int], ...]:
@@ -76,13 +85,39 @@ def default_state_file() -> str:
     return os.path.join(base, "stripefs", "last_cluster")
 
 
+def _read_pointer() -> str:
+    try:
+        with open(default_state_file()) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+# The pointer as this process first read it, or the cluster of this process's own last `up`.
+_pinned = _read_pointer()
+_pin_lock = threading.Lock()
+
+
 def remember_cluster(cluster_file: str) -> None:
+    """Make ``cluster_file`` the default of this process and of the processes started after."""
+    global _pinned
     path = default_state_file()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + f".{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(os.path.abspath(cluster_file))
     os.replace(tmp, path)
+    with _pin_lock:
+        _pinned = os.path.abspath(cluster_file)
+
+
+def _last_up() -> str:
+    """The cluster.json of the last ``stripefs up`` as this process first saw it (read now if never)."""
+    global _pinned
+    with _pin_lock:
+        if not _pinned:
+            _pinned = _read_pointer()
+        return _pinned
 
 
 def _parse(spec: str, secret: str | None) -> ClusterConfig:
@@ -93,7 +128,10 @@ def _parse(spec: str, secret: str | None) -> ClusterConfig:
     addresses = []
     for part in spec.split(","):
         host, sep, port = part.strip().rpartition(":")
-        if not sep or not port.isdigit():
+        if not sep or "/" in spec:  # a path (to a cluster.json or its directory) that is not there
+            raise StripefsError(ErrorCode.NOT_FOUND, "no such file or directory (a cluster is named by its "
+                                                     "cluster.json, the directory holding it, or host:port)", spec)
+        if not port.isdigit():
             raise StripefsError(ErrorCode.INVALID, f"cluster must be a cluster.json path or host:port, got {spec!r}")
         addresses.append((host or "127.0.0.1", int(port)))
     secret = secret or os.environ.get("STRIPEFS_SECRET")
@@ -104,7 +142,8 @@ def _parse(spec: str, secret: str | None) -> ClusterConfig:
 
 
 def find_cluster(cluster: "str | os.PathLike[str] | ClusterConfig | None" = None, secret: str | None = None) -> ClusterConfig:
-    """Resolve the cluster in the documented order.
+    """Resolve the cluster in the documented order: ``cluster``, ``STRIPEFS_CLUSTER``, then
+    the last ``stripefs up`` as this process first saw it (module docstring).
 
     Raises:
         StripefsError: NOT_FOUND when nothing names a cluster.
@@ -112,17 +151,13 @@ def find_cluster(cluster: "str | os.PathLike[str] | ClusterConfig | None" = None
     if isinstance(cluster, ClusterConfig):
         return cluster
     if cluster:
-        return _parse(os.fspath(cluster), secret)
+        return dataclasses.replace(_parse(os.fspath(cluster), secret), source="argument")
     env = os.environ.get("STRIPEFS_CLUSTER")
     if env:
-        return _parse(env, secret)
-    try:
-        with open(default_state_file()) as f:
-            last = f.read().strip()
-    except FileNotFoundError:
-        last = ""
+        return dataclasses.replace(_parse(env, secret), source="STRIPEFS_CLUSTER")
+    last = _last_up()
     if last:
-        return ClusterConfig.from_file(last)
+        return dataclasses.replace(ClusterConfig.from_file(last), source="last up")
     raise StripefsError(
         ErrorCode.NOT_FOUND,
         "no stripefs cluster: pass cluster=, set STRIPEFS_CLUSTER, or start one with `stripefs up --root DIR`",

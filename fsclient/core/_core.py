@@ -43,16 +43,12 @@ from stripefs.wire import Attr, ErrorCode, Layout, Message, ReplyMessage, Routin
 
 from ._attrcache import AttrCache, LeaseWatch
 from ._config import ClusterConfig
+from ._metaretry import RETRY_DELAY, RETRY_ENV, RETRY_FOR, MetaHealth, MetaRetry
 from ._ordering import WriteOrder
 from ._proc import my_pid
 
 log = logging.getLogger(__name__)
 
-# Seconds a failing chunk request keeps retrying: a dead replica leaves its chain in ~5 s,
-# but with overlapping faults a chain may have no serving target until a server returns.
-RETRY_FOR = 30.0
-RETRY_ENV = "STRIPEFS_RETRY_FOR"  # overrides RETRY_FOR for clients that do not pass retry_for
-RETRY_DELAY = 0.2
 # A server over its load bounds answers BUSY: back off exponentially from BUSY_DELAY up to
 # BUSY_DELAY_MAX, with jitter (so the clients it turned away do not return in step).
 BUSY_DELAY = 0.02
@@ -137,7 +133,8 @@ def seconds_setting(value: float | None, env: str, default: float, what: str) ->
 
 
 def retry_budget(retry_for: float | None = None) -> float:
-    """Seconds chunk requests keep retrying: ``retry_for``, else ``$STRIPEFS_RETRY_FOR``, else 30.
+    """Seconds failing requests keep retrying (chunk requests, and metadata requests of a
+    client that reached the cluster before): ``retry_for``, else ``$STRIPEFS_RETRY_FOR``, else 30.
 
     Raises:
         StripefsError: INVALID for a negative or non-numeric budget.
@@ -182,34 +179,6 @@ def _settle(inflight: "deque[tuple[int, Future]]") -> None:
             pass
 
 
-class MetaRetry:
-    """Where a metadata request goes next, and how long to wait first: one policy for
-    the blocking (:meth:`ClientCore.call`) and the trio (``acall``) callers.
-
-    Each request starts at the next service in turn; UNAVAILABLE or TIMEOUT (the
-    service died, or it does not lead and the request needs the leader) moves it on
-    to the next one, and after a full round without an answer it backs off.
-    """
-
-    def __init__(self, core: "ClientCore", timeout: float):
-        self.services = len(core.config.addresses)
-        self.index = next(core._spread) % self.services
-        self.deadline = time.monotonic() + timeout
-        self._delay = RETRY_DELAY
-        self._failed = 0
-
-    def after(self, exc: StripefsError) -> float | None:
-        """The seconds to wait before the next try after ``exc``; None: give up (re-raise)."""
-        if exc.code not in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT) or time.monotonic() + self._delay > self.deadline:
-            return None
-        self.index = (self.index + 1) % self.services
-        self._failed += 1
-        if self._failed % self.services:
-            return 0.0
-        wait, self._delay = self._delay, min(self._delay * 2, 2.0)
-        return wait
-
-
 class ClientCore:
     """Shared machinery of :class:`fsclient.Client` (sync) and the async API."""
 
@@ -223,6 +192,7 @@ class ClientCore:
         self.attrs: "AttrCache | None" = None  # set by Client(attr_timeout=..., leases=...): told of every mutation
         self.leases = False  # ask for attribute leases (Client(leases=True)): the watch starts with the first stat
         self._watch: LeaseWatch | None = None
+        self.meta_health = MetaHealth()  # answered before? waiting now? (how metadata retries behave)
         self._init_state()
         _LIVE.add(self)
 
@@ -282,7 +252,9 @@ class ClientCore:
         With several metadata services each request goes to the next one in turn,
         and a request that fails with UNAVAILABLE or TIMEOUT (the service died, or it
         does not lead and the request needs the leader) moves on to the next; after a
-        full round without an answer it backs off. The services replay their answer to
+        full round without an answer it backs off, for the retry budget at most
+        (:mod:`._metaretry`: a client that never reached the cluster and finds nobody
+        at any address gives up in about a second). The services replay their answer to
         a retried mutation (a shared store records it with the change itself), so a
         retry after a lost connection cannot apply an operation twice, whichever
         service it reaches.
@@ -292,7 +264,8 @@ class ClientCore:
 
         Raises:
             StripefsError: the service's error; UNAVAILABLE/TIMEOUT once
-                ``timeout`` has passed; PROTOCOL for a malformed reply.
+                ``timeout`` has passed or the retry budget is spent, UNAVAILABLE at once
+                when nobody is there (see :mod:`._metaretry`); PROTOCOL for a malformed reply.
         """
         watch = self.attrs if msg.MUTATES else None
         if watch is not None:
@@ -304,6 +277,7 @@ class ClientCore:
             while True:
                 try:
                     header = self._meta_conn(retry.index).call(msg, timeout=timeout, req_id=req_id).header
+                    self.meta_health.ok()
                     break
                 except StripefsError as exc:
                     wait = retry.after(exc)
