@@ -5,8 +5,13 @@ file's layout, a truncation's new length. :class:`Collector` makes storage serve
 it, as a server of the cluster (its own pool of connections, one call at a time per
 server):
 
-* a **truncation** is cut before the truncating request is answered
-  (:meth:`Collector.truncate_chunks`); its queue entry is only cleared later;
+* a **truncation** (a *cut*) is applied before the truncating request is answered
+  (:meth:`Collector.truncate_chunks`), and its queue entry cleared then
+  (``Namespace.cut_done``). One that failed stays queued: the leader retries it at every
+  pass, oldest first, until it lands (``Namespace.cuts_applied``, which tells writers
+  that wrote before it). Meanwhile the file may not grow (``Namespace.commit_length``
+  refuses, a growing ``SetAttr`` applies the cut first: :meth:`Collector.cut_pending`),
+  so the bytes it drops are never inside the size;
 * a **removal** waits ``GC_GRACE`` seconds first (a reader that opened the file before
   the unlink finishes reading real bytes), then every online target of its chains
   deletes its chunks (:meth:`Collector.collect`, on the leader);
@@ -16,6 +21,17 @@ server):
 
 Offline targets are skipped (a returning server resyncs from a serving peer, which no
 longer holds what was dropped); a chain with no target online postpones the removal.
+A cut reaches every target not known offline; one that fails it goes offline
+(``Membership.take_offline``); when no serving target of a chain has the cut, the targets
+lacking it are *held* (``Membership.hold``): offline while they heartbeat, called directly
+at their address once they are back, released when every cut they missed landed.
+
+Caveats:
+    * Cuts of one file are applied one at a time within a service (:meth:`_inode_lock`),
+      and the collector retries only cuts queued for ``CUT_RETRY_AFTER`` seconds (those of
+      the service's previous run at once). With a shared store (PostgreSQL) a follower's
+      truncate slower than ``CUT_RETRY_AFTER_SHARED`` may see the leader apply its cut
+      too: its writers are then refused their commit, as after a late cut.
 """
 
 from __future__ import annotations
@@ -23,7 +39,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Callable
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import trio
 
@@ -32,7 +49,7 @@ from stripefs.wire import ErrorCode, Message, StripefsError, role_credential
 from stripefs.wire import messages as m
 
 from ._commit import CommitPath
-from ._membership import Membership
+from ._membership import HEARTBEAT_FRESH, Membership
 from ._namespace import Namespace
 from ._store import GarbageItem
 
@@ -47,6 +64,12 @@ GC_GRACE = 30.0
 # A server that left a chain keeps its copy this long: every server and client sees the
 # new routing first (servers within a heartbeat; clients on STALE_ROUTING).
 DROP_GRACE = 5.0
+# A queued cut is retried by the collector once it has been queued this long: younger, its
+# truncate may still be on its way to cutting it (and clears it once done). Applied again
+# meanwhile, it would count as late and fail that truncate's writers. Longer with a shared
+# store: the truncate may be cutting on another service, which this one cannot wait for.
+CUT_RETRY_AFTER = 1.0
+CUT_RETRY_AFTER_SHARED = 10.0
 
 
 class Collector:
@@ -58,13 +81,27 @@ class Collector:
             truncations run on any service): where the chains' targets are.
         secret: the cluster secret (calls go out as a server of the cluster).
         grace: seconds a removed file's chunks are kept (``GC_GRACE``).
+        leading: whether this service runs the membership (only it takes servers offline).
+        persist: writes the membership once changed (before a failed truncate is answered).
+        shared: other services share the store (``CUT_RETRY_AFTER_SHARED``).
+        told: tells the holders of attribute leases on these store keys that they changed
+            (a late cut moves the file's ``truncations``), and waits for them.
     """
 
     def __init__(self, commit: CommitPath, members: Callable[[], Membership], secret: str,
-                 grace: float = GC_GRACE) -> None:
+                 grace: float = GC_GRACE, *, leading: Callable[[], bool] = lambda: True,
+                 persist: Callable[[], Awaitable[None]] | None = None, shared: bool = False,
+                 told: Callable[[set[Any]], Awaitable[None]] | None = None) -> None:
         self.commit = commit
         self._members = members
         self.grace = grace
+        self._leading = leading
+        self._persist = persist
+        self._retry_after = CUT_RETRY_AFTER_SHARED if shared else CUT_RETRY_AFTER
+        self._shared = shared
+        self._told = told
+        self._passes = 0
+        self._cutting: dict[int, trio.Lock] = {}  # inode -> its cuts, one at a time
         self._first_seen: dict[int, float] = {}
         self._drop_seen: dict[tuple[int, int], float] = {}
         self.due = 0.0  # monotonic time before which a wake-up finds no removal due
@@ -98,20 +135,60 @@ class Collector:
         m.decode_reply(msg, header)  # a malformed answer is a broken peer (PROTOCOL)
         return True
 
-    async def truncate_chunks(self, attr: Any, length: int) -> None:
+    @asynccontextmanager
+    async def _inode_lock(self, ino: int) -> AsyncIterator[None]:
+        """One cut of a file at a time in this service: a pending cut re-applied after the
+        truncating request cleared it could drop bytes written since."""
+        lock = self._cutting.setdefault(ino, trio.Lock())
+        try:
+            async with lock:
+                yield
+        finally:
+            if not lock.locked() and not lock.statistics().tasks_waiting:
+                self._cutting.pop(ino, None)
+
+    async def truncate_chunks(self, attr: Any, length: int) -> Any:
         """Cut a file's chunks to ``length`` before answering the truncating request.
 
-        Synchronous on purpose: applied later (by the background collector) it
-        could cut bytes the client wrote after the truncate. Idempotent, and a
-        no-op beyond the stored bytes, so it is safe whether the file shrank or not.
+        Synchronous on purpose: applied later it could cut bytes the client wrote after
+        the truncate (so a cut that fails stays queued, and the file may not grow until
+        it lands). Idempotent, and a no-op beyond the stored bytes, so it is safe whether
+        the file shrank or not.
+
+        Returns:
+            The file's attributes once its queued cuts are cleared.
+
+        Raises:
+            StripefsError: IO when a storage server that holds the bytes did not apply
+                the cut (the cut stays queued; the server is kept offline until it did).
         """
         if attr.layout is None:
-            return
-        try:
-            await self._apply(GarbageItem(0, "truncate", attr.ino, length, attr.layout))
-        except StripefsError as exc:
-            log.error("truncate of inode %d to %d incomplete: %s", attr.ino, length, exc.message)
-            raise StripefsError(ErrorCode.IO, f"truncate could not reach every storage server: {exc.message}") from exc
+            return attr
+        async with self._inode_lock(attr.ino):
+            missing = await self._cut(GarbageItem(0, "truncate", attr.ino, length, attr.layout))
+            if missing:
+                log.error("truncate of inode %d to %d incomplete: servers %s lack the cut; it stays queued",
+                          attr.ino, length, sorted(missing))
+                raise StripefsError(ErrorCode.IO, f"truncate could not reach storage servers {sorted(missing)}; "
+                                    "the cut is applied when they are back, and the file cannot grow until then")
+            _attr, queued = await self.commit.read(Namespace.cuts, attr.ino)
+            if any(item.length >= length for item in queued):
+                done = await self.commit.apply(self.commit.ns.cut_done, attr.ino, length, attr.truncations)
+                return done or attr
+        return attr
+
+    async def cut_pending(self, ino: int) -> None:
+        """Apply every queued cut of ``ino`` now (a size that grows waits for them).
+
+        Raises:
+            StripefsError: IO when one could not be applied.
+        """
+        _attr, queued = await self.commit.read(Namespace.cuts, ino)
+        for item in queued:
+            missing = await self._late_cut(item)
+            if missing:
+                raise StripefsError(ErrorCode.IO, f"inode {ino} has a cut storage servers {sorted(missing)} "
+                                    "have not applied (they are offline): it cannot grow until they have")
 
     def garbage_added(self) -> None:
         """A removal was queued: it is due after the grace period (now, with none)."""
@@ -119,64 +196,181 @@ class Collector:
         self.wakeup.set()
 
     async def collect(self) -> None:
-        """Drop chunks of removed files (after the grace period).
-
-        Truncations were applied when they were asked for (:meth:`truncate_chunks`);
-        their queue entries only need clearing.
-        """
+        """Apply the cuts still queued, drop chunks of removed files (after the grace
+        period), and release held servers that every queued cut has reached."""
         self.due = math.inf  # removals queued during this pass lower it again
         limit = 1000
+        # Held before the queue is read: the cut that held a server is queued before it was held.
+        held = set(self._members().held)
         items = await self.commit.read(Namespace.garbage, limit)
         now = time.monotonic()
+        # Cuts queued before this service started are retried at once (its first pass), unless
+        # other services share the store (one of them may be cutting).
+        first_pass, self._passes = self._passes == 0 and not self._shared, self._passes + 1
         # Items come oldest first: when none on a full page was due, those behind it are
         # younger still, and the next pass is due when the first grace ends (a full page of
         # young removals must not make every unlink's wake-up rescan it).
         due, progressed = math.inf, False
+        needed: set[int] = set()  # held servers a queued cut still waits for
+        every_cut = len(items) < limit  # every queued cut was tried in this pass
         for item in items:
-            if item.kind == "remove":
-                seen = self._first_seen.setdefault(item.id, now)
-                if now - seen < self.grace:
-                    due = min(due, seen + self.grace)
+            if item.kind == "truncate":
+                seen = self._first_seen.setdefault(item.id, now - (self._retry_after if first_pass else 0))
+                if now - seen < self._retry_after:
+                    due, every_cut = min(due, seen + self._retry_after), False
                     continue
                 try:
-                    await self._apply(item)
+                    missing = await self._late_cut(item)
                 except StripefsError as exc:
-                    log.info("removal of inode %d postponed: %s", item.ino, exc.message)
-                    due = now
-                    continue  # retried on the next pass: removing is idempotent and safe later
+                    log.info("cut of inode %d postponed: %s", item.ino, exc.message)
+                    due, every_cut = now, False
+                    continue
+                if missing:
+                    needed |= missing
+                    due = now  # retried at the next pass (a held server heartbeats back)
+                    continue
+                self._first_seen.pop(item.id, None)
+                progressed = True
+                continue
+            seen = self._first_seen.setdefault(item.id, now)
+            if now - seen < self.grace:
+                due = min(due, seen + self.grace)
+                continue
+            try:
+                await self._apply(item)
+            except StripefsError as exc:
+                log.info("removal of inode %d postponed: %s", item.ino, exc.message)
+                due = now
+                continue  # retried on the next pass: removing is idempotent and safe later
             await self.commit.apply(self.commit.ns.garbage_done, item.id)
             self._first_seen.pop(item.id, None)
             progressed = True
+        if every_cut and self._leading():
+            members = self._members()
+            for sid in sorted(held & members.held - needed):
+                members.release(sid)
+        if len(items) < limit:  # forget items cleared elsewhere (a truncate's own cut)
+            ids = {item.id for item in items}
+            self._first_seen = {i: t for i, t in self._first_seen.items() if i in ids}
         if progressed and len(items) >= limit:
             due = now  # more wait behind these
         self.due = min(self.due, due)
 
+    async def _late_cut(self, item: GarbageItem) -> set[int]:
+        """Apply a queued cut whose truncate was answered already (with an error, or
+        before this service restarted). Returns the servers that still lack it."""
+        async with self._inode_lock(item.ino):
+            attr, queued = await self.commit.read(Namespace.cuts, item.ino)
+            if all(q.id != item.id for q in queued):
+                return set()  # cleared meanwhile: applying it now could drop newer bytes
+            if attr is None or attr.size > item.length:
+                # Removed (its removal drops the chunks), or grown past the cut since: only
+                # an item queued before cuts stayed queued, whose cut had landed when its
+                # truncate was answered. Cutting now could drop acknowledged bytes.
+                await self.commit.apply(self.commit.ns.cuts_applied, item.ino, [item.id], False)
+                return set()
+            missing = await self._cut(item)
+            if not missing:
+                log.info("cut of inode %d to %d applied late", item.ino, item.length)
+                await self.commit.apply(self.commit.ns.cuts_applied, item.ino, [item.id], True)
+                if self._told is not None:  # a cached count would fail the next writer's commit
+                    await self._told({item.ino})
+            return missing
+
     async def _apply(self, item: Any) -> None:
+        """Drop a removed file's chunks on every online target of its chains."""
         layout = item.layout
-        cs = layout.chunk_size
-        if item.kind == "remove":
-            first, cut = 0, None
-        else:
-            first = -(-item.length // cs)
-            cut = (item.length // cs, item.length % cs) if item.length % cs else None
         table = self._members().table
         chains = set(layout.chains)
         for c in chains:
             if table.get(c) and not self._online(table[c]):
                 # Nobody could repair a target of this chain later: it must not come back
-                # serving with the bytes this removal or cut was meant to drop.
+                # serving with the bytes this removal was meant to drop.
                 raise StripefsError(ErrorCode.UNAVAILABLE, f"chain {c} has no target online")
         # Offline targets are skipped: one returns ``syncing`` (it missed writes) and its
-        # resync drops the chunks its serving peer no longer holds and copies those whose
-        # length (digest) differs, so removals and cuts reach it then. Calling it now would
-        # cost a connect timeout per item and fail truncations that already committed a size.
+        # resync drops the chunks its serving peer no longer holds. Calling it now would
+        # cost a connect timeout per item.
         targets = {t for c in chains for t in self._online(table.get(c, []))}
         # A server that no longer exists has nothing to delete (_call_storage).
-        await self._call_all([(sid, m.RemoveChunks(ino=item.ino, from_index=first, forget=item.kind == "remove"))
+        await self._call_all([(sid, m.RemoveChunks(ino=item.ino, from_index=0, forget=True))
                               for sid in sorted(targets)])
-        if cut is not None:
-            await self._call_all([(sid, m.TruncateChunk(ino=item.ino, index=cut[0], length=cut[1]))
-                                  for sid in self._online(table.get(layout.chain_of(cut[0]), []))])
+
+    async def _cut(self, item: GarbageItem) -> set[int]:
+        """Apply a cut on the targets of the file's chains; returns those that still lack it.
+
+        Called: every target not known offline, and the held ones that heartbeat (at their
+        recorded address). A chain is done once a target that serves it has the cut: the
+        others resync from it when they return (``syncing``). Otherwise every target of
+        the chain without the cut is returned, and (on the leader) held. A target that
+        failed goes offline either way, so no client reads the bytes it kept.
+        """
+        layout, cs = item.layout, item.layout.chunk_size
+        first = -(-item.length // cs)
+        part = (item.length // cs, item.length % cs) if item.length % cs else None
+        members = self._members()
+        now = members.clock()
+        chains = {c: list(members.table.get(c, [])) for c in sorted(set(layout.chains))}
+        part_chain = layout.chain_of(part[0]) if part is not None else None
+
+        def reachable(t: int) -> bool:
+            info = members.servers.get(t)
+            if info is None or info.state != "offline":
+                return True  # serving, syncing, joining; gone for good (nothing to cut there)
+            return t in members.held and now - info.last_seen <= HEARTBEAT_FRESH
+
+        calls: dict[int, list[Message]] = {}
+        for c, ts in chains.items():
+            for t in ts:
+                if reachable(t):
+                    calls.setdefault(t, [m.RemoveChunks(ino=item.ino, from_index=first, forget=False)])
+        if part is not None:
+            for t in chains.get(part_chain, []):  # type: ignore[arg-type]
+                if t in calls:
+                    calls[t].append(m.TruncateChunk(ino=item.ino, index=part[0], length=part[1]))
+        failed = await self._call_each(calls)
+        members = self._members()  # (the lead may have changed hands meanwhile)
+        leading = self._leading()
+        if leading:
+            for t in sorted(failed):
+                members.take_offline(t)
+        missing: set[int] = set()
+        for c, ts in chains.items():
+            got = [t for t in ts if t in calls and t not in failed]
+            if any(members.serves(c, t) for t in got):
+                continue
+            missing.update(t for t in ts if t not in got and self._state(t) != "removed")
+        if not leading:
+            missing.update(failed)  # a follower cannot take them offline: the leader retries
+        if leading:
+            for t in sorted(missing):
+                members.hold(t)
+        if leading and (failed or missing) and self._persist is not None:
+            try:
+                await self._persist()  # before anyone hears of the failure
+            except StripefsError as exc:
+                log.warning("membership not recorded after a failed cut: %s", exc.message)
+        return missing
+
+    def _state(self, sid: int) -> str:
+        info = self._members().servers.get(sid)
+        return "serving" if info is None else info.state
+
+    async def _call_each(self, calls: dict[int, list[Message]]) -> dict[int, StripefsError]:
+        """Each server's calls in order, the servers in parallel. Returns the failures by server."""
+        failed: dict[int, StripefsError] = {}
+
+        async def one(sid: int, msgs: list[Message]) -> None:
+            try:
+                for msg in msgs:
+                    await self._call_storage(sid, msg)
+            except StripefsError as exc:
+                log.warning("cut of inode on storage server %d failed: %s", sid, exc.message)
+                failed[sid] = exc
+
+        async with trio.open_nursery() as nursery:
+            for sid, msgs in calls.items():
+                nursery.start_soon(one, sid, msgs)
+        return failed
 
     async def _call_all(self, calls: list[tuple[int, Message]]) -> None:
         """Make the calls in parallel (one slow server costs one wait, not one each).

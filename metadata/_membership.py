@@ -67,7 +67,9 @@ class Membership:
     first file is created: a file's layout names chains; later changes move a
     chain's targets (resync first), never which chains a file uses.
 
-    States: ``serving``; ``offline`` (no heartbeat for ``OFFLINE_AFTER``);
+    States: ``serving``; ``offline`` (no heartbeat for ``OFFLINE_AFTER``, or it failed a
+    cut: :meth:`take_offline`; a *held* server, :meth:`hold`, stays offline while it
+    heartbeats, until the collector has applied to it the cuts it missed);
     ``syncing`` (back after being away while another replica of its chains kept
     serving: it receives new writes at the end of its chains and copies what it
     missed, then reports :class:`SyncDone`); ``joining`` (admitted into a frozen
@@ -110,6 +112,9 @@ class Membership:
         # acknowledged, so once back it serves that chain even while it resyncs its others.
         self.lastsrv: dict[int, int] = {}
         self.draining: set[int] = set()  # servers being removed: their chain slots move away (remove)
+        # Servers that failed a cut no serving replica of theirs received (``hold``): offline,
+        # whatever they say, until the collector applied every such cut to them (``release``).
+        self.held: set[int] = set()
         # Without a file the owner persists :meth:`to_doc` (the store's membership row)
         # whenever ``dirty`` is set.
         self.dirty = False
@@ -130,6 +135,7 @@ class Membership:
         self.lastsrv = {int(c): int(t) for c, t in raw.get("lastsrv", [])}
         self.tokens = {int(sid): str(h) for sid, h in raw.get("tokens", [])}
         self.draining = {int(sid) for sid in raw.get("draining", [])}
+        self.held = {int(sid) for sid in raw.get("held", [])}
         now = self.clock()
         for s in raw.get("servers", []):
             info = ServerInfo.from_wire(s)
@@ -153,6 +159,7 @@ class Membership:
                            "lastsrv": [[c, t] for c, t in sorted(self.lastsrv.items())],
                            "tokens": [[sid, h] for sid, h in sorted(self.tokens.items())],
                            "draining": sorted(self.draining),
+                           "held": sorted(self.held),
                            "servers": [s.to_wire() for s in self.servers.values()]})
 
     def save(self) -> None:
@@ -189,6 +196,7 @@ class Membership:
                 self._note_last_serving(sid)
             elif changes["state"] == "removed":  # gone for good: its chains cannot wait for it
                 self.lastsrv = {c: t for c, t in self.lastsrv.items() if t != sid}
+                self.held.discard(sid)
             self.save()  # a restarted metadata service must know who missed writes
 
     def _note_last_serving(self, sid: int) -> None:
@@ -203,6 +211,37 @@ class Membership:
         if info is None:
             return False
         return info.state == "serving" or (info.state == "syncing" and self.lastsrv.get(chain) == sid)
+
+    def serves(self, chain: int, sid: int) -> bool:
+        """Whether ``sid`` serves ``chain`` now (what clients read from)."""
+        return self._serves(chain, sid)
+
+    def take_offline(self, sid: int) -> None:
+        """``sid`` failed a call it had to answer (a cut): offline now, as failure detection
+        would have it, so nobody reads bytes it should have dropped; it resyncs when back."""
+        info = self.servers.get(sid)
+        if info is not None and info.state not in ("offline", "removed"):
+            log.warning("storage server %d (%s:%d) failed a cut: offline", sid, info.host, info.port)
+            self._set(sid, state="offline")
+
+    def hold(self, sid: int) -> None:
+        """Keep ``sid`` offline until :meth:`release`: it holds bytes of a cut that no serving
+        replica of its chains received, so no resync would ever drop them."""
+        info = self.servers.get(sid)
+        if info is None or info.state == "removed" or sid in self.held:
+            return
+        self.take_offline(sid)
+        log.warning("storage server %d held offline until it applied the cuts it missed", sid)
+        self.held.add(sid)
+        self.save()
+
+    def release(self, sid: int) -> None:
+        """Every cut ``sid`` missed reached it: its next heartbeat brings it back (resyncing
+        first where a replica of its chains served meanwhile)."""
+        if sid in self.held:
+            self.held.discard(sid)
+            log.info("storage server %d released: the cuts it missed were applied", sid)
+            self.save()
 
     def _peers_serving(self, sid: int) -> bool:
         """Does some other replica of one of ``sid``'s chains still serve?"""
@@ -293,7 +332,9 @@ class Membership:
             self._note_last_serving(sid)
         behind = self._behind(sid)
         state = "syncing" if old is not None and self.frozen and self.replicas > 1 and behind else "serving"
-        if any(sid in ts for c, ts in self.table.items() if c in self.leaving and self.leaving[c] != sid):
+        if sid in self.held:
+            state = "offline"  # back, but with bytes of a cut it missed: the collector cuts it first
+        elif any(sid in ts for c, ts in self.table.items() if c in self.leaving and self.leaving[c] != sid):
             state = "syncing"  # a newcomer that restarted before it finished copying
         elif self.frozen and not self._in_table(sid):
             state = "joining"  # chain slots come later, rate-limited (place)
@@ -331,7 +372,7 @@ class Membership:
             return "removed"  # it stops (storage._server); it never takes a slot again
         now = self.clock()
         state = old.state
-        if state == "offline":  # it was declared dead and may have missed writes
+        if state == "offline" and sid not in self.held:  # it was declared dead and may have missed writes
             behind = self._behind(sid)
             state = "syncing" if self.replicas > 1 and behind else "serving"
             if state == "serving" and self.frozen and not self._in_table(sid):

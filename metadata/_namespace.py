@@ -52,6 +52,10 @@ MAX_LIST_NAMES = 2000
 # Directory entries a remembering reader keeps (see ``Namespace.reading``): ~200 bytes each.
 DIRS_KEPT = 65536
 XATTR_CREATE, XATTR_REPLACE = 1, 2  # setxattr(2) flags
+# ``meta`` key prefix: the inode's ``truncations`` after its last late cut (``cuts_applied``);
+# writers that saw an earlier count are refused their commit. One row per file ever cut late
+# (a rare failure), never reused: inode numbers are not.
+_LATE_CUT = "late_cut:"
 _NODE_TYPES = frozenset({stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK, stat.S_IFREG})
 
 
@@ -765,11 +769,14 @@ class Namespace:
         """Change attributes; ``mode`` changes permission bits only (type bits stay).
 
         A size change sets the exact size (and mtime, unless given); shrinking
-        queues a ``truncate`` garbage item so servers drop the bytes beyond.
+        queues a ``truncate`` garbage item so servers drop the bytes beyond. It
+        stays queued until the cut was applied (:meth:`cut_done`, :meth:`cuts_applied`).
 
         Raises:
             StripefsError: ENOENT, EISDIR (size of a directory), EINVAL (size of a
-                symlink, negative size), EFBIG (size over 1 PiB).
+                symlink, negative size), EFBIG (size over 1 PiB); CUT_PENDING (EIO) for
+                a size that grows while a cut of the file is queued: the caller applies
+                the cut first (``Collector.cut_pending``), nothing changed here.
         """
         with self._store.transaction() as txn:
             old = self._inode(txn, ino)
@@ -789,6 +796,9 @@ class Namespace:
                 # when the size does not change: count it, so a writer's stale commit
                 # cannot bring those bytes' range back (commit_length).
                 new = dataclasses.replace(new, truncations=old.truncations + 1)
+            if size is not None and size > old.size and old.layout is not None and txn.list_cuts(ino):
+                raise _err(ErrorCode.CUT_PENDING, f"inode {ino} has a cut not applied on every storage server "
+                           "yet: it cannot grow over the bytes the cut drops")
             if size is not None and size != old.size:
                 new = dataclasses.replace(new, size=size, mtime_ns=now)
                 if size < old.size:
@@ -825,13 +835,26 @@ class Namespace:
             The new attributes (the writer compares ``truncations`` to learn of a truncate).
 
         Raises:
-            StripefsError: ENOENT, EINVAL (not a regular file), EFBIG.
+            StripefsError: ENOENT, EINVAL (not a regular file), EFBIG; CUT_PENDING (EIO)
+                when the size would grow while a cut of the file is queued, or when a cut
+                was applied late (:meth:`cuts_applied`) since the writer's ``truncations``:
+                its bytes past the cut may be gone, and no length may cover them.
         """
         with self._store.transaction() as txn:
             old = self._inode(txn, ino)
             self._check_size(old, length)
             if truncations is not None and truncations != old.truncations:
+                late = txn.get_meta(_LATE_CUT + str(ino))
+                if late is not None and truncations < int(late):
+                    # A cut landed after the truncate that asked for it had been answered: the
+                    # writer may have written past it before, and those bytes are gone.
+                    raise _err(ErrorCode.CUT_PENDING, f"inode {ino} was cut after this writer's bytes "
+                               "(a truncate that failed was applied late): they may be lost")
                 length = min(length, old.size)
+            if length > old.size and txn.list_cuts(ino):
+                # The cut may land after these bytes were written and take some of them.
+                raise _err(ErrorCode.CUT_PENDING, f"inode {ino} has a cut not applied on every storage "
+                           "server yet: its length cannot grow until then")
             if length <= old.size and mtime_ns is None:
                 return old
             now = time.time_ns()
@@ -946,6 +969,45 @@ class Namespace:
         """Acknowledge an item; an unknown id is fine (a retried acknowledgement)."""
         with self._store.transaction() as txn:
             txn.delete_garbage(id)
+
+    def cuts(self, ino: int) -> tuple[Attr | None, list[GarbageItem]]:
+        """The inode (None once removed) and its queued cuts, oldest first."""
+        with self._store.transaction() as txn:
+            return txn.get_inode(ino), txn.list_cuts(ino)
+
+    def cut_done(self, ino: int, length: int, truncations: int) -> Attr | None:
+        """The truncate that set ``truncations`` had its cut to ``length`` applied before
+        it was answered: its queued cuts are cleared (those of earlier truncates that
+        failed too, when they cut at ``length`` or beyond: this cut covers them).
+
+        Nothing is cleared when another truncate committed since (``truncations``
+        moved): its own cut clears them, or the collector does. Returns the inode
+        (None once removed).
+        """
+        with self._store.transaction() as txn:
+            attr = txn.get_inode(ino)
+            if attr is not None and attr.truncations == truncations:
+                for item in txn.list_cuts(ino):
+                    if item.length >= length:
+                        txn.delete_garbage(item.id)
+            return attr
+
+    def cuts_applied(self, ino: int, ids: list[int], cut: bool) -> None:
+        """Clear cuts applied after their truncate was answered (``cut``), or found moot.
+
+        A late cut may have dropped bytes a writer wrote after that truncate: the
+        inode's ``truncations`` moves on, and every writer that last saw an earlier
+        count is refused its next commit (:meth:`commit_length`), instead of
+        committing a length over bytes that are gone.
+        """
+        with self._store.transaction() as txn:
+            for item_id in ids:
+                txn.delete_garbage(item_id)
+            attr = txn.get_inode(ino) if cut else None
+            if attr is not None:
+                attr = dataclasses.replace(attr, truncations=attr.truncations + 1)
+                txn.put_inode(attr)
+                txn.put_meta(_LATE_CUT + str(ino), str(attr.truncations))
 
     def counts(self) -> dict[str, int]:
         with self._store.transaction() as txn:

@@ -90,12 +90,14 @@ class MetadataService(Service):
         self.commit = CommitPath(ns, shared=self.shared)
         self.lead = Leadership(ns.store, self.commit.store_call, members, legacy_file, solo=not self.shared)
         self.lead.on_change = self._wake
+        self.collector = Collector(self.commit, lambda: self.lead.members, secret, gc_grace,
+                                   leading=lambda: self.lead.leading, persist=self.lead.persist, shared=self.shared,
+                                   told=self._leases_changed)
         self.locks = Leases(ns.store)
         # Attribute leases (``_leasetable.py``): only a service that alone owns its store (SQLite)
         # sees every mutation, so only it grants them.
         self.lease_table = LeaseTable(lease_ttl if isinstance(ns.store, SqliteStore) else 0.0)
         self.grants = LeaseGrants(self.lease_table, self.commit, shared=self.shared)
-        self.collector = Collector(self.commit, lambda: self.lead.members, secret, gc_grace)
         self.admission = Admission(self.lead, secret)
         self.replay = Replies()
         self._running: dict[tuple[bytes, int], trio.Event] = {}  # mutations being applied, by replay key
@@ -106,6 +108,11 @@ class MetadataService(Service):
     def members(self) -> Membership:
         """The membership this service runs (leader) or its view of the leader's (follower)."""
         return self.lead.members
+
+    async def _leases_changed(self, keys: set[Any]) -> None:
+        """What a background change wrote (a late cut): every lease holder is told, as after a request."""
+        if self.lease_table.enabled:
+            await self.lease_table.wait(self.lease_table.invalidate(keys, b""))
 
     def _wake(self) -> None:
         self.collector.wake()
@@ -202,7 +209,7 @@ class MetadataService(Service):
                 chains=chains, exclusive=msg.exclusive, truncate=msg.truncate,
             )
             if msg.truncate and not created:
-                await self.collector.truncate_chunks(attr, 0)
+                attr = await self.collector.truncate_chunks(attr, 0)
             return m.CreateReply(attr, created)
         if isinstance(msg, m.CreatePath):
             self.members.freeze()
@@ -211,7 +218,7 @@ class MetadataService(Service):
             attr, created = await apply(ns.create_path, msg.path, msg.mode, msg.uid, msg.gid, chains=chains,
                                         exclusive=msg.exclusive, truncate=msg.truncate)
             if msg.truncate and not created:
-                await self.collector.truncate_chunks(attr, 0)
+                attr = await self.collector.truncate_chunks(attr, 0)
             return m.CreateReply(attr, created)
         if isinstance(msg, m.UnlinkPath):
             attr = await apply(ns.unlink_path, msg.path)
@@ -255,13 +262,7 @@ class MetadataService(Service):
             self.collector.garbage_added()
             return m.EmptyReply()
         if isinstance(msg, m.SetAttr):
-            attr = await apply(
-                ns.setattr, msg.ino, mode=msg.mode, uid=msg.uid, gid=msg.gid,
-                atime_ns=msg.atime_ns, mtime_ns=msg.mtime_ns, size=msg.size,
-            )
-            if msg.size is not None:
-                await self.collector.truncate_chunks(attr, msg.size)
-            return m.AttrReply(attr)
+            return m.AttrReply(await self._setattr(msg))
         if isinstance(msg, m.CommitLength):
             return m.AttrReply(await apply(ns.commit_length, msg.ino, msg.length, msg.mtime_ns, msg.truncations))
         if isinstance(msg, m.SetLayout):
@@ -307,6 +308,31 @@ class MetadataService(Service):
             return m.EmptyReply()
         raise StripefsError(ErrorCode.NOT_SUPPORTED, f"{type(msg).__name__} is not a metadata request")
 
+    async def _setattr(self, msg: m.SetAttr) -> Any:
+        """``SetAttr``; a size is cut on the storage servers before the answer.
+
+        A size that grows over a cut still queued (a truncate that failed) waits for that
+        cut to land first, or fails with EIO having changed nothing: grown over them, the
+        bytes the cut drops would read back as file data.
+        """
+        setattr = functools.partial(self.commit.apply, self.ns.setattr, msg.ino, mode=msg.mode, uid=msg.uid,
+                                    gid=msg.gid, atime_ns=msg.atime_ns, mtime_ns=msg.mtime_ns, size=msg.size)
+        try:
+            attr = await setattr()
+        except StripefsError as exc:
+            if exc.code != ErrorCode.CUT_PENDING:
+                raise
+            await self.collector.cut_pending(msg.ino)  # IO when it cannot
+            try:
+                attr = await setattr()
+            except StripefsError as again:  # another truncate failed meanwhile
+                if again.code != ErrorCode.CUT_PENDING:
+                    raise
+                raise StripefsError(ErrorCode.IO, again.message) from again
+        if msg.size is not None:
+            attr = await self.collector.truncate_chunks(attr, msg.size)
+        return attr
+
     async def _frozen_chains(self) -> list[int]:
         """The chain ids a new file may use; the first file freezes the table (leader only)."""
         if not self.members.frozen:
@@ -350,6 +376,8 @@ class MetadataService(Service):
             metadata={"pid": os.getpid(), "uptime": time.time() - self.started, "store": self.store_kind,
                       "sync": self.sync, "lease_ttl": self.lease_table.ttl,
                       "leader": self.lead.leading, **counts,
+                      # Offline until the cuts they missed are applied to them (``Collector``).
+                      "held": sorted(self.members.held),
                       "pending": self.members.pending_status()},
             servers=list(routing.servers.values()) + pending,
             chains=[{"chain_id": c, "targets": [t for t, _ in ms], "states": [st for _, st in ms]}

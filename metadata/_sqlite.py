@@ -16,6 +16,7 @@ Caveats:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import sqlite3
@@ -196,6 +197,8 @@ class SqliteStore(Store):
         # ``full`` with the log fsynced by the owner (:meth:`sync_log_by_owner`).
         self.log_by_owner = False
         self._dir_synced = False
+        # The first failed write-back of the log, from any path: sticky (see sync_log).
+        self.log_failed: OSError | None = None
         self._lock_fd = _lock_writer(self.path)
         try:
             self._open_database(busy_timeout_s, synchronous)
@@ -288,7 +291,14 @@ class SqliteStore(Store):
         self._changes = self._conn.total_changes
 
     def _commit(self) -> None:
-        self._conn.execute("COMMIT")
+        try:
+            self._conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            if getattr(exc, "sqlite_errorcode", 0) & 0xFF == sqlite3.SQLITE_IOERR:
+                # SQLite's own write or fsync of the log failed: pages of commits made before
+                # may be gone, and a later fsync on another descriptor would not say so.
+                self.log_failed = self.log_failed or OSError(errno.EIO, f"metadata log write failed: {exc}")
+            raise
         self.unchecked += 1
         if self.durable_commit or (self.log_by_owner and self._conn.total_changes != self._changes
                                    and not self._dir_synced):
@@ -309,15 +319,26 @@ class SqliteStore(Store):
         fsync covers at least every write that completed before it started). The first
         call also fsyncs the directory, so the log's own name is durable.
 
+        Linux reports a write-back error to one fsync only, and never to a descriptor
+        opened after it: once any fsync of the log failed (here, on any thread, or
+        SQLite's own in a commit), every later call raises EIO too, until the store is
+        opened again (the service restarts and SQLite recovers the log).
+
         Raises:
-            OSError: the fsync failed (what the log holds may not be on disk).
+            OSError: the fsync failed, now or before (what the log holds may not be on disk).
         """
+        if self.log_failed is not None:
+            raise OSError(errno.EIO, f"an earlier fsync of the metadata log failed ({self.log_failed}); "
+                          "restart the metadata service")
         try:
             fd = os.open(self.path + "-wal", os.O_RDONLY)
         except FileNotFoundError:
             return  # an in-memory database: nothing is durable anyway
         try:
             os.fsync(fd)
+        except OSError as exc:
+            self.log_failed = self.log_failed or exc
+            raise
         finally:
             os.close(fd)
         if not self._dir_synced:

@@ -154,6 +154,11 @@ class SqlTxn(Txn):
     def delete_garbage(self, item_id: int) -> None:
         self._q("DELETE FROM garbage WHERE id = ?", (item_id,))
 
+    def list_cuts(self, ino: int) -> list[GarbageItem]:
+        rows = self._q("SELECT id, kind, ino, length, chunk_size, chains FROM garbage "
+                       "WHERE kind = 'truncate' AND ino = ? ORDER BY id", (ino,)).fetchall()
+        return [GarbageItem(i, k, n_ino, n, Layout(cs, _chains_tuple(ch))) for i, k, n_ino, n, cs, ch in rows]
+
     def count_inodes(self) -> dict[int, tuple[int, int]]:
         rows = self._q("SELECT ftype, COUNT(*), COALESCE(SUM(size), 0) FROM inodes GROUP BY ftype").fetchall()
         return {ftype: (int(n), int(size)) for ftype, n, size in rows}  # PostgreSQL's SUM is NUMERIC
@@ -224,6 +229,8 @@ CREATE TABLE IF NOT EXISTS dentries (
 CREATE TABLE IF NOT EXISTS garbage (
     id INTEGER PRIMARY KEY, kind TEXT NOT NULL, ino INTEGER NOT NULL, length INTEGER NOT NULL,
     chunk_size INTEGER NOT NULL, chains TEXT NOT NULL);
+-- Pending cuts of one file, looked up by every commit that would grow it (normally empty).
+CREATE INDEX IF NOT EXISTS garbage_cuts ON garbage (ino) WHERE kind = 'truncate';
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS xattrs (
     ino INTEGER NOT NULL, name BLOB NOT NULL, value BLOB NOT NULL, PRIMARY KEY (ino, name));

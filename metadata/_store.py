@@ -59,7 +59,9 @@ class DirRow:
 @dataclass(frozen=True, slots=True)
 class GarbageItem:
     """Work for storage servers: drop a file's chunks (``remove``) or the bytes past
-    ``length`` (``truncate``). Acknowledged with ``Namespace.garbage_done(id)``."""
+    ``length`` (``truncate``). A removal is acknowledged with ``Namespace.garbage_done(id)``;
+    a cut stays queued until every storage server that held the bytes applied it
+    (``Namespace.cut_done``, ``Namespace.cuts_applied``)."""
 
     id: int
     kind: str  # "remove" | "truncate"
@@ -157,6 +159,10 @@ class Txn(abc.ABC):
 
     @abc.abstractmethod
     def delete_garbage(self, item_id: int) -> None: ...
+
+    @abc.abstractmethod
+    def list_cuts(self, ino: int) -> list[GarbageItem]:
+        """The ``truncate`` items of inode ``ino`` still queued (cuts not applied yet), by id."""
 
     @abc.abstractmethod
     def count_inodes(self) -> dict[int, tuple[int, int]]:

@@ -57,6 +57,9 @@ class ErrorCode(enum.IntEnum):
     ARG_TOO_BIG = 27
     WOULD_BLOCK = 28
     STALE_FILE = 29  # the file is gone for good (removed after its grace period): ESTALE
+    # A truncate's cut of the file has not reached every storage server yet, or reached them
+    # after this writer's bytes: a length over them would show zeros as data (EIO).
+    CUT_PENDING = 30
 
     @property
     def errno(self) -> int:
@@ -94,6 +97,7 @@ _ERRNO: dict[ErrorCode, int] = {
     ErrorCode.ARG_TOO_BIG: _errno.E2BIG,
     ErrorCode.WOULD_BLOCK: _errno.EAGAIN,
     ErrorCode.STALE_FILE: _errno.ESTALE,
+    ErrorCode.CUT_PENDING: _errno.EIO,
 }
 
 _FROM_ERRNO: dict[int, ErrorCode] = {}

@@ -479,8 +479,16 @@ class StripeFile(io.RawIOBase):
     def _commit(self) -> None:
         self._check_error()  # never commit a length over bytes that were lost
         if self._dirty:
-            attr = self._client.commit_length(self.ino, self._length(), mtime_ns=time.time_ns(),
-                                              truncations=self._truncations)
+            try:
+                attr = self._client.commit_length(self.ino, self._length(), mtime_ns=time.time_ns(),
+                                                  truncations=self._truncations)
+            except StripefsError as exc:
+                if exc.code == ErrorCode.CUT_PENDING:
+                    # A truncate's cut has not landed yet (or landed after our bytes): when it
+                    # does, some of our bytes are gone, so no later fsync or close may succeed
+                    # and commit a length that leaves them out unnoticed.
+                    self._error = self._error or exc
+                raise
             if attr.truncations != self._truncations:
                 # Truncated by someone else since we last looked: the servers dropped our
                 # bytes past the new size, and the commit did not extend over them.
