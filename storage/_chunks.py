@@ -60,6 +60,7 @@ import crc32c
 from stripefs.wire import CRC_BLOCK, ErrorCode, MAX_CHUNK, StripefsError, segments
 
 from ._crc import payload_crcs
+from ._qos import idle_io
 
 HEADER_SIZE = 8192
 BLOCK = CRC_BLOCK  # 64 KiB: the unit of a stored CRC32C (shared with the read-reply checks)
@@ -322,7 +323,8 @@ class ChunkStore:
                 if cur.version != version - 1:
                     raise VersionGap(cur.version, version)
             try:
-                return self._write_locked(ino, index, offset, data, chain, segment_crcs)
+                with idle_io(len(data)):
+                    return self._write_locked(ino, index, offset, data, chain, segment_crcs)
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:
                     raise StripefsError(ErrorCode.NO_SPACE, "storage target is full") from exc
@@ -705,7 +707,8 @@ class ChunkStore:
             try:
                 os.pwrite(fd, new.pack(), 0)
                 os.pwrite(fd, view, HEADER_SIZE)
-                os.fdatasync(fd)
+                with idle_io(len(view)):  # a resync's copy is background work
+                    os.fdatasync(fd)
                 new.mtime_ns = os.fstat(fd).st_mtime_ns
             finally:
                 os.close(fd)

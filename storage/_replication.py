@@ -36,6 +36,7 @@ from stripefs.wire import ErrorCode, Message, ReplyMessage, Routing, StripefsErr
 from stripefs.wire import messages as m
 
 from ._chunks import ChunkStore, VersionGap
+from ._qos import BULK_WRITE, bulk_limiter
 
 if TYPE_CHECKING:
     from ._metalink import MetadataLink
@@ -98,6 +99,12 @@ class Replicator:
         self.heard = -float("inf")
         self._clock: trio.abc.Clock | None = None  # the loop's, for confirmed() on other threads
         self.silences = 0  # how often it went that long without an answer (paused, cut off)
+        self.bulk = bulk_limiter()  # bulk local writes (see _qos): few at once, small reads first
+
+    def limiter_for(self, nbytes: int) -> trio.CapacityLimiter | None:
+        """The worker-thread limiter of a local chunk write of ``nbytes``: bulk ones share
+        :data:`~storage._qos.BULK_SLOTS` slots; others (and reads) trio's default."""
+        return self.bulk if nbytes >= BULK_WRITE else None
 
     # -- routing ----------------------------------------------------------------------------
     async def refresh(self, at_least: int = 0) -> Routing:
@@ -191,7 +198,8 @@ class Replicator:
             async with self.chunk_lock((msg.ino, msg.index)):
                 with self._dirty_while_applied((msg.ino, msg.index), pos + 1 < len(order)):
                     meta = await trio.to_thread.run_sync(
-                        self.store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain
+                        self.store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain,
+                        limiter=self.limiter_for(len(view)),
                     )
                 await self._forward_marked(order, pos, msg, view, meta.version, routing.version, meta.digest)
         else:
@@ -204,7 +212,8 @@ class Replicator:
         """Apply a write forwarded by our predecessor here; the chunk's meta now."""
         try:
             meta = await trio.to_thread.run_sync(
-                self.store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain, msg.version
+                self.store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain, msg.version,
+                limiter=self.limiter_for(len(view)),
             )
         except VersionGap:
             # We missed versions (we were away): take the predecessor's whole chunk, which
@@ -276,7 +285,8 @@ class Replicator:
         """Copy a whole chunk from ``source`` (see :meth:`ChunkStore.replace` for ``force``/``expect``)."""
         reply, data = await self.call_peer(source, m.FetchChunk(ino=ino, index=index))
         return await trio.to_thread.run_sync(
-            lambda: self.store.replace(ino, index, reply.chain, reply.version, data, force=force, expect=expect)
+            lambda: self.store.replace(ino, index, reply.chain, reply.version, data, force=force, expect=expect),
+            limiter=self.limiter_for(len(data)),
         )
 
     async def list_chunks(self, source: int, chain: int) -> dict[tuple[int, int], tuple[int, int | None]]:

@@ -111,7 +111,8 @@ class StorageService(Service):
                     reply = await self.repl.write(msg, view)
                 else:  # replication factor 1: nothing to forward
                     meta = await trio.to_thread.run_sync(
-                        store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain
+                        store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain,
+                        limiter=self.repl.limiter_for(len(view)),
                     )
                     reply = m.WriteChunkReply(length=meta.length, version=meta.version)
             finally:

@@ -1,0 +1,86 @@
+"""Quality of service in a storage server: bulk writes yield to small reads.
+
+A checkpoint burst is a stream of multi-megabyte chunk writes, each ending in an
+``fdatasync``; a dataloader is a stream of small reads that each wait for one disk
+read. Left alone, the burst fills the disk's queue and the reads wait behind it
+(their p99 went up fifty-fold). Two rules keep the reads' latency:
+
+* **bulk writes take few slots**: a write of at least :data:`BULK_WRITE` bytes runs in
+  one of :data:`BULK_SLOTS` worker threads (a ``trio.CapacityLimiter``), so the disk
+  queue holds at most that many bulk writes' bytes at once. Only the local disk write
+  holds a slot, never a forward to the next replica (two servers forwarding to each
+  other could otherwise wait for each other's slots);
+* **at idle I/O priority**: the thread writing a bulk chunk (and syncing it: a sync's
+  writeback is submitted by the syncing thread) runs in the kernel's ``idle`` I/O
+  class for that write, so the block layer's scheduler (mq-deadline, bfq) dispatches
+  reads first; it ages, so a burst never starves. No privilege is needed to lower a
+  thread's class and to put it back.
+
+Small writes (a dataloader's outputs, metadata-sized files) and every read keep the
+default class and need no slot. ``STRIPEFS_BULK_SLOTS`` sets the slots (0: no limit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import platform
+from typing import Iterator
+
+import trio
+
+__all__ = ["BULK_WRITE", "BULK_SLOTS", "bulk_limiter", "idle_io"]
+
+log = logging.getLogger(__name__)
+
+BULK_WRITE = 1 << 20  # bytes: a write at least this large is bulk
+BULK_SLOTS = 2
+
+_IOPRIO_WHO_PROCESS = 1  # with who=0: the calling thread
+_IOPRIO_CLASS_SHIFT = 13
+_IOPRIO_CLASS_IDLE = 3
+_SYSCALLS = {"x86_64": (251, 252), "aarch64": (30, 31)}  # ioprio_set, ioprio_get
+
+
+def _syscalls() -> tuple[ctypes.CDLL, int, int] | None:
+    numbers = _SYSCALLS.get(platform.machine())
+    if numbers is None or not platform.system() == "Linux":
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    return libc, numbers[0], numbers[1]
+
+
+_IOPRIO = _syscalls()
+
+
+def bulk_limiter() -> trio.CapacityLimiter | None:
+    """The limiter a server's bulk writes run under (None: unlimited)."""
+    raw = os.environ.get("STRIPEFS_BULK_SLOTS", "")
+    try:
+        slots = int(raw) if raw else BULK_SLOTS
+    except ValueError:
+        log.warning("STRIPEFS_BULK_SLOTS=%r is not a number: using %d", raw, BULK_SLOTS)
+        slots = BULK_SLOTS
+    return trio.CapacityLimiter(slots) if slots > 0 else None
+
+
+@contextlib.contextmanager
+def idle_io(nbytes: int) -> Iterator[None]:
+    """Run the block at idle I/O priority when ``nbytes`` is a bulk write (this thread only)."""
+    if nbytes < BULK_WRITE or _IOPRIO is None:
+        yield
+        return
+    libc, set_nr, get_nr = _IOPRIO
+    before = libc.syscall(get_nr, _IOPRIO_WHO_PROCESS, 0)
+    lowered = before >= 0 and libc.syscall(set_nr, _IOPRIO_WHO_PROCESS, 0,
+                                           _IOPRIO_CLASS_IDLE << _IOPRIO_CLASS_SHIFT) == 0
+    try:
+        yield
+    finally:
+        if lowered:
+            libc.syscall(set_nr, _IOPRIO_WHO_PROCESS, 0, before)
