@@ -36,7 +36,9 @@ from ._mounts import (daemon_alive, mount_record, mounted_fstype, process_start,
                       write_mount_record)
 
 READY_TIMEOUT = 30.0
-UMOUNT_WAIT = 15.0  # seconds umount waits for the daemon (after a lazy detach: for the last handle)
+# Seconds umount waits for the daemon to exit. After a lazy detach with files still open,
+# umount returns after this long and the daemon goes on serving them until the last close.
+UMOUNT_WAIT = 15.0
 STOP_WAIT = 30.0  # seconds umount then waits for a signalled daemon to commit its open files and exit
 
 
@@ -126,7 +128,7 @@ def serve(mountpoint: str, cluster: str | None, options: list[str], ready_fd: in
     except RuntimeError as exc:
         tell(f"error: FUSE mount of {mountpoint} failed: {exc}")
         client.close()
-        remove_mount_record(mountpoint)
+        _remove_own_record(mountpoint)
         return 1
 
     async def announce() -> None:
@@ -170,8 +172,17 @@ def serve(mountpoint: str, cluster: str | None, options: list[str], ready_fd: in
     finally:
         pyfuse3.close(unmount=mounted_fstype(mountpoint) is not None)
         client.close()
-        remove_mount_record(mountpoint)
+        _remove_own_record(mountpoint)
     return 0
+
+
+def _remove_own_record(mountpoint: str) -> None:
+    """Remove the mount record if it is still this daemon's. After a lazy unmount this
+    daemon may serve its open files long after ``umount`` returned, and the mount point may
+    carry a new mount (with its own daemon's record) by the time it exits."""
+    record = mount_record(mountpoint)
+    if record is not None and record.get("pid") == os.getpid():
+        remove_mount_record(mountpoint)
 
 
 def _set_readahead(dev: int, kb: int) -> None:
@@ -267,10 +278,9 @@ def umount(mountpoint: str, lazy: bool = False) -> int:
         # after the last close of a handle after a lazy one.
         if not _wait_exit(pid, start, 0.5):
             if lazy:
-                print(f"stripefs umount: {mountpoint} detached; waiting up to {UMOUNT_WAIT:.0f}s for its open "
-                      "files to close", file=sys.stderr)
-            if not _wait_exit(pid, start, UMOUNT_WAIT):
-                # Still serving open handles: stop it. It drains every open file (buffered
+                _leave_serving(mountpoint, pid, start)
+            elif not _wait_exit(pid, start, UMOUNT_WAIT):
+                # Unmounted, yet still running: stop it. It drains every open file (buffered
                 # bytes sent, lengths committed) before it exits; wait for that too, so the
                 # commits are done when umount returns.
                 print(f"stripefs umount: the daemon of {mountpoint} (pid {pid}) still runs after {UMOUNT_WAIT:.0f}s; "
@@ -281,6 +291,22 @@ def umount(mountpoint: str, lazy: bool = False) -> int:
                     print(f"stripefs umount: daemon {pid} still running after {STOP_WAIT:.0f}s", file=sys.stderr)
     remove_mount_record(mountpoint)
     return 0
+
+
+def _leave_serving(mountpoint: str, pid: int, start: int | None) -> None:
+    """After a lazy detach: wait up to ``UMOUNT_WAIT`` for the last open file to close, then
+    return with the daemon still serving the files open through it.
+
+    The daemon is never signalled here: a lazy unmount detaches the name only, and files
+    opened before it keep working (reads, writes, fsync) for as long as they stay open --
+    hours for a log or a dataloader. The kernel ends the mount at the last close; the
+    daemon then commits what is left and exits by itself.
+    """
+    print(f"stripefs umount: {mountpoint} detached; waiting up to {UMOUNT_WAIT:.0f}s for its open "
+          "files to close", file=sys.stderr)
+    if not _wait_exit(pid, start, UMOUNT_WAIT):
+        print(f"stripefs umount: files are still open; the daemon (pid {pid}) keeps serving them and exits "
+              "after the last one is closed", file=sys.stderr)
 
 
 def _wait_exit(pid: int, start: int | None, timeout: float) -> bool:

@@ -3,25 +3,16 @@
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Iterator
 
 import pytest
 
 from stripefs.fsclient.fuse import main as fuse_main, mounted_fstype
 
-
-def _fuse_unusable() -> str | None:
-    if shutil.which("fusermount3") is None:
-        return "fusermount3 is not installed (apt-get install fuse3)"
-    try:
-        os.close(os.open("/dev/fuse", os.O_RDWR))
-    except OSError as exc:
-        return f"/dev/fuse cannot be opened: {exc.strerror}"
-    return None
+from .fuse_helpers import fuse_unusable
 
 
-_SKIP = _fuse_unusable()
+_SKIP = fuse_unusable()
 if _SKIP:
     pytest.skip(_SKIP, allow_module_level=True)
 

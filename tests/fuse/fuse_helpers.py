@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from typing import Callable
 
@@ -37,3 +38,14 @@ def as_user(uid: int, directory: str, action: Callable[[int], object]) -> int:
     os.close(dirfd)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status)
+
+
+def fuse_unusable() -> str | None:
+    """Why FUSE mounts cannot be made here (None: they can)."""
+    if shutil.which("fusermount3") is None:
+        return "fusermount3 is not installed (apt-get install fuse3)"
+    try:
+        os.close(os.open("/dev/fuse", os.O_RDWR))
+    except OSError as exc:
+        return f"/dev/fuse cannot be opened: {exc.strerror}"
+    return None
