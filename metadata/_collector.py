@@ -58,6 +58,10 @@ __all__ = ["Collector", "GC_GRACE", "GC_INTERVAL"]
 log = logging.getLogger(__name__)
 
 GC_INTERVAL = 0.5
+# A reserved inode number (``Namespace.reserve_files``) not committed this long after the
+# collector first saw it is dropped with whatever chunks its client wrote: the client died,
+# or took so long that it must write the file again (its commit then fails ESTALE).
+RESERVE_GRACE = 300.0
 # Chunks of a removed file stay this long, so clients that opened it before the
 # unlink (a reader racing a rename-over) finish reading real bytes, not holes.
 GC_GRACE = 30.0
@@ -233,13 +237,14 @@ class Collector:
                 progressed = True
                 continue
             seen = self._first_seen.setdefault(item.id, now)
-            if now - seen < self.grace:
-                due = min(due, seen + self.grace)
+            grace = RESERVE_GRACE if item.kind == "reserved" else self.grace
+            if now - seen < grace:
+                due = min(due, seen + grace)
                 continue
             try:
                 await self._apply(item)
             except StripefsError as exc:
-                log.info("removal of inode %d postponed: %s", item.ino, exc.message)
+                log.info("removal of inode %d (%s) postponed: %s", item.ino, item.kind, exc.message)
                 due = now
                 continue  # retried on the next pass: removing is idempotent and safe later
             await self.commit.apply(self.commit.ns.garbage_done, item.id)

@@ -92,6 +92,9 @@ class _MemoryTxn(Txn):
     def delete_garbage(self, item_id: int) -> None:
         self._del(self._s.garbage, item_id)
 
+    def get_garbage(self, item_id: int) -> GarbageItem | None:
+        return self._s.garbage.get(item_id)
+
     def list_cuts(self, ino: int) -> list[GarbageItem]:
         return [g for _, g in sorted(self._s.garbage.items()) if g.kind == "truncate" and g.ino == ino]
 

@@ -512,6 +512,85 @@ class Namespace:
 
         return self._each_path(paths, one)
 
+    def reserve_files(self, parent: str, count: int, *, chains: list[int]) -> list[GarbageItem]:
+        """Reserve ``count`` inode numbers for whole files a client writes before they exist,
+        each with the layout a new file in directory ``parent`` would get.
+
+        A reservation is a ``reserved`` garbage item: the file's commit clears it
+        (:meth:`commit_files`); a client that dies first leaves it to the collector,
+        which drops whatever chunks it wrote and tombstones the number after
+        ``RESERVE_GRACE`` (a late write then fails STALE, a late commit ESTALE).
+
+        Raises:
+            StripefsError: EINVAL (count outside 1..``MAX_CREATE_MANY``); ENOENT/ENOTDIR
+                (parent); UNAVAILABLE (no chains).
+        """
+        if not 1 <= count <= MAX_CREATE_MANY:
+            raise _err(ErrorCode.INVALID, f"reserve 1..{MAX_CREATE_MANY} files at a time, not {count}")
+        with self._store.transaction() as txn:
+            directory = self._walk(txn, parent, True)
+            if not directory.is_dir:
+                raise _err(ErrorCode.NOT_DIR, f"{parent!r} is not a directory")
+            out = []
+            for _ in range(count):
+                item = GarbageItem(self._counter(txn, "next_garbage"), "reserved", self._counter(txn, "next_ino"), 0,
+                                   self._pick_layout(txn, directory.ino, chains))
+                txn.put_garbage(item)
+                out.append(item)
+            return out
+
+    def commit_files(self, paths: list[str], inos: list[int], ids: list[int], lengths: list[int], mode: int,
+                     uid: int, gid: int, *, mtime_ns: int = 0, exclusive: bool = False) -> list[Attr | StripefsError]:
+        """Make whole files from reservations (:meth:`reserve_files`), in one transaction:
+        ``paths[i]`` becomes the regular file ``inos[i]``, ``lengths[i]`` bytes long, with
+        the reservation's layout. The caller wrote those bytes, durably, before: the length
+        covers nothing that is not on the storage servers.
+
+        An existing regular file at a path is replaced, as a rename over it (its other
+        names keep it; its last name gone, it is garbage), and the new file takes its
+        permission bits and owner; ``exclusive`` makes that EEXIST.
+        Each path fails alone: ESTALE when its reservation is gone (expired and collected:
+        its chunks went with it), EEXIST/EISDIR for a name that is not a regular file,
+        ENOENT/ENOTDIR for the parent, EINVAL/EFBIG for a bad length.
+
+        Raises:
+            StripefsError: EINVAL for a batch over ``MAX_CREATE_MANY`` or lists of unequal lengths.
+        """
+        if not len(paths) == len(inos) == len(ids) == len(lengths):
+            raise _err(ErrorCode.INVALID, "paths, inos, ids and lengths must have one entry per file")
+        todo = iter(zip(inos, ids, lengths))
+
+        def one(txn: Txn, heads: _Heads, path: str) -> Attr:
+            ino, rid, length = next(todo)
+            parent, name = heads.parent(path)
+            if not 0 <= length <= MAX_FILE_SIZE:
+                raise _err(ErrorCode.FILE_TOO_BIG if length > 0 else ErrorCode.INVALID, f"bad length {length}")
+            item = txn.get_garbage(rid)
+            if item is None or item.kind != "reserved" or item.ino != ino:
+                raise _err(ErrorCode.STALE_FILE, f"reservation {rid} of inode {ino} is gone (expired): write again")
+            now = time.time_ns()
+            file_mode, owner, group = stat.S_IFREG | (mode & 0o7777), uid, gid
+            entry = txn.get_dentry(parent.ino, name)
+            if entry is not None:
+                old = self._inode(txn, entry.ino)
+                if exclusive or old.is_symlink or not (old.is_file or old.is_dir):
+                    raise _err(ErrorCode.EXISTS, f"file exists: {name!r}")
+                if old.is_dir:
+                    raise _err(ErrorCode.IS_DIR, f"is a directory: {name!r}")
+                txn.delete_dentry(parent.ino, name)
+                self._drop_link(txn, old, now)
+                # The new contents keep the file's permissions and owner, as a rewrite
+                # in place would (``open(path, "wb")`` keeps an existing file's mode).
+                file_mode, owner, group = stat.S_IFREG | (old.mode & 0o7777), old.uid, old.gid
+            attr = Attr(ino, file_mode, 1, owner, group, length, now, mtime_ns or now, now, item.layout)
+            txn.put_inode(attr)
+            txn.put_dentry(parent.ino, DirEntry(name, ino, file_mode))
+            txn.delete_garbage(rid)
+            heads.changed(parent, now)
+            return attr
+
+        return self._each_path(paths, one)
+
     def unlink_many(self, paths: list[str]) -> list[Attr | StripefsError]:
         """:meth:`unlink_path` of each path, in one transaction; each fails alone, parents
         are stamped once (see :meth:`create_many`).

@@ -274,6 +274,19 @@ class MetadataService(Service):
             found = await apply(ns.create_many, list(msg.paths), msg.mode, msg.uid, msg.gid, chains=chains,
                                 exclusive=msg.exclusive, _now=False)
             return many_reply(found)
+        if isinstance(msg, m.ReserveFiles):
+            chains = await self._frozen_chains()
+            items = await apply(ns.reserve_files, msg.parent, msg.count, chains=chains)
+            return m.ReserveFilesReply(inos=[i.ino for i in items], ids=[i.id for i in items],
+                                       chunk_sizes=[i.layout.chunk_size for i in items],
+                                       chains=[list(i.layout.chains) for i in items])
+        if isinstance(msg, m.CommitFiles):
+            Namespace.check_batch(msg.paths)
+            found = await apply(ns.commit_files, list(msg.paths), list(msg.inos), list(msg.ids), list(msg.lengths),
+                                msg.mode, msg.uid, msg.gid, mtime_ns=msg.mtime_ns, exclusive=msg.exclusive,
+                                _now=False)
+            self.collector.garbage_added()  # a replaced file's last name
+            return many_reply(found)
         if isinstance(msg, m.UnlinkMany):
             Namespace.check_batch(msg.paths)
             found = await apply(ns.unlink_many, list(msg.paths), _now=False)

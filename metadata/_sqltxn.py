@@ -154,6 +154,14 @@ class SqlTxn(Txn):
     def delete_garbage(self, item_id: int) -> None:
         self._q("DELETE FROM garbage WHERE id = ?", (item_id,))
 
+    def get_garbage(self, item_id: int) -> GarbageItem | None:
+        row = self._q("SELECT id, kind, ino, length, chunk_size, chains FROM garbage WHERE id = ?",
+                      (item_id,)).fetchone()
+        if row is None:
+            return None
+        i, k, ino, n, cs, ch = row
+        return GarbageItem(i, k, ino, n, Layout(cs, _chains_tuple(ch)))
+
     def list_cuts(self, ino: int) -> list[GarbageItem]:
         rows = self._q("SELECT id, kind, ino, length, chunk_size, chains FROM garbage "
                        "WHERE kind = 'truncate' AND ino = ? ORDER BY id", (ino,)).fetchall()

@@ -61,10 +61,13 @@ class GarbageItem:
     """Work for storage servers: drop a file's chunks (``remove``) or the bytes past
     ``length`` (``truncate``). A removal is acknowledged with ``Namespace.garbage_done(id)``;
     a cut stays queued until every storage server that held the bytes applied it
-    (``Namespace.cut_done``, ``Namespace.cuts_applied``)."""
+    (``Namespace.cut_done``, ``Namespace.cuts_applied``). A ``reserved`` item is an inode
+    number handed to a client that writes a whole file's chunks before the file exists
+    (``Namespace.reserve_files``): committing the file clears it (``commit_files``);
+    otherwise it is a removal, due after ``RESERVE_GRACE``."""
 
     id: int
-    kind: str  # "remove" | "truncate"
+    kind: str  # "remove" | "truncate" | "reserved"
     ino: int
     length: int
     layout: Layout
@@ -159,6 +162,10 @@ class Txn(abc.ABC):
 
     @abc.abstractmethod
     def delete_garbage(self, item_id: int) -> None: ...
+
+    @abc.abstractmethod
+    def get_garbage(self, item_id: int) -> GarbageItem | None:
+        """The item ``item_id``, while queued."""
 
     @abc.abstractmethod
     def list_cuts(self, ino: int) -> list[GarbageItem]:

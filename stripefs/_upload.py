@@ -1,21 +1,22 @@
 """``stripefs put -r``: a local directory tree into the file system, many files at once.
 
-The route of fsspec's ``put(recursive=True)``, with the files written in parallel: the
-directories are made (parents first), every target file is created empty in batches of
-200 (:meth:`Client.create_many`: one round trip and one metadata commit per batch), then
-a pool of threads writes the files' bytes (each file: its chunks to every server at
-once, one commit of its length at close). Per file that leaves the write and the commit
-at close, overlapped across the pool, instead of a create, an open and a close in turn.
+The directories are made (parents first); then the files go in batches of up to
+:data:`BATCH_FILES` files and :data:`BATCH_BYTES` bytes, a few batches at once:
+:meth:`Client.write_files` writes a batch's bytes to every server in parallel and then
+commits the whole batch (names, inodes, lengths) in one metadata transaction per 200
+files. A file larger than :data:`WHOLE_MAX` is streamed on its own (create, write,
+commit at close) instead of being read into memory.
 
 Caveats:
-    * A target file that exists is overwritten (truncated first), as ``put`` of one file
-      does; a target directory that exists is written into.
-    * A failure part way (a local file that cannot be read, the store unreachable) leaves
-      the targets not yet written empty: they were created up front. The failures are
+    * A target file that exists is replaced (as a rename over it: its other hard links
+      keep the old contents; the new file keeps its mode and owner); a target directory
+      that exists is written into.
+    * A failure part way (a local file that cannot be read, the store unreachable)
+      leaves no partial file: a file appears whole or not at all. The failures are
       reported per file; the others are still written.
     * Symbolic links are followed to files; links to directories are not descended
       (``os.walk``); sockets, FIFOs and devices are skipped (and counted).
-    * Files get mode 0o666 minus the umask, not the local file's mode.
+    * New files get mode 0o666 minus the umask, not the local file's mode.
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from stripefs.fsclient import Client
-from stripefs.wire import Attr
 
 __all__ = ["TreePlan", "plan_tree", "put_tree"]
 
-COPY_BUFFER = 8 << 20  # bytes read from a local file at a time
+COPY_BUFFER = 8 << 20  # bytes read from a local file at a time (files streamed on their own)
+BATCH_FILES = 200  # files per write_files batch (one metadata commit)
+BATCH_BYTES = 64 << 20  # bytes read into memory per batch, at most (one file larger is a batch alone)
+WHOLE_MAX = 16 << 20  # a file larger than this is streamed, not read whole
+BATCHES_AT_ONCE = 4  # batches in flight: local reads overlap the writes and commits
 
 
 @dataclass
@@ -73,33 +77,60 @@ def put_tree(client: Client, plan: TreePlan, *, workers: int = 16,
     """Upload what ``plan`` lists; returns the files that failed, ``(local, remote, error)``.
 
     Raises:
-        OSError: making a directory or creating the files failed (nothing was written).
+        OSError: making a directory failed (no file was written).
     """
     for d in plan.dirs:
         client.makedirs(d, exist_ok=True)
-    created = client.create_many([r for _, r in plan.files], 0o666, exclusive=True)
     failed: list[tuple[str, str, OSError]] = []
     lock = threading.Lock()
 
-    def one(local: str, remote: str, got: Attr | OSError) -> None:
+    def fail(local: str, remote: str, exc: OSError) -> None:
+        with lock:
+            failed.append((local, remote, exc))
+
+    def batch(pairs: list[tuple[str, str]]) -> None:
+        files: list[tuple[str, bytes]] = []
+        sources: list[str] = []
+        for local, remote in pairs:
+            try:
+                with open(local, "rb") as fin:
+                    files.append((remote, fin.read()))
+                sources.append(local)
+            except OSError as exc:
+                fail(local, remote, exc)
+        for local, (remote, data), got in zip(sources, files, client.write_files(files, mode=0o666)):
+            if isinstance(got, OSError):
+                fail(local, remote, got)
+            elif progress is not None:
+                progress(len(data))
+
+    def stream(local: str, remote: str) -> None:
         try:
-            if isinstance(got, Attr):
-                dst = client.open_inode(got, name=remote, readable=False, writable=True)
-            elif isinstance(got, FileExistsError):
-                dst = client.open(remote, "wb")  # an existing file: truncated, as put of one file does
-            else:
-                raise got
-            with open(local, "rb") as fin, dst:
+            with open(local, "rb") as fin, client.open(remote, "wb") as dst:
                 while chunk := fin.read(COPY_BUFFER):
                     dst.write(chunk)
                     if progress is not None:
                         progress(len(chunk))
         except OSError as exc:
-            with lock:
-                failed.append((local, remote, exc))
+            fail(local, remote, exc)
 
-    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="stripefs-put") as pool:
-        for (local, remote), got in zip(plan.files, created):
-            pool.submit(one, local, remote, got)
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, BATCHES_AT_ONCE)), thread_name_prefix="stripefs-put") as pool:
+        pending: list[tuple[str, str]] = []
+        held = 0
+        for local, remote in plan.files:
+            try:
+                size = os.stat(local).st_size
+            except OSError as exc:
+                fail(local, remote, exc)
+                continue
+            if size > WHOLE_MAX:
+                pool.submit(stream, local, remote)
+                continue
+            if pending and (len(pending) >= BATCH_FILES or held + size > BATCH_BYTES):
+                pool.submit(batch, pending)
+                pending, held = [], 0
+            pending.append((local, remote))
+            held += size
+        if pending:
+            pool.submit(batch, pending)
     return failed
-

@@ -1159,3 +1159,46 @@ class WatchLeases(Message[WatchLeasesReply]):
 
     after: int
     wait_ms: int = 10_000
+
+
+@reply
+class ReserveFilesReply(ReplyMessage):
+    """``count`` reservations: ``inos[i]`` with its reservation id ``ids[i]`` and its layout
+    (``chunk_sizes[i]``, ``chains[i]``), for a client to write chunks of files that do not
+    exist yet (``CommitFiles`` makes them)."""
+
+    inos: list[int]
+    ids: list[int]
+    chunk_sizes: list[int]
+    chains: list[list[int]]
+
+
+@message(67, mutates=True)
+class ReserveFiles(Message[ReserveFilesReply]):
+    """Reserve ``count`` (1..200) inode numbers, each with the layout a new file in the
+    directory ``parent`` (a path) would get. A reservation not committed within the
+    service's grace (minutes) is garbage: its chunks are dropped and the inode number is
+    never used."""
+
+    parent: str
+    count: int
+
+
+@message(68, mutates=True)
+class CommitFiles(Message[StatManyReply]):
+    """Make up to 200 whole files from reservations, in one transaction: ``paths[i]`` becomes
+    the regular file ``inos[i]`` (reservation ``ids[i]``), ``lengths[i]`` bytes long (the
+    client wrote them, durably, first), with ``mode``/``uid``/``gid`` and mtime ``mtime_ns``
+    (0: now). An existing regular file at a path is replaced, as a rename over it would
+    (``exclusive``: EEXIST instead). Answered like ``CreateMany``; a path fails alone
+    (ESTALE: its reservation expired, write it again)."""
+
+    paths: list[str]
+    inos: list[int]
+    ids: list[int]
+    lengths: list[int]
+    mode: int
+    uid: int = 0
+    gid: int = 0
+    mtime_ns: int = 0
+    exclusive: bool = False

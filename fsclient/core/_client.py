@@ -36,6 +36,7 @@ from ._core import ClientCore, seconds_setting
 from . import _lease
 from ._file import StripeFile, mode_flags
 from ._lease import Lease
+from ._wholefiles import Reservations, write_files
 
 __all__ = ["Client", "AsyncClient", "normpath", "ROOT_INO"]
 
@@ -153,6 +154,7 @@ class Client:
             self._core.leases = leases
         self._session = os.urandom(16)  # owner of this client's leases
         self._leases: weakref.WeakSet[Lease] = weakref.WeakSet()
+        self._reservations = Reservations()  # inode numbers reserved ahead for whole files
 
     def close(self) -> None:
         for lease in list(self._leases):  # the session ends: its leases go with it
@@ -556,8 +558,48 @@ class Client:
             return f.pread(size, offset)
 
     def write_bytes(self, path: str, data: bytes | memoryview, *, exclusive: bool = False) -> None:
-        with self.open(path, "xb" if exclusive else "wb") as f:
-            f.write(data)
+        """Write a whole file: its bytes first, then its name and length in one metadata
+        transaction (``_wholefiles``), so it appears whole or not at all; an existing
+        regular file is replaced, as by a rename over it. A symlink or special file at
+        ``path`` is opened and written through instead (as ``open(path, "wb")``).
+
+        Raises:
+            StripefsError: EEXIST (``exclusive``), EISDIR, ENOENT/ENOTDIR (parent), and
+                the storage servers' errors.
+        """
+        p = self._leaf(path)
+        (result,) = write_files(self, [(p, data)], mode=0o666 & ~_umask(), exclusive=exclusive,
+                                pool=self._reservations)
+        if isinstance(result, StripefsError):
+            if result.code != ErrorCode.EXISTS or exclusive:
+                raise result
+            with self.open(p, "wb") as f:  # a symlink (followed) or a special file
+                f.write(data)
+
+    def write_files(self, files: "Sequence[tuple[str, bytes | bytearray | memoryview]] | dict[str, Any]", *,
+                    mode: int = 0o644, exclusive: bool = False) -> list[Attr | StripefsError]:
+        """Write many whole files at once: every file's bytes in parallel, then names and
+        lengths in one metadata transaction per 200 files (see :meth:`write_bytes`). The
+        fast way to upload many small files (datasets, checkpoint shards).
+
+        Args:
+            files: ``{path: bytes}`` or ``(path, bytes)`` pairs; each path at most once.
+            mode: permission bits, minus the process umask.
+            exclusive: an existing name fails that file with ``FileExistsError``.
+
+        Returns:
+            Per file, in order: its :class:`Attr`, or the error (not raised) it met: a
+            write that failed, ``FileNotFoundError`` for a missing parent, ``FileExistsError``
+            for a name held by a directory, symlink or (``exclusive``) file...
+
+        Raises:
+            StripefsError: EINVAL for a path :func:`normpath` refuses or given twice.
+        """
+        pairs = list(files.items()) if isinstance(files, dict) else list(files)
+        norm = [(self._leaf(p), data) for p, data in pairs]
+        if len({p for p, _ in norm}) != len(norm):
+            raise StripefsError(ErrorCode.INVALID, "write_files: a path is given twice")
+        return write_files(self, norm, mode=mode & 0o7777 & ~_umask(), exclusive=exclusive)
 
     def copy(self, src: str, dst: str, *, callback: Callable[[int], None] | None = None) -> None:
         """Copy through a reused aligned buffer, window by window (no per-chunk bytes objects)."""

@@ -324,8 +324,14 @@ class StripeFileSystem(AbstractFileSystem):
         """Write ``value``; ``mode="create"`` is an exclusive create (FileExistsError if present)."""
         if mode not in ("overwrite", "create"):
             raise ValueError(f"pipe_file mode must be 'overwrite' or 'create', got {mode!r}")
-        with self.open(path, "xb" if mode == "create" else "wb", **kwargs) as f:
-            f.write(value)
+        if self._intrans:  # written under a hidden name, renamed at the commit
+            with self.open(path, "xb" if mode == "create" else "wb", **kwargs) as f:
+                f.write(value)
+            return
+        # Bytes first, then name and length in one commit (Client.write_bytes): whole or absent.
+        p = self._strip_protocol(path)
+        self._retry_with_parent(p, lambda: self.client.write_bytes(p, value, exclusive=mode == "create"))
+        self.invalidate_cache(p)
 
     def cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
         """Copy through one reused aligned buffer inside the client (no bytes per chunk)."""

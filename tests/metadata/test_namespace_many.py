@@ -138,3 +138,72 @@ def test_unlink_many_sees_a_symlink_it_removed_as_gone(ns: Namespace) -> None:
     found = ns.unlink_many(["/alias/f", "/alias", "/alias/g"])
     assert codes(found) == [None, None, errno.ENOENT]
     assert [e.name for e in ns.readdir(d)[0]] == ["g"]
+
+
+# -- whole files from reservations (reserve_files + commit_files) ---------------------------
+
+def test_reservations_are_unique_queued_and_committed_whole(ns: Namespace) -> None:
+    items = ns.reserve_files("/d", 3, chains=CHAINS)
+    assert len({i.ino for i in items}) == 3 and all(i.kind == "reserved" for i in items)
+    assert {g.id for g in ns.garbage()} >= {i.id for i in items}  # garbage until committed
+    made = ns.create_many(["/d/other"], 0o644, 0, 0, chains=CHAINS)[0]
+    assert made.ino not in {i.ino for i in items}  # nobody else gets a reserved number
+    found = ns.commit_files(["/d/a", "/d/b"], [items[0].ino, items[1].ino], [items[0].id, items[1].id],
+                            [5, 70_000], 0o640, 1000, 1001, mtime_ns=123)
+    assert codes(found) == [None, None]
+    a = ns.resolve("/d/a")
+    assert (a.ino, a.size, a.mode, a.uid, a.gid, a.mtime_ns, a.nlink) == \
+        (items[0].ino, 5, stat.S_IFREG | 0o640, 1000, 1001, 123, 1)
+    assert a.layout == items[0].layout and ns.resolve("/d/b").size == 70_000
+    left = {g.id for g in ns.garbage() if g.kind == "reserved"}
+    assert left == {items[2].id}  # the uncommitted one stays garbage
+
+
+def test_a_reservation_commits_once_and_never_after_it_is_gone(ns: Namespace) -> None:
+    (item,) = ns.reserve_files("/d", 1, chains=CHAINS)
+    assert codes(ns.commit_files(["/d/a"], [item.ino], [item.id], [1], 0o644, 0, 0)) == [None]
+    again = ns.commit_files(["/d/b"], [item.ino], [item.id], [1], 0o644, 0, 0)
+    assert codes(again) == [errno.ESTALE]  # committed already: its id is spent
+    (other,) = ns.reserve_files("/d", 1, chains=CHAINS)
+    ns.garbage_done(other.id)  # what the collector does once the grace ran out
+    assert codes(ns.commit_files(["/d/c"], [other.ino], [other.id], [1], 0o644, 0, 0)) == [errno.ESTALE]
+    wrong = ns.reserve_files("/d", 1, chains=CHAINS)[0]
+    assert codes(ns.commit_files(["/d/c"], [wrong.ino + 1], [wrong.id], [1], 0o644, 0, 0)) == [errno.ESTALE]
+    with pytest.raises(StripefsError):
+        ns.lookup(ns.resolve("/d").ino, "c")
+
+
+def test_commit_replaces_a_file_as_a_rename_and_keeps_its_mode(ns: Namespace) -> None:
+    old = ns.create_many(["/d/f"], 0o600, 7, 8, chains=CHAINS)[0]
+    d = ns.resolve("/d").ino
+    ns.link(old.ino, d, "hard")
+    (item,) = ns.reserve_files("/d", 1, chains=CHAINS)
+    assert codes(ns.commit_files(["/d/f"], [item.ino], [item.id], [9], 0o644, 0, 0)) == [None]
+    new = ns.resolve("/d/f")
+    assert new.ino == item.ino and new.size == 9
+    assert (stat.S_IMODE(new.mode), new.uid, new.gid) == (0o600, 7, 8)  # as a rewrite in place
+    assert ns.resolve("/d/hard").ino == old.ino and ns.resolve("/d/hard").nlink == 1
+    (item2,) = ns.reserve_files("/d", 1, chains=CHAINS)
+    assert codes(ns.commit_files(["/d/hard"], [item2.ino], [item2.id], [1], 0o644, 0, 0)) == [None]
+    assert old.ino in {g.ino for g in ns.garbage() if g.kind == "remove"}  # its last name went
+
+
+def test_commit_refuses_what_is_not_a_regular_file_and_keeps_the_reservation(ns: Namespace) -> None:
+    ns.symlink(ns.resolve("/d").ino, "link", "/d/x", 0, 0)
+    ns.mkdir(ns.resolve("/d").ino, "sub", 0o755, 0, 0)
+    ns.create_many(["/d/f"], 0o644, 0, 0, chains=CHAINS)
+    items = ns.reserve_files("/d", 5, chains=CHAINS)
+    found = ns.commit_files(["/d/link", "/d/sub", "/nope/f", "/d/f", "/d/ok"], [i.ino for i in items],
+                            [i.id for i in items], [1] * 5, 0o644, 0, 0, exclusive=True)
+    assert codes(found) == [errno.EEXIST, errno.EEXIST, errno.ENOENT, errno.EEXIST, None]
+    left = {g.id for g in ns.garbage() if g.kind == "reserved"}
+    assert left == {i.id for i in items[:4]}  # a failed path leaves its reservation to expire
+    found = ns.commit_files(["/d/link", "/d/sub"], [items[0].ino, items[1].ino], [items[0].id, items[1].id],
+                            [1, 1], 0o644, 0, 0)
+    assert codes(found) == [errno.EEXIST, errno.EISDIR]  # replacing: a symlink or a directory is not a file
+    with pytest.raises(StripefsError) as info:
+        ns.reserve_files("/d/f", 1, chains=CHAINS)
+    assert info.value.errno == errno.ENOTDIR
+    with pytest.raises(StripefsError) as info:
+        ns.reserve_files("/d", 0, chains=CHAINS)
+    assert info.value.errno == errno.EINVAL

@@ -43,7 +43,7 @@ _INT = st.integers(-(2**63), 2**63 - 1)
 _VALID: dict[Any, st.SearchStrategy[Any]] = {
     int: _INT, str: st.text(max_size=6), bool: st.booleans(), bytes: st.binary(max_size=6),
     int | None: st.none() | _INT, list[int] | None: st.none() | st.lists(_INT, max_size=3),
-    list[str]: st.lists(st.text(max_size=4), max_size=3),
+    list[str]: st.lists(st.text(max_size=4), max_size=3), list[int]: st.lists(_INT, max_size=3),
 }
 _ABSENT = object()
 

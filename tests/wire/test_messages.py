@@ -116,7 +116,7 @@ REPLY_OF = {
     "RemoveXattr": "AttrReply", "AcquireLock": "LockReply", "ReleaseLock": "ReleaseLockReply",
     "CreatePath": "CreateReply", "UnlinkPath": "AttrReply", "StatMany": "StatManyReply",
     "ListNames": "NamesReply", "CreateMany": "StatManyReply", "UnlinkMany": "StatManyReply",
-    "WatchLeases": "WatchLeasesReply",
+    "WatchLeases": "WatchLeasesReply", "ReserveFiles": "ReserveFilesReply", "CommitFiles": "StatManyReply",
 }
 
 LAYOUT = wire.Layout(1 << 20, (3, 1, 2))
@@ -164,6 +164,8 @@ SAMPLES: list[tuple[m.ReplyMessage, dict]] = [
     (m.StatManyReply(attrs=[ATTR], failed=[0], codes=[1]), {"attrs": [ATTR.to_wire()], "failed": [0], "codes": [1]}),
     (m.NamesReply(names=["a", "b"], more=True), {"names": ["a", "b"], "more": True}),
     (m.WatchLeasesReply(seq=4, lease_ids=[7, 9]), {"seq": 4, "lease_ids": [7, 9], "reset": False}),
+    (m.ReserveFilesReply(inos=[7], ids=[2], chunk_sizes=[1 << 20], chains=[[3, 1]]),
+     {"inos": [7], "ids": [2], "chunk_sizes": [1 << 20], "chains": [[3, 1]]}),
     (m.StatManyReply(attrs=[ATTR], failed=[], codes=[], lease_ids=[3], lease_ms=5000),
      {"attrs": [ATTR.to_wire()], "failed": [], "codes": [], "lease_ids": [3], "lease_ms": 5000}),
 ]
