@@ -115,6 +115,9 @@ class Membership:
         # Servers that failed a cut no serving replica of theirs received (``hold``): offline,
         # whatever they say, until the collector applied every such cut to them (``release``).
         self.held: set[int] = set()
+        # server id -> (its file system: host and id, free bytes there), from heartbeats (not
+        # saved: a restarted service has them again within a heartbeat). See statfs.
+        self.disks: dict[int, tuple[str, int]] = {}
         # Without a file the owner persists :meth:`to_doc` (the store's membership row)
         # whenever ``dirty`` is set.
         self.dirty = False
@@ -379,6 +382,8 @@ class Membership:
                 state = "joining"
             self.since[sid] = now
         self._set(sid, state=state, capacity=msg.capacity, used=msg.used, last_seen=now)
+        if msg.free >= 0 and msg.fsid:
+            self.disks[sid] = (f"{old.host}/{msg.fsid}", msg.free)
         return state
 
     def place(self) -> int | None:

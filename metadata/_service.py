@@ -373,9 +373,19 @@ class MetadataService(Service):
         counts = await self.commit.read(Namespace.counts)
         # Chains hold min(replicas, servers) targets (Membership._rebuild).
         r = max(1, min(self.members.replicas, len(self.members.servers)))
-        capacity = sum(s.capacity for s in servers) // r
         used = sum(s.used for s in servers) // r
-        return m.StatfsReply(capacity=capacity, used=used, free=max(0, capacity - used), files=counts.get("inodes", 0))
+        # Servers sharing one file system (several targets on one disk) share its size and
+        # its free space: count each file system once, and free space as the disk says
+        # (other data on it is not ours to hand out). Servers that send no disk (older
+        # ones) count their own capacity, less what they hold.
+        disks: dict[str, tuple[int, int]] = {}
+        for s in servers:
+            fs, free = self.members.disks.get(s.server_id, (f"server {s.server_id}", max(0, s.capacity - s.used)))
+            disks[fs] = (s.capacity, free)
+        capacity = sum(c for c, _ in disks.values()) // r
+        free = sum(f for _, f in disks.values()) // r
+        return m.StatfsReply(capacity=capacity, used=used, free=min(free, max(0, capacity - used)),
+                             files=counts.get("inodes", 0))
 
     async def _status(self) -> m.ClusterStatusReply:
         await self.lead.refresh_view()

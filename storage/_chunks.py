@@ -265,6 +265,12 @@ class ChunkStore:
         st = os.statvfs(self.root)
         return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
+    @property
+    def fsid(self) -> str:
+        """The file system holding the target, as an id that targets sharing it share (its
+        device and the kernel's file system id): the metadata service counts it once."""
+        return f"{os.stat(self.root).st_dev:x}:{os.statvfs(self.root).f_fsid:x}"
+
     def _load(self, ino: int, index: int, fd: int | None = None) -> ChunkMeta | None:
         """The chunk's header, from the cache or its file. The caller holds the chunk's lock:
         a header read from the file a copy-on-write write is replacing, and cached after the

@@ -293,7 +293,7 @@ async def _register_and_heartbeat(service: StorageService, meta: MetadataLink, h
                 assert service.server_id is not None
                 reply, _ = await control_call(meta, m.Heartbeat(
                     server_id=service.server_id, capacity=info.capacity, used=info.used, chunks=info.chunks,
-                    token=token,
+                    token=token, free=info.free, fsid=service.store.fsid,
                 ))
             if reply.state == "pending":
                 pending = True

@@ -834,6 +834,10 @@ class Heartbeat(Message[HeartbeatReply]):
     used: int = 0
     chunks: int = 0
     token: str = ""  # the data directory's identity (see RegisterServer)
+    # The file system holding the target: its free bytes (-1: not sent, an older server) and
+    # an id that servers sharing one file system share (``statfs`` counts that space once).
+    free: int = -1
+    fsid: str = ""
 
 
 @message(30)

@@ -234,3 +234,19 @@ def test_put_r_uploads_a_tree_in_parallel(cluster, client, testdir, tmp_path, ca
     assert client.isdir(f"{testdir}/ds/empty")
     assert cli.main(["put", "-r", str(src / "a"), f"{testdir}/copy", "--cluster", cluster.file]) == 0  # new name
     assert sorted(client.listdir(f"{testdir}/copy")) == sorted(["b"] + [f"f{i}" for i in range(60)])
+
+
+def test_df_counts_a_disk_shared_by_servers_once(cluster, client) -> None:
+    """Four storage servers on one disk (the test cluster) are one disk's worth of space,
+    and free space is what the disk has free (a 250 GB disk showed 1 TB free)."""
+    disk = os.statvfs(cluster.root)
+    size, free = disk.f_blocks * disk.f_frsize, disk.f_bavail * disk.f_frsize
+    deadline = time.monotonic() + 10  # each server reports its disk with its heartbeat (1 s)
+    while True:
+        st = client.statfs()
+        if st.capacity <= size or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert st.capacity <= size, f"{st.capacity} bytes reported on a disk of {size}"
+    assert st.free <= free + (256 << 20), f"{st.free} bytes free reported, the disk has {free}"
+    assert st.free > 0 and st.used >= 0
