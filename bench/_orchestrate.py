@@ -111,7 +111,7 @@ def _expected_bytes(workload: str, clients: int, cfg: BenchConfig) -> int | None
     if workload in ("seq_write", "seq_read", "seq_read_cached", "shared_write", "shared_read",
                     "checkpoint"):
         return clients * cfg.size
-    if workload == "dataloader":
+    if workload in ("dataloader", "dataloader_batched"):
         return int(dataset_sizes(cfg.dl_files).sum())
     return None
 

@@ -31,6 +31,7 @@ def _inv_p99_ratio(r: dict[str, Any]) -> float:
 # workload -> (column title, figure, how to show it); every figure: higher is better
 HEADLINE: dict[str, tuple[str, Callable[[dict[str, Any]], float], Callable[[dict[str, Any]], str]]] = {
     "dataloader": ("files/s (GB/s)", _ops, lambda r: f"{_ops(r):,.0f} ({r['gbps']:.3f})"),
+    "dataloader_batched": ("files/s (GB/s)", _ops, lambda r: f"{_ops(r):,.0f} ({r['gbps']:.3f})"),
     "small_writes": ("files/s (GB/s)", _ops, lambda r: f"{_ops(r):,.0f} ({r['gbps']:.3f})"),
     "burst_interference": ("p99 during / alone (burst GB/s)", _inv_p99_ratio,
                            lambda r: f"{r.get('p99_ratio', float('nan')):.2f} "

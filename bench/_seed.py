@@ -5,6 +5,11 @@ dataloader           a dataset of ``dl_files`` files of 64-256 KiB (sizes from a
                      seed, multiples of 4 KiB) read whole, in a random order, by all
                      clients at once (each takes every N-th file of one permutation);
                      files/s, GB/s, p50/p99 per file (open + read + close)
+dataloader_batched   the same files in the same order, read in batches of ``BATCH`` (64)
+                     by the route's best way to read many files at once
+                     (``Session.read_batch``: the zero-copy ring's ``open_many`` + one
+                     submission, fsspec ``cat``, native ``stat_many`` + reads on threads,
+                     POSIX routes and peers 64 threads); files/s, GB/s, p50/p99 per batch
 small_writes         every client creates ``sw_files`` files of 4-64 KiB: create, write,
                      fsync, close each; files/s, p50/p99 per file
 burst_interference   the first half of the clients (rounded up) read the dataset alone for
@@ -114,6 +119,37 @@ def dataloader(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str
     return {"dataloader": part}
 
 
+BATCH = 64  # files per batch of dataloader_batched (a DataLoader batch)
+
+
+def dataloader_batched(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, PartResult]:
+    n = task["dl_files"]
+    sizes = dataset_sizes(n)
+    mine = [int(k) for k in np.random.default_rng(ORDER_SEED).permutation(n)[ctx.index::ctx.clients]]
+    buf, part = aligned(BATCH * MAX_FILE), PartResult()
+    ctx.wait()
+    part.t0 = clock()
+    for start in range(0, len(mine), BATCH):
+        batch = mine[start:start + BATCH]
+        views, at = [], 0
+        for k in batch:
+            views.append(buf[at:at + int(sizes[k])])
+            at += int(sizes[k])
+        t = clock()
+        got = s.read_batch([dataset_path(n, k) for k in batch], views)
+        part.lat.append(clock() - t)  # per batch
+        for k, view, g in zip(batch, views, got):
+            path = dataset_path(n, k)
+            if g != len(view):
+                raise VerifyError(f"{path}: read {g} of {len(view)} bytes")
+            part.verified += ctx.pattern.check(view, file_id(path), 0, exact=part.ops % EXACT_EVERY == 0)
+            part.nbytes += len(view)
+            part.ops += 1
+            ctx.add(len(view))
+    part.t1 = clock()
+    return {"dataloader_batched": part}
+
+
 def small_writes(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, PartResult]:
     d = f"small/{task['tag']}/c{ctx.index}"
     s.makedirs(d)
@@ -194,7 +230,8 @@ def _burst_writer(s: Session, task: dict[str, Any], ctx: ClientContext,
     return {"burst_write": part}
 
 
-SEED = {"dataloader": dataloader, "small_writes": small_writes,
+SEED = {"dataloader": dataloader, "dataloader_batched": dataloader_batched, "small_writes": small_writes,
         "burst_interference": burst_interference}
-SEED_PREPARE = {"dataloader": prepare_dataset, "burst_interference": prepare_dataset}
+SEED_PREPARE = {"dataloader": prepare_dataset, "dataloader_batched": prepare_dataset,
+                "burst_interference": prepare_dataset}
 SEED_CLEANUP = {"small_writes": _small_writes_cleanup}

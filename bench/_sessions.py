@@ -54,7 +54,41 @@ class Session(Protocol):
     def touch(self, path: str) -> None: ...
     def unlink(self, path: str) -> None: ...
     def rename(self, src: str, dst: str) -> None: ...
+    def read_batch(self, paths: list[str], views: list[memoryview]) -> list[int]:
+        """Read each whole file ``paths[i]`` into ``views[i]`` (its exact size), by the
+        route's best way to read many files at once; bytes read per file."""
+        ...
     def close(self) -> None: ...
+
+
+BATCH_THREADS = 64  # a route without a batch call reads a batch with this many threads
+
+
+class _Threads:
+    """``read_batch`` for routes without a batch call: one thread per file of the batch,
+    each opening, reading and closing (what a dataloader with threads does)."""
+
+    _pool: Any = None
+
+    def read_batch(self, paths: list[str], views: list[memoryview]) -> list[int]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(BATCH_THREADS, thread_name_prefix="bench-batch")
+
+        def one(path: str, view: memoryview) -> int:
+            r = self.open_read(path, direct=True)  # type: ignore[attr-defined]
+            try:
+                return int(r.pread_into(view, 0))
+            finally:
+                r.close()
+
+        return list(self._pool.map(one, paths, views))
+
+    def _close_threads(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
 
 # --- native ----------------------------------------------------------------------------------
@@ -76,8 +110,9 @@ def _all_done(results: list[Any]) -> list[Any]:
     return results
 
 
-class NativeSession:
-    """fsclient.Client; its StripeFile already has write/pwrite/fsync/pread_into."""
+class NativeSession(_Threads):
+    """fsclient.Client; its StripeFile already has write/pwrite/fsync/pread_into. A batch:
+    one ``stat_many``, then every file read at once (``Client.read_into`` on threads)."""
 
     def __init__(self, cluster: str, root: str):
         from stripefs.fsclient import Client
@@ -128,7 +163,16 @@ class NativeSession:
     def unlink_many(self, paths: list[str]) -> None:
         _all_done(self.client.unlink_many([self._p(p) for p in paths]))
 
+    def read_batch(self, paths: list[str], views: list[memoryview]) -> list[int]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        attrs = _all_done(self.client.stat_many([self._p(p) for p in paths]))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(BATCH_THREADS, thread_name_prefix="bench-batch")
+        return list(self._pool.map(lambda a, v: self.client.read_into(a.ino, a.layout, a.size, 0, v), attrs, views))
+
     def close(self) -> None:
+        self._close_threads()
         self.client.close()
 
 
@@ -156,6 +200,12 @@ class ZerocopySession(NativeSession):
 
     def open_read(self, path: str, direct: bool = False) -> Reader:
         return _RingReader(self.ring, self.ring.open(self._p(path)))
+
+    def read_batch(self, paths: list[str], views: list[memoryview]) -> list[int]:
+        """The USRBIO-style batch: register the files in one ``StatMany`` (``open_many``),
+        then one ring submission reads them all into the caller's buffers."""
+        files = self.ring.open_many([self._p(p) for p in paths])
+        return [int(n) for n in self.ring.read([(v, f, 0, len(v)) for v, f in zip(views, files)])]
 
     def close(self) -> None:
         self.ring.close()
@@ -206,8 +256,9 @@ class _FdReader:
         os.close(self.fd)
 
 
-class PosixSession:
-    """Plain system calls under ``root`` (a local directory or a mount point)."""
+class PosixSession(_Threads):
+    """Plain system calls under ``root`` (a local directory or a mount point); a batch is
+    read by ``BATCH_THREADS`` threads."""
 
     def __init__(self, root: str):
         self.root = root
@@ -258,7 +309,7 @@ class PosixSession:
         os.rename(self._p(src), self._p(dst))
 
     def close(self) -> None:
-        pass
+        self._close_threads()
 
 
 # --- fsspec (our filesystem, s3fs) ---------------------------------------------------------
@@ -354,6 +405,19 @@ class FsspecSession:
 
     def rename(self, src: str, dst: str) -> None:
         self.fs.mv(self._p(src), self._p(dst))
+
+    def read_batch(self, paths: list[str], views: list[memoryview]) -> list[int]:
+        """fsspec's batch call: ``cat`` of every path (ours: one StatMany, reads in flight
+        together); the bytes are copied into the views."""
+        full = [self._p(p) for p in paths]
+        got = self.fs.cat(full)
+        out = []
+        for path, view in zip(full, views):
+            data = got[path] if path in got else got[self.fs._strip_protocol(path)]
+            n = min(len(data), len(view))
+            view[:n] = data[:n]
+            out.append(n)
+        return out
 
     def close(self) -> None:
         pass

@@ -133,6 +133,14 @@ def test_dataloader_reads_every_file_once(report: dict[str, Any]) -> None:
             assert rec["cpu_servers_s"] == 0
 
 
+def test_dataloader_batched_reads_every_file_once_in_batches(report: dict[str, Any]) -> None:
+    sizes = dataset_sizes(DL_FILES)
+    for path in ran_routes(report):
+        [rec] = records(report, path, "dataloader_batched")
+        assert rec["ops"] == DL_FILES and rec["bytes"] == int(sizes.sum())  # files, not batches
+        assert rec["verified_bytes"] >= sizes[0]
+
+
 def test_small_writes_counts_files_and_bytes(report: dict[str, Any]) -> None:
     for path in ran_routes(report):
         [rec] = records(report, path, "small_writes")
