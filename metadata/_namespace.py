@@ -546,12 +546,12 @@ class Namespace:
         the reservation's layout. The caller wrote those bytes, durably, before: the length
         covers nothing that is not on the storage servers.
 
-        An existing regular file at a path is replaced, as a rename over it (its other
-        names keep it; its last name gone, it is garbage), and the new file takes its
-        permission bits and owner; ``exclusive`` makes that EEXIST.
-        Each path fails alone: ESTALE when its reservation is gone (expired and collected:
-        its chunks went with it), EEXIST/EISDIR for a name that is not a regular file,
-        ENOENT/ENOTDIR for the parent, EINVAL/EFBIG for a bad length.
+        A name that exists is never replaced: EEXIST (EISDIR for a directory unless
+        ``exclusive``); the client writes an existing file in place instead, so that no
+        cache mapping the name to its inode goes stale. Each path fails alone: ESTALE
+        when its reservation is gone (expired and collected: its chunks went with it),
+        ENOENT/ENOTDIR for the parent, EINVAL/EFBIG for a bad length; a failed path's
+        reservation stays, to expire.
 
         Raises:
             StripefsError: EINVAL for a batch over ``MAX_CREATE_MANY`` or lists of unequal lengths.
@@ -569,20 +569,16 @@ class Namespace:
             if item is None or item.kind != "reserved" or item.ino != ino:
                 raise _err(ErrorCode.STALE_FILE, f"reservation {rid} of inode {ino} is gone (expired): write again")
             now = time.time_ns()
-            file_mode, owner, group = stat.S_IFREG | (mode & 0o7777), uid, gid
             entry = txn.get_dentry(parent.ino, name)
             if entry is not None:
-                old = self._inode(txn, entry.ino)
-                if exclusive or old.is_symlink or not (old.is_file or old.is_dir):
-                    raise _err(ErrorCode.EXISTS, f"file exists: {name!r}")
-                if old.is_dir:
+                # Never replaced here: a new inode under an old name would strand every cache
+                # that maps the name to the old one (a mount's dentries). The client writes an
+                # existing file in place instead (``open(path, "wb")``).
+                if stat.S_ISDIR(entry.mode) and not exclusive:
                     raise _err(ErrorCode.IS_DIR, f"is a directory: {name!r}")
-                txn.delete_dentry(parent.ino, name)
-                self._drop_link(txn, old, now)
-                # The new contents keep the file's permissions and owner, as a rewrite
-                # in place would (``open(path, "wb")`` keeps an existing file's mode).
-                file_mode, owner, group = stat.S_IFREG | (old.mode & 0o7777), old.uid, old.gid
-            attr = Attr(ino, file_mode, 1, owner, group, length, now, mtime_ns or now, now, item.layout)
+                raise _err(ErrorCode.EXISTS, f"file exists: {name!r}")
+            file_mode = stat.S_IFREG | (mode & 0o7777)
+            attr = Attr(ino, file_mode, 1, uid, gid, length, now, mtime_ns or now, now, item.layout)
             txn.put_inode(attr)
             txn.put_dentry(parent.ino, DirEntry(name, ino, file_mode))
             txn.delete_garbage(rid)

@@ -9,19 +9,21 @@ commit). When the caller hands over a whole file at once (``write_bytes``,
    200, or none when the client's pool for that directory has some left);
 2. **write** each file's chunks under its reserved number, in parallel, durably;
 3. **commit** the files (``CommitFiles``): name, inode and length in one transaction per
-   200 files, so each file appears whole or not at all.
+   200 files, so each new file appears whole or not at all.
 
 The rule of the write path holds: no length is committed over bytes that are not on the
 storage servers (the commit is sent only after every chunk write was acknowledged). A
 reservation nobody commits (the client died) is garbage: the metadata service drops its
-chunks after ``RESERVE_GRACE`` and never hands its number out again. An existing file
-at the path is replaced, as a rename over it would (readers see the old file or the new
-one, never a mix; its other hard links keep the old contents).
+chunks after ``RESERVE_GRACE`` and never hands its number out again. A name that exists
+already is not replaced by a new inode (every cache that maps the name to its inode, a
+mount's dentries first, would go stale): that file is written in place instead, as
+``open(path, "wb")`` does (truncate, write, commit at close), and its reservation expires.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import posixpath
 import threading
@@ -38,6 +40,8 @@ class Client(Protocol):
     def call(self, msg: Message[Any], *, timeout: float = 60.0) -> Any: ...
 
     def submit_write(self, ino: int, layout: Layout, offset: int, data: memoryview) -> "Future[None]": ...
+
+    def open(self, path: str, mode: str = "rb") -> Any: ...
 
 __all__ = ["Reservation", "Reservations", "reserve", "write_files"]
 
@@ -142,7 +146,21 @@ def write_files(client: Client, files: Sequence[tuple[str, "bytes | bytearray | 
         attrs, errors = iter(reply.attrs), dict(zip(reply.failed, reply.codes))
         for k, i in enumerate(part):
             out[i] = StripefsError(errors[k], "", files[i][0]) if k in errors else next(attrs)
+    if not exclusive:  # names that exist: those files are written in place
+        for i, r in enumerate(out):
+            if isinstance(r, StripefsError) and r.code == ErrorCode.EXISTS:
+                out[i] = _in_place(client, *files[i])
     return out  # type: ignore[return-value]  # every index was answered
+
+
+def _in_place(client: Client, path: str, data: "bytes | bytearray | memoryview") -> Attr | StripefsError:
+    """Write an existing file as ``open(path, "wb")`` does; its attributes, or the error."""
+    try:
+        with client.open(path, "wb") as f:
+            f.write(data)
+        return dataclasses.replace(f.attr, size=f.size)  # as opened; the size as committed
+    except StripefsError as exc:
+        return exc
 
 
 def _write_all(client: Client, files: Sequence[tuple[str, "bytes | bytearray | memoryview"]],
