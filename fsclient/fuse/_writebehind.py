@@ -56,10 +56,13 @@ class WriteBudget:
                 if self.sending_bytes and self.sending_bytes + f.window > self.limit:
                     await self._room.wait()
                     continue
-            before = len(f.sending())
+            # By identity, not position: sending a full buffer first reaps the sends that
+            # finished, so the list can shrink while it gains the new one.
+            before = set(f.sending())
             n = state.write_buffered(off, buf)
-            for fut in f.sending()[before:]:
-                self.track(fut, f.window)
+            for fut in f.sending():
+                if fut not in before:
+                    self.track(fut, f.window)
             return n
         return None
 
