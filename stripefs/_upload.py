@@ -8,11 +8,10 @@ files. A file larger than :data:`WHOLE_MAX` is streamed on its own (create, writ
 commit at close) instead of being read into memory.
 
 Caveats:
-    * A target file that exists is replaced (as a rename over it: its other hard links
-      keep the old contents; the new file keeps its mode and owner); a target directory
-      that exists is written into.
+    * A target file that exists is rewritten in place (as ``open(path, "wb")``); a target
+      directory that exists is written into.
     * A failure part way (a local file that cannot be read, the store unreachable)
-      leaves no partial file: a file appears whole or not at all. The failures are
+      leaves no partial new file: a new file appears whole or not at all. The failures are
       reported per file; the others are still written.
     * Symbolic links are followed to files; links to directories are not descended
       (``os.walk``); sockets, FIFOs and devices are skipped (and counted).
