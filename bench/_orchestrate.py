@@ -79,6 +79,7 @@ class BenchConfig:
     drop_caches: bool = True  # False: clients evict their own files (no global side effect)
     rand_size: int | None = None  # random-read file per client; None: max(size, RAND_MIN)
     metadata_sync: str | None = None  # the local cluster's --metadata-sync (None: full)
+    data_sync: str | None = None  # the local cluster's --data-sync (None: full)
     attr_timeout: float | None = None  # native-library clients' attribute cache (None: theirs)
 
 
@@ -320,6 +321,7 @@ def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
         others = [n for n in cfg.routes if n in PEERS or n == "local_disk"]
         server_counts = cfg.servers
         out["header"]["metadata_sync"] = cfg.metadata_sync or "full"
+        out["header"]["data_sync"] = cfg.data_sync or "full"
         lease_ttl = 0.0  # what the service grants (the local cluster's: read once it is up)
         if cfg.cluster:
             from stripefs.fsclient import Client
@@ -328,6 +330,7 @@ def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
                 server_counts = [len(c.routing().servers)]
                 meta = c.status().metadata
                 out["header"]["metadata_sync"] = meta.get("sync", "full")
+                out["header"]["data_sync"] = "the cluster's own (--cluster)"
                 lease_ttl = float(meta.get("lease_ttl", 0.0))  # a service from before leases grants none
         # Native-library clients answer repeated stats from their cache under leases when the
         # service grants them: stat figures are then mostly local (see docs/benchmarks.md).
@@ -344,7 +347,8 @@ def run_bench(cfg: BenchConfig, display: Any = None) -> dict[str, Any]:
             if cfg.cluster is None and ours:
                 root = os.path.join(workdir, f"cluster-{servers}")
                 display.log(f"starting a local cluster: {servers} storage servers")
-                testing.up(root, servers=servers, chunk_size=cfg.chunk_size, metadata_sync=cfg.metadata_sync)
+                testing.up(root, servers=servers, chunk_size=cfg.chunk_size, metadata_sync=cfg.metadata_sync,
+                           data_sync=cfg.data_sync)
                 cluster_file = os.path.join(root, "cluster.json")
                 from stripefs.fsclient import Client
 

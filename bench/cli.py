@@ -79,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--metadata-sync", choices=["full", "normal"],
                     help="the local cluster's metadata store durability (stripefs up --metadata-sync; "
                          "default full); a --cluster keeps its own, recorded in the header")
+    ap.add_argument("--data-sync", choices=["full", "none"],
+                    help="the local cluster's storage durability (stripefs up --data-sync; default full: chunk "
+                         "writes synced before they are acknowledged; none: from the page cache, as MooseFS)")
     ap.add_argument("--attr-timeout", type=float, metavar="S",
                     help="attribute cache of the native, fsspec and zerocopy clients "
                          "(Client(attr_timeout=S); default: $STRIPEFS_ATTR_TIMEOUT, else 0 = none); "
@@ -108,6 +111,9 @@ def build_config(a: argparse.Namespace) -> BenchConfig:
     if a.metadata_sync and a.cluster:
         raise ValueError("--metadata-sync sets up the local cluster bench starts; a --cluster keeps its own")
     cfg.metadata_sync = a.metadata_sync
+    if a.data_sync and a.cluster:
+        raise ValueError("--data-sync sets up the local cluster bench starts; a --cluster keeps its own")
+    cfg.data_sync = a.data_sync
     if a.attr_timeout is not None and not a.attr_timeout >= 0:
         raise ValueError("--attr-timeout must be >= 0 seconds")
     cfg.attr_timeout = a.attr_timeout

@@ -21,7 +21,7 @@ async def _main(args: argparse.Namespace, secret: str, cluster_id: str) -> None:
         addr = await nursery.start(functools.partial(
             serve_storage, args.root, secret=secret, metadata=parse_addresses(args.metadata), host=args.host, port=args.port,
             cluster_id=cluster_id, payload_budget=args.payload_budget, busy_after=args.busy_after,
-            max_client_connections=args.max_client_connections,
+            max_client_connections=args.max_client_connections, data_sync=args.data_sync == "full",
         ))
         if args.ready:
             tmp = args.ready + ".tmp"
@@ -76,6 +76,9 @@ def main() -> None:
                    default=env.get(CLIENT_CONNECTIONS_ENV) or MAX_CLIENT_CONNECTIONS,
                    help=f"open connections per client; one more is refused with BUSY "
                         f"(${CLIENT_CONNECTIONS_ENV}, else {MAX_CLIENT_CONNECTIONS})")
+    p.add_argument("--data-sync", choices=["full", "none"], default="full",
+                   help="full: a chunk write is acknowledged once synced to disk (survives power loss); "
+                        "none: once in the page cache (survives a kill -9, not a power loss)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s storage %(levelname)s %(message)s")
     with open(args.cluster) as f:

@@ -12,7 +12,8 @@ served with ``sendfile`` straight from the page cache)::
     32  8  chain        the replication chain the chunk belongs to (resync works per chain)
     64  4n CRC32C of each block [i*B, min((i+1)*B, length))
 
-Durability: a write is acknowledged only after ``fdatasync`` of the chunk file,
+Durability (``sync``, the default; ``--data-sync none`` turns every sync below off and
+acknowledges writes from the page cache): a write is acknowledged only after ``fdatasync`` of the chunk file,
 and after an ``fsync`` of the directories when the file is new (the inode's
 directory, and ``chunks/`` when that directory is new too). Appends and writes
 into holes go in place: bytes already acknowledged are never touched. When such
@@ -174,8 +175,12 @@ class ChunkMeta:
 class ChunkStore:
     """Chunk files of one target. Methods block (disk I/O): call them from worker threads."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, sync: bool = True):
         self.root = os.path.abspath(root)
+        # False (``--data-sync none``): no fdatasync or directory fsync at all; a write is
+        # acknowledged once in the page cache (it survives a kill of this process, not a
+        # power loss or a kernel crash). The order of the writes stays as with syncs.
+        self.sync = sync
         self.chunk_root = os.path.join(self.root, "chunks")
         os.makedirs(self.chunk_root, exist_ok=True)
         # One empty file per removed inode (inode numbers are never reused): late reads
@@ -370,16 +375,16 @@ class ChunkStore:
             if meta.length % BLOCK:
                 # The last block holds acknowledged bytes and gets a CRC over old and
                 # new ones: the new bytes must be on disk before a header that says so.
-                os.fdatasync(fd)
+                self._datasync(fd)
             new = self._commit_meta(fd, meta, offset, len(data), segment_crcs)
-            os.fdatasync(fd)
+            self._datasync(fd)
             new.mtime_ns = os.fstat(fd).st_mtime_ns
         finally:
             if fd >= 0:
                 os.close(fd)
         if fresh:
             os.rename(path + ".tmp", path)
-            self._fsync_dir(self._dir(ino))
+            self._sync_dir(self._dir(ino))
             self._dir_entry_synced(ino)
             self.chunks += 1
         self.used += new.length - meta.length
@@ -402,14 +407,14 @@ class ChunkStore:
                 copied += n
             os.pwrite(dst, data, HEADER_SIZE + offset)
             new = self._commit_meta(dst, meta, offset, len(data), segment_crcs)
-            os.fdatasync(dst)
+            self._datasync(dst)
             new.mtime_ns = os.fstat(dst).st_mtime_ns
         finally:
             os.close(src)
             os.close(dst)
         self._forget_fd(ino, index)
         os.rename(tmp, path)
-        self._fsync_dir(self._dir(ino))
+        self._sync_dir(self._dir(ino))
         self.used += new.length - meta.length
         self._meta[(ino, index)] = new
         return new
@@ -450,11 +455,19 @@ class ChunkStore:
         syncs again: a killed predecessor may have left an entry that is only cached)."""
         if ino in self._synced_dirs:
             return
-        self._fsync_dir(self.chunk_root)
+        self._sync_dir(self.chunk_root)
         with self._mlock:
             if len(self._synced_dirs) > 100_000:
                 self._synced_dirs.clear()  # costs one more fsync per inode, never a missed one
             self._synced_dirs.add(ino)
+
+    def _datasync(self, fd: int) -> None:
+        if self.sync:
+            os.fdatasync(fd)
+
+    def _sync_dir(self, path: str) -> None:
+        if self.sync:
+            self._fsync_dir(path)
 
     @staticmethod
     def _fsync_dir(path: str) -> None:
@@ -597,7 +610,7 @@ class ChunkStore:
         if forget:
             fd = os.open(self._tombstone(ino), os.O_WRONLY | os.O_CREAT, 0o600)
             os.close(fd)
-            self._fsync_dir(self.tomb_root)
+            self._sync_dir(self.tomb_root)
         d = self._dir(ino)
         try:
             names = os.listdir(d)
@@ -666,9 +679,9 @@ class ChunkStore:
                 # that is right for the bytes it covers (the old one, or the new one
                 # over a file not cut yet), never an old CRC over a cut block.
                 os.pwrite(fd, new.pack(), 0)
-                os.fdatasync(fd)
+                self._datasync(fd)
                 os.ftruncate(fd, HEADER_SIZE + length)
-                os.fdatasync(fd)
+                self._datasync(fd)
                 new.mtime_ns = os.fstat(fd).st_mtime_ns
                 self.used -= meta.length - length
                 self._meta[(ino, index)] = new
@@ -714,13 +727,13 @@ class ChunkStore:
                 os.pwrite(fd, new.pack(), 0)
                 os.pwrite(fd, view, HEADER_SIZE)
                 with idle_io(len(view)):  # a resync's copy is background work
-                    os.fdatasync(fd)
+                    self._datasync(fd)
                 new.mtime_ns = os.fstat(fd).st_mtime_ns
             finally:
                 os.close(fd)
             self._forget_fd(ino, index)
             os.rename(tmp, path)
-            self._fsync_dir(self._dir(ino))
+            self._sync_dir(self._dir(ino))
             self._dir_entry_synced(ino)
             self.used += new.length - (cur.length if cur else 0)
             self.chunks += cur is None

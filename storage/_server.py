@@ -332,6 +332,7 @@ async def serve_storage(
     payload_budget: int = PAYLOAD_BUDGET,
     busy_after: float = BUSY_AFTER,
     max_client_connections: int = MAX_CLIENT_CONNECTIONS,
+    data_sync: bool = True,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the target in ``root`` until cancelled.
@@ -346,9 +347,11 @@ async def serve_storage(
             (the client backs off with jitter and sends it again).
         max_client_connections: open connections per client id (one more is refused
             with BUSY at the handshake).
+        data_sync: sync chunk writes before acknowledging them (``--data-sync full``);
+            False acknowledges them from the page cache (``none``).
     """
     os.makedirs(root, exist_ok=True)
-    store = await trio.to_thread.run_sync(ChunkStore, root)
+    store = await trio.to_thread.run_sync(ChunkStore, root, data_sync)
     credential = role_credential(secret, "server")  # every call this server makes is as a server
     addresses = [metadata] if isinstance(metadata, tuple) else list(metadata)  # type: ignore[list-item]
     meta_conn = MetadataLink(addresses, credential, role="server")  # heartbeats find the leading metadata service

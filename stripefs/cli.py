@@ -64,6 +64,7 @@ def _up_conflicts(a: argparse.Namespace, running: dict[str, Any]) -> list[str]:
             "stripe": running.get("stripe"), "metadata_store": running.get("metadata_store", "sqlite"),
             "metadata_services": max(1, len(running.get("metadata_services") or [])),
             "metadata_sync": running.get("metadata_sync", "full"),
+            "data_sync": running.get("data_sync", "full"),
             "lease_ttl": running.get("lease_ttl", LEASE_TTL), "postgres_url": running.get("metadata_store_url")}
     fixed = {"replicas": "replication is set when a cluster is made",
              "chunk_size": "the default layout is set when a cluster is made",
@@ -72,6 +73,7 @@ def _up_conflicts(a: argparse.Namespace, running: dict[str, Any]) -> list[str]:
              "postgres_url": "the store is set when a cluster is made",
              "metadata_services": "services are started with the cluster: `stripefs down` first",
              "metadata_sync": "it applies when the metadata service starts: `stripefs down` first",
+             "data_sync": "it applies when the storage servers start: `stripefs down` first",
              "lease_ttl": "it applies when the metadata service starts: `stripefs down` first"}
     out = []
     for name, why in fixed.items():
@@ -121,7 +123,7 @@ def cmd_up(a: argparse.Namespace) -> int:
                        chunk_size=parse_size(opts["chunk_size"]), stripe=opts["stripe"],
                        metadata_store=opts["metadata_store"], postgres_url=a.postgres_url,
                        metadata_services=opts["metadata_services"], metadata_sync=a.metadata_sync,
-                       lease_ttl=a.lease_ttl)
+                       lease_ttl=a.lease_ttl, data_sync=a.data_sync)
     print(f"{c['metadata']['host']}:{c['metadata']['port']}")
     print(f"cluster file: {os.path.join(c['root'], 'cluster.json')} ({_live_servers(c)} storage servers)",
           file=sys.stderr)
@@ -507,6 +509,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="SQLite durability: full (default) = each acknowledged operation survives power loss; "
                          "normal = no fsync per commit: it survives a kill -9, the last ones may be lost on power "
                          "loss (a restart keeps the cluster's setting unless given)")
+    sp.add_argument("--data-sync", choices=["full", "none"], default=None,
+                    help="storage durability: full (default) = an acknowledged chunk write is synced to disk and "
+                         "survives power loss; none = acknowledged from the page cache: it survives a kill -9, not a "
+                         "power loss (as MooseFS's chunkservers by default; a restart keeps the cluster's setting "
+                         "unless given)")
     sp.add_argument("--lease-ttl", type=float, default=None,
                     help="seconds an attribute lease lives (default 5): clients answer stat from their cache under "
                          "it; a client that cannot be told of a change delays that change this long at most; "

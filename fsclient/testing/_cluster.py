@@ -126,7 +126,7 @@ def _port_free(port: int) -> bool:
 def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 << 20, stripe: int = 16,
        gc_grace: float = 30.0, metadata_store: str = "sqlite", postgres_url: str | None = None,
        metadata_services: int = 1, metadata_sync: str | None = None,
-       lease_ttl: float | None = None) -> dict[str, Any]:
+       lease_ttl: float | None = None, data_sync: str | None = None) -> dict[str, Any]:
     """Start (or restart) the cluster under ``root``; returns the cluster.json content.
 
     Args:
@@ -143,7 +143,14 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
         lease_ttl: seconds an attribute lease lives (the metadata service's
             ``--lease-ttl``; 0 grants none). None: the cluster's setting on a restart,
             else the service's default.
+        data_sync: the storage servers' durability, ``full`` (an acknowledged chunk
+            write is synced to disk: it survives power loss; the default) or ``none``
+            (acknowledged from the page cache: it survives a kill -9 of any process, not
+            a power loss or a kernel crash; MooseFS's chunkservers behave so by
+            default). None: the cluster's setting on a restart, else ``full``.
     """
+    if data_sync not in (None, "full", "none"):
+        raise StripefsError(ErrorCode.INVALID, f"--data-sync {data_sync!r}: use full or none")
     if not 1 <= replicas <= 3 or replicas > servers:
         raise StripefsError(ErrorCode.INVALID, "--replicas must be 1, 2 or 3 and at most --servers")
     if metadata_store not in ("sqlite", "postgresql"):
@@ -191,6 +198,7 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
         "metadata_store": (old or {}).get("metadata_store") or metadata_store,
         "metadata_services": [],
         "metadata_sync": metadata_sync or (old or {}).get("metadata_sync") or "full",
+        "data_sync": data_sync or (old or {}).get("data_sync") or "full",
     }
     if lease_ttl is not None or (old or {}).get("lease_ttl") is not None:
         cluster["lease_ttl"] = lease_ttl if lease_ttl is not None else old["lease_ttl"]  # type: ignore[index]
@@ -228,7 +236,7 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
             if i < len(before) and before[i].get("removed"):
                 starting.append((i, None, "", "", before[i]))  # removed for good: never started again
                 continue
-            sp, sready, slog = _start_server(root, i, maddr, spath)
+            sp, sready, slog = _start_server(root, i, maddr, spath, cluster.get("data_sync", "full"))
             procs.append(sp)
             starting.append((i, sp, sready, slog, os.path.join(root, f"storage-{i}")))
         for i, sp, sready, slog, sroot in starting:
@@ -289,14 +297,16 @@ def _start_private_postgres(root: str, cluster: dict[str, Any] | None) -> str | 
     return url
 
 
-def _start_server(root: str, i: int, maddr: str, cluster_file: str) -> tuple[subprocess.Popen, str, str]:
+def _start_server(root: str, i: int, maddr: str, cluster_file: str,
+                  data_sync: str = "full") -> tuple[subprocess.Popen, str, str]:
     sroot = os.path.join(root, f"storage-{i}")
     os.makedirs(sroot, exist_ok=True)
     sready = os.path.join(sroot, "ready")
     if os.path.exists(sready):
         os.unlink(sready)
     slog = os.path.join(root, "logs", f"storage-{i}.log")
-    sp = _spawn(["-m", "stripefs.storage", "--root", sroot, "--metadata", maddr, "--cluster", cluster_file, "--ready", sready], slog)
+    sp = _spawn(["-m", "stripefs.storage", "--root", sroot, "--metadata", maddr, "--cluster", cluster_file, "--ready", sready,
+                 "--data-sync", data_sync], slog)
     return sp, sready, slog
 
 
@@ -326,7 +336,7 @@ def _restart_dead_servers(root: str, cluster: dict[str, Any]) -> dict[str, Any]:
     for i, s in enumerate(cluster["servers"]):
         if pid_alive(s["pid"]) or s.get("removed"):
             continue
-        sp, sready, slog = _start_server(root, i, maddr, os.path.join(root, SERVER_FILE))
+        sp, sready, slog = _start_server(root, i, maddr, os.path.join(root, SERVER_FILE), cluster.get("data_sync", "full"))
         addr = _wait_ready(sp, sready, f"storage server {i}", slog)
         h, _, p = addr.rpartition(":")
         cluster["servers"][i] = {"root": s["root"], "host": h, "port": int(p), "pid": sp.pid}
@@ -350,7 +360,7 @@ def add_server(root: str) -> dict[str, Any]:
     _write_cluster(root, cluster)  # a cluster.json from before roles: server.json first
     i = len(cluster["servers"])
     maddr = _metadata_arg(cluster)
-    sp, sready, slog = _start_server(root, i, maddr, os.path.join(root, SERVER_FILE))
+    sp, sready, slog = _start_server(root, i, maddr, os.path.join(root, SERVER_FILE), cluster.get("data_sync", "full"))
     addr = _wait_ready(sp, sready, f"storage server {i}", slog)
     h, _, p = addr.rpartition(":")
     cluster["servers"].append({"root": os.path.join(root, f"storage-{i}"), "host": h, "port": int(p), "pid": sp.pid})

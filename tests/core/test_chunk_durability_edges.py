@@ -67,3 +67,33 @@ def test_every_first_chunk_of_an_inode_waits_for_its_directory_entry(tmp_path) -
         release.set()
         maker.join(10)
     assert os.path.exists(s.path(9, 0)) and os.path.exists(s.path(9, 1))
+
+
+def test_data_sync_none_acknowledges_from_the_page_cache(tmp_path, monkeypatch) -> None:
+    """``--data-sync none`` (MooseFS's default): no fdatasync and no directory fsync at all,
+    yet the same bytes and checksums; ``full`` syncs every new chunk."""
+    syncs: list[str] = []
+    monkeypatch.setattr(os, "fdatasync", lambda fd: syncs.append("data"))
+    monkeypatch.setattr(os, "fsync", lambda fd: syncs.append("dir"))
+    loose = ChunkStore(str(tmp_path / "none"), sync=False)
+    write(loose, 1, 0, 0, b"x" * 100_000)
+    write(loose, 1, 0, 100_000, b"y" * 5)  # an append into a partial block
+    write(loose, 1, 0, 10, b"z" * 10)  # an overwrite: copy-on-write
+    loose.truncate(1, 0, 50_000)
+    assert syncs == []
+    meta, data = ChunkStore(str(tmp_path / "none")).read_whole(1, 0)
+    assert data == b"x" * 10 + b"z" * 10 + b"x" * 49_980 and meta.length == 50_000
+    strict = ChunkStore(str(tmp_path / "full"))
+    write(strict, 1, 0, 0, b"x" * 100)
+    assert "data" in syncs and "dir" in syncs
+
+
+def test_a_cluster_started_with_data_sync_none_says_so_and_serves(make_cluster) -> None:
+    h = make_cluster(servers=1, data_sync="none")
+    assert h.data["data_sync"] == "none"
+    with h.client() as c:
+        pid = c.status().servers[0].pid
+        c.write_bytes("/f", b"page cache")
+        assert c.read_bytes("/f") == b"page cache"
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        assert b"--data-sync\x00none" in f.read()
