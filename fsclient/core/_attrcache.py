@@ -14,9 +14,16 @@ Two kinds of entries:
   mount's ``attr_timeout``); ``open`` revalidates them (close-to-open).
 
 This client's own changes show at once: every metadata mutation it makes drops what it
-may have changed -- by path and inode for ``CreatePath``/``UnlinkPath`` (plus every
-cached directory, whose times and link counts move), everything for any other mutation.
-Failed lookups are never cached.
+may have changed -- by path and inode for ``CreatePath``/``UnlinkPath`` of a file (plus
+every cached directory, whose times and link counts move), everything for any other
+mutation, the removal of a symlink included (a cached path may have resolved through it,
+and the service does not tell a client of its own changes). Failed lookups are never
+cached.
+
+Memory is bounded in bytes (:data:`MAX_BYTES` for entries and listings together, the
+oldest going first past it: an estimate of what each holds, names and paths included),
+and expired entries are purged every :data:`PURGE_EVERY` seconds at most (on a store,
+and from the watch thread while the client is idle).
 
 A lookup that raced with one of this client's mutations, or with an invalidation that
 arrived meanwhile, is not stored: :meth:`AttrCache.token` is taken before the request is
@@ -27,6 +34,7 @@ is in flight, and no invalidation was processed since.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from typing import Any
@@ -37,7 +45,13 @@ from stripefs.wire import messages as m
 
 log = logging.getLogger(__name__)
 
-MAX_ENTRIES = 65536  # cached paths (the oldest go first past it)
+MAX_BYTES = 64 << 20  # what the cached entries and listings hold at most (the oldest go first past it)
+# The estimated bytes of one path entry besides its path and layout (its Attr and its
+# fields, the tuple, its slots in the path, inode, lease and size maps: ~1.1 KB measured with
+# tracemalloc for a file with a 16-chain layout), and of one listing besides its names.
+ENTRY_BYTES = 800
+LISTING_BYTES = 300
+PURGE_EVERY = 5.0  # seconds between sweeps of expired entries (at most)
 WATCH_WAIT_MS = 10_000  # how long the service holds a watch with nothing to say
 RETRY_WATCH = 0.5  # seconds before a failed watch is tried again
 RETRY_UNSUPPORTED = 30.0  # ... when the service grants no leases
@@ -48,13 +62,17 @@ class AttrCache:
 
     Args:
         timeout: seconds a timed entry lives (0: none are kept).
-        max_entries: paths kept at most.
+        max_bytes: the estimated bytes entries and listings hold at most (:attr:`nbytes`).
     """
 
-    def __init__(self, timeout: float, *, max_entries: int = MAX_ENTRIES):
+    def __init__(self, timeout: float, *, max_bytes: int = MAX_BYTES):
         self.timeout = timeout
-        self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self._lock = threading.Lock()
+        # ("a", path) for an entry, ("l", path) for a listing -> its estimated bytes, oldest first
+        self._sizes: dict[tuple[str, str], int] = {}
+        self.nbytes = 0  # the sum of _sizes
+        self._next_purge = 0.0  # monotonic time of the next sweep of expired entries
         # path -> (expiry, attr, lease id (0: a timed entry))
         self._by_path: dict[str, tuple[float, Attr, int]] = {}
         self._by_ino: dict[int, set[str]] = {}
@@ -78,14 +96,24 @@ class AttrCache:
     def get(self, path: str, *, leased: bool = False) -> Attr | None:
         """The cached attributes of ``path`` if still valid (``leased``: only a leased entry)."""
         entry = self._by_path.get(path)
-        if entry is None or entry[0] < time.monotonic() or (leased and not entry[2]):
+        if entry is None:
             return None
-        return entry[1]
+        if entry[0] < time.monotonic():
+            with self._lock:
+                if self._by_path.get(path) is entry:
+                    self._drop(path)
+            return None
+        return None if leased and not entry[2] else entry[1]
 
     def get_names(self, path: str) -> list[str] | None:
         """The names of directory ``path``, if a leased listing of it is still valid."""
         entry = self._lists.get(path)
-        if entry is None or entry[0] < time.monotonic():
+        if entry is None:
+            return None
+        if entry[0] < time.monotonic():
+            with self._lock:
+                if self._lists.get(path) is entry:
+                    self._drop_names(path)
             return None
         return list(entry[1])
 
@@ -97,15 +125,51 @@ class AttrCache:
                     or not (lease_ms > 0 and lease_id and self.leasing)):
                 return
             self._drop_names(path)
-            while len(self._lists) >= self.max_entries:
-                self._drop_names(next(iter(self._lists)))
-            self._lists[path] = (sent + lease_ms / 1000, list(names), lease_id)
+            kept = list(names)
+            self._lists[path] = (sent + lease_ms / 1000, kept, lease_id)
             self._list_by_lease[lease_id] = path
+            self._account(("l", path), LISTING_BYTES + sys.getsizeof(path) + sys.getsizeof(kept)
+                          + sum(map(sys.getsizeof, kept)))
 
     def _drop_names(self, path: str) -> None:
         entry = self._lists.pop(path, None)
         if entry is not None:
             self._list_by_lease.pop(entry[2], None)
+            self.nbytes -= self._sizes.pop(("l", path))
+
+    def _clear_names(self) -> None:
+        for path in list(self._lists):
+            self._drop_names(path)
+
+    # -- bounds --------------------------------------------------------------------------------
+    def _account(self, key: tuple[str, str], size: int) -> None:
+        """Count a stored entry's bytes, purge what expired (when due), and past
+        :attr:`max_bytes` drop the oldest entries until the cache fits again."""
+        self._sizes[key] = size
+        self.nbytes += size
+        self._purge(time.monotonic())
+        while self.nbytes > self.max_bytes and self._sizes:
+            kind, path = next(iter(self._sizes))
+            if kind == "a":
+                self._drop(path)
+            else:
+                self._drop_names(path)
+
+    def _purge(self, now: float) -> None:
+        if now < self._next_purge:
+            return
+        self._next_purge = now + PURGE_EVERY
+        for path in [p for p, entry in self._by_path.items() if entry[0] < now]:
+            self._drop(path)
+        for path in [p for p, entry in self._lists.items() if entry[0] < now]:
+            self._drop_names(path)
+
+    def purge(self) -> None:
+        """Drop expired entries and listings (a sweep every :data:`PURGE_EVERY` s at most)."""
+        now = time.monotonic()
+        if now >= self._next_purge:
+            with self._lock:
+                self._purge(now)
 
     def token(self) -> tuple[int, int]:
         """Taken before a lookup is sent, handed to :meth:`put` with its answer."""
@@ -132,14 +196,18 @@ class AttrCache:
 
     def _store(self, path: str, attr: Attr, expires: float, lease_id: int) -> None:
         self._drop(path)
-        while len(self._by_path) >= self.max_entries:
-            self._drop(next(iter(self._by_path)))
         self._by_path[path] = (expires, attr, lease_id)
         self._by_ino.setdefault(attr.ino, set()).add(path)
         if lease_id:
             self._by_lease[lease_id] = path
         if attr.is_dir:
             self._dirs.add(path)
+        size = ENTRY_BYTES + sys.getsizeof(path)
+        if attr.layout is not None:
+            size += sys.getsizeof(attr.layout) + sys.getsizeof(attr.layout.chains)
+        if attr.target is not None:
+            size += sys.getsizeof(attr.target)
+        self._account(("a", path), size)
 
     def _drop(self, path: str) -> None:
         entry = self._by_path.pop(path, None)
@@ -152,6 +220,7 @@ class AttrCache:
             if entry[2]:
                 self._by_lease.pop(entry[2], None)
             self._dirs.discard(path)
+            self.nbytes -= self._sizes.pop(("a", path))
 
     def _drop_ino(self, ino: int) -> None:
         for path in list(self._by_ino.get(ino, ())):
@@ -164,6 +233,8 @@ class AttrCache:
         self._dirs.clear()
         self._lists.clear()
         self._list_by_lease.clear()
+        self._sizes.clear()
+        self.nbytes = 0
 
     # -- this client's mutations ---------------------------------------------------------------
     def begin(self, msg: Message[Any]) -> None:
@@ -177,13 +248,16 @@ class AttrCache:
         with self._lock:
             self.mutations += 1
             self.inflight -= 1
-            if isinstance(msg, (m.CreatePath, m.UnlinkPath)) and not isinstance(reply, BaseException):
+            # A removed symlink may be on the way of any cached path (``/d/link/x``, or
+            # ``/e/l/x`` with ``/e/l -> /d/link``), and the service tells other clients only:
+            # everything goes. A file has nothing under it; its other names share its inode.
+            if (isinstance(msg, (m.CreatePath, m.UnlinkPath)) and not isinstance(reply, BaseException)
+                    and not reply.attr.is_symlink):
                 self._drop(msg.path)
                 self._drop_ino(reply.attr.ino)
                 for path in list(self._dirs):
                     self._drop(path)
-                self._lists.clear()  # the directory that gained or lost a name
-                self._list_by_lease.clear()
+                self._clear_names()  # the directory that gained or lost a name
                 if isinstance(msg, m.CreatePath) and self.timeout > 0:
                     self._store(msg.path, reply.attr, time.monotonic() + self.timeout, 0)
             else:
@@ -209,8 +283,7 @@ class AttrCache:
             self.leasing = False
             for path in [p for p, (_, _a, lease) in self._by_path.items() if lease]:
                 self._drop(path)
-            self._lists.clear()
-            self._list_by_lease.clear()
+            self._clear_names()
 
     def watching(self) -> None:
         """The watch is live: stats may ask for leases."""
@@ -222,11 +295,15 @@ class LeaseWatch:
     """The thread that keeps ``WatchLeases`` in flight for ``core``'s :class:`AttrCache`.
 
     Its connection is its own (the pooled metadata connections keep their pipelining); the
-    next call acknowledges what the last answer named, once the cache dropped it.
+    next call acknowledges what the last answer named, once the cache dropped it. It keeps
+    what it needs of ``core`` (its configuration, client id and request ids), never the
+    core itself: a client dropped without ``close()`` is then collected, and closed by its
+    finalizer (``fsclient.core._client``).
     """
 
     def __init__(self, core: Any, cache: AttrCache):  # core: the ClientCore (which imports this module)
-        self.core, self.cache = core, cache
+        self.cache = cache
+        self._config, self._client_id, self._ids = core.config, core.client_id, core._ids
         self._stop = threading.Event()
         self._conn: Any = None
         self._thread = threading.Thread(target=self._run, name="stripefs-lease-watch", daemon=True)
@@ -234,7 +311,9 @@ class LeaseWatch:
 
     def close(self) -> None:
         """Stop watching: every leased entry is dropped, and the service told to forget this
-        client's leases (so nobody's change waits for them to run out)."""
+        client's leases (so nobody's change waits for them to run out). Idempotent."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self.cache.lost()
         conn = self._conn
@@ -244,6 +323,8 @@ class LeaseWatch:
             except (StripefsError, OSError):
                 pass  # the leases run out on their own
             conn.close()  # the call in flight fails at once
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=2.0)  # it ends once its call failed (or its connect returned)
 
     def _lost(self) -> None:
         self.cache.lost()
@@ -258,9 +339,9 @@ class LeaseWatch:
                 log.warning("the lease listener failed", exc_info=True)
 
     def _connect(self) -> Connection:
-        core = self.core
-        return Connection(core.config.addresses[0], core.config.secret, core.client_id, expect_role="metadata",
-                          ids=core._ids, role=core.config.role)
+        config = self._config
+        return Connection(config.addresses[0], config.secret, self._client_id, expect_role="metadata",
+                          ids=self._ids, role=config.role)
 
     def _run(self) -> None:
         after = 0
@@ -295,3 +376,4 @@ class LeaseWatch:
                 self._tell("invalidated", reply.lease_ids)
             after = reply.seq  # acknowledged by the next call
             self.cache.watching()
+            self.cache.purge()  # expired entries go even while the client is idle

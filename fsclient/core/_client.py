@@ -113,6 +113,15 @@ def _umask() -> int:
     return mask
 
 
+def _collected(core: ClientCore) -> None:
+    """A :class:`Client` was collected without ``close()``: close its core on a thread of its
+    own (the collection may run on any thread, even one inside a lock the close takes)."""
+    try:
+        threading.Thread(target=core.close, name="stripefs-client-close", daemon=True).start()
+    except RuntimeError:  # the interpreter is going away: no new thread
+        core.close()
+
+
 class Client:
     """Connect to a stripefs cluster.
 
@@ -153,12 +162,18 @@ class Client:
             self._core.attrs = AttrCache(attr_timeout)
             self._core.leases = leases
         self._session = os.urandom(16)  # owner of this client's leases
-        self._leases: weakref.WeakSet[Lease] = weakref.WeakSet()
+        self._leases: weakref.WeakSet[Lease] = self._core.locks  # released by close, at exit or once collected
         self._reservations = Reservations()  # inode numbers reserved ahead for whole files
+        # Dropped without close(): its watch thread, sockets and leases go when it is
+        # collected (nothing of the client's own is kept by them: the finalizer holds the core);
+        # at interpreter exit _core's hook gives back the leases of every client still open.
+        self._finalizer = weakref.finalize(self, _collected, self._core)
+        self._finalizer.atexit = False
+        self._core.owner = weakref.ref(self)  # a held Lease keeps its client (_lease.Lease)
 
     def close(self) -> None:
-        for lease in list(self._leases):  # the session ends: its leases go with it
-            lease.release()
+        """Release this client's leases (locks and attribute leases) and close its connections."""
+        self._finalizer.detach()
         self._core.close()
 
     def lease(self, key: str, ttl: float = 10.0, *, wait: bool = True, timeout: float | None = None) -> Lease:
@@ -558,10 +573,9 @@ class Client:
             return f.pread(size, offset)
 
     def write_bytes(self, path: str, data: bytes | memoryview, *, exclusive: bool = False) -> None:
-        """Write a whole file: its bytes first, then its name and length in one metadata
-        transaction (``_wholefiles``), so it appears whole or not at all; an existing
-        regular file is replaced, as by a rename over it. A symlink or special file at
-        ``path`` is opened and written through instead (as ``open(path, "wb")``).
+        """Write a whole file. A new file: its bytes first, then its name and length in
+        one metadata transaction (``_wholefiles``), so it appears whole or not at all. An
+        existing one is written in place, as ``open(path, "wb")`` does.
 
         Raises:
             StripefsError: EEXIST (``exclusive``), EISDIR, ENOENT/ENOTDIR (parent), and
@@ -571,16 +585,14 @@ class Client:
         (result,) = write_files(self, [(p, data)], mode=0o666 & ~_umask(), exclusive=exclusive,
                                 pool=self._reservations)
         if isinstance(result, StripefsError):
-            if result.code != ErrorCode.EXISTS or exclusive:
-                raise result
-            with self.open(p, "wb") as f:  # a symlink (followed) or a special file
-                f.write(data)
+            raise result
 
     def write_files(self, files: "Sequence[tuple[str, bytes | bytearray | memoryview]] | dict[str, Any]", *,
                     mode: int = 0o644, exclusive: bool = False) -> list[Attr | StripefsError]:
-        """Write many whole files at once: every file's bytes in parallel, then names and
-        lengths in one metadata transaction per 200 files (see :meth:`write_bytes`). The
-        fast way to upload many small files (datasets, checkpoint shards).
+        """Write many whole files at once: every new file's bytes in parallel, then names
+        and lengths in one metadata transaction per 200 files; files that exist are
+        written in place (see :meth:`write_bytes`). The fast way to upload many small
+        files (datasets, checkpoint shards).
 
         Args:
             files: ``{path: bytes}`` or ``(path, bytes)`` pairs; each path at most once.
@@ -589,8 +601,8 @@ class Client:
 
         Returns:
             Per file, in order: its :class:`Attr`, or the error (not raised) it met: a
-            write that failed, ``FileNotFoundError`` for a missing parent, ``FileExistsError``
-            for a name held by a directory, symlink or (``exclusive``) file...
+            write that failed, ``FileNotFoundError`` for a missing parent,
+            ``FileExistsError`` (``exclusive``) or ``IsADirectoryError``...
 
         Raises:
             StripefsError: EINVAL for a path :func:`normpath` refuses or given twice.

@@ -89,11 +89,11 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def _release_leases_at_exit() -> None:
     """A process that exits without closing its clients still tells the metadata service
-    its leases are gone (else others' changes to what it held wait for them to run out)."""
+    its leases are gone: attribute leases (else others' changes to what it held wait for
+    them to run out) and lease locks (else others wait for their TTL)."""
     for core in list(_LIVE):
-        watch = core._watch
-        if watch is not None and core.pid == my_pid():
-            watch.close()
+        if core.pid == my_pid():
+            core.release_leases()
 
 
 atexit.register(_release_leases_at_exit)
@@ -192,6 +192,8 @@ class ClientCore:
         self.attrs: "AttrCache | None" = None  # set by Client(attr_timeout=..., leases=...): told of every mutation
         self.leases = False  # ask for attribute leases (Client(leases=True)): the watch starts with the first stat
         self._watch: LeaseWatch | None = None
+        self.locks: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the Lease locks held through this core
+        self.owner: Callable[[], Any] = lambda: None  # the Client of this core (a weak reference)
         self.meta_health = MetaHealth()  # answered before? waiting now? (how metadata retries behave)
         self._init_state()
         _LIVE.add(self)
@@ -233,10 +235,19 @@ class ClientCore:
                     self._watch = LeaseWatch(self, cache)
         return cache
 
-    def close(self) -> None:
-        if self._watch is not None and my_pid() == self.pid:
-            self._watch.close()
+    def release_leases(self) -> None:
+        """Give back the lease locks held through this core and stop its lease watch (the
+        service forgets its attribute leases); a forked child gives back nothing."""
+        for lock in list(self.locks):  # a forked child's release is a no-op
+            lock.release()
+        watch = self._watch
+        if watch is not None and my_pid() == self.pid:
+            watch.close()
             self._watch = None
+
+    def close(self) -> None:
+        """:meth:`release_leases`, then close every connection (their threads end with them)."""
+        self.release_leases()
         self._data.close()  # in a forked child the pools only forget the parent's sockets
         self._meta.close()
 

@@ -4,8 +4,10 @@
     ...     write_checkpoint(fencing_token=lease.token)
 
 The metadata service keeps the lease (``stripefs.metadata._locks``); a thread renews it
-at a third of its TTL while it is held. Closing the client releases its leases;
-a holder that dies stops renewing, and the lease expires after its TTL.
+at a third of its TTL while it is held. Closing the client releases its leases
+(so does the process's exit, and a client collected without ``close()``; a held
+lease keeps its client from being collected); a holder that dies stops renewing,
+and the lease expires after its TTL.
 
 Caveats:
     * Advisory: it excludes other lease holders, not other writers.
@@ -41,6 +43,9 @@ class Lease:
         self.ttl = ttl
         self._core = core
         self._owner = owner
+        # The client the lease was taken through stays open while the lease is held
+        # (``Client(...).lease(key)``), not collected and closed under it (fsclient.core._client).
+        self._client = core.owner()
         self._pid = os.getpid()
         self._deadline = time.monotonic() + ttl  # our conservative view of the expiry
         self._stop = threading.Event()
@@ -80,6 +85,7 @@ class Lease:
             self._core.call(m.ReleaseLock(key=self.key, owner=self._owner))
         except OSError as exc:  # it expires by itself
             log.info("releasing lease %r failed (it will expire): %s", self.key, exc)
+        self._client = None
 
     def __enter__(self) -> "Lease":
         return self
