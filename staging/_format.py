@@ -35,14 +35,15 @@ import torch
 __all__ = [
     "FORMAT", "VERSION", "BASE_VERSION", "CHECK_CHUNK", "MANIFEST", "ChecksumError", "CheckpointConflict",
     "TensorEntry", "Plan", "plan_state_dict", "decode_tree", "chunk_crcs", "dtype_from_name",
-    "manifest_bytes", "parse_manifest", "plain_name",
+    "manifest_bytes", "manifest_with", "parse_manifest", "plain_name",
 ]
 
 FORMAT = "stripefs-checkpoint"
-VERSION = 3  # the newest version this reader knows
+VERSION = 4  # the newest version this reader knows
 # 2: the manifest carries its own CRC32C (version 1, without it, is still read). 3: shared
-# storages (view entries), more dtypes and tree tags. A writer writes 2 unless it uses a
-# version 3 feature, so that readers of version 2 still read every checkpoint they can.
+# storages (view entries), more dtypes and tree tags. 4: tensor entries say ``param``
+# (an nn.Parameter) and ``requires_grad``. A writer writes the lowest version whose features
+# it uses, so that older readers still read every checkpoint they can.
 BASE_VERSION = 2
 MANIFEST = "manifest.json"
 CHECKSUM_KEY = "manifest_crc32c"
@@ -161,13 +162,21 @@ class TensorEntry:
     base: int | None = None
     byte_offset: int = 0
     stride: list[int] | None = None
+    param: bool = False  # an nn.Parameter (version 4)
+    requires_grad: bool = False  # (version 4)
 
     def index_record(self) -> dict[str, Any]:
         if self.base is not None:
-            return {"base": self.base, "byte_offset": self.byte_offset, "nbytes": self.nbytes, "dtype": self.dtype,
-                    "shape": self.shape, "stride": self.stride, "numpy": False}
-        return {"file": self.file, "offset": self.offset, "nbytes": self.nbytes, "dtype": self.dtype,
-                "shape": self.shape, "numpy": self.numpy, "crc32c": self.crc}
+            rec = {"base": self.base, "byte_offset": self.byte_offset, "nbytes": self.nbytes, "dtype": self.dtype,
+                   "shape": self.shape, "stride": self.stride, "numpy": False}
+        else:
+            rec = {"file": self.file, "offset": self.offset, "nbytes": self.nbytes, "dtype": self.dtype,
+                   "shape": self.shape, "numpy": self.numpy, "crc32c": self.crc}
+        if self.param:  # only when set: a checkpoint without them stays readable by older readers
+            rec["param"] = True
+        if self.requires_grad:
+            rec["requires_grad"] = True
+        return rec
 
 
 @dataclass
@@ -204,6 +213,17 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     return lo, lo + (sum(int(n - 1) * int(st) for n, st in zip(t.shape, t.stride())) + 1) * isz
 
 
+def _keeps_layout(t: torch.Tensor) -> bool:
+    """Whether ``t`` is stored as the bytes of its storage it spans, with its strides, instead of
+    contiguously: it is not contiguous, and that span is no larger than its own bytes (a dense
+    permutation such as channels_last or a transpose, or stride-0 dimensions). A slice with
+    gaps is stored contiguously: its span would store bytes nobody saved."""
+    if t.is_contiguous() or not t.numel():
+        return False
+    lo, hi = _byte_span(t)
+    return hi - lo <= t.numel() * t.element_size()
+
+
 def plan_state_dict(state: Any, shard_bytes: int = DEFAULT_SHARD) -> Plan:
     """Encode ``state`` into a tagged tree and assign every tensor an aligned slot.
 
@@ -219,6 +239,7 @@ def plan_state_dict(state: Any, shard_bytes: int = DEFAULT_SHARD) -> Plan:
     """
     plan = Plan(tree=None)
     objects: list[tuple[torch.Tensor, bool]] = []  # (tensor as stored, from numpy), by tree index
+    autograd: dict[int, tuple[bool, bool]] = {}  # tree index -> (nn.Parameter, requires_grad)
     seen: dict[int, int] = {}  # id(tensor) -> index: the very same object is stored once
     keep: list[Any] = []  # holds keys of ``seen`` alive so that ids stay unique
     np = sys.modules.get("numpy")  # no numpy imported: no numpy values to handle
@@ -249,9 +270,12 @@ def plan_state_dict(state: Any, shard_bytes: int = DEFAULT_SHARD) -> Plan:
         if name not in _DTYPES and name not in _DTYPES_V3:
             raise bad(path, f"dtype {name} is not supported by the checkpoint format")
         if name in _DTYPES_V3:
-            plan.version = 3
+            plan.version = max(plan.version, 3)
         keep.append(orig)
         seen[id(orig)] = len(objects)
+        if not is_numpy and (type(orig) is torch.nn.Parameter or orig.requires_grad):
+            autograd[len(objects)] = (type(orig) is torch.nn.Parameter, bool(orig.requires_grad))
+            plan.version = max(plan.version, 4)
         objects.append((t, is_numpy))
         return {"t": len(objects) - 1}
 
@@ -268,7 +292,7 @@ def plan_state_dict(state: Any, shard_bytes: int = DEFAULT_SHARD) -> Plan:
                 and (getattr(v, "tzinfo", None) is None or back.tzname() == v.tzname())
         if not same:
             raise bad(path, f"{type(v).__name__} {v!r:.60} does not round-trip")
-        plan.version = 3
+        plan.version = max(plan.version, 3)
         return node
 
     def items(v: Any, path: tuple[Any, ...]) -> list[list[Any]]:
@@ -305,19 +329,19 @@ def plan_state_dict(state: Any, shard_bytes: int = DEFAULT_SHARD) -> Plan:
             factory = next((n for n, f in _FACTORIES.items() if f is v.default_factory), None)
             if factory is None:
                 raise bad(path, f"defaultdict with default_factory {v.default_factory!r:.40} (only builtin types load back)")
-            plan.version = 3
+            plan.version = max(plan.version, 3)
             return {"dd": [factory, items(v, path)]}
         if type(v) is argparse.Namespace:
-            plan.version = 3
+            plan.version = max(plan.version, 3)
             return {"ns": items(vars(v), path)}
         if type(v) is slice:
-            plan.version = 3
+            plan.version = max(plan.version, 3)
             return {"sl": [enc(v.start, path + ("start",)), enc(v.stop, path + ("stop",)), enc(v.step, path + ("step",))]}
         if type(v) is range:
-            plan.version = 3
+            plan.version = max(plan.version, 3)
             return {"rg": [v.start, v.stop, v.step]}
         if type(v) is frozenset:
-            plan.version = 3
+            plan.version = max(plan.version, 3)
             return {"fz": [enc(x, path + (i,)) for i, x in enumerate(v)]}
         if type(v) is datetime.datetime:
             return checked(path, v, {"dtm": [v.isoformat(), v.fold]})
@@ -342,6 +366,8 @@ def plan_state_dict(state: Any, shard_bytes: int = DEFAULT_SHARD) -> Plan:
 
     plan.tree = enc(state, ())
     _lay_out(plan, objects, shard_bytes)
+    for i, (param, grad) in autograd.items():  # plan.tensors[i] is tree object i
+        plan.tensors[i].param, plan.tensors[i].requires_grad = param, grad
     return plan
 
 
@@ -349,7 +375,10 @@ def _lay_out(plan: Plan, objects: list[tuple[torch.Tensor, bool]], shard_bytes: 
     """Fill ``plan.tensors`` (index i: object i of the tree, then shared storages) and the files.
 
     Tensors whose bytes overlap in one storage form a group, stored once as the storage bytes
-    they span (an entry of its own, after the objects) and indexed as views of it.
+    they span (an entry of its own, after the objects) and indexed as views of it. So is a
+    tensor alone in its storage whose layout is not contiguous but spans no more bytes than it
+    holds (:func:`_keeps_layout`: channels_last, a transpose, an expanded tensor), so that it
+    loads with its strides: its memory format, or its stride-0 dimensions, unexpanded.
     """
     entries: list[TensorEntry | None] = [None] * len(objects)
     by_storage: dict[tuple[Any, int], list[int]] = {}
@@ -362,7 +391,7 @@ def _lay_out(plan: Plan, objects: list[tuple[torch.Tensor, bool]], shard_bytes: 
             by_storage.setdefault(key, []).append(i)
     bases: list[TensorEntry] = []
     for members in by_storage.values():
-        if len(members) < 2:
+        if len(members) < 2 and not _keeps_layout(objects[members[0]][0]):
             continue
         spans = sorted((_byte_span(objects[i][0]), i) for i in members)
         groups: list[tuple[int, int, list[int]]] = []
@@ -373,7 +402,7 @@ def _lay_out(plan: Plan, objects: list[tuple[torch.Tensor, bool]], shard_bytes: 
             else:
                 groups.append((lo, hi, [i]))
         for lo, hi, g in groups:
-            if len(g) < 2:
+            if len(g) < 2 and not _keeps_layout(objects[g[0]][0]):
                 continue
             lo -= lo % 16  # every view's offset stays a multiple of its item size (at most 16)
             src = objects[g[0]][0]
@@ -385,7 +414,7 @@ def _lay_out(plan: Plan, objects: list[tuple[torch.Tensor, bool]], shard_bytes: 
                 entries[i] = TensorEntry(None, 0, 0, t.numel() * t.element_size(), str(t.dtype).removeprefix("torch."),
                                          list(t.shape), base=j, byte_offset=int(t.storage_offset()) * t.element_size() - lo,
                                          stride=list(t.stride()))
-            plan.version = 3
+            plan.version = max(plan.version, 3)
     for i, (t, is_numpy) in enumerate(objects):
         if entries[i] is None:
             entries[i] = TensorEntry(t, 0, 0, t.numel() * t.element_size(), str(t.dtype).removeprefix("torch."),
@@ -509,6 +538,25 @@ def manifest_bytes(manifest: dict[str, Any]) -> bytes:
     return body[:-1] + sep + b'"%s":%d}' % (CHECKSUM_KEY.encode(), crc32c.crc32c(body))
 
 
+def manifest_with(raw: bytes, key: str, value: Any) -> bytes:
+    """``raw`` (a checksummed manifest) with ``key`` set to ``value``, its checksum recomputed.
+
+    For what only the commit knows (``durability``): the bytes before are kept as they are, the
+    key is appended (replacing one already there), no tensor index is re-encoded.
+    """
+    tail = _CHECKSUM_TAIL.search(raw)
+    if tail is None:
+        raise ValueError("manifest has no checksum")
+    body = raw[: tail.start()] + b"}"
+    if b'"%s":' % key.encode() in body and key in json.loads(body):  # parsed only when it may be there
+        man = json.loads(body)
+        man.pop(key)
+        body = json.dumps(man, separators=(",", ":"), allow_nan=False).encode()
+    extra = json.dumps({key: value}, separators=(",", ":"), allow_nan=False).encode()
+    body = body[:-1] + (b"," if body != b"{}" else b"") + extra[1:]
+    return body[:-1] + b',"%s":%d}' % (CHECKSUM_KEY.encode(), crc32c.crc32c(body))
+
+
 _CHECKSUM_TAIL = re.compile(rb'(,?)"' + CHECKSUM_KEY.encode() + rb'":(\d+)\}\s*$')
 _CKPT_ID = re.compile(r"[0-9a-f]{32}")
 
@@ -599,6 +647,8 @@ def _validate(man: dict[str, Any], where: str) -> None:
     if not isinstance(tensors, list) or "tree" not in man:
         raise bad("tensors or tree missing")
     for i, e in enumerate(tensors):
+        if isinstance(e, dict):
+            _validate_autograd(i, e, bad)
         if isinstance(e, dict) and "base" in e:
             _validate_view(i, e, tensors, bad)
             continue
@@ -613,6 +663,22 @@ def _validate(man: dict[str, Any], where: str) -> None:
             raise bad(f"tensor {i}: unsupported dtype {e.get('dtype')!r:.20}") from None
         if not isinstance(shape, list) or not all(count(d) for d in shape) or math.prod(shape) * itemsize != nbytes:
             raise bad(f"tensor {i}: shape {shape!r:.60} does not match nbytes")
+
+
+def _validate_autograd(i: int, e: dict[str, Any], bad: Any) -> None:
+    """``param`` / ``requires_grad`` (version 4): booleans; gradients only for float/complex tensors."""
+    for key in ("param", "requires_grad"):
+        if key in e and type(e[key]) is not bool:
+            raise bad(f"tensor {i}: {key} is not a boolean")
+    if (e.get("param") or e.get("requires_grad")) and e.get("numpy"):
+        raise bad(f"tensor {i}: a numpy array cannot be a parameter")
+    if e.get("requires_grad"):
+        try:
+            dt = dtype_from_name(e.get("dtype") if isinstance(e.get("dtype"), str) else "")
+        except ValueError:
+            return  # reported as an unsupported dtype by the caller
+        if not (dt.is_floating_point or dt.is_complex):
+            raise bad(f"tensor {i}: requires_grad on a {e.get('dtype')} tensor")
 
 
 def _validate_view(i: int, e: dict[str, Any], tensors: list[Any], bad: Any) -> None:

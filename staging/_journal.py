@@ -44,7 +44,7 @@ CREATE TABLE IF NOT EXISTS ckpt (
     id TEXT PRIMARY KEY, url TEXT NOT NULL, cluster TEXT, local_dir TEXT NOT NULL, state TEXT NOT NULL,
     step INTEGER, pinned INTEGER NOT NULL DEFAULT 0, keep_local INTEGER, keep_remote INTEGER,
     created REAL NOT NULL, committed REAL, error TEXT, attempts INTEGER NOT NULL DEFAULT 0,
-    kind TEXT NOT NULL DEFAULT 'state_dict'
+    kind TEXT NOT NULL DEFAULT 'state_dict', durability TEXT
 );
 CREATE TABLE IF NOT EXISTS file (
     ckpt TEXT NOT NULL, name TEXT NOT NULL, size INTEGER NOT NULL, crc INTEGER NOT NULL,
@@ -53,6 +53,10 @@ CREATE TABLE IF NOT EXISTS file (
 );
 """
 
+# Named, never SELECT *: what a row reads does not depend on how the table grew (ALTER TABLE).
+_COLUMNS = ("id, url, cluster, local_dir, state, step, pinned, keep_local, keep_remote, created, committed, error, "
+            "attempts, kind, durability")
+
 
 def fault_point(name: str) -> None:
     """Test hook: ``STRIPEFS_STAGING_KILL_AT=name[:n]`` SIGKILLs this process at the n-th hit.
@@ -60,11 +64,18 @@ def fault_point(name: str) -> None:
     ``STRIPEFS_STAGING_TRACE=FILE`` appends every point passed to FILE, one name a line, so a
     kill sweep can enumerate the points (and hit counts) of a run instead of guessing them.
     Kill tests use these to stop a trainer or mover at an exact step; unset, each costs a dict lookup.
+
+    ``STRIPEFS_STAGING_FAIL_AT=name[,name...]`` raises a transient ``ConnectionError`` at every hit of
+    those points while it is set, instead of killing: an upload that fails its retries (and is left
+    ``staged`` for a later mover pass) without any fault in the store.
     """
     trace = os.environ.get("STRIPEFS_STAGING_TRACE")
     if trace:
         with open(trace, "a") as f:  # O_APPEND: threads and processes never interleave a line
             f.write(name + "\n")
+    fail = os.environ.get("STRIPEFS_STAGING_FAIL_AT")
+    if fail and name in fail.split(","):
+        raise ConnectionError(f"injected transient failure at {name} (STRIPEFS_STAGING_FAIL_AT)")
     spec = os.environ.get("STRIPEFS_STAGING_KILL_AT")
     if not spec:
         return
@@ -106,6 +117,7 @@ class CkptRow:
     error: str | None
     attempts: int
     kind: str
+    durability: str | None = None  # JSON of a _replicas.Durability, set at the commit
 
 
 def _wal(db: sqlite3.Connection) -> None:
@@ -157,6 +169,18 @@ class Journal:
         self.path = os.path.join(self.dir, "journal.sqlite")
         self._local = threading.local()
         self._db().executescript(_SCHEMA)  # idempotent; executescript manages its own transaction
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Columns added since a journal was created (a staging directory outlives upgrades)."""
+        db = self._db()
+        have = {r[1] for r in db.execute("PRAGMA table_info(ckpt)").fetchall()}
+        if "durability" not in have:
+            try:
+                db.execute("ALTER TABLE ckpt ADD COLUMN durability TEXT")
+            except sqlite3.OperationalError as exc:  # another process added it first
+                if "duplicate column" not in str(exc):
+                    raise
 
     def _db(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
@@ -179,9 +203,10 @@ class Journal:
     # -- writes ---------------------------------------------------------------------------
     def begin(self, row: CkptRow, files: list[FileRow]) -> None:
         with self._tx() as db:
-            db.execute("INSERT INTO ckpt VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)", (
+            db.execute(f"INSERT INTO ckpt ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", (
                 row.id, row.url, row.cluster, row.local_dir, row.state, row.step, int(row.pinned),
-                row.keep_local, row.keep_remote, row.created, row.committed, row.error, row.attempts, row.kind))
+                row.keep_local, row.keep_remote, row.created, row.committed, row.error, row.attempts, row.kind,
+                row.durability))
             db.executemany("INSERT INTO file VALUES (?,?,?,?,?,?,?)", [
                 (row.id, f.name, f.size, f.crc, f.chunk, json.dumps(f.chunk_crcs), f.done) for f in files])
 
@@ -190,11 +215,12 @@ class Journal:
             db.executemany("INSERT OR REPLACE INTO file VALUES (?,?,?,?,?,?,?)", [
                 (ckpt_id, f.name, f.size, f.crc, f.chunk, json.dumps(f.chunk_crcs), f.done) for f in files])
 
-    def set_state(self, ckpt_id: str, state: str, error: str | None = None) -> None:
+    def set_state(self, ckpt_id: str, state: str, error: str | None = None, durability: str | None = None) -> None:
+        """``durability``: what the commit was durable on (JSON, see ``_replicas``), for ``committed``."""
         with self._tx() as db:
             committed = time.time() if state == "committed" else None
-            db.execute("UPDATE ckpt SET state=?, error=?, committed=COALESCE(?, committed) WHERE id=?",
-                       (state, error, committed, ckpt_id))
+            db.execute("UPDATE ckpt SET state=?, error=?, committed=COALESCE(?, committed), "
+                       "durability=COALESCE(?, durability) WHERE id=?", (state, error, committed, durability, ckpt_id))
 
     def note_error(self, ckpt_id: str, error: str) -> None:
         with self._tx() as db:
@@ -237,9 +263,10 @@ class Journal:
         return [FileRow(n, s, c, ch, json.loads(cc), d) for n, s, c, ch, cc, d in cur.fetchall()]
 
     def _rows(self, where: str, args: tuple[Any, ...]) -> Iterator[CkptRow]:
-        cur = self._db().execute(f"SELECT * FROM ckpt {where}", args)
+        cur = self._db().execute(f"SELECT {_COLUMNS} FROM ckpt {where}", args)
         for r in cur.fetchall():
-            yield CkptRow(r[0], r[1], r[2], r[3], r[4], r[5], bool(r[6]), r[7], r[8], r[9], r[10], r[11], r[12], r[13])
+            yield CkptRow(r[0], r[1], r[2], r[3], r[4], r[5], bool(r[6]), r[7], r[8], r[9], r[10], r[11], r[12], r[13],
+                          r[14])
 
 
 class _Tx:

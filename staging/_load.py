@@ -224,6 +224,11 @@ def _materialize(src: _Source, man: dict[str, Any], verify: bool, map_location: 
             dt = dtype_from_name(e["dtype"])
             tensors[i] = torch.empty(0, dtype=dt, device=base.device).set_(
                 base.untyped_storage(), e["byte_offset"] // dt.itemsize, e["shape"], e["stride"])
+    for i, e in enumerate(index):  # version 4: parameters and tensors that required grad come back so
+        if e.get("param"):
+            tensors[i] = torch.nn.Parameter(tensors[i], requires_grad=bool(e.get("requires_grad")))
+        elif e.get("requires_grad"):
+            tensors[i].requires_grad_(True)
     values: list[Any] = [t.numpy() if e.get("numpy") else t for t, e in zip(tensors, index)]
     return decode_tree(man["tree"], values)
 

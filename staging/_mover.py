@@ -47,8 +47,9 @@ from stripefs.fsclient import Client, normpath
 from stripefs.wire import ErrorCode, StripefsError
 
 from ._durable import process_umask
-from ._format import MANIFEST, CheckpointConflict, CheckpointSuperseded, ChecksumError, parse_manifest
+from ._format import MANIFEST, CheckpointConflict, CheckpointSuperseded, ChecksumError, manifest_with, parse_manifest
 from ._journal import CkptRow, FileRow, Journal, fault_point
+from ._replicas import Durability, durability_of
 from ._verify import file_problems, stored_problem
 
 __all__ = ["MoverOptions", "Uploader", "SnapshotViews", "checkpoint_path", "remote_paths", "remove_tree", "client_for",
@@ -253,6 +254,7 @@ class Uploader:
     manifest: Callable[[], bytes] | None = None
     on_progress: Callable[[int], None] | None = None
     uploaded: int = 0  # bytes sent by this uploader (tests check resume skips done bytes)
+    durability: Durability | None = None  # the store's replication at the commit, once committed
 
     def run(self, wait_local: Callable[[], None] | None = None) -> None:
         """Upload with retries, then commit. ``wait_local`` blocks until the local copy is durable.
@@ -269,8 +271,10 @@ class Uploader:
         client = client_for(self.options.cluster or self.row.cluster)
         final, partial = remote_paths(self.row.url, self.row.id)
         existing = committed_id(client, final)
-        if existing == self.row.id:
-            self.journal.set_state(self.row.id, "committed")
+        if existing == self.row.id:  # committed by an earlier attempt whose journal update was lost
+            self.durability = _recorded_durability(client, final)
+            self.journal.set_state(self.row.id, "committed",
+                                   durability=self.durability.to_json() if self.durability else None)
             remove_tree(client, partial)  # what a commit that replaced an earlier save left there
             return
         if existing is not None and not self._replaces(existing):
@@ -399,6 +403,14 @@ class Uploader:
         else:
             with open(os.path.join(self.row.local_dir, MANIFEST), "rb") as fh:
                 raw = fh.read()
+        # What the step is durable on: every file is acknowledged by now, by every serving
+        # target of its chain; the manifest, the journal and the handle say how many those were.
+        self.durability = durability_of(client)
+        if self.durability is not None:
+            raw = manifest_with(raw, "durability", self.durability.record())
+            if not self.durability.full:
+                log.warning("checkpoint %s commits with %s: a chain lost a storage server, so the step is not "
+                            "yet stored with every replica", self.row.url, self.durability)
         client.write_bytes(posixpath.join(partial, MANIFEST), raw)
         _apply_umask(client, posixpath.join(partial, MANIFEST), 0o666)
         fault_point("before_rename")
@@ -418,7 +430,8 @@ class Uploader:
                 client.rename(partial, final, exchange=True)
                 replaced = self.journal.get(other)
         fault_point("after_rename")
-        self.journal.set_state(self.row.id, "committed")
+        self.journal.set_state(self.row.id, "committed",
+                               durability=self.durability.to_json() if self.durability else None)
         if replaced is not None:
             remove_tree(client, partial)
             shutil.rmtree(replaced.local_dir, ignore_errors=True)
@@ -441,6 +454,15 @@ class Uploader:
             raise CheckpointSuperseded(f"checkpoint {self.row.id} of {self.row.url} was superseded by a later save "
                                        f"of the same step (checkpoint {other})", self.row.url)
         return True
+
+
+def _recorded_durability(client: Client, final: str) -> Durability | None:
+    """The durability the committed manifest at ``final`` records (None: it records none)."""
+    try:
+        return Durability.from_record(parse_manifest(client.read_bytes(posixpath.join(final, MANIFEST)),
+                                                     final).get("durability"))
+    except (OSError, ValueError):
+        return None
 
 
 def _file_index(name: str) -> int:

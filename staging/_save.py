@@ -37,6 +37,7 @@ from ._format import CHECK_CHUNK, DEFAULT_SHARD, FORMAT, MANIFEST, chunk_crcs, m
 from ._durable import publish_dir
 from ._journal import CkptRow, FileRow, Journal, fault_point
 from ._mover import MoverOptions, SnapshotViews, Uploader, client_for, remote_paths, remove_tree
+from ._replicas import Durability
 from ._service import Mover, apply_retention
 from ._snapshot import POOL, snapshot
 
@@ -56,6 +57,10 @@ class SaveHandle:
     ``snapshot_wait_s`` is how long the save waited for a snapshot buffer to come free
     (part of ``timings["snapshot"]``); ``extra_buffer`` is True when it took another
     buffer instead, because every buffer was busy and ``snapshot_memory`` allowed one.
+    ``durability`` (a :class:`Durability`, once globally durable) says how many replicas the
+    store had serving at the commit: ``durability.full`` is False when some chain had fewer than
+    the cluster's replica count (the commit also logs a warning); None when the cluster could
+    not say.
     """
 
     def __init__(self, url: str, ckpt_id: str, nbytes: int):
@@ -63,6 +68,7 @@ class SaveHandle:
         self.timings: dict[str, float] = {}
         self.snapshot_wait_s = 0.0
         self.extra_buffer = False
+        self.durability: Durability | None = None
         self._snap, self._local, self._global, self._done = (threading.Event() for _ in range(4))
         self._error: BaseException | None = None
         self._observed = False
@@ -206,7 +212,7 @@ def save(state_dict: Any, url: str, *, staging_dir: str | None = None, compress:
     options = options or MoverOptions(cluster=cluster)
     cluster_spec = cluster or client_for(cluster).config.path
     final, _ = remote_paths(url, "x")  # the URL checked before any work
-    _supersede_leftovers(journal, final)
+    superseded = _supersede_leftovers(journal, final)
     t0 = time.monotonic()
     plan = plan_state_dict(state_dict, shard_bytes)
     buf = snapshot(plan, POOL, snapshot_timeout, snapshot_memory)
@@ -218,20 +224,27 @@ def save(state_dict: Any, url: str, *, staging_dir: str | None = None, compress:
         _handles.append(h)
     row = CkptRow(h.id, normpath(url), cluster_spec, journal.step_dir(h.id), "writing", _step_of(url, step), pin,
                   keep_local, keep_remote, time.time(), None, None, 0, "state_dict")
-    args = (h, journal, row, plan, buf, compress, upload, options)
+    args = (h, journal, row, plan, buf, compress, upload, options, superseded)
     threading.Thread(target=_background, args=args, daemon=True, name="stripefs-save").start()
     if background_mover:
         _ensure_background_mover(staging_dir, options)
     return h
 
 
-def _supersede_leftovers(journal: Journal, url: str) -> None:
+def _supersede_leftovers(journal: Journal, url: str) -> list[CkptRow]:
     """This save supersedes what an earlier save of the same step from this staging
     directory left behind, its writer dead before the upload was done (a run killed and
     resumed from an older step, saving this step again): the leftover is abandoned, so no
     mover commits it over (or before) this one. A leftover that a mover is uploading right
     now (its lock held) is left to the commit: the later save replaces the earlier one
-    (``Uploader._replaces``). Checkpoints of other writers still conflict."""
+    (``Uploader._replaces``). Checkpoints of other writers still conflict.
+
+    Returns:
+        the rows abandoned: the save's thread removes their partial uploads (no mover pass
+        looks at an abandoned row again), off the caller's thread, which must not wait for
+        the store.
+    """
+    out = []
     for row in journal.checkpoints("WHERE url=? AND state IN ('writing','streaming','staged')", (url,)):
         lock = journal.lock(row.id)
         if not lock.try_acquire():
@@ -239,12 +252,14 @@ def _supersede_leftovers(journal: Journal, url: str) -> None:
         try:
             journal.set_state(row.id, "abandoned", "superseded by a later save of the same step")
             shutil.rmtree(row.local_dir, ignore_errors=True)
+            out.append(row)
         finally:
             lock.release()
+    return out
 
 
 def _background(h: SaveHandle, journal: Journal, row: CkptRow, plan: Any, buf: Any, compress: str | None,
-                upload: bool, options: MoverOptions) -> None:
+                upload: bool, options: MoverOptions, superseded: list[CkptRow]) -> None:
     lock = journal.lock(row.id)
     lent: SnapshotViews | None = None
     held = [True]
@@ -280,6 +295,9 @@ def _background(h: SaveHandle, journal: Journal, row: CkptRow, plan: Any, buf: A
                     raise failed
             else:
                 _write_and_upload(h, journal, row, options, lent, records, stored, raw_manifest, release)
+        # Best effort, once this save's own work is done (so an unreachable store does not delay
+        # it) and before wait() returns: what the superseded leftovers had uploaded.
+        _remove_partials(options, superseded)
         if upload:
             # Retention first: when wait() returns, older steps are already trimmed.
             apply_retention(journal, journal.get(row.id) or row, options)
@@ -293,6 +311,8 @@ def _background(h: SaveHandle, journal: Journal, row: CkptRow, plan: Any, buf: A
     finally:
         release()
         lock.release()  # before done(): a mover started after done() can take the checkpoint
+        if h._error is not None:
+            _remove_partials(options, superseded)
         h._done.set()
 
 
@@ -426,6 +446,11 @@ def _write_and_upload(h: SaveHandle, journal: Journal, row: CkptRow, options: Mo
         raise up_box["error"]
 
 
+def _remove_partials(options: MoverOptions, rows: list[CkptRow]) -> None:
+    while rows:
+        _remove_partial(options, rows.pop())
+
+
 def _remove_partial(options: MoverOptions, row: CkptRow) -> None:
     try:
         remove_tree(client_for(options.cluster or row.cluster), remote_paths(row.url, row.id)[1])
@@ -443,7 +468,9 @@ def _upload(h: SaveHandle, journal: Journal, row: CkptRow, options: MoverOptions
 
     t = time.monotonic()
     try:
-        Uploader(journal, row, options, buffers=views, manifest=manifest).run(wait_local if local_ok else None)
+        up = Uploader(journal, row, options, buffers=views, manifest=manifest)
+        up.run(wait_local if local_ok else None)
+        h.durability = up.durability
         h.timings["upload"] = time.monotonic() - t
     except BaseException as exc:
         box["error"] = exc

@@ -88,16 +88,22 @@ def apply_retention(journal: Journal, row: CkptRow, options: MoverOptions) -> No
             _forget(journal, r)
         current = [r for r in current if journal.get(r.id) is not None]
     if row.keep_local is not None:
+        if row.keep_remote is None:  # not checked above: only the rows the local slots need
+            current = _still_there(journal, current, options, enough=row.keep_local)
         for r in current[row.keep_local:]:
             if not r.pinned and os.path.isdir(r.local_dir):
                 _rm_local(r.local_dir)
 
 
-def _still_there(journal: Journal, rows: list[CkptRow], options: MoverOptions) -> list[CkptRow]:
+def _still_there(journal: Journal, rows: list[CkptRow], options: MoverOptions,
+                 enough: int | None = None) -> list[CkptRow]:
     """The rows whose checkpoint is still the one at their URL; the others (their step was
-    deleted, or saved again by another run) are forgotten. Unreachable store: all are kept."""
-    kept = []
-    for r in rows:
+    deleted, or saved again by another run) are forgotten. Unreachable store: all are kept.
+    ``enough``: once that many rows are found there, the rest are kept unchecked."""
+    kept: list[CkptRow] = []
+    for i, r in enumerate(rows):
+        if enough is not None and len(kept) >= enough:
+            return kept + rows[i:]
         try:
             there = committed_id(client_for(options.cluster or r.cluster), normpath(r.url))
         except OSError as exc:

@@ -43,9 +43,13 @@ def cmd_verify(a: argparse.Namespace) -> int:
     except staging.ChecksumError as exc:
         print(f"stripefs ckpt verify: {a.url}: BAD: {exc.strerror}", file=sys.stderr)
         return 1
+    from stripefs.staging._replicas import Durability
+
     total = sum(f["size"] for f in man["files"])
+    dur = Durability.from_record(man.get("durability"))
+    committed = "" if dur is None else f", committed with {dur}"
     print(f"{a.url}: OK (step {_step_label(man, a.url)}, {len(man['files'])} files, {_human(total)}, "
-          "every CRC32C checked)")
+          f"every CRC32C checked{committed})")
     return 0
 
 
@@ -62,11 +66,13 @@ def cmd_latest(a: argparse.Namespace) -> int:
 
 
 def cmd_list(a: argparse.Namespace) -> int:
-    """Every step directory under a prefix: step, size, files, when it was made, its URL."""
+    """Every step directory under a prefix: step, size, files, when it was made, the replicas the
+    store had serving at its commit, its URL."""
     from stripefs import staging
     from stripefs.fsclient.core import normpath
     from stripefs.staging._format import step_order
     from stripefs.staging._mover import client_for
+    from stripefs.staging._replicas import Durability
 
     base = normpath(a.prefix)
     try:
@@ -76,22 +82,28 @@ def cmd_list(a: argparse.Namespace) -> int:
         print(f"stripefs ckpt list: {a.prefix}: no such directory", file=sys.stderr)
         return 1
     newest = staging.latest(a.prefix, cluster=a.cluster)
-    print(f"{'step':>8} {'size':>10} {'files':>6}  {'created':<16}  url")
+    print(f"{'step':>8} {'size':>10} {'files':>6}  {'created':<16} {'replicas':>8}  url")
     for name in sorted((e.name for e in entries), key=step_order):
         url = "stripefs://" + posixpath.join(base, name).lstrip("/")
         try:
             man = staging.read_manifest(url, cluster=a.cluster)
         except FileNotFoundError:
-            print(f"{'-':>8} {'-':>10} {'-':>6}  {'-':<16}  {url}  (not committed)")
+            print(f"{'-':>8} {'-':>10} {'-':>6}  {'-':<16} {'-':>8}  {url}  (not committed)")
             continue
         except staging.ChecksumError as exc:
-            print(f"{'-':>8} {'-':>10} {'-':>6}  {'-':<16}  {url}  (BAD: {exc.strerror})")
+            print(f"{'-':>8} {'-':>10} {'-':>6}  {'-':<16} {'-':>8}  {url}  (BAD: {exc.strerror})")
             continue
         created = man.get("created")
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(created)) if isinstance(created, (int, float)) else "-"
         size = sum(int(f["size"]) for f in man["files"])
         mark = "  (latest)" if url == newest else ""
-        print(f"{_step_label(man, url):>8} {_human(size):>10} {len(man['files']):>6}  {when:<16}  {url}{mark}")
+        # Recorded at the commit since the durability record exists; older steps show '-'.
+        dur = Durability.from_record(man.get("durability"))
+        replicas = "-" if dur is None else f"{dur.serving}/{dur.replicas}"
+        if dur is not None and not dur.full:
+            mark = f"  (DEGRADED: committed with {dur}){mark}"
+        print(f"{_step_label(man, url):>8} {_human(size):>10} {len(man['files']):>6}  {when:<16} {replicas:>8}  "
+              f"{url}{mark}")
     return 0
 
 

@@ -251,3 +251,80 @@ def test_manifest_version_and_hostile_views(cluster, sdir):
         bad["tensors"][1].update(change)
         with pytest.raises(ChecksumError, match="malformed manifest"):
             parse_manifest(manifest_bytes(bad), "hostile")
+
+
+# -- 7. parameters and memory formats ------------------------------------------------------------
+
+def _layout_state() -> dict:
+    p = torch.nn.Parameter(torch.randn(8, 4))
+    return {
+        "p": p, "p_again": p,  # one object: one parameter back
+        "frozen": torch.nn.Parameter(torch.randn(3), requires_grad=False),
+        "grad": torch.randn(5).requires_grad_(),  # a plain leaf that requires grad
+        "cl": torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last),
+        "cl3d": torch.randn(2, 3, 2, 4, 5).contiguous(memory_format=torch.channels_last_3d),
+        "t": torch.randn(6, 7).t(),
+        "expanded": torch.arange(4.0).expand(1000, 4),  # stride 0: 16 bytes of storage
+        "gapped": torch.randn(10, 10)[:, ::3],  # a slice with gaps: loads contiguous
+        "plain": torch.randn(3),
+        "np": np.arange(4.0),
+    }
+
+
+def test_parameters_and_memory_formats_come_back(cluster, sdir):
+    state = _layout_state()
+    h = _stage(state, sdir, cluster)
+    with open(os.path.join(_local(sdir, h), "manifest.json"), "rb") as f:
+        man = parse_manifest(f.read(), "manifest.json")
+    assert man["version"] == 4
+    stored = sum(e["nbytes"] for e in man["tensors"] if "base" not in e)
+    assert stored < state["expanded"].numel() * 4, "the expanded tensor was stored expanded"
+    for loc in (None, "cpu", "meta"):
+        out = staging.load(_local(sdir, h), map_location=loc)
+        assert type(out["p"]) is torch.nn.Parameter and out["p"].requires_grad and out["p_again"] is out["p"]
+        assert type(out["frozen"]) is torch.nn.Parameter and not out["frozen"].requires_grad
+        assert type(out["grad"]) is torch.Tensor and out["grad"].requires_grad and out["grad"].is_leaf
+        assert type(out["plain"]) is torch.Tensor and not out["plain"].requires_grad
+        assert out["cl"].is_contiguous(memory_format=torch.channels_last)
+        assert out["cl3d"].is_contiguous(memory_format=torch.channels_last_3d)
+        for k in ("cl", "cl3d", "t", "expanded"):
+            assert out[k].stride() == state[k].stride(), k
+        assert out["gapped"].is_contiguous() and out["gapped"].shape == state["gapped"].shape
+        if loc != "meta":
+            for k, v in state.items():
+                assert (out[k] == v).all() if k == "np" else torch.equal(out[k].detach(), v.detach()), k
+            assert out["expanded"].untyped_storage().nbytes() == 16
+            assert isinstance(out["np"], np.ndarray)
+
+
+def test_layouts_alone_stay_readable_by_version_3_readers_and_version_4_is_refused_by_them(cluster, sdir,
+                                                                                          monkeypatch):
+    from stripefs.staging import ChecksumError, _format
+
+    def manifest(h) -> bytes:
+        with open(os.path.join(_local(sdir, h), "manifest.json"), "rb") as f:
+            return f.read()
+
+    layouts = manifest(_stage({"cl": torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last)},
+                              sdir, cluster))
+    params = manifest(_stage({"p": torch.nn.Parameter(torch.randn(3))}, sdir, cluster))
+    monkeypatch.setattr(_format, "VERSION", 3)  # a reader from before parameters were recorded
+    assert parse_manifest(layouts, "m")["version"] == 3
+    with pytest.raises(ChecksumError, match="newer than this reader"):
+        parse_manifest(params, "m")
+
+
+def test_hostile_parameter_flags_are_refused(cluster, sdir):
+    import json
+
+    from stripefs.staging import ChecksumError
+    from stripefs.staging._format import manifest_bytes
+
+    h = _stage({"p": torch.nn.Parameter(torch.randn(3)), "i": torch.arange(3)}, sdir, cluster)
+    with open(os.path.join(_local(sdir, h), "manifest.json"), "rb") as f:
+        man = parse_manifest(f.read(), "manifest.json")
+    for i, change in ((0, {"param": 1}), (0, {"requires_grad": "yes"}), (1, {"requires_grad": True})):
+        bad = json.loads(json.dumps(man))
+        bad["tensors"][i].update(change)
+        with pytest.raises(ChecksumError, match="malformed manifest"):
+            parse_manifest(manifest_bytes(bad), "hostile")
