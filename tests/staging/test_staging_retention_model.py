@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import random
-import time
 
 import pytest
 import torch
@@ -220,11 +219,13 @@ def _run(seed: int, keep_remote: int | None, keep_local: int | None, ops: int, c
 CASES = [(1, 2, 2), (2, None, 1), (3, 1, 0), (4, 0, None), (5, 3, 1), (6, None, 2)]
 
 
+# Operations per run: short in `make test`; STRIPEFS_RETENTION_OPS=1000 soaks (each case).
+OPS = int(os.environ.get("STRIPEFS_RETENTION_OPS", "50"))
+
+
 @pytest.mark.parametrize("seed,keep_remote,keep_local", CASES)
 def test_retention_model(cluster, client, testdir, tmp_path, monkeypatch, seed, keep_remote, keep_local):
-    t0 = time.monotonic()
-    _run(seed, keep_remote, keep_local, 80, cluster, client, testdir, tmp_path, monkeypatch)
-    assert time.monotonic() - t0 < 60
+    _run(seed, keep_remote, keep_local, OPS, cluster, client, testdir, tmp_path, monkeypatch)
 
 
 # -- what the model found (each failed before its fix) -------------------------------------------
