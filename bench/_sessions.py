@@ -70,12 +70,15 @@ class _Threads:
 
     _pool: Any = None
 
-    def read_batch(self, paths: list[str], views: list[memoryview]) -> list[int]:
-        from concurrent.futures import ThreadPoolExecutor
-
+    def _threads(self) -> Any:
+        """The session's pool of ``BATCH_THREADS`` threads, made at its first batch."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(BATCH_THREADS, thread_name_prefix="bench-batch")
+            from concurrent.futures import ThreadPoolExecutor
 
+            self._pool = ThreadPoolExecutor(BATCH_THREADS, thread_name_prefix="bench-batch")
+        return self._pool
+
+    def read_batch(self, paths: list[str], views: list[memoryview]) -> list[int]:
         def one(path: str, view: memoryview) -> int:
             r = self.open_read(path, direct=True)  # type: ignore[attr-defined]
             try:
@@ -83,7 +86,7 @@ class _Threads:
             finally:
                 r.close()
 
-        return list(self._pool.map(one, paths, views))
+        return list(self._threads().map(one, paths, views))
 
     def _close_threads(self) -> None:
         if self._pool is not None:
@@ -164,12 +167,9 @@ class NativeSession(_Threads):
         _all_done(self.client.unlink_many([self._p(p) for p in paths]))
 
     def read_batch(self, paths: list[str], views: list[memoryview]) -> list[int]:
-        from concurrent.futures import ThreadPoolExecutor
-
         attrs = _all_done(self.client.stat_many([self._p(p) for p in paths]))
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(BATCH_THREADS, thread_name_prefix="bench-batch")
-        return list(self._pool.map(lambda a, v: self.client.read_into(a.ino, a.layout, a.size, 0, v), attrs, views))
+        return list(self._threads().map(lambda a, v: self.client.read_into(a.ino, a.layout, a.size, 0, v),
+                                        attrs, views))
 
     def close(self) -> None:
         self._close_threads()
