@@ -1,6 +1,11 @@
 """The chunk store of one storage target: chunk files in a local directory.
 
-Layout: ``ROOT/chunks/<ino as 16 hex>/<index as 8 hex>``. A chunk file is an
+Layout: ``ROOT/chunks/<bucket as 3 hex>/<ino as 16 hex>.<index as 8 hex>``, the
+bucket being the inode's low 12 bits (4,096 directories, made as needed and never
+removed), so a new small file costs no directory of its own: no ``mkdir`` and no sync
+of ``chunks/`` per file (an inode's chunks share its bucket, so removing the inode
+lists one directory). A root in the layout before buckets (``chunks/<ino>/<index>``)
+is moved over when the store opens (:meth:`ChunkStore._upgrade`). A chunk file is an
 8 KiB header followed by the chunk's bytes (page-aligned, so reads can be
 served with ``sendfile`` straight from the page cache)::
 
@@ -14,8 +19,8 @@ served with ``sendfile`` straight from the page cache)::
 
 Durability (``sync``, the default; ``--data-sync none`` turns every sync below off and
 acknowledges writes from the page cache): a write is acknowledged only after ``fdatasync`` of the chunk file,
-and after an ``fsync`` of the directories when the file is new (the inode's
-directory, and ``chunks/`` when that directory is new too). Appends and writes
+and after an ``fsync`` of its bucket directory when the file is new (and of ``chunks/``
+once per bucket and process, for the bucket's own entry). Appends and writes
 into holes go in place: bytes already acknowledged are never touched. When such
 a write extends a partly filled block, that block's CRC covers acknowledged
 bytes and new ones: the data is synced before the header that describes it,
@@ -50,7 +55,6 @@ from __future__ import annotations
 import errno
 import os
 import resource
-import shutil
 import struct
 import threading
 from dataclasses import dataclass, field
@@ -64,11 +68,16 @@ from ._crc import payload_crcs
 from ._qos import idle_io
 
 HEADER_SIZE = 8192
+BUCKETS = 4096  # chunk directories: an inode's chunks live in bucket ``ino % BUCKETS``
 BLOCK = CRC_BLOCK  # 64 KiB: the unit of a stored CRC32C (shared with the read-reply checks)
 MAGIC = b"SFCHUNK1"
 _HDR = struct.Struct("!8sQQIIQ")
 _CRC_OFF = 64
 MAX_BLOCKS = (HEADER_SIZE - _CRC_OFF) // 4
+# Fault injection for tests (a slow disk): with ``STRIPEFS_SLOW_FSYNC_FILE`` set to a file
+# name, every data sync of a store whose root holds that file first sleeps the seconds the
+# file says (``fsclient.testing.faults``' "slow" fault). Unset (always, outside tests): nothing.
+SLOW_FSYNC_FILE = os.environ.get("STRIPEFS_SLOW_FSYNC_FILE") or None
 FDS_PER_LOCK = 4  # chunk files kept open for small reads, per slot of the descriptor cache (256), at most
 assert MAX_CHUNK // BLOCK <= MAX_BLOCKS
 
@@ -138,6 +147,42 @@ def _crc(data: memoryview | bytes) -> int:
     return crc32c.crc32c(data)
 
 
+def _bucket_name(ino: int) -> str:
+    return f"{ino % BUCKETS:03x}"
+
+
+def _chunk_name(ino: int, index: int) -> str:
+    return f"{ino:016x}.{index:08x}"
+
+
+def _parse_chunk_name(name: str) -> tuple[int, int] | None:
+    """``(ino, index)`` of a chunk file's name; None for anything else (a ``.tmp``)."""
+    ino, dot, index = name.partition(".")
+    if not dot or len(ino) != 16 or len(index) != 8:
+        return None
+    try:
+        return int(ino, 16), int(index, 16)
+    except ValueError:
+        return None
+
+
+def chunk_path(root: str, ino: int, index: int) -> str:
+    """Where chunk ``index`` of inode ``ino`` lives under the storage target ``root``
+    (operators and tests that look at a target's files; the server uses :meth:`ChunkStore.path`)."""
+    return os.path.join(root, "chunks", _bucket_name(ino), _chunk_name(ino, index))
+
+
+def chunk_files(root: str, ino: int) -> list[str]:
+    """The files of inode ``ino``'s chunks held under the storage target ``root``."""
+    bucket = os.path.join(root, "chunks", _bucket_name(ino))
+    try:
+        names = os.listdir(bucket)
+    except FileNotFoundError:
+        return []
+    prefix = f"{ino:016x}."
+    return sorted(os.path.join(bucket, n) for n in names if n.startswith(prefix) and _parse_chunk_name(n))
+
+
 @dataclass(slots=True)
 class ChunkMeta:
     version: int = 0
@@ -199,20 +244,48 @@ class ChunkStore:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         self._fds_per_lock = FDS_PER_LOCK if soft == resource.RLIM_INFINITY else min(FDS_PER_LOCK, soft // 1024)
         self._mlock = threading.Lock()
-        # Inodes whose directory entry in ``chunks/`` this process has fsynced (or seen
-        # fsynced): a first chunk of any other inode fsyncs ``chunks/`` before it is
-        # acknowledged, whichever thread made the directory (see _dir_entry_synced).
-        self._synced_dirs: set[int] = set()
+        # Buckets whose directory exists (made here or found) and whose entry in ``chunks/``
+        # this process has fsynced: a first chunk in any other bucket makes the directory
+        # and fsyncs ``chunks/`` before it is acknowledged (see _bucket_ready).
+        self._synced_buckets: set[str] = set()
         self.used = 0
         self.chunks = 0
+        self._upgrade()
         self._scan_usage()
 
     # -- paths and bookkeeping ----------------------------------------------------------
     def _dir(self, ino: int) -> str:
-        return os.path.join(self.chunk_root, f"{ino:016x}")
+        """The inode's bucket directory."""
+        return os.path.join(self.chunk_root, _bucket_name(ino))
 
     def path(self, ino: int, index: int) -> str:
-        return os.path.join(self._dir(ino), f"{index:08x}")
+        return os.path.join(self.chunk_root, _bucket_name(ino), _chunk_name(ino, index))
+
+    def _upgrade(self) -> None:
+        """Move the chunks of a root written before buckets (``chunks/<ino>/<index>``)
+        into their buckets. Each move is a rename; the buckets are synced before an
+        emptied inode directory is removed, so a crash at any point leaves every chunk
+        under one of its two names, and the next start goes on from there."""
+        old = [d for d in os.listdir(self.chunk_root) if len(d) == 16]
+        for d in old:
+            try:
+                ino = int(d, 16)
+                names = os.listdir(os.path.join(self.chunk_root, d))
+            except (ValueError, NotADirectoryError):
+                continue
+            self._bucket_ready(ino)
+            for name in names:
+                src = os.path.join(self.chunk_root, d, name)
+                try:
+                    index = int(name, 16)
+                except ValueError:  # an interrupted write's .tmp: never acknowledged
+                    os.unlink(src)
+                    continue
+                os.rename(src, self.path(ino, index))
+            self._sync_dir(self._dir(ino))
+            os.rmdir(os.path.join(self.chunk_root, d))
+        if old:
+            self._sync_dir(self.chunk_root)
 
     def _lock(self, ino: int, index: int) -> _ChunkLock:
         """The chunk's own lock: every change of its file and header, and every read that
@@ -350,7 +423,7 @@ class ChunkStore:
         if fresh:
             if self.is_removed(ino):  # a late write must not bring back chunks nobody collects
                 raise self._stale(ino)
-            self._make_dir(ino)
+            self._bucket_ready(ino)
             # A new chunk appears under its name only with its header written: a server
             # killed in between leaves a .tmp (swept at start), never a chunk whose
             # header is zeros, which would read as corrupt until a resync replaced it.
@@ -385,7 +458,6 @@ class ChunkStore:
         if fresh:
             os.rename(path + ".tmp", path)
             self._sync_dir(self._dir(ino))
-            self._dir_entry_synced(ino)
             self.chunks += 1
         self.used += new.length - meta.length
         self._meta[(ino, index)] = new
@@ -440,29 +512,27 @@ class ChunkStore:
         os.pwrite(fd, new.pack(), 0)
         return new
 
-    def _make_dir(self, ino: int) -> None:
-        """Create the inode's directory if missing."""
+    def _bucket_ready(self, ino: int) -> None:
+        """Make the inode's bucket directory, and its entry in ``chunks/`` durable, before
+        a new chunk in it is written. Not only the thread whose ``mkdir`` made it: a first
+        write to another chunk of the bucket, at the same time, finds the directory there
+        but its entry maybe not on disk yet. Once per bucket and process (a restarted
+        server syncs again: a killed predecessor may have left an entry only cached)."""
+        bucket = _bucket_name(ino)
+        if bucket in self._synced_buckets:
+            return
         try:
-            os.mkdir(self._dir(ino))
+            os.mkdir(os.path.join(self.chunk_root, bucket))
         except FileExistsError:
             pass
-
-    def _dir_entry_synced(self, ino: int) -> None:
-        """Make the inode directory's entry in ``chunks/`` durable before a new chunk in it
-        is acknowledged. Not only the thread whose ``mkdir`` made it: a first write to
-        another chunk of the same inode, at the same time, finds the directory there but
-        its entry maybe not on disk yet. Once per inode and process (a restarted server
-        syncs again: a killed predecessor may have left an entry that is only cached)."""
-        if ino in self._synced_dirs:
-            return
         self._sync_dir(self.chunk_root)
         with self._mlock:
-            if len(self._synced_dirs) > 100_000:
-                self._synced_dirs.clear()  # costs one more fsync per inode, never a missed one
-            self._synced_dirs.add(ino)
+            self._synced_buckets.add(bucket)
 
     def _datasync(self, fd: int) -> None:
         if self.sync:
+            if SLOW_FSYNC_FILE is not None:
+                _slow_fsync(self.root)
             os.fdatasync(fd)
 
     def _sync_dir(self, path: str) -> None:
@@ -611,38 +681,46 @@ class ChunkStore:
             fd = os.open(self._tombstone(ino), os.O_WRONLY | os.O_CREAT, 0o600)
             os.close(fd)
             self._sync_dir(self.tomb_root)
-        d = self._dir(ino)
-        try:
-            names = os.listdir(d)
-        except FileNotFoundError:
-            return 0
         removed = 0
-        for name in names:
-            try:
-                index = int(name, 16)
-            except ValueError:
-                continue
-            if index >= from_index:
-                with self._lock(ino, index):
-                    try:
-                        meta = self._load(ino, index)
-                    except StripefsError:  # a corrupt header must not keep garbage alive
-                        meta = None
-                    self._forget_fd(ino, index)
-                    try:
-                        os.unlink(os.path.join(d, name))
-                    except FileNotFoundError:
-                        continue
-                    self._meta.pop((ino, index), None)
-                    self.used -= meta.length if meta else 0
-                    self.chunks -= 1
-                    removed += 1
+        # Twice for a whole inode: a chunk whose write passed its tombstone check just
+        # before the tombstone was made may appear after the first listing.
+        for _ in range(2 if from_index == 0 else 1):
+            for index in self._indexes(ino):
+                if index >= from_index:
+                    removed += self._unlink_chunk(ino, index)
         if from_index == 0:
-            with self._mlock:
-                self._synced_dirs.discard(ino)  # a later chunk makes a new directory entry
-            shutil.rmtree(d, ignore_errors=True)
-            self._forget_ino_fds(ino)  # chunks that appeared after the listing went with it
+            self._forget_ino_fds(ino)
         return removed
+
+    def _indexes(self, ino: int) -> list[int]:
+        """The indexes of the inode's chunks held here (one listing of its bucket)."""
+        prefix = f"{ino:016x}."
+        try:
+            names = os.listdir(self._dir(ino))
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            if name.startswith(prefix) and (key := _parse_chunk_name(name)) is not None:
+                out.append(key[1])
+        return out
+
+    def _unlink_chunk(self, ino: int, index: int) -> int:
+        """Remove one chunk file under its lock: 1 if it was there, else 0."""
+        with self._lock(ino, index):
+            try:
+                meta = self._load(ino, index)
+            except StripefsError:  # a corrupt header must not keep garbage alive
+                meta = None
+            self._forget_fd(ino, index)
+            try:
+                os.unlink(self.path(ino, index))
+            except FileNotFoundError:
+                return 0
+            self._meta.pop((ino, index), None)
+            self.used -= meta.length if meta else 0
+            self.chunks -= 1
+            return 1
 
     def truncate(self, ino: int, index: int, length: int) -> None:
         """Cut one chunk to ``length`` bytes (the chunk holding a file's new end).
@@ -716,7 +794,7 @@ class ChunkStore:
                 return cur
             if self.is_removed(ino):  # a copy from a peer that has not collected it yet
                 raise self._stale(ino)
-            self._make_dir(ino)
+            self._bucket_ready(ino)
             path = self.path(ino, index)
             tmp = path + ".tmp"
             view = memoryview(data)
@@ -734,22 +812,13 @@ class ChunkStore:
             self._forget_fd(ino, index)
             os.rename(tmp, path)
             self._sync_dir(self._dir(ino))
-            self._dir_entry_synced(ino)
             self.used += new.length - (cur.length if cur else 0)
             self.chunks += cur is None
             self._meta[(ino, index)] = new
             return new
 
     def remove_one(self, ino: int, index: int) -> None:
-        with self._lock(ino, index):
-            meta = self._meta.pop((ino, index), None)
-            self._forget_fd(ino, index)
-            try:
-                os.unlink(self.path(ino, index))
-            except FileNotFoundError:
-                return
-            self.used -= meta.length if meta else 0
-            self.chunks -= 1
+        self._unlink_chunk(ino, index)
 
     def drop_chain(self, chain: int) -> int:
         """Delete every chunk of ``chain`` held here (the chain moved to another server)."""
@@ -782,11 +851,10 @@ class ChunkStore:
         out: list[tuple[int, int]] = []
         for d in os.listdir(self.chunk_root):
             try:
-                ino = int(d, 16)
                 names = os.listdir(os.path.join(self.chunk_root, d))
-            except (ValueError, FileNotFoundError):
+            except (NotADirectoryError, FileNotFoundError):
                 continue
-            out.extend((ino, int(n, 16)) for n in names if not n.endswith(".tmp"))
+            out.extend(key for n in names if (key := _parse_chunk_name(n)) is not None)
         return out
 
     def chunks_by_chain(self) -> dict[int, list[tuple[int, int, int, int, int]]]:
@@ -845,3 +913,15 @@ class ChunkStore:
                 chain = meta.chain if meta is not None else 0
                 bad.append((ino, index, chain))
         return checked, bad
+
+
+def _slow_fsync(root: str) -> None:
+    """Sleep what ``root/$STRIPEFS_SLOW_FSYNC_FILE`` says, if it exists (a test's slow disk; at most 5 s)."""
+    import time
+
+    try:
+        with open(os.path.join(root, SLOW_FSYNC_FILE or ""), "rb") as f:
+            delay = float(f.read().strip() or b"0")
+    except (OSError, ValueError):
+        return
+    time.sleep(min(max(delay, 0.0), 5.0))

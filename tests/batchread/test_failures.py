@@ -14,7 +14,7 @@ import pytest
 
 from stripefs.fsclient.batchread import ReadRing, SharedBuffer
 from stripefs.fsclient.testing.procs import pause
-from stripefs.storage import HEADER_SIZE
+from stripefs.storage import HEADER_SIZE, chunk_files
 from stripefs.wire import ErrorCode, StripefsError
 
 CHUNK = 256 * 1024
@@ -199,9 +199,8 @@ def test_ring_spreads_reads_over_replicas_and_fails_over_on_a_bad_checksum(make_
             assert any(sid != routing.chains[chain][0] for sid, chain in sent)
             # A replica whose copy fails its checksum is read around (the next replica serves it).
             ino = client.stat("/bad").ino
-            chunk_dir = os.path.join(h.data["servers"][0]["root"], "chunks", f"{ino:016x}")
-            for name in os.listdir(chunk_dir):
-                with open(os.path.join(chunk_dir, name), "r+b") as fh:
+            for name in chunk_files(h.data["servers"][0]["root"], ino):
+                with open(name, "r+b") as fh:
                     fh.seek(HEADER_SIZE + 100)
                     b = fh.read(1)
                     fh.seek(HEADER_SIZE + 100)

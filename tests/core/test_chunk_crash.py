@@ -20,6 +20,7 @@ import crc32c
 import pytest
 
 from stripefs.storage import BLOCK, ChunkStore
+from stripefs.storage._chunks import BUCKETS
 from stripefs.wire import StripefsError
 
 CS = 4 << 20
@@ -159,10 +160,11 @@ def test_truncate_inside_a_block(tmp_path, monkeypatch: pytest.MonkeyPatch) -> N
     assert _check_every_crash(tmp_path, monkeypatch, data, lambda s: s.truncate(INO, 0, keep), keep=keep) > 2
 
 
-def test_new_inode_directory_is_synced_in_its_parent(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first chunk of an inode creates ``chunks/<ino>``: the entry of that directory in
-    ``chunks/`` must be made durable (fsync of ``chunks/``) before the write is acknowledged,
-    not only the chunk file's entry in ``chunks/<ino>``."""
+def test_new_bucket_directory_is_synced_in_its_parent(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first chunk in a bucket creates ``chunks/<bucket>``: the entry of that directory
+    in ``chunks/`` must be made durable (fsync of ``chunks/``) before the write is
+    acknowledged, not only the chunk file's entry in its bucket. Later chunks in the bucket
+    (of this inode or another) sync only the bucket."""
     store = ChunkStore(str(tmp_path))
     synced: list[str] = []
     real = ChunkStore._fsync_dir
@@ -172,4 +174,6 @@ def test_new_inode_directory_is_synced_in_its_parent(tmp_path, monkeypatch: pyte
     assert os.path.realpath(os.path.dirname(store.path(INO, 0))) in synced
     synced.clear()
     store.write(INO, 1, 0, memoryview(b"x"), crc32c.crc32c(b"x"), CS)  # the directory exists already
+    store.write(INO + BUCKETS, 0, 0, memoryview(b"x"), crc32c.crc32c(b"x"), CS)  # another inode, same bucket
     assert os.path.realpath(store.chunk_root) not in synced
+    assert os.path.realpath(os.path.dirname(store.path(INO + BUCKETS, 0))) in synced

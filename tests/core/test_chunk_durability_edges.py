@@ -38,10 +38,10 @@ def test_a_gap_over_a_crashed_writes_tail_reads_as_zeros(tmp_path) -> None:
     assert data[10_000:20_000] == bytes(10_000)
 
 
-def test_every_first_chunk_of_an_inode_waits_for_its_directory_entry(tmp_path) -> None:
-    """Two first writes to chunks 0 and 1 of one inode at once: the one that did not make
-    the inode's directory must not be acknowledged before ``chunks/`` (which holds the
-    directory's entry) was fsynced. Here the maker is held inside that fsync."""
+def test_every_first_chunk_of_a_bucket_waits_for_its_directory_entry(tmp_path) -> None:
+    """Two first writes to chunks 0 and 1 of one inode (one bucket) at once: the one that
+    did not make the bucket's directory must not be acknowledged before ``chunks/`` (which
+    holds the directory's entry) was fsynced. Here the maker is held inside that fsync."""
     s = ChunkStore(str(tmp_path))
     real = ChunkStore._fsync_dir
     held, release = threading.Event(), threading.Event()
@@ -62,7 +62,7 @@ def test_every_first_chunk_of_an_inode_waits_for_its_directory_entry(tmp_path) -
     try:
         assert held.wait(10)
         write(s, 9, 1, 0, b"b" * 4096)  # the other first chunk, acknowledged here
-        assert s.chunk_root in done, "acknowledged while the inode directory's entry may not be on disk"
+        assert s.chunk_root in done, "acknowledged while the bucket directory's entry may not be on disk"
     finally:
         release.set()
         maker.join(10)

@@ -11,7 +11,7 @@ import crc32c
 import pytest
 
 from stripefs import wire
-from stripefs.storage import BLOCK, ChunkStore
+from stripefs.storage import BLOCK, ChunkStore, chunk_files
 from stripefs.storage._chunks import FDS_PER_LOCK
 from stripefs.storage._server import SMALL_READ
 from stripefs.wire import ErrorCode, StripefsError
@@ -135,9 +135,8 @@ def test_small_reads_see_chunks_a_repair_replaced_under_them(make_cluster) -> No
                     assert read_on_victim(index, off, n) == data[start : start + n], (index, off, n)
 
         check()  # the victim keeps both chunk files open now
-        chunk_dir = os.path.join(h.data["servers"][0]["root"], "chunks", f"{ino:016x}")
-        for name in os.listdir(chunk_dir):  # a byte of every copy goes bad on disk
-            with open(os.path.join(chunk_dir, name), "r+b") as f:
+        for name in chunk_files(h.data["servers"][0]["root"], ino):  # a byte of every copy goes bad on disk
+            with open(name, "r+b") as f:
                 f.seek(HEADER_SIZE + 100)
                 b = f.read(1)
                 f.seek(HEADER_SIZE + 100)

@@ -110,8 +110,33 @@ def test_truncate_and_remove(tmp_path) -> None:
     assert ChunkStore(str(tmp_path)).stat(5, 0).length == 30_000
     assert s.remove(5, from_index=1) == 2
     assert read(s, 5, 1, 0, 10) == b""
+    write(s, 5 + 4096, 0, 0, data)  # another inode in the same bucket stays
     assert s.remove(5) == 1
-    assert not os.path.exists(os.path.dirname(s.path(5, 0)))
+    assert not any(os.path.exists(s.path(5, i)) for i in range(3))
+    assert read(s, 5 + 4096, 0, 0, 10**6) == data
+    assert s.all_chunks() == [(5 + 4096, 0)]
+
+
+def test_root_from_before_buckets_is_moved_over(tmp_path) -> None:
+    """A target written in the layout before buckets (``chunks/<ino>/<index>``) serves the
+    same chunks after the store opens it: moved into buckets, an interrupted write's
+    ``.tmp`` dropped, the old directories gone; opening it again changes nothing."""
+    data = os.urandom(BLOCK + 100)
+    s = ChunkStore(str(tmp_path / "new"))
+    for ino, index in [(7, 0), (7, 3), (4096 + 7, 0), (12, 1)]:
+        write(s, ino, index, 0, data[: 1000 * (index + 1)])
+    old = tmp_path / "old" / "chunks"
+    for ino, index in s.all_chunks():  # the same files, laid out as before
+        os.makedirs(old / f"{ino:016x}", exist_ok=True)
+        os.link(s.path(ino, index), old / f"{ino:016x}" / f"{index:08x}")
+    (old / f"{7:016x}" / f"{5:08x}.tmp").write_bytes(b"half")
+    for _ in range(2):
+        t = ChunkStore(str(tmp_path / "old"))
+        assert sorted(t.all_chunks()) == sorted(s.all_chunks())
+        assert t.chunks == 4
+        for ino, index in s.all_chunks():
+            assert read(t, ino, index, 0, 10**6) == data[: 1000 * (index + 1)]
+        assert sorted(os.listdir(old)) == sorted({f"{ino % 4096:03x}" for ino, _ in s.all_chunks()})
 
 
 def test_target_identity_replace_is_fsynced_in_its_directory(tmp_path, monkeypatch):

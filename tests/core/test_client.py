@@ -17,6 +17,7 @@ import crc32c
 import pytest
 
 from stripefs.fsclient import Client
+from stripefs.storage import chunk_files, chunk_path
 from tests.conftest import TEST_CHUNK
 
 
@@ -38,8 +39,7 @@ def test_striping_lands_on_every_server(client: Client, cluster, testdir: str) -
     assert {p["server"] for p in placement} == {s.server_id for s in client.status().servers}
     attr = client.stat(path)
     assert attr.size == len(data) and attr.layout.stripe == min(16, len(client.routing().chains))
-    chunk_dir = f"{attr.ino:016x}"
-    holders = [s for s in cluster.data["servers"] if os.path.isdir(os.path.join(s["root"], "chunks", chunk_dir))]
+    holders = [s for s in cluster.data["servers"] if chunk_files(s["root"], attr.ino)]
     assert len(holders) == 4  # bytes really are on every server's disk
     assert hashlib.sha256(client.read_bytes(path)).digest() == hashlib.sha256(data).digest()
 
@@ -283,11 +283,11 @@ def test_unlink_reclaims_chunks(client: Client, cluster, testdir: str) -> None:
 
     p = f"{testdir}/gone"
     client.write_bytes(p, os.urandom(TEST_CHUNK * 4))
-    chunk_dir = f"{client.stat(p).ino:016x}"
+    ino = client.stat(p).ino
     client.remove(p)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        left = [s for s in cluster.data["servers"] if os.path.isdir(os.path.join(s["root"], "chunks", chunk_dir))]
+        left = [s for s in cluster.data["servers"] if chunk_files(s["root"], ino)]
         if not left:
             break
         time.sleep(0.1)
@@ -343,7 +343,7 @@ def test_a_corrupted_read_payload_is_an_error_never_data(client: Client, cluster
     assert client.read_bytes(path) == data  # the servers have verified every block now
     ino = client.stat(path).ino
     chunk = next(p for s in cluster.data["servers"]
-                 if os.path.exists(p := os.path.join(s["root"], "chunks", f"{ino:016x}", f"{1:08x}")))
+                 if os.path.exists(p := chunk_path(s["root"], ino, 1)))
     st = os.stat(chunk)
     with open(chunk, "r+b") as f:
         f.seek(8192 + 7)  # past the 8 KiB header: a data byte of chunk 1

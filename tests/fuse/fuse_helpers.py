@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
-from typing import Callable
+from collections.abc import Iterator
+from typing import Any, Callable
+
+from stripefs.storage import chunk_path
 
 
 def sh(cmd: str, cwd: str, timeout: float = 120) -> str:
@@ -49,3 +53,17 @@ def fuse_unusable() -> str | None:
     except OSError as exc:
         return f"/dev/fuse cannot be opened: {exc.strerror}"
     return None
+
+
+@contextlib.contextmanager
+def chunk_writes_fail(servers: list[dict[str, Any]], ino: int, chunks: int = 64) -> Iterator[None]:
+    """Every new chunk file of inode ``ino`` (the first ``chunks``) fails to be created on
+    every storage server: a directory sits where the chunk's ``.tmp`` would be made."""
+    blockers = [chunk_path(s["root"], ino, i) + ".tmp" for s in servers for i in range(chunks)]
+    for b in blockers:
+        os.makedirs(b)
+    try:
+        yield
+    finally:
+        for b in blockers:
+            os.rmdir(b)

@@ -25,6 +25,7 @@ from stripefs.fsclient import Client
 from stripefs.fsclient.fuse import main as fuse_main
 from stripefs.fsclient.testing.differential import LocalRoute, MountRoute, run_seed
 from tests.fuse.conftest import do_umount
+from tests.fuse.fuse_helpers import chunk_writes_fail
 
 pytestmark = pytest.mark.fuse
 
@@ -129,13 +130,8 @@ def test_background_send_failure_reported_at_fsync(cluster, mdir: str, client: C
     ino = client.stat(f"{d}/lost").ino
     with client.open(f"{d}/lost", "rb") as f:
         window = f.window
-    # Every storage server's directory for this inode is a plain file: its chunk writes fail.
-    blockers = [os.path.join(s["root"], "chunks", f"{ino:016x}") for s in cluster.data["servers"]]
-    for b in blockers:
-        with open(b, "wb"):
-            pass
     reported: list[int] = []
-    try:
+    with chunk_writes_fail(cluster.data["servers"], ino):
         fd = os.open(f"{mdir}/big/lost", os.O_WRONLY)
         try:
             try:
@@ -159,9 +155,6 @@ def test_background_send_failure_reported_at_fsync(cluster, mdir: str, client: C
         finally:
             with contextlib.suppress(OSError):
                 os.close(fd)
-    finally:
-        for b in blockers:
-            os.unlink(b)
     assert len(reported) == 2 and reported[0] == reported[1] == direct.value.errno, (reported, direct.value)
     time.sleep(0.5)  # release() follows close() asynchronously
     assert client.stat(f"{d}/lost").size == 0

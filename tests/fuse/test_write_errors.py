@@ -10,6 +10,8 @@ import pytest
 
 from stripefs.fsclient import Client
 
+from .fuse_helpers import chunk_writes_fail
+
 pytestmark = pytest.mark.fuse
 
 
@@ -17,19 +19,11 @@ def test_release_commits_nothing_after_close_failed(cluster, mdir: str, client: 
     path = f"{testdir}/lost"
     client.write_bytes(path, b"")
     ino = client.stat(path).ino
-    # Every storage server's directory for this inode is a plain file: its chunk writes fail.
-    blockers = [os.path.join(s["root"], "chunks", f"{ino:016x}") for s in cluster.data["servers"]]
-    for b in blockers:
-        with open(b, "wb"):
-            pass
-    try:
+    with chunk_writes_fail(cluster.data["servers"], ino):
         fd = os.open(f"{mdir}/lost", os.O_WRONLY)
         assert os.write(fd, b"x" * 100_000) == 100_000  # buffered in the daemon: acknowledged
         with pytest.raises(OSError):
             os.close(fd)  # FUSE flush: the background write failed
-    finally:
-        for b in blockers:
-            os.unlink(b)
     # release() follows close() asynchronously: give it time to (wrongly) commit.
     deadline = time.monotonic() + 1.5
     while time.monotonic() < deadline:

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from stripefs.fsclient import Client
-from stripefs.storage import HEADER_SIZE
+from stripefs.storage import HEADER_SIZE, chunk_files
 from tests.conftest import TEST_CHUNK
 
 
@@ -122,10 +122,9 @@ def test_corrupt_replica_is_read_around_and_scrub_repairs(make_cluster) -> None:
         ino = c.stat("/f").ino
     # Flip a byte in every copy held by one server.
     root = h.data["servers"][0]["root"]
-    chunk_dir = os.path.join(root, "chunks", f"{ino:016x}")
     flipped = 0
-    for name in os.listdir(chunk_dir):
-        with open(os.path.join(chunk_dir, name), "r+b") as f:
+    for name in chunk_files(root, ino):
+        with open(name, "r+b") as f:
             f.seek(HEADER_SIZE + 100)
             b = f.read(1)
             f.seek(HEADER_SIZE + 100)
@@ -232,9 +231,8 @@ def test_one_chunk_reads_check_and_fail_over(make_cluster) -> None:
     with h.client() as c:
         c.write_bytes("/one", data)
         ino = c.stat("/one").ino
-    chunk_dir = os.path.join(h.data["servers"][0]["root"], "chunks", f"{ino:016x}")
-    for name in os.listdir(chunk_dir):  # every copy on server 0 goes bad at byte 100
-        with open(os.path.join(chunk_dir, name), "r+b") as f:
+    for name in chunk_files(h.data["servers"][0]["root"], ino):  # every copy on server 0 goes bad at byte 100
+        with open(name, "r+b") as f:
             f.seek(HEADER_SIZE + 100)
             b = f.read(1)
             f.seek(HEADER_SIZE + 100)
