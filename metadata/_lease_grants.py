@@ -122,8 +122,10 @@ class LeaseGrants:
             raise StripefsError(ErrorCode.NOT_SUPPORTED, "this metadata service grants no leases"
                                 if not self.shared else "metadata services sharing a store grant no leases")
         self._watchers[conn] = conn.client_id
-        seq, ids, reset = await self.table.watch(conn.client_id, msg.after, msg.wait_ms / 1000)
-        return m.WatchLeasesReply(seq, ids, reset)
+        seq, ids, reset = await self.table.watch(conn.client_id, msg.after, msg.wait_ms / 1000,
+                                                 session=msg.session, done=msg.done)
+        session_ms = int(self.table.session * 1000) if msg.session else 0
+        return m.WatchLeasesReply(seq, ids, reset, session_ms)
 
     def connection_ended(self, conn: ServerConn, clean: bool) -> None:
         """A client's watch connection closed by the client itself -- its close, or its

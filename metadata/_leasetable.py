@@ -12,8 +12,23 @@ keys is told to it), and their holders are told on their watch
 (``WatchLeases``, a long poll on a connection of their own) and the mutation waits until
 each has acknowledged, or its lease expired, whichever comes first
 (:meth:`LeaseTable.wait`). So a change is visible to every client's very next ``stat``
-once the mutation returned; a holder that cannot be told (stopped, dead, cut off) delays
-it by at most the TTL.
+once the mutation returned.
+
+Sessions (Chubby's, on the watch): a client whose watch asks for one (``session=True``: a
+native client; a FUSE mount's kernel keeps what it was told whatever its daemon hears, so
+a mount asks for none) trusts its leases only within :attr:`LeaseTable.session` (200 ms)
+of *sending* a watch that has been answered, and processes each answer's invalidations
+before it counts it. Its watch is answered at least every third of that while it holds
+leases (a heartbeat, empty when nothing changed). A change then waits for such a holder
+at most ``session`` past the invalidation: any answer sent after it carries the
+invalidation, so a holder that has not acknowledged by then (stopped, throttled, cut off)
+stopped trusting the lease already, and trusts it again only after catching up. A holder
+without a session delays a change by at most the lease's TTL.
+
+Acknowledgements: ``after`` acknowledges every invalidation up to it; ``done`` names lease
+ids past it whose invalidation the client finished, out of order (a mount's kernel
+invalidation may wait for a directory lock; it holds back only the leases it names). An
+invalidation is acknowledged once every lease it named is.
 
 A grant is made only when nothing could have changed the answer between the read and the
 registration: reads on the service's loop read and register in one step; a read on a
@@ -35,16 +50,30 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections import deque
 from collections.abc import Hashable
 
 import trio
+
+from . import _stats
 
 __all__ = ["LEASE_TTL", "LeaseTable"]
 
 log = logging.getLogger(__name__)
 
 LEASE_TTL = 5.0  # seconds (``--lease-ttl``): how long a holder that cannot be told delays a mutation
+# Seconds a session holder trusts its leases past sending a watch that was answered, and so
+# the longest a change waits for one that does not acknowledge (STRIPEFS_LEASE_SESSION overrides).
+SESSION = float(os.environ.get("STRIPEFS_LEASE_SESSION", "0.2"))
+BEATS = 3  # heartbeats per session: a holder with leases hears from the service this often
+# Seconds a key stays "hot" once a change to it had other holders to wait for (and again at
+# each change while hot): no lease is granted on it meanwhile. A checkpoint directory that
+# 64 readers keep listing then takes creates at the rate it takes them with none (they
+# list it from the service meanwhile) instead of each create waiting for 64 acknowledgements.
+# Off (0) unless STRIPEFS_LEASE_HOT sets it (docs/benchmarks.md, "Attribute leases").
+HOT = float(os.environ.get("STRIPEFS_LEASE_HOT", "0"))
+MAX_HOT = 100_000
 MAX_PER_CLIENT = 100_000  # live leases per client (~ its cached paths)
 MAX_LEASES = 1_000_000  # live leases in all (~300 bytes each with their keys)
 MAX_QUEUED = 10_000  # invalidations queued for one client, unacknowledged: past it, no new lease
@@ -63,13 +92,17 @@ class _Lease:
 class _Holder:
     """One client's leases and its watch."""
 
-    __slots__ = ("acked", "acks", "client", "last_seen", "leases", "queue", "seq", "wake", "watching")
+    __slots__ = ("acked", "acks", "client", "finished", "last_seen", "leases", "queue", "sent", "seq", "session",
+                 "wake", "watching")
 
     def __init__(self, client: bytes, now: float):
         self.client = client
         self.seq = 1  # the last invalidation queued (from 1: a watch ``after`` 0 is a new one)
         self.acked = 1  # the last one the client acknowledged
         self.queue: deque[tuple[int, list[int]]] = deque()  # (seq, lease ids) not acknowledged yet
+        self.finished: set[int] = set()  # seqs past ``acked`` acknowledged out of order (``done``)
+        self.sent = 0  # the last seq a watch answer carried (a watch waits for something newer)
+        self.session = False  # its watch asked for a session (bounded waits, heartbeats)
         self.wake = trio.Event()  # set when something is queued
         self.acks = trio.Event()  # set (and replaced) at each acknowledgement
         self.watching = 0  # WatchLeases calls in flight
@@ -83,13 +116,15 @@ class LeaseTable:
     Args:
         ttl: seconds a lease lives; 0 grants none.
         max_per_client: live leases one client may hold.
-        clock: the trio clock (tests may pass another).
+        session: seconds a session holder trusts its leases past a watch it sent (see the
+            module's docstring), and so the longest a change waits for one; 0: no sessions.
     """
 
-    def __init__(self, ttl: float = LEASE_TTL, *, max_per_client: int = MAX_PER_CLIENT):
-        if ttl < 0:
-            raise ValueError("a lease TTL cannot be negative")
+    def __init__(self, ttl: float = LEASE_TTL, *, max_per_client: int = MAX_PER_CLIENT, session: float = SESSION):
+        if ttl < 0 or session < 0:
+            raise ValueError("a lease TTL or session cannot be negative")
         self.ttl = ttl
+        self.session = min(session, ttl)
         self.max_per_client = max_per_client
         self.changes = 0  # invalidations so far (a read on a thread is granted only if none happened)
         self._ids = itertools.count(1)
@@ -97,6 +132,7 @@ class LeaseTable:
         self._leases: dict[int, _Lease] = {}
         self._order: deque[_Lease] = deque()  # by expiry (one TTL for all: grant order)
         self._holders: dict[bytes, _Holder] = {}
+        self._hot: dict[Hashable, float] = {}  # key -> until when no lease is granted on it (HOT)
 
     @property
     def enabled(self) -> bool:
@@ -119,7 +155,11 @@ class LeaseTable:
         if (len(holder.leases) >= self.max_per_client or len(holder.queue) >= MAX_QUEUED
                 or len(self._leases) >= MAX_LEASES):
             return 0, 0
+        if self._hot and any(self._hot.get(key, 0.0) > now for key in keys):
+            return 0, 0  # changed often, with holders to wait for: answered, not leased
         lease = _Lease(next(self._ids), holder, tuple(dict.fromkeys(keys)), now + self.ttl)
+        if holder.session and not holder.leases:
+            holder.wake.set()  # its watch, held long while it had nothing to trust, turns to heartbeats
         self._leases[lease.id] = lease
         self._order.append(lease)
         holder.leases.add(lease.id)
@@ -129,6 +169,7 @@ class LeaseTable:
                 self._by_key[key] = {lease.id: lease}
             else:
                 found[lease.id] = lease
+        _stats.LEASE_GRANTS.inc()
         return lease.id, int(self.ttl * 1000)
 
     def _remove(self, lease: _Lease) -> None:
@@ -151,7 +192,10 @@ class LeaseTable:
         self.changes += 1
         now = trio.current_time()
         told: dict[bytes, tuple[_Holder, list[int], float]] = {}
+        hot = self._hot
         for key in keys:
+            if hot and hot.get(key, 0.0) > now:
+                hot[key] = now + HOT  # still changing: still no lease on it
             found = self._by_key.get(key)
             if not found:
                 continue
@@ -165,6 +209,8 @@ class LeaseTable:
                 self._remove(lease)
                 if lease.expires <= now:
                     continue  # an expired lease is trusted by nobody
+                if HOT > 0 and len(hot) < MAX_HOT:
+                    hot[key] = now + HOT
                 entry = told.get(holder.client)
                 if entry is None:
                     told[holder.client] = (holder, [lease.id], lease.expires)
@@ -173,9 +219,14 @@ class LeaseTable:
                     told[holder.client] = (holder, entry[1], max(entry[2], lease.expires))
         waits = []
         for holder, ids, expires in told.values():
+            _stats.LEASE_INVALIDATIONS.inc(len(ids))
             holder.seq += 1
             holder.queue.append((holder.seq, ids))
             holder.wake.set()
+            if holder.session and self.session:
+                # Any watch answer sent from now on carries this: by now + session the
+                # holder either acknowledged or stopped trusting its leases.
+                expires = min(expires, now + self.session)
             waits.append((holder, holder.seq, expires))
         return waits
 
@@ -184,20 +235,25 @@ class LeaseTable:
         """Until every holder in ``waits`` acknowledged its invalidation or its leases expired."""
         for holder, seq, expires in waits:
             started = trio.current_time()
-            while holder.acked < seq and trio.current_time() < expires:
+            while holder.acked < seq and seq not in holder.finished and trio.current_time() < expires:
                 with trio.move_on_at(expires):
                     await holder.acks.wait()
-            if holder.acked < seq:  # stopped, dead or cut off: worth knowing why a change was slow
-                log.info("a change waited %.1f s for the leases of client %s to run out (no acknowledgement)",
-                         trio.current_time() - started, holder.client.hex()[:8])
+            _stats.LEASE_WAIT_SECONDS.observe(trio.current_time() - started)
+            if holder.acked < seq and seq not in holder.finished:  # stopped, dead or cut off: worth knowing
+                log.info("a change waited %.2f s for client %s (no acknowledgement: its %s ran out)",
+                         trio.current_time() - started, holder.client.hex()[:8],
+                         "session" if holder.session else "leases")
 
     # -- the watch ----------------------------------------------------------------------------
-    async def watch(self, client: bytes, after: int, wait_s: float) -> tuple[int, list[int], bool]:
-        """A ``WatchLeases`` of ``client``: acknowledge up to ``after``, then ``(seq, lease
-        ids, reset)`` as soon as something is queued past it, or ``(seq, [], False)`` after
-        ``wait_s``. ``after`` 0 (a new watch) or one this table never handed out
-        (``reset``: it restarted) acknowledges everything and is answered at once; -1 (the
-        client is closing: it dropped every entry) also ends its leases and its watch."""
+    async def watch(self, client: bytes, after: int, wait_s: float, *, session: bool = False,
+                    done: list[int] | tuple[int, ...] = ()) -> tuple[int, list[int], bool]:
+        """A ``WatchLeases`` of ``client``: acknowledge up to ``after`` (and the lease ids
+        ``done``, out of order), then ``(seq, lease ids, reset)`` as soon as something new
+        is queued, or ``(seq, ids, False)`` after ``wait_s`` (a third of :attr:`session` for
+        a ``session`` holder with leases): ``ids``, every lease still unacknowledged.
+        ``after`` 0 (a new watch) or one this table never handed out (``reset``: it
+        restarted) acknowledges everything and is answered at once; -1 (the client is
+        closing: it dropped every entry) also ends its leases and its watch."""
         now = trio.current_time()
         holder = self._holders.get(client)
         if after < 0:
@@ -211,19 +267,29 @@ class LeaseTable:
         elif after > holder.seq:
             reset = True
         holder.last_seen = now
+        holder.session = session and self.session > 0
         if after == 0 or reset:
             self._ack(holder, holder.seq)
+            holder.sent = holder.seq
             return holder.seq, [], reset
         self._ack(holder, after)
+        if done:
+            self._done(holder, set(done))
         holder.watching += 1
+        until = now + min(max(wait_s, 0.0), MAX_WATCH_WAIT)
         try:
-            with trio.move_on_after(min(max(wait_s, 0.0), MAX_WATCH_WAIT)):
-                while not holder.queue:
+            while holder.seq <= max(after, holder.sent):  # nothing it has not been told yet
+                end = min(until, now + self.session / BEATS) if holder.session and holder.leases else until
+                if trio.current_time() >= end:
+                    break
+                with trio.move_on_at(end):
                     await holder.wake.wait()
+                if holder.wake.is_set():
                     holder.wake = trio.Event()
         finally:
             holder.watching -= 1
             holder.last_seen = trio.current_time()
+        holder.sent = holder.seq
         return holder.seq, [i for _, ids in holder.queue for i in ids], False
 
     def release(self, client: bytes) -> None:
@@ -238,6 +304,7 @@ class LeaseTable:
             if lease is not None:
                 self._remove(lease)
         self._ack(holder, holder.seq)
+        holder.seq += 1
         holder.queue.append((holder.seq, []))  # the watch in flight answers now
         holder.wake.set()
         holder.last_seen = -float("inf")  # no lease until it watches again
@@ -250,8 +317,28 @@ class LeaseTable:
         holder.acked = seq
         while holder.queue and holder.queue[0][0] <= seq:
             holder.queue.popleft()
+        if holder.finished:
+            holder.finished = {s for s in holder.finished if s > seq}
         holder.acks.set()
         holder.acks = trio.Event()
+
+    @staticmethod
+    def _done(holder: _Holder, done: set[int]) -> None:
+        """The client finished invalidating the leases ``done``: an invalidation all of
+        whose leases are done is acknowledged (out of order)."""
+        kept: deque[tuple[int, list[int]]] = deque()
+        finished = False
+        for seq, ids in holder.queue:
+            left = [i for i in ids if i not in done]
+            if ids and not left:
+                holder.finished.add(seq)
+                finished = True
+            else:
+                kept.append((seq, left))
+        if finished:
+            holder.queue = kept
+            holder.acks.set()
+            holder.acks = trio.Event()
 
     # -- upkeep -----------------------------------------------------------------------------
     def purge(self) -> None:
@@ -260,6 +347,8 @@ class LeaseTable:
         order = self._order
         while order and order[0].expires <= now:
             self._remove(order.popleft())
+        for key in [k for k, until in self._hot.items() if until <= now]:
+            del self._hot[key]
         for client, holder in list(self._holders.items()):
             if not holder.leases and not holder.watching and now - holder.last_seen > max(self.ttl, WATCH_GRACE) * 2:
                 del self._holders[client]

@@ -122,7 +122,8 @@ def _fast_values(plan: tuple[_Field, ...], header: dict[Any, Any]) -> list[Any] 
 
 def _sparse(cls: type) -> tuple[tuple[str, Any], ...]:
     """``(name, default)`` of each field the class lists in ``SPARSE``."""
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    defaults = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(cls)}
     return tuple((name, defaults[name]) for name in cls.SPARSE)  # type: ignore[attr-defined]
 
 
@@ -1147,11 +1148,15 @@ class UnlinkMany(Message[StatManyReply]):
 class WatchLeasesReply(ReplyMessage):
     """Invalidations for the asking client: ``lease_ids`` (its leases whose keys changed) up
     to ``seq``; none after the service's wait (``seq`` unchanged). ``reset``: the service does
-    not know the leases this client holds (it restarted): drop every lease-held entry."""
+    not know the leases this client holds (it restarted): drop every lease-held entry.
+    ``session_ms``: the watch asked for a session and has one of this length (the client
+    trusts its leases only within it of sending a watch that was answered); 0: none."""
 
     seq: int
     lease_ids: list[int]
     reset: bool = False
+    session_ms: int = 0
+    SPARSE = ("session_ms",)
 
 
 @message(66)
@@ -1159,10 +1164,16 @@ class WatchLeases(Message[WatchLeasesReply]):
     """Long poll for lease invalidations, on a connection of its own. ``after``: the last
     ``seq`` the client processed (it acknowledges every invalidation up to it); 0 starts a
     watch (answered at once). Answered as soon as an invalidation past ``after`` is queued for
-    this client, else after about ``wait_ms`` milliseconds with none."""
+    this client, else after about ``wait_ms`` milliseconds with none. ``session``: ask for a
+    session (answers at least every third of its length while leases are held; a change
+    waits at most its length for this client). ``done``: lease ids past ``after`` whose
+    invalidation the client finished (acknowledged out of order). Both sent only when set."""
 
     after: int
     wait_ms: int = 10_000
+    session: bool = False
+    done: list[int] = dataclasses.field(default_factory=list)
+    SPARSE = ("session", "done")
 
 
 @reply

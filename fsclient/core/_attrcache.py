@@ -9,6 +9,14 @@ Two kinds of entries:
   service names its lease, or until the lease's own lifetime ends (counted from before
   the request was sent). While the watch is down no lease is asked for and every leased
   entry is dropped at once.
+
+  With a session (the service's watch grants one: ``WatchLeasesReply.session_ms``, 200 ms
+  by default), a leased entry is trusted only within the session of sending a watch that
+  was answered, and processed (or of sending the request that got the lease): a holder
+  that was stopped, throttled or cut off serves nothing from its cache until its watch
+  caught up (an answer to a watch sent since, its invalidations dropped first), and a
+  change by another client waits at most the session for it. Entries not trusted meanwhile
+  are kept, not served: the next watch answer names those that changed.
 * **Timed** (``attr_timeout``, for services that grant no lease): entries live
   ``timeout`` seconds (the bound on seeing another client's change, like the FUSE
   mount's ``attr_timeout``); ``open`` revalidates them (close-to-open).
@@ -55,6 +63,8 @@ PURGE_EVERY = 5.0  # seconds between sweeps of expired entries (at most)
 WATCH_WAIT_MS = 10_000  # how long the service holds a watch with nothing to say
 RETRY_WATCH = 0.5  # seconds before a failed watch is tried again
 RETRY_UNSUPPORTED = 30.0  # ... when the service grants no leases
+ACK_WAIT = 0.02  # seconds the watch waits for its listener's invalidations before acknowledging what finished
+ACK_POLL_MS = 20  # the watch's wait while some are still in progress (each answer lets it acknowledge more)
 
 
 class AttrCache:
@@ -73,21 +83,26 @@ class AttrCache:
         self._sizes: dict[tuple[str, str], int] = {}
         self.nbytes = 0  # the sum of _sizes
         self._next_purge = 0.0  # monotonic time of the next sweep of expired entries
-        # path -> (expiry, attr, lease id (0: a timed entry))
-        self._by_path: dict[str, tuple[float, Attr, int]] = {}
+        # path -> (expiry, attr, lease id (0: a timed entry), when its request was sent)
+        self._by_path: dict[str, tuple[float, Attr, int, float]] = {}
         self._by_ino: dict[int, set[str]] = {}
         self._by_lease: dict[int, str] = {}
         self._dirs: set[str] = set()  # the cached paths that are directories
         # directory path -> (expiry, its names, lease id): whole listings, leased only
         self._lists: dict[str, tuple[float, list[str], int]] = {}
+        self._lists_sent: dict[str, float] = {}  # directory path -> when its listing was asked for
         self._list_by_lease: dict[int, str] = {}
         self.mutations = 0  # mutations of this client begun or ended
         self.inflight = 0  # mutations of this client not answered yet
         self.invalidations = 0  # watch answers (and watch failures) processed
         self.leasing = False  # the watch is live: stats may ask for leases
-        # Told on the watch thread, before the watch acknowledges, of every invalidation
-        # (``invalidated(lease ids)``) and watch failure (``lost()``): the FUSE daemon's
-        # ``KernelLeases``, which takes back what it told the kernel.
+        self.sessions = True  # the watch asks for a session (a FUSE mount's does not: its kernel caches)
+        self.session = 0.0  # seconds of the session the service granted (0: none, leases trusted to expiry)
+        self.heard = 0.0  # when the last watch whose answer was processed was sent (monotonic)
+        # Told on the watch thread of every invalidation (``invalidated(lease ids, done)``:
+        # it calls ``done(lease ids)`` once it took them back, from any thread, and the
+        # watch acknowledges them then) and watch failure (``lost()``, done when it returns):
+        # the FUSE daemon's ``KernelLeases``, which takes back what it told the kernel.
         self.listener: Any = None
 
     def __len__(self) -> int:
@@ -95,25 +110,40 @@ class AttrCache:
 
     def get(self, path: str, *, leased: bool = False) -> Attr | None:
         """The cached attributes of ``path`` if still valid (``leased``: only a leased entry)."""
+        heard = self.heard  # read before the entry: the watch drops what changed, then moves it
         entry = self._by_path.get(path)
         if entry is None:
             return None
-        if entry[0] < time.monotonic():
+        now = time.monotonic()
+        if entry[0] < now:
             with self._lock:
                 if self._by_path.get(path) is entry:
                     self._drop(path)
             return None
+        if entry[2] and not self._trusted(heard, entry[3], now):
+            return None
         return None if leased and not entry[2] else entry[1]
+
+    def _trusted(self, heard: float, sent: float, now: float) -> bool:
+        """Within the session: a watch sent since ``now - session`` was answered and
+        processed (``heard``), or the lease itself was asked for since (``sent``): any
+        change to it since would be waited for until past now."""
+        session = self.session
+        return not session or now < max(heard, sent) + session
 
     def get_names(self, path: str) -> list[str] | None:
         """The names of directory ``path``, if a leased listing of it is still valid."""
+        heard = self.heard
         entry = self._lists.get(path)
         if entry is None:
             return None
-        if entry[0] < time.monotonic():
+        now = time.monotonic()
+        if entry[0] < now:
             with self._lock:
                 if self._lists.get(path) is entry:
                     self._drop_names(path)
+            return None
+        if not self._trusted(heard, self._lists_sent.get(path, 0.0), now):
             return None
         return list(entry[1])
 
@@ -127,6 +157,7 @@ class AttrCache:
             self._drop_names(path)
             kept = list(names)
             self._lists[path] = (sent + lease_ms / 1000, kept, lease_id)
+            self._lists_sent[path] = sent
             self._list_by_lease[lease_id] = path
             self._account(("l", path), LISTING_BYTES + sys.getsizeof(path) + sys.getsizeof(kept)
                           + sum(map(sys.getsizeof, kept)))
@@ -134,6 +165,7 @@ class AttrCache:
     def _drop_names(self, path: str) -> None:
         entry = self._lists.pop(path, None)
         if entry is not None:
+            self._lists_sent.pop(path, None)
             self._list_by_lease.pop(entry[2], None)
             self.nbytes -= self._sizes.pop(("l", path))
 
@@ -192,11 +224,11 @@ class AttrCache:
                 expires, lease_id = time.monotonic() + self.timeout, 0
             else:
                 return
-            self._store(path, attr, expires, lease_id)
+            self._store(path, attr, expires, lease_id, sent)
 
-    def _store(self, path: str, attr: Attr, expires: float, lease_id: int) -> None:
+    def _store(self, path: str, attr: Attr, expires: float, lease_id: int, sent: float = 0.0) -> None:
         self._drop(path)
-        self._by_path[path] = (expires, attr, lease_id)
+        self._by_path[path] = (expires, attr, lease_id, sent)
         self._by_ino.setdefault(attr.ino, set()).add(path)
         if lease_id:
             self._by_lease[lease_id] = path
@@ -232,6 +264,7 @@ class AttrCache:
         self._by_lease.clear()
         self._dirs.clear()
         self._lists.clear()
+        self._lists_sent.clear()
         self._list_by_lease.clear()
         self._sizes.clear()
         self.nbytes = 0
@@ -281,13 +314,17 @@ class AttrCache:
         with self._lock:
             self.invalidations += 1
             self.leasing = False
-            for path in [p for p, (_, _a, lease) in self._by_path.items() if lease]:
+            for path in [p for p, (_, _a, lease, _s) in self._by_path.items() if lease]:
                 self._drop(path)
             self._clear_names()
 
-    def watching(self) -> None:
-        """The watch is live: stats may ask for leases."""
+    def watching(self, sent: float, session_ms: int) -> None:
+        """The watch is live: stats may ask for leases. An answer to the watch sent at
+        ``sent`` (monotonic) was processed, its invalidations dropped: leased entries are
+        trusted until ``sent`` plus the session (``session_ms``; 0: none)."""
         with self._lock:
+            self.session = session_ms / 1000
+            self.heard = max(self.heard, sent)
             self.leasing = True
 
 
@@ -299,6 +336,12 @@ class LeaseWatch:
     what it needs of ``core`` (its configuration, client id and request ids), never the
     core itself: a client dropped without ``close()`` is then collected, and closed by its
     finalizer (``fsclient.core._client``).
+
+    The cache's listener (a FUSE mount's ``KernelLeases``) is handed each invalidation
+    with a callback, and calls it, from any thread, once it took back what it told under
+    those leases (the kernel's entries: that may wait for a directory's lock). What it has
+    finished is acknowledged by lease id (``WatchLeases.done``) while the rest is still in
+    progress, so one blocked kernel invalidation holds back only its own leases.
     """
 
     def __init__(self, core: Any, cache: AttrCache):  # core: the ClientCore (which imports this module)
@@ -306,6 +349,9 @@ class LeaseWatch:
         self._config, self._client_id, self._ids = core.config, core.client_id, core._ids
         self._stop = threading.Event()
         self._conn: Any = None
+        self._progress = threading.Condition()
+        self._pending: set[int] = set()  # lease ids handed to the listener, not finished yet
+        self._finished: list[int] = []  # finished since the last watch was sent (it acknowledges them)
         self._thread = threading.Thread(target=self._run, name="stripefs-lease-watch", daemon=True)
         self._thread.start()
 
@@ -327,16 +373,58 @@ class LeaseWatch:
             self._thread.join(timeout=2.0)  # it ends once its call failed (or its connect returned)
 
     def _lost(self) -> None:
+        """Every leased entry goes (the listener's too) before a new watch, which
+        acknowledges everything, is sent: what is still in progress is waited for."""
         self.cache.lost()
-        self._tell("lost")
-
-    def _tell(self, what: str, *args: Any) -> None:
         listener = self.cache.listener
         if listener is not None:
             try:
-                getattr(listener, what)(*args)
+                listener.lost()
             except Exception:  # noqa: BLE001 -- the watch goes on (the listener logs its own trouble)
                 log.warning("the lease listener failed", exc_info=True)
+        with self._progress:
+            while self._pending and not self._stop.is_set():
+                self._progress.wait(0.1)
+            self._pending.clear()
+            self._finished = []
+
+    def _invalidated(self, lease_ids: list[int]) -> None:
+        """The service names ``lease_ids``: this client's cache drops them now, the listener
+        (if any) takes them back on its own time and says when (:meth:`_finish`)."""
+        with self._progress:
+            new = [i for i in lease_ids if i not in self._pending]  # an answer repeats what is in progress
+        if not new:
+            return
+        self.cache.invalidate(new)
+        listener = self.cache.listener
+        if listener is None:
+            return
+        with self._progress:
+            self._pending.update(new)
+        try:
+            listener.invalidated(new, self._finish)
+        except Exception:  # noqa: BLE001 -- the watch goes on (the listener logs its own trouble)
+            log.warning("the lease listener failed", exc_info=True)
+            self._finish(new)
+
+    def _finish(self, lease_ids: list[int]) -> None:
+        """The listener took back what it told under ``lease_ids`` (any thread)."""
+        with self._progress:
+            for lease_id in lease_ids:
+                if lease_id in self._pending:
+                    self._pending.discard(lease_id)
+                    self._finished.append(lease_id)
+            self._progress.notify_all()
+
+    def _acks(self) -> tuple[list[int], bool]:
+        """What the next watch acknowledges by lease id, and whether nothing is in
+        progress any more (then it acknowledges everything it was told, by ``after``). A
+        listener's invalidation usually takes well under :data:`ACK_WAIT`: waited for."""
+        with self._progress:
+            if self._pending:
+                self._progress.wait_for(lambda: not self._pending, timeout=ACK_WAIT)
+            done, self._finished = self._finished, []
+            return done, not self._pending
 
     def _connect(self) -> Connection:
         config = self._config
@@ -344,20 +432,27 @@ class LeaseWatch:
                           ids=self._ids, role=config.role)
 
     def _run(self) -> None:
-        after = 0
+        after = seen = 0  # acknowledged; the last seq an answer carried
+        cache = self.cache
         while not self._stop.is_set():
+            done, idle = self._acks()
+            if idle:
+                after, done = seen, []  # every invalidation told so far is done
             try:
                 if self._conn is None:
                     self._conn = self._connect()
                     if self._stop.is_set():
                         self._conn.close()
                         return
-                msg = m.WatchLeases(after=after, wait_ms=WATCH_WAIT_MS)
-                header = self._conn.call(msg, timeout=WATCH_WAIT_MS / 1000 + 30).header
+                # While some are in progress, a short wait: the next answer carries what finished.
+                msg = m.WatchLeases(after=after, wait_ms=WATCH_WAIT_MS if idle else ACK_POLL_MS,
+                                    session=cache.sessions, done=done)
+                sent = time.monotonic()
+                header = self._conn.call(msg, timeout=msg.wait_ms / 1000 + 30).header
                 reply = m.decode_reply(msg, header)
             except (StripefsError, OSError) as exc:
                 self._lost()
-                after = 0
+                after = seen = 0
                 conn, self._conn = self._conn, None
                 if conn is not None:
                     conn.close()
@@ -369,11 +464,13 @@ class LeaseWatch:
                 return
             if reply.reset:
                 self._lost()
-                after = 0
+                after = seen = 0
                 continue
+            seen = reply.seq
             if reply.lease_ids:
-                self.cache.invalidate(reply.lease_ids)
-                self._tell("invalidated", reply.lease_ids)
-            after = reply.seq  # acknowledged by the next call
-            self.cache.watching()
-            self.cache.purge()  # expired entries go even while the client is idle
+                self._invalidated(reply.lease_ids)
+            # Counted only once what it named was dropped; a session granted to a watch that
+            # no longer asks for one (a mount's, just started) is not counted at all.
+            if cache.sessions or not reply.session_ms:
+                cache.watching(sent, reply.session_ms)
+            cache.purge()  # expired entries go even while the client is idle

@@ -10,15 +10,22 @@ directory's attributes), registered with parent 0: its invalidation drops the da
 kept listing and names of that directory.
 
 When the service names a lease (another client changed what the answer depends on), the
-watch thread, before it acknowledges: drops the daemon's own caches of the inodes
-concerned (directory attributes, kept listings and names, "no such xattr"), on the trio
-loop; then tells the kernel to forget the entry (``pyfuse3.invalidate_entry``) and the
-attributes (``pyfuse3.invalidate_inode``). Those calls release the GIL, but
-``invalidate_entry`` waits for any request the kernel has in flight on the same directory
-(a lookup the loop is serving, say): so they run on the watch thread, which holds nothing
-the loop needs while it waits. When the watch breaks (or the service forgot this client),
-every entry still leased is taken back the same way and new answers carry the plain
-timeouts until it is live again.
+lease is taken back before it is acknowledged -- the acknowledgement promises that neither
+the daemon nor the kernel answers from it any more: the daemon's own caches of the inodes
+concerned go (directory attributes, kept listings and names, "no such xattr"), on the trio
+loop; then the kernel is told to forget the entry (``pyfuse3.invalidate_entry``) and the
+attributes (``pyfuse3.invalidate_inode``). ``invalidate_entry`` waits for the directory's
+lock, held while a request of this mount is in flight there (a create that itself waits
+for another holder, say): so this runs on worker threads (:class:`_Workers`), never on the
+loop nor on the watch thread, one job per directory, and each job reports its own leases
+done (the watch acknowledges them by id): a blocked directory holds back only the leases
+in it. When the watch breaks (or the service forgot this client), every entry still
+leased is taken back on the watch thread, before a new watch acknowledges everything, and
+new answers carry the plain timeouts until it is live again.
+
+The daemon's watch asks for no session (``AttrCache.sessions``): the kernel answers from
+what it was told whatever the daemon hears, so a change waits for a mount that does not
+acknowledge until its leases run out (the TTL), not for a session's length.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +47,8 @@ log = logging.getLogger(__name__)
 MARGIN = 0.05
 MAX_TOLD = 200_000  # leased answers remembered (past it, answers are given no timeout)
 PURGE_EVERY = 4096  # leased answers between two purges of the expired ones
+MAX_WORKERS = 32  # threads taking leases back from the kernel at once (each may wait for a directory)
+WORKER_IDLE = 5.0  # seconds an idle worker thread waits for work before it ends
 
 
 class KernelLeases:
@@ -59,6 +69,8 @@ class KernelLeases:
         self._told: dict[int, tuple[float, int, bytes, int]] = {}
         self._token: trio.lowlevel.TrioToken | None = None
         self._added = 0
+        self._workers = _Workers(MAX_WORKERS)
+        cache.sessions = False  # the kernel keeps what it was told: no session can bound it
         cache.listener = self
 
     # -- on the loop --------------------------------------------------------------------
@@ -110,11 +122,30 @@ class KernelLeases:
         return bool(gone)
 
     # -- on the watch thread ------------------------------------------------------------
-    def invalidated(self, lease_ids: list[int]) -> None:
-        """The service names ``lease_ids``: take back what was told under them."""
+    def invalidated(self, lease_ids: list[int], done: Callable[[list[int]], None]) -> None:
+        """The service names ``lease_ids``: take back what was told under them, on worker
+        threads, one job per directory; ``done(ids)`` as each job finished (at once for
+        the ids under which nothing the kernel may still keep was told)."""
+        now = time.monotonic()
+        by_parent: dict[int, list[tuple[int, tuple[float, int, bytes, int]]]] = {}
         with self._lock:
-            gone = [told for told in map(self._told.pop, lease_ids, [None] * len(lease_ids)) if told]
-        self._take_back(gone)
+            for lease_id in lease_ids:
+                told = self._told.pop(lease_id, None)
+                if told is not None and told[0] > now:  # else the kernel forgot it already
+                    by_parent.setdefault(told[1], []).append((lease_id, told))
+        live = {lease_id for group in by_parent.values() for lease_id, _ in group}
+        idle = [lease_id for lease_id in lease_ids if lease_id not in live]
+        if idle:
+            done(idle)
+        for group in by_parent.values():  # parent 0 (attributes only) never waits for a lock
+            self._workers.submit(self._job, group, done)
+
+    def _job(self, group: list[tuple[int, tuple[float, int, bytes, int]]],
+             done: Callable[[list[int]], None]) -> None:
+        try:
+            self._take_back([told for _, told in group])
+        finally:
+            done([lease_id for lease_id, _ in group])
 
     def lost(self) -> None:
         """The watch is down (or the service forgot this client): take back every entry."""
@@ -139,6 +170,43 @@ class KernelLeases:
             if parent:
                 _quietly(pyfuse3.invalidate_entry, parent, name)
             _quietly(pyfuse3.invalidate_inode, ino, True)
+
+
+class _Workers:
+    """Daemon threads made on demand, up to ``limit``, each ending after :data:`WORKER_IDLE`
+    s without work: a job that waits in the kernel holds up no other while threads are
+    left (a pool's threads would be joined at exit, and might wait there)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._cv = threading.Condition()
+        self._jobs: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
+        self._threads = 0
+        self._idle = 0
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        with self._cv:
+            self._jobs.append((fn, args))
+            if self._idle < len(self._jobs) and self._threads < self.limit:
+                self._threads += 1
+                threading.Thread(target=self._run, name="stripefs-kernel-leases", daemon=True).start()
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs:
+                    self._idle += 1
+                    woken = self._cv.wait(WORKER_IDLE)
+                    self._idle -= 1
+                    if not woken and not self._jobs:
+                        self._threads -= 1
+                        return
+                fn, args = self._jobs.popleft()
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 -- the next job goes on
+                log.warning("taking a lease back from the kernel failed", exc_info=True)
 
 
 def _quietly(fn: Callable[..., None], *args: Any) -> None:

@@ -176,7 +176,10 @@ def _holding(lcluster: LocalCluster, path: str) -> str:
             "else: raise SystemExit('no lease')\n")
 
 
-def test_a_stopped_holder_delays_a_change_by_at_most_the_ttl(lcluster: LocalCluster, pair, d: str) -> None:
+def test_a_stopped_holder_delays_a_change_briefly_and_serves_nothing_stale(lcluster: LocalCluster, pair,
+                                                                           d: str) -> None:
+    """A stopped holder delays a change by its session at most (tests/core/test_slow_holders.py
+    bounds it against a long TTL); once resumed, it never answers from its old entry."""
     _, writer, plain = pair
     writer.write_bytes(f"{d}/f", b"abc")
     script = _holding(lcluster, f"{d}/f") + ("print('held', oct(c.stat(p).mode), flush=True)\n"
@@ -194,7 +197,7 @@ def test_a_stopped_holder_delays_a_change_by_at_most_the_ttl(lcluster: LocalClus
             took = time.monotonic() - t
         finally:
             os.kill(proc.pid, signal.SIGCONT)
-        assert 0.5 < took < TTL + 3.0  # waited for the lease to run out, not for ever (a loaded machine)
+        assert took < TTL + 3.0  # not for ever (a loaded machine)
         proc.stdin.write("go\n")
         proc.stdin.flush()
         assert proc.stdout.readline().split() == ["after", "0o100600"]  # never the stale entry

@@ -9,8 +9,10 @@ leases every such change would stay invisible for the whole timeout."""
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import stat
+import threading
 import time
 from collections.abc import Iterator
 
@@ -226,3 +228,84 @@ def test_a_name_made_elsewhere_goes_from_the_kept_names_of_a_listed_directory(pr
     private.client.remove(d + "/new0")
     assert sorted(os.listdir(md)) == ["f", "new1"]
     assert not os.path.exists(md + "/new0")
+
+
+def test_a_create_held_by_a_stopped_holder_delays_no_acknowledgement(make_cluster, tmp_path) -> None:
+    """Issue 28, item 4: a native holder process is SIGSTOPped with a listing lease on d;
+    the mount creates in d (the create waits for that holder) while it holds leases on d/f
+    and e/g. Another client's chmods of those return long before the TTL -- the create
+    waits for the holder's session, not its lease, and the mount's acknowledgements do not
+    wait behind its kernel invalidations -- and the mount sees them at its next stat."""
+    from tests.core.test_slow_holders import BOUND, TTL as SLOW_TTL, start_holder
+
+    h = make_cluster(servers=1, lease_ttl=SLOW_TTL)
+    mnt = str(tmp_path / "mnt")
+    do_mount(mnt, h.file, f"attr_timeout={LONG}", f"entry_timeout={LONG}")
+    try:
+        with Client(h.file, leases=False) as writer:
+            for path in ("/d/f", "/e/g"):
+                writer.makedirs(os.path.dirname(path))
+                writer.write_bytes(path, b"x")
+            p = Private(h, mnt)
+            p.client.close()
+            p.client = writer
+            _leasing(p)
+            os.stat(mnt + "/d/f")
+            os.stat(mnt + "/e/g")
+            proc = start_holder(h.file, [], ["/d"])
+            try:
+                pause(proc.pid)
+                try:
+                    created: list[float] = []
+                    creator = threading.Thread(target=lambda: (open(mnt + "/d/new", "wb").close(),
+                                                               created.append(time.monotonic())), daemon=True)
+                    started = time.monotonic()
+                    creator.start()
+                    writer.chmod("/d/f", 0o600)
+                    writer.chmod("/e/g", 0o600)
+                    took = time.monotonic() - started
+                    creator.join(SLOW_TTL + 5)
+                finally:
+                    os.kill(proc.pid, signal.SIGCONT)
+            finally:
+                proc.kill()
+                proc.wait()
+            assert took < BOUND, f"two chmods took {took:.1f} s beside a create held by a stopped holder"
+            assert created and created[0] - started < BOUND, "the mount's create waited for the holder's lease"
+            assert stat.S_IMODE(os.stat(mnt + "/d/f").st_mode) == 0o600
+            assert stat.S_IMODE(os.stat(mnt + "/e/g").st_mode) == 0o600
+    finally:
+        do_umount(mnt)
+
+
+def test_a_blocked_kernel_invalidation_holds_back_only_its_own_leases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``invalidate_entry`` waits for its directory's lock (held while one of the mount's
+    own requests there is in flight): the leases of other directories, and those of
+    attributes alone, are reported done meanwhile; the blocked one once it returns."""
+    from stripefs.fsclient.fuse import _kernelleases
+
+    gate = threading.Event()
+
+    def entry(parent: int, name: bytes) -> None:
+        if parent == 10:
+            gate.wait(10)
+
+    monkeypatch.setattr(_kernelleases.pyfuse3, "invalidate_entry", entry)
+    monkeypatch.setattr(_kernelleases.pyfuse3, "invalidate_inode", lambda ino, attr_only=False: None)
+
+    class Cache:
+        leasing, invalidations, listener, sessions = True, 0, None, True
+
+    cache = Cache()
+    kl = _kernelleases.KernelLeases(cache, lambda inos: None)
+    assert cache.listener is kl and cache.sessions is False  # a kernel's cache has no session
+    later = time.monotonic() + 30
+    kl._told.update({1: (later, 10, b"f", 100), 2: (later, 20, b"g", 200), 3: (later, 0, b"", 300)})
+    done: queue.Queue[list[int]] = queue.Queue()
+    kl.invalidated([1, 2, 3, 4], done.put)  # 4: nothing told under it
+    got: set[int] = set()
+    while got != {2, 3, 4}:
+        got.update(done.get(timeout=5))
+    assert done.empty()  # 1 still waits for its directory
+    gate.set()
+    assert done.get(timeout=5) == [1]
