@@ -18,7 +18,8 @@ A save by several ranks (a process group of more than one) is one checkpoint:
 2. in ``write_data`` every rank writes its own files locally (DCP's ``__<rank>_<n>.distcp``),
    uploads them into the checkpoint's hidden partial directory
    (``.<name>.partial-<id>``, the one :func:`staging.save` uses), checks each in the store
-   (committed size and CRC32Cs) and then writes its part record ``.rank-<r>.json``, last;
+   (committed size and CRC32Cs) and then writes its part record ``.rank-<r>.json``, last
+   (``_ranks``: the mechanism a ``staging.save`` by several ranks commits with too);
 3. torch gathers every rank's write results to the coordinator, and calls ``finish`` there
    only if every rank's ``write_data`` returned; a rank that failed, or died, fails every
    rank's ``dcp.save`` (torch's ``CheckpointException``) and nothing commits;
@@ -39,7 +40,6 @@ Caveats:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import posixpath
 import shutil
@@ -58,9 +58,11 @@ from torch.futures import Future
 
 from stripefs.fsclient import Client, normpath
 
+from . import _ranks
 from ._durable import publish_dir
 from ._format import BASE_VERSION, FORMAT, MANIFEST, ChecksumError, chunk_crcs, crc_combine, manifest_bytes, parse_manifest
-from ._journal import CkptRow, FileRow, Journal, fault_point
+from ._journal import CkptRow, FileRow, Journal
+from ._replicas import Durability
 from ._mover import MoverOptions, Uploader, client_for, remote_paths, with_retries
 from ._verify import file_problems
 from ._save import _step_of, default_staging_dir
@@ -88,11 +90,6 @@ class _RankPart(_StoragePrefix):
     url: str = ""
 
 
-def _part_name(rank: int) -> str:
-    """The part record a rank writes once its files are in the store (hidden, never committed)."""
-    return f".rank-{rank}.json"
-
-
 class StagedStorageWriter(FileSystemWriter):
     """A DCP ``StorageWriter`` + ``AsyncStager`` that commits to ``url`` through staging.
 
@@ -101,6 +98,13 @@ class StagedStorageWriter(FileSystemWriter):
             ``dcp.save`` overrides it.
         staging_dir, cluster, keep_local, keep_remote, options: as for :func:`staging.save`.
         upload: False leaves the staged copy for a standalone mover.
+
+    Attributes:
+        durability: after a save that committed here (one rank, or the coordinator of several),
+            the replicas the store had serving at the commit (a :class:`Durability`, as
+            ``SaveHandle.durability``; a degraded commit also logs a warning); None before, on
+            the other ranks of a multi-rank save, with ``upload=False``, or when the cluster
+            could not say. The journal, the manifest and ``stripefs ckpt list`` record it too.
     """
 
     def __init__(self, url: str | None = None, *, staging_dir: str | None = None, cluster: str | None = None,
@@ -111,6 +115,7 @@ class StagedStorageWriter(FileSystemWriter):
         self.options = options or MoverOptions(cluster=cluster)
         self.url = url
         self.timings: dict[str, float] = {}
+        self.durability: Durability | None = None
         self._lock: Any = None
         self._new_id()
         super().__init__(self._tmp, single_file_per_rank=True, sync_files=True, thread_count=thread_count,
@@ -167,6 +172,7 @@ class StagedStorageWriter(FileSystemWriter):
             self.reset()
         self.t0 = time.monotonic()
         self._coordinator, self._world = is_coordinator, 1
+        self.durability = None
         # Register before DCP writes anything, so a mover never mistakes the files for orphans.
         self._lock = self.journal.lock(self.ckpt_id)
         self._lock.try_acquire()
@@ -234,30 +240,23 @@ class StagedStorageWriter(FileSystemWriter):
         return client_for(self.options.cluster or self.cluster)
 
     def _commit_ranks(self, results: list[list[WriteResult]]) -> None:
-        """The coordinator's commit of a multi-rank save: every rank's part is in the store."""
+        """The coordinator's commit of a multi-rank save: every rank's part is in the store
+        (torch calls ``finish`` only once every rank's ``write_data`` returned: no waiting)."""
         client = self._client()
-        final, partial = remote_paths(self.row.url, self.ckpt_id)
-        records: list[dict[str, Any]] = []
-        for rank in range(self._world):
-            try:
-                raw = client.read_bytes(posixpath.join(partial, _part_name(rank)))
-            except FileNotFoundError:
-                raise RuntimeError(f"rank {rank}'s files of {self.row.url} are not in the store; nothing committed") from None
-            records += json.loads(raw)
+        _, partial = remote_paths(self.row.url, self.ckpt_id)
+        parts = _ranks.gather(client, partial, self._world, self.row.url, timeout=0.0)
+        records = [rec for part in parts for rec in part["files"]]
         named = {wr.storage_data.relative_path for rank_results in results for wr in rank_results}
         missing = named - {r["name"] for r in records}
         if missing:
-            raise RuntimeError(f"files of {self.row.url} missing from every rank's part: {sorted(missing)}")
+            raise _ranks.CheckpointAborted(f"files of {self.row.url} missing from every rank's part: {sorted(missing)}")
         meta, _ = _records(self._tmp, [".metadata"])
         with_retries(lambda: _put_files(client, partial, self._tmp, meta, self.options.verify), self.options,
                      self.row.url, self.options.cluster)
         records += meta
-        for rank in range(self._world):
-            client.remove(posixpath.join(partial, _part_name(rank)))
         self.journal.add_files(self.ckpt_id, [_row_of(r) for r in records])
-        raw_manifest = self._manifest(records)
-        fault_point("dcp_before_commit")
-        Uploader(self.journal, self.row, self.options, manifest=lambda: raw_manifest)._commit(client, final, partial)
+        self.durability = _ranks.commit(self.journal, self.row, self.options, client, partial, self._world,
+                                        self._manifest(records))
         self.timings["upload"] = time.monotonic() - self.t0
         apply_retention(self.journal, self.journal.get(self.ckpt_id) or self.row, self.options)
 
@@ -276,7 +275,9 @@ class StagedStorageWriter(FileSystemWriter):
         self.timings["local_write"] = time.monotonic() - self.t0
         if self.upload:
             t = time.monotonic()
-            Uploader(self.journal, self.row, self.options).run()
+            up = Uploader(self.journal, self.row, self.options)
+            up.run()
+            self.durability = up.durability
             self.timings["upload"] = time.monotonic() - t
             apply_retention(self.journal, self.journal.get(self.ckpt_id) or self.row, self.options)
 
@@ -355,8 +356,7 @@ def _upload_part(client: Client, part: _RankPart, where: str, options: MoverOpti
     records, _ = _records(where, sorted(os.listdir(where)))
     with_retries(lambda: _put_files(client, partial, where, records, options.verify), options, part.url,
                  options.cluster)
-    fault_point("dcp_rank_uploaded")
-    client.write_bytes(posixpath.join(partial, _part_name(part.rank)), json.dumps(records).encode())
+    _ranks.write_part(client, partial, part.rank, {"files": records})
 
 
 def _put_files(client: Client, partial: str, where: str, records: list[dict[str, Any]], verify: bool) -> None:

@@ -646,6 +646,15 @@ def _validate(man: dict[str, Any], where: str) -> None:
     tensors = man.get("tensors")
     if not isinstance(tensors, list) or "tree" not in man:
         raise bad("tensors or tree missing")
+    if "ranks" in man:  # saved by several ranks: how many files, tensors and keys are each rank's
+        ranks, tree = man["ranks"], man["tree"]
+        if not isinstance(ranks, list) or not ranks or not all(
+                isinstance(r, dict) and all(count(r.get(k)) for k in ("files", "tensors", "keys")) for r in ranks):
+            raise bad("ranks is not a list of file, tensor and key counts")
+        if not (isinstance(tree, dict) and isinstance(tree.get("d"), list)) or [
+                sum(r[k] for r in ranks) for k in ("files", "tensors", "keys")] != [len(files), len(tensors),
+                                                                                     len(tree["d"])]:
+            raise bad("ranks do not add up to the files, tensors and keys of the step")
     for i, e in enumerate(tensors):
         if isinstance(e, dict):
             _validate_autograd(i, e, bad)

@@ -6,6 +6,11 @@ chunk and server at once); runs of small tensors are read with one request
 into a scratch buffer and copied out, so a model with thousands of biases
 costs a few round trips, not thousands. Each tensor's CRC32C is checked
 before it is returned: a mismatch raises :class:`ChecksumError` (fail closed).
+
+Memory: the tensors themselves plus a fixed budget, whatever the state holds: each of the
+``READERS`` threads holds at most one scratch buffer of ``RUN_BYTES`` (a run of small tensors
+is cut there), or for a zstd file ``ZSTD_BLOCK`` of frames and one decompressed frame: 64 MiB
+over the state's size for raw files, about 96 MiB for zstd ones.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 
 from ._format import MANIFEST, ChecksumError, decode_tree, dtype_from_name, parse_manifest, step_order
 from ._journal import Journal
+from ._ranks import rank_slice
 from ._mover import checkpoint_path, client_for
 from ._save import default_staging_dir
 from ._verify import file_problems, rows_of
@@ -33,6 +39,7 @@ log = logging.getLogger("stripefs.staging")
 
 DIRECT = 1 << 20
 READERS = 8
+RUN_BYTES = 8 << 20  # the most one run of small tensors reads at once (its scratch buffer)
 
 
 class _Source:
@@ -87,7 +94,8 @@ def _read_exact(src: _Source, name: str, dest: memoryview, offset: int) -> None:
         done += n
 
 
-def _load_from(src: _Source, man: dict[str, Any], verify: bool) -> list[torch.Tensor]:
+def _load_from(src: _Source, man: dict[str, Any], verify: bool, only: range | None = None) -> list[torch.Tensor]:
+    """Every stored tensor of ``man`` (``only``: those of these files; the others stay None)."""
     files = man["files"]
     index = man["tensors"]
     out: list[torch.Tensor | None] = [None] * len(index)
@@ -98,6 +106,8 @@ def _load_from(src: _Source, man: dict[str, Any], verify: bool) -> list[torch.Te
             raise ChecksumError(f"tensor {i} of {src.root} fails its CRC32C check", src.root)
 
     for fi, rec in enumerate(files):
+        if only is not None and fi not in only:
+            continue
         # Views (version 3) have no bytes of their own: _materialize makes them from their storage.
         mine = sorted((i for i, e in enumerate(index) if "base" not in e and e["file"] == fi),
                       key=lambda i: index[i]["offset"])
@@ -116,8 +126,11 @@ def _load_from(src: _Source, man: dict[str, Any], verify: bool) -> list[torch.Te
             if e["nbytes"] >= DIRECT:
                 flush(run)
                 jobs.append(lambda i=i, name=rec["name"]: _load_one(src, name, index, i, out, check))
-            else:
-                run.append(i)
+                continue
+            # A run's scratch holds its span of the file: cut it before it passes RUN_BYTES.
+            if run and e["offset"] + e["nbytes"] - index[run[0]]["offset"] > RUN_BYTES:
+                flush(run)
+            run.append(i)
         flush(run)
     with ThreadPoolExecutor(READERS) as pool:
         for fut in [pool.submit(j) for j in jobs]:
@@ -208,29 +221,37 @@ def _load_zstd(src: _Source, rec: dict[str, Any], index: list[dict[str, Any]], m
         out[i] = tensors[i]
 
 
-def _materialize(src: _Source, man: dict[str, Any], verify: bool, map_location: Any) -> Any:
+def _materialize(src: _Source, man: dict[str, Any], verify: bool, map_location: Any, rank: int | None = None) -> Any:
     if man.get("kind") == "dcp":
         raise ValueError(f"{man.get('url')} is a torch DCP checkpoint: load it with torch.distributed.checkpoint.load "
                          "and staging.StagedStorageReader(url)")
-    tensors: list[Any] = _load_from(src, man, verify)
+    tree, files, mine = man["tree"], None, range(len(man["tensors"]))
+    if rank is not None and (rank != 0 or "ranks" in man):
+        files, mine, keys = rank_slice(man, rank)
+        tree = {"d": tree["d"][keys.start : keys.stop]}
+    tensors: list[Any] = _load_from(src, man, verify, files)
     index = man["tensors"]
     if map_location is not None:
         device = torch.device(map_location)
         # numpy arrays stay numpy (host memory): only tensors move.
         tensors = [t if t is None or e.get("numpy") else t.to(device) for t, e in zip(tensors, index)]
     for i, e in enumerate(index):
+        if i not in mine:
+            continue  # another rank's tensor (load(rank=...))
         if "base" in e:  # a view of a stored storage, on whatever device that storage now is
             base = tensors[e["base"]]
             dt = dtype_from_name(e["dtype"])
             tensors[i] = torch.empty(0, dtype=dt, device=base.device).set_(
                 base.untyped_storage(), e["byte_offset"] // dt.itemsize, e["shape"], e["stride"])
     for i, e in enumerate(index):  # version 4: parameters and tensors that required grad come back so
+        if i not in mine:
+            continue
         if e.get("param"):
             tensors[i] = torch.nn.Parameter(tensors[i], requires_grad=bool(e.get("requires_grad")))
         elif e.get("requires_grad"):
             tensors[i].requires_grad_(True)
-    values: list[Any] = [t.numpy() if e.get("numpy") else t for t, e in zip(tensors, index)]
-    return decode_tree(man["tree"], values)
+    values: list[Any] = [t.numpy() if e.get("numpy") and t is not None else t for t, e in zip(tensors, index)]
+    return decode_tree(tree, values)
 
 
 def read_manifest(url: str, *, cluster: str | None = None) -> dict[str, Any]:
@@ -241,11 +262,16 @@ def read_manifest(url: str, *, cluster: str | None = None) -> dict[str, Any]:
 
 
 def load(url: str | None, *, map_location: Any = None, verify: bool = True, staging_dir: str | None = None,
-         cluster: str | None = None, prefer_local: bool = True) -> Any:
+         cluster: str | None = None, prefer_local: bool = True, rank: int | None = None) -> Any:
     """Load a checkpoint saved by :func:`staging.save`.
+
+    A step saved by several ranks (``save(..., rank=r, world_size=n)``) loads as one dict
+    holding every rank's keys; ``rank=r`` loads only the keys rank ``r`` saved (and reads
+    only its files).
 
     Args:
         url: ``stripefs://…/step-N``, or a local staged step directory.
+        rank: only this rank's keys of a step saved by several ranks (0 for a step saved by one).
         map_location: device for the tensors (a ``torch.device`` or its name); default CPU.
             numpy arrays are always returned as numpy arrays, in host memory.
         verify: check every tensor's CRC32C (fail closed on mismatch).
@@ -254,13 +280,14 @@ def load(url: str | None, *, map_location: Any = None, verify: bool = True, stag
     Raises:
         FileNotFoundError: nothing committed at ``url``. ChecksumError: corrupt bytes.
         pickle.UnpicklingError: a non-JSON value needs a type the restricted loader refuses.
+        ValueError: ``rank`` is not a rank of the step; the step is a DCP checkpoint.
     """
     if url is None:  # load(latest(prefix)) on a first run
         raise FileNotFoundError(errno.ENOENT, "no checkpoint to load (latest() found none: a first run?)")
     if isinstance(url, str) and not url.startswith("stripefs://") and os.path.isfile(os.path.join(url, MANIFEST)):
         src = _Source(url, None)
         try:
-            return _materialize(src, parse_manifest(src.manifest(), url), verify, map_location)
+            return _materialize(src, parse_manifest(src.manifest(), url), verify, map_location, rank)
         finally:
             src.close()
     final = checkpoint_path(url)
@@ -273,7 +300,7 @@ def load(url: str | None, *, map_location: Any = None, verify: bool = True, stag
             if local is not None:
                 src = _Source(local, None)
                 try:
-                    return _materialize(src, man, verify, map_location)
+                    return _materialize(src, man, verify, map_location, rank)
                 except (ChecksumError, OSError) as exc:
                     log.warning("local copy %s unusable (%s); reading %s", local, exc, url)
                 finally:
@@ -283,7 +310,7 @@ def load(url: str | None, *, map_location: Any = None, verify: bool = True, stag
         problems = file_problems(client, final, rows_of(man["files"]), checksums=False)
         if problems:
             raise ChecksumError("; ".join(f"{n}: {r}" for n, r in sorted(problems.items())), final)
-        return _materialize(remote, man, verify, map_location)
+        return _materialize(remote, man, verify, map_location, rank)
     finally:
         remote.close()
 

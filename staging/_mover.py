@@ -255,6 +255,11 @@ class Uploader:
     on_progress: Callable[[int], None] | None = None
     uploaded: int = 0  # bytes sent by this uploader (tests check resume skips done bytes)
     durability: Durability | None = None  # the store's replication at the commit, once committed
+    # One rank of a save by several ranks (``_ranks``): its files go into the checkpoint's
+    # partial directory (``partial_id``: the checkpoint's id, not this rank's row's), and
+    # ``finish(client, final, partial)`` replaces the commit (the rank writes its part record).
+    partial_id: str | None = None
+    finish: Callable[[Client, str, str], None] | None = None
 
     def run(self, wait_local: Callable[[], None] | None = None) -> None:
         """Upload with retries, then commit. ``wait_local`` blocks until the local copy is durable.
@@ -269,7 +274,7 @@ class Uploader:
 
     def _attempt(self, wait_local: Callable[[], None] | None) -> None:
         client = client_for(self.options.cluster or self.row.cluster)
-        final, partial = remote_paths(self.row.url, self.row.id)
+        final, partial = remote_paths(self.row.url, self.partial_id or self.row.id)
         existing = committed_id(client, final)
         if existing == self.row.id:  # committed by an earlier attempt whose journal update was lost
             self.durability = _recorded_durability(client, final)
@@ -291,7 +296,7 @@ class Uploader:
                 fut.result()
         if wait_local is not None:
             wait_local()
-        self._commit(client, final, partial)
+        (self.finish or self._commit)(client, final, partial)
 
     def _upload_checked(self, client: Client, partial: str, f: FileRow, throttle: _Throttle) -> None:
         """Upload what is left of ``f``, then check it in the store (its read-back overlaps the

@@ -17,7 +17,9 @@ durable at once, at the commit, and a crash before it loses the step.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import hashlib
 import logging
 import os
 import shutil
@@ -26,6 +28,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -36,6 +39,7 @@ from stripefs.fsclient import normpath
 from ._format import CHECK_CHUNK, DEFAULT_SHARD, FORMAT, MANIFEST, chunk_crcs, manifest_bytes, plan_state_dict, step_order
 from ._durable import publish_dir
 from ._journal import CkptRow, FileRow, Journal, fault_point
+from . import _ranks
 from ._mover import MoverOptions, SnapshotViews, Uploader, client_for, remote_paths, remove_tree
 from ._replicas import Durability
 from ._service import Mover, apply_retention
@@ -165,7 +169,8 @@ def save(state_dict: Any, url: str, *, staging_dir: str | None = None, compress:
          keep_local: int | None = 2, keep_remote: int | None = None, pin: bool = False, step: int | None = None,
          cluster: str | None = None, upload: bool = True, background_mover: bool = True,
          options: MoverOptions | None = None, shard_bytes: int = DEFAULT_SHARD,
-         snapshot_timeout: float | None = 300.0, snapshot_memory: int | None = None) -> SaveHandle:
+         snapshot_timeout: float | None = 300.0, snapshot_memory: int | None = None, rank: int | None = None,
+         world_size: int | None = None, save_id: str | None = None, rank_timeout: float = 600.0) -> SaveHandle:
     """Checkpoint ``state_dict`` to ``url`` (``stripefs://run/step-100``); blocks only for the snapshot.
 
     Args:
@@ -187,13 +192,27 @@ def save(state_dict: Any, url: str, *, staging_dir: str | None = None, compress:
         snapshot_memory: bytes all snapshot buffers of the process may take together; when
             every buffer is busy and another fits under it, the save takes another buffer
             instead of waiting. None: one buffer (memory stays at one copy of the state).
+        rank, world_size: this process is rank ``rank`` of ``world_size`` ranks that each save
+            their own keys of one step to the same ``url``: the step commits once, when every
+            rank's files are in the store, with one manifest (see ``docs/checkpoint-format.md``).
+            Each rank uploads its own files from its snapshot (no local copy is kept, so a crash
+            before the commit loses the step: the resumed job saves it again); rank 0 commits,
+            the other ranks' handles wait for its commit. If any rank fails, nothing commits and
+            every rank's ``wait()`` raises :class:`CheckpointAborted` saying which and why.
+        save_id: with ``world_size``, a string every rank of this save passes, unique to this
+            save (e.g. job id, attempt and step): it names the checkpoint. None: the ranks agree
+            on one through ``torch.distributed`` (one broadcast from rank 0 on the default
+            group, on the calling thread; every rank must call ``save`` there).
+        rank_timeout: how long rank 0 waits for the other ranks' files once its own are in
+            the store, and (twice as long) each other rank for rank 0's verdict.
 
     Returns:
         a :class:`SaveHandle`; ``wait()`` raises the save's error. ``snapshot_wait_s`` and
         ``extra_buffer`` say whether the save waited for a buffer or took another one.
 
     Raises:
-        ValueError: unknown ``compress``; ``keep_local=0`` with ``upload=False``; a URL of another
+        ValueError: unknown ``compress``; ``keep_local=0`` with ``upload=False``; ``rank`` outside
+            ``world_size``, or ``upload=False``, with ``world_size``; a URL of another
             scheme (``s3://``, ``file://``: ``stripefs://path`` or an absolute path). TypeError: a value that ``load`` could not give
             back (the message names its key).
         TimeoutError: no snapshot buffer within ``snapshot_timeout`` (nothing was saved).
@@ -212,23 +231,70 @@ def save(state_dict: Any, url: str, *, staging_dir: str | None = None, compress:
     options = options or MoverOptions(cluster=cluster)
     cluster_spec = cluster or client_for(cluster).config.path
     final, _ = remote_paths(url, "x")  # the URL checked before any work
+    ranks = _ranks_of(rank, world_size, save_id, upload, rank_timeout)
+    if ranks is not None and type(state_dict) not in (dict, OrderedDict):
+        raise TypeError(f"each rank of a save by several ranks saves a dict (the step's state is every rank's keys), "
+                        f"not a {type(state_dict).__name__}")
     superseded = _supersede_leftovers(journal, final)
     t0 = time.monotonic()
     plan = plan_state_dict(state_dict, shard_bytes)
     buf = snapshot(plan, POOL, snapshot_timeout, snapshot_memory)
-    h = SaveHandle(url, uuid.uuid4().hex, plan.nbytes)
+    h = SaveHandle(url, uuid.uuid4().hex if ranks is None else ranks.ckpt_id, plan.nbytes)
     h.timings["snapshot"] = time.monotonic() - t0
     h.snapshot_wait_s, h.extra_buffer = buf.wait_s, buf.extra
     h._snap.set()
     with _lock:
         _handles.append(h)
-    row = CkptRow(h.id, normpath(url), cluster_spec, journal.step_dir(h.id), "writing", _step_of(url, step), pin,
+    # A rank other than 0 records its upload under an id of its own: ranks may share a journal.
+    row_id = h.id if ranks is None or ranks.rank == 0 else uuid.uuid4().hex
+    row = CkptRow(row_id, normpath(url), cluster_spec, journal.step_dir(row_id), "writing", _step_of(url, step), pin,
                   keep_local, keep_remote, time.time(), None, None, 0, "state_dict")
-    args = (h, journal, row, plan, buf, compress, upload, options, superseded)
-    threading.Thread(target=_background, args=args, daemon=True, name="stripefs-save").start()
+    if ranks is None:
+        args: tuple[Any, ...] = (h, journal, row, plan, buf, compress, upload, options, superseded)
+        threading.Thread(target=_background, args=args, daemon=True, name="stripefs-save").start()
+    else:
+        args = (h, journal, row, plan, buf, compress, options, superseded, ranks)
+        threading.Thread(target=_background_rank, args=args, daemon=True, name="stripefs-save").start()
     if background_mover:
         _ensure_background_mover(staging_dir, options)
     return h
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ranks:
+    """This process's share of a save by several ranks."""
+
+    rank: int
+    world: int
+    ckpt_id: str  # the checkpoint's id, the same on every rank
+    timeout: float
+
+
+def _ranks_of(rank: int | None, world: int | None, save_id: str | None, upload: bool,
+              timeout: float) -> _Ranks | None:
+    """None for a save by one process; else the ranks' shared checkpoint id (see ``save``)."""
+    if world is None or (world == 1 and rank in (None, 0)):
+        if rank not in (None, 0) or save_id is not None:
+            raise ValueError("rank= and save_id= belong to a save by several ranks: pass world_size= too")
+        return None
+    if type(world) is not int or world < 1 or type(rank) is not int or not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, world_size): got rank={rank!r}, world_size={world!r}")
+    if not upload:
+        raise ValueError("a save by several ranks commits once every rank's files are in the store; "
+                         "upload=False (a local copy for a standalone mover) is for one rank")
+    if save_id is not None:
+        return _Ranks(rank, world, hashlib.blake2b(save_id.encode(), digest_size=16).hexdigest(), timeout)
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("a save by several ranks needs save_id= (the same on every rank, unique to this save) "
+                         "or an initialized torch.distributed to agree on one")
+    if (dist.get_rank(), dist.get_world_size()) != (rank, world):
+        raise ValueError(f"rank={rank}, world_size={world} but torch.distributed says rank {dist.get_rank()} "
+                         f"of {dist.get_world_size()}")
+    box = [uuid.uuid4().hex if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return _Ranks(rank, world, str(box[0]), timeout)
 
 
 def _supersede_leftovers(journal: Journal, url: str) -> list[CkptRow]:
@@ -316,6 +382,85 @@ def _background(h: SaveHandle, journal: Journal, row: CkptRow, plan: Any, buf: A
         h._done.set()
 
 
+def _background_rank(h: SaveHandle, journal: Journal, row: CkptRow, plan: Any, buf: Any, compress: str | None,
+                     options: MoverOptions, superseded: list[CkptRow], ranks: _Ranks) -> None:
+    """One rank's save of a save by several ranks (``_ranks``): its files into the checkpoint's
+    partial directory straight from the snapshot, then its part record; rank 0 then gathers
+    every rank's part and commits, the others wait for its verdict."""
+    lock = journal.lock(row.id)
+    prefix = f"rank{ranks.rank:05d}-"
+    _, partial = remote_paths(row.url, ranks.ckpt_id)
+    client = None
+    committed = False
+    failure: BaseException | None = None
+    held = [True]
+
+    def release() -> None:
+        if held[0]:
+            held[0] = False
+            POOL.release(buf)
+
+    try:
+        lock.try_acquire()  # a fresh id: nobody else can hold it
+        client = client_for(options.cluster or row.cluster)
+        t = time.monotonic()
+        stored, records, man = _serialize_dict(plan, buf, compress, row, prefix)
+        # "streaming": nothing local to resume from; a mover only ever abandons such a row.
+        row.state = "streaming"
+        journal.begin(row, [FileRow(r["name"], r["size"], r["crc32c"], r["chunk"], r["chunk_crc32c"], 0)
+                            for r in records])
+        h.timings["serialize"] = time.monotonic() - t
+        fault_point("after_begin")
+        part = {"files": records, "tensors": man["tensors"], "tree": man["tree"], "version": man["version"]}
+        lent = SnapshotViews(stored)
+        t = time.monotonic()
+        try:
+            Uploader(journal, row, options, buffers=lent, partial_id=ranks.ckpt_id,
+                     finish=lambda c, _final, p: _ranks.write_part(c, p, ranks.rank, part)).run()
+        finally:
+            lent.revoke()
+            release()  # this rank's files are in the store (or failed): the next save may snapshot
+        h.timings["upload"] = time.monotonic() - t
+        if ranks.rank == 0:
+            parts = _ranks.gather(client, partial, ranks.world, row.url, ranks.timeout)
+            raw = _ranks.merge_state_dicts(parts, {"id": ranks.ckpt_id, "step": row.step, "created": row.created,
+                                                   "url": row.url})
+            h.durability = _ranks.commit(journal, row, options, client, partial, ranks.world, raw)
+            committed = True
+            apply_retention(journal, journal.get(row.id) or row, options)
+        else:
+            h.durability = _ranks.wait_commit(client, row.url, ranks.ckpt_id, 2 * ranks.timeout)
+            committed = True
+        _remove_partials(options, superseded)
+        h.timings["commit"] = time.monotonic() - t - h.timings["upload"]
+    except sqlite3.Error as exc:
+        failure = OSError(errno.EIO, f"staging journal {journal.path} failed: {exc}")
+    except BaseException as exc:
+        failure = exc
+    finally:
+        release()
+        if failure is not None and client is not None and not committed:
+            _ranks.report_failure(client, partial, ranks.rank, failure)
+            _ranks.remove_files(client, partial, lambda name: name.startswith(prefix))
+        try:
+            # Rank 0's row stays: committed (retention counts it), or failed (a mover pass removes
+            # the partial directory, the verdict with it); the other ranks keep none.
+            if ranks.rank != 0:
+                journal.delete(row.id)
+            elif not committed and failure is not None:
+                journal.set_state(row.id, "failed", f"{type(failure).__name__}: {failure}")
+        except sqlite3.Error:
+            pass
+        lock.release()
+        # Only now: once wait() returns or raises, the journal and the store say the same.
+        if failure is not None:
+            h._fail(failure)
+        elif committed:
+            h._local.set()
+            h._global.set()
+        h._done.set()
+
+
 def _serialize(plan: Any, buf: Any, compress: str | None, row: CkptRow) -> tuple[list[memoryview], list[dict[str, Any]], bytes]:
     """Checksums (per tensor, per checksum chunk), optional zstd and the manifest.
 
@@ -323,6 +468,13 @@ def _serialize(plan: Any, buf: Any, compress: str | None, row: CkptRow) -> tuple
         ``(stored bytes per file, file records, manifest bytes)``; raw files are views of
         the snapshot buffer, nothing is copied.
     """
+    stored, records, manifest = _serialize_dict(plan, buf, compress, row)
+    return stored, records, manifest_bytes(manifest)
+
+
+def _serialize_dict(plan: Any, buf: Any, compress: str | None, row: CkptRow,
+                    prefix: str = "") -> tuple[list[memoryview], list[dict[str, Any]], dict[str, Any]]:
+    """:func:`_serialize`, the manifest as a dict; file names start with ``prefix``."""
     views = _file_views(plan, buf)
     # Files are checksummed (or compressed) on another thread while this one checksums the
     # tensors: crc32c releases the GIL, so the two passes take both cores.
@@ -335,13 +487,13 @@ def _serialize(plan: Any, buf: Any, compress: str | None, row: CkptRow) -> tuple
             e.crc = crc32c.crc32c(buf.view[base : base + e.nbytes])
         stored, records = [], []
         for i, (data, rec) in enumerate(encoded.result()):
-            rec["name"] = _file_name(i)
+            rec["name"] = prefix + _file_name(i)
             stored.append(data)
             records.append(rec)
     manifest = {"format": FORMAT, "version": plan.version, "id": row.id, "kind": "state_dict", "step": row.step,
                 "created": row.created, "url": row.url, "files": records,
                 "tensors": [e.index_record() for e in plan.tensors], "tree": plan.tree}
-    return stored, records, manifest_bytes(manifest)
+    return stored, records, manifest
 
 
 def _file_views(plan: Any, buf: Any) -> list[memoryview]:

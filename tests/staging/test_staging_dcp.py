@@ -63,3 +63,19 @@ def test_dcp_reader_fails_closed(cluster, client, testdir, tmp_path):
         f.pwrite(b"\x00" * 8, 100)
     with pytest.raises(ChecksumError):
         staging.StagedStorageReader(url, staging_dir=str(tmp_path / "other"), cluster=cluster.file)
+
+
+def test_dcp_save_says_how_many_replicas_it_had(cluster, testdir, tmp_path):
+    """As ``SaveHandle.durability``: the writer, the journal and the manifest record the replicas
+    the store had serving at the commit (a degraded one: ``test_staging_durable``)."""
+    from stripefs.staging._replicas import Durability
+
+    sdir = str(tmp_path / "s")
+    url = f"stripefs:/{testdir}/step-1"
+    w = staging.StagedStorageWriter(url, staging_dir=sdir, cluster=cluster.file)
+    assert w.durability is None
+    dcp.save(_sd(1), storage_writer=w)
+    assert w.durability is not None and w.durability.full, w.durability
+    man = staging.read_manifest(url, cluster=cluster.file)
+    assert Durability.from_record(man["durability"]) == w.durability
+    assert Durability.from_record(staging.Mover(sdir).journal.get(man["id"]).durability) == w.durability

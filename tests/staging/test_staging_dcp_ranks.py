@@ -55,7 +55,7 @@ def _load(cluster, url: str, world: int, tmp_path) -> dict:
     return want
 
 
-@pytest.mark.parametrize("world,shared", [(2, False), (2, True), (4, False)])
+@pytest.mark.parametrize("world,shared", [(2, False), (2, True)])  # 4 ranks: the bench's sweep
 def test_every_rank_shards_are_in_the_one_commit(cluster, client, testdir, tmp_path, world, shared):
     url = f"stripefs:/{testdir}/step-000100"
     sdirs = [str(tmp_path / ("s" if shared else f"s{r}")) for r in range(world)]
@@ -78,10 +78,10 @@ def test_every_rank_shards_are_in_the_one_commit(cluster, client, testdir, tmp_p
         assert rows == []
 
 
-# Every fault point a rank of a 2-rank save passes, and whether the step is committed when a
-# rank is killed there: before the coordinator's rename nothing is, after it all of it is.
-KILLS = [("dcp_rank_uploaded", 0, False), ("dcp_rank_uploaded", 1, False), ("dcp_before_commit", 0, False),
-         ("before_rename", 0, False), ("after_rename", 0, True)]
+# A sample of the kill sweep (each case starts fresh interpreters: ~15 s on a loaded 2-core
+# machine): a rank killed before its part is in the store, and the coordinator after its rename.
+# Every rank at every fault point, with 2 or 4 ranks: python -m stripefs.bench.ckpt_sweep --ranks 4.
+KILLS = [("rank_uploaded", 1, False), ("after_rename", 0, True)]
 
 
 @pytest.mark.parametrize("point,victim,committed", KILLS, ids=[f"{p}-rank{v}" for p, v, _ in KILLS])

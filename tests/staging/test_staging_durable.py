@@ -118,4 +118,14 @@ def test_a_commit_with_a_storage_server_down_says_how_many_replicas_it_had(make_
     assert "replicas" in rows[0]
     assert " 2/2 " in rows[1] and "DEGRADED" not in rows[1], rows
     assert " 1/2 " in rows[2] and "DEGRADED" in rows[2] and rows[2].endswith("(latest)"), rows
+    # A DCP save says the same on its writer (and warns), as the handle of staging.save does.
+    caplog.clear()
+    w = staging.StagedStorageWriter("stripefs://ck/step-3", staging_dir=sdir, cluster=c.file)
+    with caplog.at_level(logging.WARNING, logger="stripefs.staging"):
+        dcp.save({"w": torch.randn(50_000)}, storage_writer=w)
+    assert w.durability == d, w.durability
+    assert any("step-3" in r.getMessage() and "1/2 replicas" in r.getMessage() for r in caplog.records), caplog.text
+    man = staging.read_manifest("stripefs://ck/step-3", cluster=c.file)
+    assert Durability.from_record(man["durability"]) == d
+    assert Durability.from_record(staging.Mover(sdir).journal.get(man["id"]).durability) == d
     client.close()

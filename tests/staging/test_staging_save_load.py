@@ -211,6 +211,28 @@ def test_zstd_load_holds_at_most_one_extra_copy(cluster, sdir, monkeypatch):
     assert extra <= raw, f"zstd load used {extra / raw:.2f} extra copies of the shard"
 
 
+def test_loading_many_small_tensors_holds_a_fixed_budget_beyond_the_state(cluster, sdir, monkeypatch):
+    """A run of small tensors is read into one scratch buffer: it is cut at ``RUN_BYTES``, so
+    however large the state, the loader's scratch is at most ``READERS`` x ``RUN_BYTES``."""
+    from stripefs.staging import _load
+
+    budget = getattr(_load, "RUN_BYTES", 8 << 20)
+    state = {f"t{i}": torch.full((4096,), float(i)) for i in range(1024)}  # 16 MiB of 16 KiB tensors, one file
+    h = _stage(state, sdir, cluster)
+    largest = [0]
+    real_empty = torch.empty
+
+    def watching_empty(*a, **kw):  # every torch allocation the loader makes, output included
+        t = real_empty(*a, **kw)
+        largest[0] = max(largest[0], t.nbytes)
+        return t
+
+    monkeypatch.setattr(torch, "empty", watching_empty)
+    out = staging.load(_local(sdir, h))
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    assert largest[0] <= budget, f"a {largest[0] >> 20} MiB scratch buffer for 16 KiB tensors"
+
+
 # -- 6. the process umask ----------------------------------------------------------------------
 
 def test_files_and_directories_respect_umask(cluster, client, testdir, sdir):
