@@ -583,7 +583,7 @@ class Client:
         """
         p = self._leaf(path)
         (result,) = write_files(self, [(p, data)], mode=0o666 & ~_umask(), exclusive=exclusive,
-                                pool=self._reservations)
+                                pool=self._reservations, known=self._known_file)
         if isinstance(result, StripefsError):
             raise result
 
@@ -611,7 +611,13 @@ class Client:
         norm = [(self._leaf(p), data) for p, data in pairs]
         if len({p for p, _ in norm}) != len(norm):
             raise StripefsError(ErrorCode.INVALID, "write_files: a path is given twice")
-        return write_files(self, norm, mode=mode & 0o7777 & ~_umask(), exclusive=exclusive)
+        return write_files(self, norm, mode=mode & 0o7777 & ~_umask(), exclusive=exclusive, known=self._known_file)
+
+    def _known_file(self, path: str) -> bool:
+        """Does this client's attribute cache hold ``path`` as a regular file (see write_files)?"""
+        cache = self._core.attrs
+        attr = cache.get(path) if cache is not None else None
+        return attr is not None and _stat.S_ISREG(attr.mode)
 
     def copy(self, src: str, dst: str, *, callback: Callable[[int], None] | None = None) -> None:
         """Copy through a reused aligned buffer, window by window (no per-chunk bytes objects)."""

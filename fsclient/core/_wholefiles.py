@@ -29,7 +29,7 @@ import posixpath
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from stripefs.wire import Attr, ErrorCode, Layout, Message, StripefsError, messages as m
 
@@ -99,14 +99,17 @@ def reserve(client: Client, parent: str, count: int) -> list[Reservation]:
 
 
 def write_files(client: Client, files: Sequence[tuple[str, "bytes | bytearray | memoryview"]], *,
-                mode: int, exclusive: bool, mtime_ns: int = 0,
-                pool: Reservations | None = None) -> list[Attr | StripefsError]:
+                mode: int, exclusive: bool, mtime_ns: int = 0, pool: Reservations | None = None,
+                known: Callable[[str], bool] | None = None) -> list[Attr | StripefsError]:
     """Write whole files: reserve, write every file's chunks, commit (module docstring).
 
     Args:
         files: ``(normalized path, bytes)`` pairs; each path at most once.
         mode: permission bits, umask already applied.
         pool: take reservations from it (one file at a time) instead of reserving them.
+        known: says a path is an existing file (the client's cache; a hint: a wrong one
+            costs the usual path). Those are written in place at once, without spending a
+            reservation and a refused commit on them (not with ``exclusive``).
 
     Returns:
         Per file, in order: its attributes, or the error that file met (a failed write:
@@ -116,8 +119,11 @@ def write_files(client: Client, files: Sequence[tuple[str, "bytes | bytearray | 
     out: list[Attr | StripefsError | None] = [None] * len(files)
     reserved: list[Reservation | None] = [None] * len(files)
     by_parent: dict[str, list[int]] = collections.defaultdict(list)
-    for i, (path, _data) in enumerate(files):
-        by_parent[posixpath.dirname(path) or "/"].append(i)
+    for i, (path, data) in enumerate(files):
+        if known is not None and not exclusive and known(path):
+            out[i] = _in_place(client, path, data)
+        else:
+            by_parent[posixpath.dirname(path) or "/"].append(i)
     for parent, idx in by_parent.items():
         try:
             got = [pool.take(client, parent) for _ in idx] if pool is not None else reserve(client, parent, len(idx))
@@ -128,7 +134,7 @@ def write_files(client: Client, files: Sequence[tuple[str, "bytes | bytearray | 
         for i, r in zip(idx, got):
             reserved[i] = r
     _write_all(client, files, reserved, out)
-    ready = [i for i in range(len(files)) if out[i] is None]
+    ready = [i for i in range(len(files)) if out[i] is None and reserved[i] is not None]
     for start in range(0, len(ready), BATCH):
         part = ready[start:start + BATCH]
         msg = m.CommitFiles(paths=[files[i][0] for i in part], inos=[reserved[i].ino for i in part],  # type: ignore[union-attr]

@@ -82,3 +82,24 @@ def test_a_file_whose_bytes_were_not_written_never_appears(make_cluster) -> None
                 assert name not in names, f"{path} was committed although its bytes were not written"
             else:
                 assert c.read_bytes(path) == files[path]
+
+
+def test_rewriting_a_name_the_client_knows_spends_no_reservation(client, testdir: str, monkeypatch) -> None:
+    """A name this client's cache holds as a file is written in place at once: no
+    reservation taken and no commit refused for it (the collector would remove each
+    wasted one later); an unknown name still goes bytes-first."""
+    known, unknown = f"{testdir}/known", f"{testdir}/unknown"
+    client.write_bytes(known, b"one")
+    client.stat(known)  # in the cache now
+    sent: list[str] = []
+    real = client.call
+    monkeypatch.setattr(client, "call", lambda msg, **kw: (sent.append(type(msg).__name__), real(msg, **kw))[1])
+    pool_before = len(client._reservations._pools.get(testdir, ()))
+    client.write_bytes(known, b"two, longer")
+    assert client.read_bytes(known) == b"two, longer"
+    assert "CommitFiles" not in sent and len(client._reservations._pools.get(testdir, ())) == pool_before
+    (got,) = client.write_files([(known, b"three")])
+    assert got.size == 5 and client.read_bytes(known) == b"three"
+    assert "CommitFiles" not in sent and "ReserveFiles" not in sent
+    client.write_bytes(unknown, b"new")
+    assert "CommitFiles" in sent and client.read_bytes(unknown) == b"new"
