@@ -33,7 +33,7 @@ demo: setup
 	$(BIN)/python -m stripefs.demo --fresh --root $(DEMO_ROOT)
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 bench: setup
 	$(BIN)/python -m stripefs.bench.core_bench

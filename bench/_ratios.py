@@ -33,6 +33,7 @@ HEADLINE: dict[str, tuple[str, Callable[[dict[str, Any]], float], Callable[[dict
     "dataloader": ("files/s (GB/s)", _ops, lambda r: f"{_ops(r):,.0f} ({r['gbps']:.3f})"),
     "dataloader_batched": ("files/s (GB/s)", _ops, lambda r: f"{_ops(r):,.0f} ({r['gbps']:.3f})"),
     "small_writes": ("files/s (GB/s)", _ops, lambda r: f"{_ops(r):,.0f} ({r['gbps']:.3f})"),
+    "small_writes_one_dir": ("files/s (GB/s)", _ops, lambda r: f"{_ops(r):,.0f} ({r['gbps']:.3f})"),
     "burst_interference": ("p99 during / alone (burst GB/s)", _inv_p99_ratio,
                            lambda r: f"{r.get('p99_ratio', float('nan')):.2f} "
                                      f"({r.get('burst_gbps', float('nan')):.3f})"),

@@ -127,7 +127,7 @@ def write_json(report: dict[str, Any], path: str) -> None:
     os.replace(tmp, path)
 
 
-RATIO_WORKLOADS = ["dataloader", "dataloader_batched", "small_writes", "burst_interference", "seq_read", "seq_write",
+RATIO_WORKLOADS = ["dataloader", "dataloader_batched", "small_writes", "small_writes_one_dir", "burst_interference", "seq_read", "seq_write",
                    "rand_read_64k", "rand_read_1m", "checkpoint"]
 
 

@@ -12,6 +12,9 @@ dataloader_batched   the same files in the same order, read in batches of ``BATC
                      POSIX routes and peers 64 threads); files/s, GB/s, p50/p99 per batch
 small_writes         every client creates ``sw_files`` files of 4-64 KiB: create, write,
                      fsync, close each; files/s, p50/p99 per file
+small_writes_one_dir the same, every client's files in ONE directory (a checkpoint of many
+                     small files written by all ranks at once: 8 clients x 1,250 files
+                     make the 10,000-file checkpoint of docs/benchmarks.md)
 burst_interference   the first half of the clients (rounded up) read the dataset alone for
                      ``duration`` s (``burst_alone``), then go on reading while the other
                      clients write a checkpoint burst of ``size`` bytes each
@@ -150,13 +153,20 @@ def dataloader_batched(s: Session, task: dict[str, Any], ctx: ClientContext) -> 
     return {"dataloader_batched": part}
 
 
-def small_writes(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, PartResult]:
-    d = f"small/{task['tag']}/c{ctx.index}"
+def _small_files(task: dict[str, Any], ctx: ClientContext, one_dir: bool) -> tuple[str, str]:
+    """(directory, name prefix) of this client's small files."""
+    if one_dir:
+        return f"small/{task['tag']}/one", f"c{ctx.index:03d}-f"
+    return f"small/{task['tag']}/c{ctx.index}", "f"
+
+
+def small_writes(s: Session, task: dict[str, Any], ctx: ClientContext, one_dir: bool = False) -> dict[str, PartResult]:
+    d, prefix = _small_files(task, ctx, one_dir)
     s.makedirs(d)
     n = task["sw_files"]
     sizes = np.random.default_rng(SMALL_SEED + ctx.index).integers(1, 17, n) * 4096
     part, scratch = PartResult(), PartResult()
-    paths = [f"{d}/f{k:06d}" for k in range(n)]
+    paths = [f"{d}/{prefix}{k:06d}" for k in range(n)]
     ctx.wait()
     part.t0 = clock()
     for path, size in zip(paths, sizes):
@@ -175,14 +185,19 @@ def small_writes(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[s
         check_size(s, paths[k], int(sizes[k]))
         part.verified += read_back(s, ctx, paths[k], file_id(paths[k]), int(sizes[k]),
                                    ctx.pattern.block)
-    return {"small_writes": part}
+    return {"small_writes_one_dir" if one_dir else "small_writes": part}
 
 
-def _small_writes_cleanup(s: Session, task: dict[str, Any], ctx: ClientContext) -> None:
+def small_writes_one_dir(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, PartResult]:
+    return small_writes(s, task, ctx, one_dir=True)
+
+
+def _small_writes_cleanup(s: Session, task: dict[str, Any], ctx: ClientContext, one_dir: bool = False) -> None:
     """Remove what ``small_writes`` wrote (keeps repeated runs' footprint bounded)."""
-    d = f"small/{task['tag']}/c{ctx.index}"
+    d, prefix = _small_files(task, ctx, one_dir)
     for name in s.listdir(d):
-        s.unlink(f"{d}/{name}")
+        if name.startswith(prefix):
+            s.unlink(f"{d}/{name}")
 
 
 def burst_interference(s: Session, task: dict[str, Any],
@@ -231,7 +246,8 @@ def _burst_writer(s: Session, task: dict[str, Any], ctx: ClientContext,
 
 
 SEED = {"dataloader": dataloader, "dataloader_batched": dataloader_batched, "small_writes": small_writes,
-        "burst_interference": burst_interference}
+        "small_writes_one_dir": small_writes_one_dir, "burst_interference": burst_interference}
 SEED_PREPARE = {"dataloader": prepare_dataset, "dataloader_batched": prepare_dataset,
                 "burst_interference": prepare_dataset}
-SEED_CLEANUP = {"small_writes": _small_writes_cleanup}
+SEED_CLEANUP = {"small_writes": _small_writes_cleanup,
+                "small_writes_one_dir": lambda s, task, ctx: _small_writes_cleanup(s, task, ctx, one_dir=True)}

@@ -23,7 +23,7 @@ from typing import Any
 
 from ._ratios import DEFAULT, HEADLINE, ORDER, PEERS, SKIP, add_peer_ratios, best_peer, headline
 
-SEED_FIRST = ("dataloader", "dataloader_batched", "small_writes", "burst_interference")  # the tables open with these
+SEED_FIRST = ("dataloader", "dataloader_batched", "small_writes", "small_writes_one_dir", "burst_interference")  # the tables open with these
 
 __all__ = ["HEADLINE", "headline", "best_peer", "add_peer_ratios", "markdown_tables", "sweep_table",
            "main"]

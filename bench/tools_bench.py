@@ -92,13 +92,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--peers", action="store_true", help="also MooseFS (needs root and moosefs-* packages)")
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--data-sync", choices=("full", "none"), default="full")
+    ap.add_argument("--metadata-sync", choices=("full", "normal"), default="full")
     ap.add_argument("--doc", default="/usr/share/doc", help="the tree rsync copies")
     ap.add_argument("--json", help="write the results as JSON")
     a = ap.parse_args(argv)
     missing = [t for t in ("tar", "rsync", "rm") if shutil.which(t) is None]
     if missing:
         ap.error(f"{', '.join(missing)} not installed (apt-get install {' '.join(missing)})")
-    results: dict[str, Any] = {"steps": list(STEPS), "routes": {}, "skipped": {}}
+    results: dict[str, Any] = {"steps": list(STEPS), "routes": {}, "skipped": {},
+                               "data_sync": a.data_sync, "metadata_sync": a.metadata_sync}
     with tempfile.TemporaryDirectory(prefix="tools-bench-") as work:
         tarball = os.path.join(work, "numpy.tar")
         with tarfile.open(tarball, "w") as tf:
@@ -106,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
         entries, size = _tree(_numpy_dir())
         src_tree = (entries + 1, size)  # and the top directory itself
         results["tree"] = {"tar_entries": src_tree[0], "doc_entries": _tree(a.doc)[0]}
-        cluster = LocalCluster.start(os.path.join(work, "cluster"), servers=a.servers, data_sync=a.data_sync)
+        cluster = LocalCluster.start(os.path.join(work, "cluster"), servers=a.servers, data_sync=a.data_sync,
+                                      metadata_sync=a.metadata_sync)
         env = RunEnv(os.path.join(work, "cluster", "cluster.json"), work, str(os.getpid()), a.servers)
         routes: list[Route] = [FuseRoute(), LocalDiskRoute()] + ([MooseRoute()] if a.peers else [])
         try:
