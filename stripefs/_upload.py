@@ -8,7 +8,8 @@ files. A file larger than :data:`WHOLE_MAX` is streamed on its own (create, writ
 commit at close) instead of being read into memory.
 
 Caveats:
-    * A target file that exists is rewritten in place (as ``open(path, "wb")``); a target
+    * A target file that exists is rewritten in place (as ``open(path, "wb")``), found by
+      one listing per target directory (no reservation is spent on it); a target
       directory that exists is written into.
     * A failure part way (a local file that cannot be read, the store unreachable)
       leaves no partial new file: a new file appears whole or not at all. The failures are
@@ -78,8 +79,10 @@ def put_tree(client: Client, plan: TreePlan, *, workers: int = 16,
     Raises:
         OSError: making a directory failed (no file was written).
     """
+    existing: set[str] = set()
     for d in plan.dirs:
         client.makedirs(d, exist_ok=True)
+        existing.update(posixpath.join(d, name) for name in client.listdir(d))
     failed: list[tuple[str, str, OSError]] = []
     lock = threading.Lock()
 
@@ -122,7 +125,7 @@ def put_tree(client: Client, plan: TreePlan, *, workers: int = 16,
             except OSError as exc:
                 fail(local, remote, exc)
                 continue
-            if size > WHOLE_MAX:
+            if size > WHOLE_MAX or remote in existing:  # streamed, or rewritten in place
                 pool.submit(stream, local, remote)
                 continue
             if pending and (len(pending) >= BATCH_FILES or held + size > BATCH_BYTES):

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from stripefs import cli
+from stripefs._upload import plan_tree, put_tree
 from stripefs.fsclient import Client
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -214,7 +215,7 @@ def test_ckpt_list_latest_and_verify_of_a_dcp_step(cluster, client, testdir, tmp
 
 
 # -- item 1: recursive upload -----------------------------------------------------------------
-def test_put_r_uploads_a_tree_in_parallel(cluster, client, testdir, tmp_path, capsys) -> None:
+def test_put_r_uploads_a_tree_in_parallel(cluster, client, testdir, tmp_path, capsys, monkeypatch) -> None:
     src = tmp_path / "ds"
     files = {f"a/f{i}": os.urandom(i * 997) for i in range(60)}
     files |= {f"a/b/g{i}": os.urandom(300_000 + i) for i in range(5)}
@@ -234,6 +235,17 @@ def test_put_r_uploads_a_tree_in_parallel(cluster, client, testdir, tmp_path, ca
     assert client.isdir(f"{testdir}/ds/empty")
     assert cli.main(["put", "-r", str(src / "a"), f"{testdir}/copy", "--cluster", cluster.file]) == 0  # new name
     assert sorted(client.listdir(f"{testdir}/copy")) == sorted(["b"] + [f"f{i}" for i in range(60)])
+    # Again over itself, two files changed: every name exists, so each is rewritten in place,
+    # with no reservation spent and no commit refused.
+    (src / "a" / "f3").write_bytes(b"changed")
+    (src / "top").write_bytes(b"")
+    sent: list[str] = []
+    real = client.call
+    monkeypatch.setattr(client, "call", lambda msg, **kw: (sent.append(type(msg).__name__), real(msg, **kw))[1])
+    assert put_tree(client, plan_tree(str(src), f"{testdir}/ds")) == []
+    assert "ReserveFiles" not in sent and "CommitFiles" not in sent
+    assert client.read_bytes(f"{testdir}/ds/a/f3") == b"changed" and client.read_bytes(f"{testdir}/ds/top") == b""
+    assert client.read_bytes(f"{testdir}/ds/a/b/g2") == files["a/b/g2"]
 
 
 def test_df_counts_a_disk_shared_by_servers_once(cluster, client) -> None:
