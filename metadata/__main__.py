@@ -12,6 +12,7 @@ import sys
 
 import trio
 
+from stripefs.rpc._metrics import METRICS_ENV, serve_metrics, write_address_file
 from stripefs.wire import StripefsError
 
 from ._leasetable import LEASE_TTL
@@ -19,6 +20,7 @@ from ._service import serve_metadata
 
 
 async def _main(args: argparse.Namespace, secret: str, cluster_id: str, raw: dict) -> None:
+    metrics = serve_metrics(args.metrics, role="metadata") if args.metrics else None  # before serving: all counted
     async with trio.open_nursery() as nursery:
         host, port = await nursery.start(functools.partial(
             serve_metadata, args.state, secret=secret, host=args.host, port=args.port, cluster_id=cluster_id,
@@ -26,6 +28,11 @@ async def _main(args: argparse.Namespace, secret: str, cluster_id: str, raw: dic
             store_url=args.store or raw.get("metadata_store_url"), admit_after=args.admit_after, sync=args.sync,
             lease_ttl=args.lease_ttl,
         ))
+        if metrics is not None:
+            # Named by the RPC port: several services may share the state directory.
+            write_address_file(os.path.join(args.state, f"metrics-{port}.json"), *metrics, "metadata",
+                               service=f"{host}:{port}")
+            logging.info("metrics on http://%s:%d/metrics", *metrics)
         if args.ready:
             tmp = args.ready + ".tmp"
             with open(tmp, "w") as f:
@@ -53,6 +60,9 @@ def main() -> None:
     p.add_argument("--lease-ttl", type=float, default=LEASE_TTL,
                    help="seconds an attribute lease lives: a client answers stat from its cache meanwhile, and a "
                         "client that cannot be told of a change delays it this long at most; 0 grants none")
+    p.add_argument("--metrics", default=os.environ.get(METRICS_ENV) or None, metavar="HOST:PORT",
+                   help=f"serve Prometheus metrics there (PORT 0: any free port; PORT+: the first free from PORT); "
+                        f"the bound address goes to STATE/metrics-RPCPORT.json (${METRICS_ENV}, else off)")
     p.add_argument("--store", help="postgresql://... to keep the namespace in PostgreSQL (default: the cluster file's metadata_store_url, else SQLite in --state); prefer the cluster file: a URL here shows in ps")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s metadata %(levelname)s %(message)s")

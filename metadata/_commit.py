@@ -69,6 +69,7 @@ import trio
 
 from stripefs.wire import ErrorCode, StripefsError
 
+from . import _stats
 from ._namespace import Namespace
 from ._replay import apply_once
 from ._sqlite import SqliteStore
@@ -135,7 +136,7 @@ class CommitPath:
         if isinstance(store, SqliteStore):
             store.sync_log_by_owner()
             if store.log_by_owner:
-                self._log_sync = LogSync(store.sync_log)
+                self._log_sync = LogSync(_stats.timed_sync(store.sync_log))
         self._checkpoint_due = trio.Event()
         reader = ns.store.reader()
         self._rns = ns.reading(reader) if reader is not None else ns
@@ -327,6 +328,7 @@ class CommitPath:
 
     def _run_batch(self, jobs: list[Job]) -> None:
         store = self.ns.store
+        _stats.COMMIT_BATCH.observe(len(jobs))
         for attempt in range(MAX_BATCH_RETRIES + 1):
             for job in jobs:
                 job.result, job.exc = None, None

@@ -44,6 +44,7 @@ from stripefs.rpc import ServerConn, Service, serve_rpc
 from stripefs.wire import ErrorCode, FrameHead, Message, ReplyMessage, ServerInfo, StripefsError
 from stripefs.wire import messages as m
 
+from . import _stats
 from ._admission import Admission, detect
 from ._collector import GC_GRACE, Collector
 from ._commit import MAX_BATCH_RETRIES, REQUEST, TOUCHED, CommitPath
@@ -506,6 +507,7 @@ async def serve_metadata(
 
     service = MetadataService(ns, members, secret, gc_grace, legacy_file=os.path.join(state_dir, "servers.json"),
                               sync=sync, lease_ttl=lease_ttl)
+    _stats.watch(service)  # leases, fsyncs, GC: read when the metrics endpoint is scraped
     try:
         async with trio.open_nursery() as nursery:
             address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id))

@@ -53,6 +53,7 @@ from stripefs.wire import (
     StripefsError,
 )
 
+from . import _metrics
 from ._replies import ConnThread, ThreadJob, ThreadReply, send_all, sendfile_all
 
 log = logging.getLogger(__name__)
@@ -551,7 +552,8 @@ _CONN_ERRORS = (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, Co
 async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service, secret: str, cluster_id: str,
                       budget: ByteBudget, busy_after: float, clients: ClientSlots) -> None:
     """Serve one connection. Nothing that happens here may take the server down."""
-    conn = ServerConn(sock, peer, ServerConnection(secret, service.role, cluster_id, admit=clients.admit))
+    machine = _metrics.server_machine()  # counts requests once this process serves metrics
+    conn = ServerConn(sock, peer, machine(secret, service.role, cluster_id, admit=clients.admit))
     limit = trio.Semaphore(MAX_IN_FLIGHT)
     clean_end = False  # the peer ended the stream: queued replies are still sent
 
@@ -721,6 +723,7 @@ async def serve_rpc(
     if not busy_after >= 0:
         raise ValueError(f"busy_after must be >= 0 seconds, got {busy_after!r}")
     budget = ByteBudget(payload_budget)
+    _metrics.watch_budget(service.role, budget)
     clients = ClientSlots(max_client_connections)
     listener = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

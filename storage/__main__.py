@@ -11,12 +11,17 @@ import os
 import trio
 
 from stripefs.rpc import BUSY_AFTER, MAX_CLIENT_CONNECTIONS, PAYLOAD_BUDGET
+from stripefs.rpc._metrics import METRICS_ENV, METRICS_FILE, serve_metrics
 
 from ._metalink import parse_addresses
 from ._server import serve_storage
 
 
 async def _main(args: argparse.Namespace, secret: str, cluster_id: str) -> None:
+    if args.metrics:  # before serving: every connection is counted
+        os.makedirs(args.root, exist_ok=True)
+        where = serve_metrics(args.metrics, role="storage", address_file=os.path.join(args.root, METRICS_FILE))
+        logging.info("metrics on http://%s:%d/metrics", *where)
     async with trio.open_nursery() as nursery:
         addr = await nursery.start(functools.partial(
             serve_storage, args.root, secret=secret, metadata=parse_addresses(args.metadata), host=args.host, port=args.port,
@@ -76,6 +81,9 @@ def main() -> None:
                    default=env.get(CLIENT_CONNECTIONS_ENV) or MAX_CLIENT_CONNECTIONS,
                    help=f"open connections per client; one more is refused with BUSY "
                         f"(${CLIENT_CONNECTIONS_ENV}, else {MAX_CLIENT_CONNECTIONS})")
+    p.add_argument("--metrics", default=env.get(METRICS_ENV) or None, metavar="HOST:PORT",
+                   help=f"serve Prometheus metrics there (PORT 0: any free port; PORT+: the first free from PORT); "
+                        f"the bound address goes to ROOT/{METRICS_FILE} (${METRICS_ENV}, else off)")
     p.add_argument("--data-sync", choices=["full", "none"], default="full",
                    help="full: a chunk write is acknowledged once synced to disk (survives power loss); "
                         "none: once in the page cache (survives a kill -9, not a power loss)")

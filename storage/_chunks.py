@@ -53,6 +53,7 @@ Caveats:
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import resource
 import struct
@@ -64,6 +65,7 @@ import crc32c
 
 from stripefs.wire import CRC_BLOCK, ErrorCode, MAX_CHUNK, StripefsError, segments
 
+from . import _stats
 from ._crc import payload_crcs
 from ._qos import idle_io
 
@@ -343,10 +345,11 @@ class ChunkStore:
         st = os.statvfs(self.root)
         return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
-    @property
+    @functools.cached_property
     def fsid(self) -> str:
         """The file system holding the target, as an id that targets sharing it share (its
-        device and the kernel's file system id): the metadata service counts it once."""
+        device and the kernel's file system id): the metadata service counts it once.
+        Found once (a root does not move to another file system under a running server)."""
         return f"{os.stat(self.root).st_dev:x}:{os.statvfs(self.root).f_fsid:x}"
 
     def _load(self, ino: int, index: int, fd: int | None = None) -> ChunkMeta | None:
@@ -396,6 +399,7 @@ class ChunkStore:
         # One pass: the blocks' CRCs (kept in the header) and the whole payload's from them.
         segment_crcs, whole = payload_crcs(data, offset)
         if whole != crc:
+            _stats.CHECKSUM_TRANSIT.inc()
             raise StripefsError(ErrorCode.CHECKSUM, "payload checksum mismatch (corrupted in transit)")
         with self._lock(ino, index):
             if not len(data):
@@ -533,7 +537,8 @@ class ChunkStore:
         if self.sync:
             if SLOW_FSYNC_FILE is not None:
                 _slow_fsync(self.root)
-            os.fdatasync(fd)
+            with _stats.FSYNC_DATA.time():
+                os.fdatasync(fd)
 
     def _sync_dir(self, path: str) -> None:
         if self.sync:
@@ -543,7 +548,8 @@ class ChunkStore:
     def _fsync_dir(path: str) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            os.fsync(fd)
+            with _stats.FSYNC_DIR.time():
+                os.fsync(fd)
         finally:
             os.close(fd)
 
@@ -643,6 +649,7 @@ class ChunkStore:
         for b in range(first, last + 1):
             s, e = b * BLOCK - bstart, min((b + 1) * BLOCK, meta.length) - bstart
             if _crc(view[s:e]) != meta.crcs[b]:
+                _stats.CHECKSUM_READ.inc()
                 raise StripefsError(ErrorCode.CHECKSUM, f"chunk {ino}:{index} block {b} fails its checksum")
         meta.verified |= mask
         crcs = self._segment_crcs(meta, offset, n, lambda s, e: view[s - bstart : e - bstart])
@@ -910,6 +917,7 @@ class ChunkStore:
                         os.close(fd)
                 checked += 1
             except StripefsError:
+                _stats.CHECKSUM_SCRUB.inc()
                 chain = meta.chain if meta is not None else 0
                 bad.append((ino, index, chain))
         return checked, bad

@@ -35,6 +35,7 @@ from stripefs.rpc import (
 from stripefs.wire import ErrorCode, FrameHead, Message, StripefsError, role_credential
 from stripefs.wire import messages as m
 
+from . import _stats
 from ._chunks import ChunkStore
 from ._metalink import MetadataLink
 from ._replication import Replicator, control_call
@@ -356,6 +357,7 @@ async def serve_storage(
     addresses = [metadata] if isinstance(metadata, tuple) else list(metadata)  # type: ignore[list-item]
     meta_conn = MetadataLink(addresses, credential, role="server")  # heartbeats find the leading metadata service
     service = StorageService(store, Replicator(store, secret, MetadataLink(addresses, credential, role="server")))  # type: ignore[arg-type]
+    _stats.watch(service)  # usage and resync progress, read when the metrics endpoint is scraped
     async with trio.open_nursery() as nursery:
         address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id,
                                                          payload_budget=payload_budget, busy_after=busy_after,

@@ -2,7 +2,8 @@
 
 Cluster: ``up``, ``down``, ``status``, ``add-server``, ``remove-server``. Files: ``ls stat cat put get cp mv rm mkdir``
 (paths inside the file system; the ``stripefs://`` prefix is optional).
-Checkpoints: ``ckpt list|latest PREFIX``, ``ckpt verify URL``.
+Checkpoints: ``ckpt list|latest PREFIX``, ``ckpt verify URL``. Observing: ``top`` (live, from the
+metrics endpoints), ``profile FILE`` (an access log's summary); see docs/observability.md.
 
 A command not given ``--cluster`` (nor ``STRIPEFS_CLUSTER``) uses the cluster of the last
 ``stripefs up`` and says which on stderr (one line; stdout stays the command's output).
@@ -27,7 +28,7 @@ from stripefs.wire import ErrorCode, StripefsError
 
 from stripefs.fsclient import Client, testing
 
-from . import _cli_ckpt, _upload
+from . import _cli_ckpt, _cli_profile, _cli_top, _upload
 from ._units import human as _human, ls_size
 
 # name -> "module:function" taking (argv) and returning an exit status; loaded lazily so
@@ -102,6 +103,8 @@ def cmd_up(a: argparse.Namespace) -> int:
 
     old = testing.read_cluster(os.path.abspath(a.root))
     running = old is not None and any(pid_alive(p) for p in old.get("pids", []))
+    metrics_base = a.metrics_base if a.metrics_base is not None else (old or {}).get("metrics_base")
+    _metrics_env(metrics_base)
     if running:
         assert old is not None
         conflicts = _up_conflicts(a, old)
@@ -124,14 +127,54 @@ def cmd_up(a: argparse.Namespace) -> int:
                        metadata_store=opts["metadata_store"], postgres_url=a.postgres_url,
                        metadata_services=opts["metadata_services"], metadata_sync=a.metadata_sync,
                        lease_ttl=a.lease_ttl, data_sync=a.data_sync)
+    if metrics_base is not None:
+        c = _record_metrics(c, metrics_base)
     print(f"{c['metadata']['host']}:{c['metadata']['port']}")
     print(f"cluster file: {os.path.join(c['root'], 'cluster.json')} ({_live_servers(c)} storage servers)",
           file=sys.stderr)
     return 0
 
 
+def _metrics_env(base: int | None) -> None:
+    """Have the server processes ``up`` starts serve metrics: from port ``base`` on (each the
+    first free one; the metadata service, started first, gets ``base``), or any free port (0)."""
+    from stripefs.rpc._metrics import METRICS_ENV
+
+    if base is not None:
+        os.environ[METRICS_ENV] = f"127.0.0.1:{base}+" if base else "127.0.0.1:0"
+
+
+def _record_metrics(c: dict[str, Any], base: int) -> dict[str, Any]:
+    """Write where each process serves its metrics into cluster.json (what they recorded)."""
+    from stripefs.fsclient.testing._cluster import _write_cluster
+    from stripefs.rpc._metrics import METRICS_FILE
+
+    def address(path: str) -> str | None:
+        try:
+            with open(path) as f:
+                return json.load(f).get("address")
+        except (OSError, ValueError):
+            return None
+
+    root = c["root"]
+    for s in c.get("metadata_services") or []:
+        s["metrics"] = address(os.path.join(root, "meta", f"metrics-{s['port']}.json"))
+    if c.get("metadata"):
+        c["metadata"]["metrics"] = address(os.path.join(root, "meta", f"metrics-{c['metadata']['port']}.json"))
+    for s in c.get("servers", []):
+        if isinstance(s, dict) and not s.get("removed"):
+            s["metrics"] = address(os.path.join(s["root"], METRICS_FILE))
+    c["metrics_base"] = base
+    _write_cluster(root, c)
+    return c
+
+
 def cmd_add_server(a: argparse.Namespace) -> int:
+    base = (testing.read_cluster(os.path.abspath(a.root)) or {}).get("metrics_base")
+    _metrics_env(base)
     c = testing.add_server(a.root)
+    if base is not None:
+        c = _record_metrics(c, base)
     s = c["servers"][-1]
     print(f"{s['host']}:{s['port']}")
     print("the new server copies its share of the chains in the background; watch `stripefs status`", file=sys.stderr)
@@ -494,6 +537,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("up", cmd_up, "Start (or restart) a local cluster under --root; on a running one, add servers "
                            "up to --servers (other settings that differ are refused)", cluster=False)
     sp.add_argument("--root", required=True)
+    sp.add_argument("--metrics-base", type=int, metavar="PORT",
+                    help="every process serves Prometheus metrics: the metadata service on PORT, the storage servers "
+                         "on the next free ports (0: any free ports); recorded in cluster.json for `stripefs top` "
+                         "(a restart keeps the cluster's setting unless given)")
     sp.add_argument("--servers", type=int, help="storage servers (default 4)")
     sp.add_argument("--replicas", type=int, help="targets per chain: 1 (default), 2 or 3")
     sp.add_argument("--chunk-size", help="default chunk size of new files (default 4M)")
@@ -561,6 +608,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("-p", "--parents", action="store_true")
     sp.add_argument("paths", nargs="+")
     _cli_ckpt.add_parsers(sub, CLUSTER_HELP)
+    _cli_top.add_parsers(sub, CLUSTER_HELP)
+    _cli_profile.add_parsers(sub)
     for name, (_mod, help) in EXTRA_COMMANDS.items():
         sub.add_parser(name, help=help, add_help=False)
     return p

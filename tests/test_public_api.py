@@ -15,7 +15,7 @@ PUBLIC: dict[str, set[str]] = {
     'stripefs.wire': {'CRC_BLOCK', 'check_segments', 'segments', 'Attr', 'BadRequest', 'check_proof', 'ClientConnection', 'ConnectionClosed', 'ConnState', 'ErrorReceived', 'Event', 'HandshakeComplete', 'RequestReceived', 'ResponseCancelled', 'ResponseReceived', 'ServerConnection', 'client_proof', 'decode_message', 'decode_reply', 'DirEntry', 'encode_frame', 'encode_prefix', 'error_from_oserror', 'ErrorCode', 'FLAG_ERROR', 'FLAG_RESPONSE', 'Frame', 'FrameDecoder', 'FrameHead', 'Layout', 'MAGIC', 'MAX_CHUNK', 'MAX_FILE_SIZE', 'MAX_HEADER', 'MAX_NAME', 'MAX_PATH', 'MAX_PAYLOAD', 'MAX_STRIPE', 'Message', 'messages', 'MESSAGES', 'MIN_CHUNK', 'NEED_DATA', 'new_nonce', 'new_secret', 'PREFIX', 'ROLES', 'role_credential', 'ReplyMessage', 'Routing', 'server_proof', 'ServerInfo', 'StripefsError', 'validate_name', 'VERSION'},
     'stripefs.rpc': {'abandon', 'BUSY_AFTER', 'ByteBudget', 'ClientSlots', 'MAX_CLIENT_CONNECTIONS', 'PAYLOAD_BUDGET', 'aligned', 'BufferPool', 'Connection', 'ConnectionPool', 'ReplayCache', 'ThreadReply', 'TrioPool', 'Reply', 'serve_rpc', 'ServerConn', 'Service', 'TrioConnection', 'tune_socket', 'unavailable'},
     'stripefs.metadata': {'MemoryStore', 'MetadataService', 'Namespace', 'RENAME_EXCHANGE', 'RENAME_NOREPLACE', 'serve_metadata', 'SqliteStore'},
-    'stripefs.storage': {'BLOCK', 'ChunkMeta', 'ChunkStore', 'HEADER_SIZE', 'serve_storage', 'StorageService'},
+    'stripefs.storage': {'BLOCK', 'ChunkMeta', 'ChunkStore', 'chunk_files', 'chunk_path', 'HEADER_SIZE', 'serve_storage', 'StorageService'},
     'stripefs.fsclient': {'AsyncClient', 'Client', 'ClusterConfig', 'find_cluster', 'normpath', 'ROOT_INO', 'StripeFile'},
     'stripefs.fsclient.core': {'Lease', 'AsyncClient', 'Client', 'ClusterConfig', 'default_state_file', 'fill_bytes', 'find_cluster', 'mode_flags', 'mounts', 'normpath', 'pid_alive', 'PREFIX', 'remember_cluster', 'ROOT_INO', 'split', 'StripeFile'},
     'stripefs.fsclient.fuse': {'FuseConfig', 'main', 'mount', 'mount_record', 'MOUNT_STATE_DIR', 'mount_state_path', 'mounted_fstype', 'MountError', 'StripeOperations', 'umount'},
@@ -24,7 +24,7 @@ PUBLIC: dict[str, set[str]] = {
     'stripefs.fsclient.batchread.dataset': {'Batch', 'collate_batch', 'IndexDataset', 'loader', 'RecordDataset'},
     'stripefs.fsclient.testing': {'LocalPostgres', 'postgres_bin', 'add_server', 'down', 'LocalCluster', 'mark_removed', 'read_cluster', 'up'},
     'stripefs.fsclient.testing.differential': {'Divergence', 'LocalRoute', 'MountRoute', 'NativeRoute', 'parse_seeds', 'replay', 'Route', 'run_seed'},
-    'stripefs.staging': {'CheckpointConflict', 'ChecksumError', 'default_staging_dir', 'Durability', 'latest', 'load', 'Mover', 'MoverOptions', 'read_manifest', 'save', 'SaveHandle', 'StagedStorageReader', 'StagedStorageWriter', 'verify'},
+    'stripefs.staging': {'CheckpointAborted', 'CheckpointConflict', 'ChecksumError', 'default_staging_dir', 'Durability', 'latest', 'load', 'Mover', 'MoverOptions', 'read_manifest', 'save', 'SaveHandle', 'StagedStorageReader', 'StagedStorageWriter', 'verify'},
     'stripefs.bench': {'aggregate', 'BenchConfig', 'run_bench'},
 }
 

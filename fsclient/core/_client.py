@@ -36,6 +36,7 @@ from ._core import ClientCore, seconds_setting
 from . import _lease
 from ._file import StripeFile, mode_flags
 from ._lease import Lease
+from ._observe import ACCESS_LOG_ENV, CLIENT_METRICS_ENV, observe_client
 from ._wholefiles import Reservations, write_files
 
 __all__ = ["Client", "AsyncClient", "normpath", "ROOT_INO"]
@@ -147,11 +148,14 @@ class Client:
             the cluster before (a service restarting); None: ``$STRIPEFS_RETRY_FOR``,
             else 30. A client that never reached the cluster and finds nobody at any
             metadata address fails in about a second instead.
+        access_log: a file to log every call of the path API to (``stripefs profile``);
+            None: ``$STRIPEFS_ACCESS_LOG``, else none. ``$STRIPEFS_CLIENT_METRICS=HOST:PORT``
+            serves this process's client metrics (``_observe.py``).
     """
 
     def __init__(self, cluster: "str | os.PathLike[str] | ClusterConfig | None" = None, *, secret: str | None = None,
                  conns_per_server: int = 2, max_inflight: int = 32, attr_timeout: float | None = None,
-                 retry_for: float | None = None, leases: bool | None = None):
+                 retry_for: float | None = None, leases: bool | None = None, access_log: str | None = None):
         self.config = find_cluster(cluster, secret)
         self._core = ClientCore(self.config, conns_per_server=conns_per_server, max_inflight=max_inflight,
                                 retry_for=retry_for)
@@ -170,6 +174,8 @@ class Client:
         self._finalizer = weakref.finalize(self, _collected, self._core)
         self._finalizer.atexit = False
         self._core.owner = weakref.ref(self)  # a held Lease keeps its client (_lease.Lease)
+        if access_log or os.environ.get(ACCESS_LOG_ENV) or os.environ.get(CLIENT_METRICS_ENV):
+            observe_client(self, access_log)  # opt-in: an access log, Prometheus metrics (_observe.py)
 
     def close(self) -> None:
         """Release this client's leases (locks and attribute leases) and close its connections."""

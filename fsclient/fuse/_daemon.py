@@ -97,8 +97,10 @@ def preflight(mountpoint: str, cluster: str | None) -> None:
         raise MountError(f"cluster unreachable: {exc}") from None
 
 
-def serve(mountpoint: str, cluster: str | None, options: list[str], ready_fd: int | None = None) -> int:
-    """Run the daemon in this process until unmounted or signalled."""
+def serve(mountpoint: str, cluster: str | None, options: list[str], ready_fd: int | None = None, *,
+          metrics: str | None = None, access_log: str | None = None) -> int:
+    """Run the daemon in this process until unmounted or signalled; ``metrics`` (HOST:PORT)
+    serves Prometheus metrics, ``access_log`` (a file) logs every request (``_observe.py``)."""
     import pyfuse3
     import trio
 
@@ -107,12 +109,22 @@ def serve(mountpoint: str, cluster: str | None, options: list[str], ready_fd: in
     cfg, fuse_opts = parse_options(options)
     client = Client(cluster)
     ops = StripeOperations(client, cfg)
+    from stripefs.rpc._metrics import serve_metrics
+
+    from ..core._accesslog import AccessLog
+    from ._observe import observe
+
+    served = serve_metrics(metrics, role="fuse") if metrics else None
+    alog = AccessLog(access_log) if access_log else None
+    observe(ops, access_log=alog, metrics=served is not None)
     # cluster_file lets fsclient.batchread map files under the mount to (cluster, inode).
     # start + mount_id: umount and the orphan clean-up of other mounts tell this daemon
     # from a process that reuses its pid after it is gone.
     record = {"pid": os.getpid(), "start": process_start(os.getpid()), "mount_id": ops.mount_id,
               "mountpoint": mountpoint, "log": os.environ.get("STRIPEFS_MOUNT_LOG"),
               "cluster_file": client.config.path, "root": "/"}
+    if served is not None:
+        record["metrics"] = "%s:%d" % served
     write_mount_record(mountpoint, record)
 
     def tell(text: str) -> None:
@@ -171,6 +183,8 @@ def serve(mountpoint: str, cluster: str | None, options: list[str], ready_fd: in
         raise
     finally:
         pyfuse3.close(unmount=mounted_fstype(mountpoint) is not None)
+        if alog is not None:
+            alog.close()
         client.close()
         _remove_own_record(mountpoint)
     return 0
@@ -197,7 +211,8 @@ def _set_readahead(dev: int, kb: int) -> None:
         logging.info("readahead unchanged: %s", exc)
 
 
-def mount(mountpoint: str, cluster: str | None, options: list[str], foreground: bool) -> int:
+def mount(mountpoint: str, cluster: str | None, options: list[str], foreground: bool, *,
+          metrics: str | None = None, access_log: str | None = None) -> int:
     mountpoint = os.path.abspath(mountpoint)
     parse_options(options)  # bad options fail here, not in the daemon
     preflight(mountpoint, cluster)
@@ -205,7 +220,7 @@ def mount(mountpoint: str, cluster: str | None, options: list[str], foreground: 
         cluster = find_cluster(None).path or os.environ.get("STRIPEFS_CLUSTER")
     if foreground:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        return serve(mountpoint, cluster, options)
+        return serve(mountpoint, cluster, options, metrics=metrics, access_log=access_log)
     log_path = record_path(mountpoint, create_dir=True)[:-5] + ".log"
     r, w = os.pipe()
     cmd = [sys.executable, "-m", "stripefs.fsclient.fuse", "mount", mountpoint, "--foreground", "--ready-fd", str(w)]
@@ -213,6 +228,10 @@ def mount(mountpoint: str, cluster: str | None, options: list[str], foreground: 
         cmd += ["--cluster", cluster]
     for opt in options:
         cmd += ["-o", opt]
+    if metrics:
+        cmd += ["--metrics", metrics]
+    if access_log:
+        cmd += ["--access-log", os.path.abspath(access_log)]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "STRIPEFS_MOUNT_LOG": log_path,
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
@@ -337,6 +356,10 @@ def build_parser(cmd: str) -> argparse.ArgumentParser:
         p.add_argument("--foreground", "-f", action="store_true", help="serve in this process, do not detach")
         p.add_argument("-o", dest="options", action="append", default=[], help="mount options, comma separated")
         p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+        p.add_argument("--metrics", metavar="HOST:PORT",
+                       help="serve Prometheus metrics there (PORT 0: any free port; off by default)")
+        p.add_argument("--access-log", metavar="FILE",
+                       help="log every request to FILE (bounded; `stripefs profile FILE` sums it up; off by default)")
     else:
         p.add_argument("--lazy", "-l", action="store_true", help="detach now even if files are open")
     return p
@@ -354,8 +377,10 @@ def main(argv: list[str]) -> int:
             return umount(a.mountpoint, a.lazy)
         if a.ready_fd is not None:  # the detached daemon started by `mount`
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-            return serve(os.path.abspath(a.mountpoint), a.cluster, a.options, a.ready_fd)
-        return mount(a.mountpoint, a.cluster, a.options, a.foreground)
+            return serve(os.path.abspath(a.mountpoint), a.cluster, a.options, a.ready_fd,
+                         metrics=a.metrics, access_log=a.access_log)
+        return mount(a.mountpoint, a.cluster, a.options, a.foreground, metrics=a.metrics,
+                     access_log=os.path.abspath(a.access_log) if a.access_log else None)
     except (MountError, StripefsError) as exc:
         print(f"stripefs {cmd}: {exc}", file=sys.stderr)
         return 1
