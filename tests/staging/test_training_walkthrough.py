@@ -1,6 +1,6 @@
 """docs/training.md, run as written: the scripts it quotes are the ones run here.
 
-The walkthrough on a small scale (300 files, 60 steps, a checkpoint every 10): make the
+The walkthrough on a small scale (300 files, 30 steps, a checkpoint every 10): make the
 dataset, ``stripefs put -r`` it, read it back with the recommended loader (and through a
 FUSE mount, where the machine has FUSE), train, ``kill -9`` the trainer mid-run, run the
 same command again, and look at the result with the CLI. The resumed run must end
@@ -30,7 +30,7 @@ from tests.fuse.fuse_helpers import fuse_unusable
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "docs", "examples", "training")
 DOC = os.path.join(ROOT, "docs", "training.md")
-FILES, STEPS, EVERY, KILL_AFTER = 300, 60, 10, 20  # kill once "saving step 20" is printed
+FILES, STEPS, EVERY, KILL_AFTER = 300, 30, 10, 20  # kill once "saving step 20" is printed
 
 
 def _env(cluster) -> dict[str, str]:
