@@ -129,6 +129,10 @@ class Lazy:
         if self._child is not None:
             self._child.observe(value)
 
+    def set(self, value: float) -> None:
+        if self._child is not None:
+            self._child.set(value)
+
     def time(self) -> Any:
         """A context timing its block into this histogram (nothing while disabled)."""
         return self._child.time() if self._child is not None else contextlib.nullcontext()

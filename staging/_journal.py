@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from . import _stats
+
 __all__ = ["Journal", "CkptRow", "FileRow", "CkptLock", "fault_point"]
 
 _SCHEMA = """
@@ -170,6 +172,7 @@ class Journal:
         self._local = threading.local()
         self._db().executescript(_SCHEMA)  # idempotent; executescript manages its own transaction
         self._migrate()
+        _stats.watch(self)
 
     def _migrate(self) -> None:
         """Columns added since a journal was created (a staging directory outlives upgrades)."""
@@ -221,6 +224,7 @@ class Journal:
             committed = time.time() if state == "committed" else None
             db.execute("UPDATE ckpt SET state=?, error=?, committed=COALESCE(?, committed), "
                        "durability=COALESCE(?, durability) WHERE id=?", (state, error, committed, durability, ckpt_id))
+        _stats.count_end(state, durability)
 
     def note_error(self, ckpt_id: str, error: str) -> None:
         with self._tx() as db:

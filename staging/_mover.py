@@ -46,6 +46,7 @@ import crc32c
 from stripefs.fsclient import Client, normpath
 from stripefs.wire import ErrorCode, StripefsError
 
+from . import _stats
 from ._durable import process_umask
 from ._format import MANIFEST, CheckpointConflict, CheckpointSuperseded, ChecksumError, manifest_with, parse_manifest
 from ._journal import CkptRow, FileRow, Journal, fault_point
@@ -386,6 +387,7 @@ class Uploader:
                     client.commit_length(sf.ino, start + n, mtime_ns=time.time_ns())
                     self.journal.progress(self.row.id, f.name, start + n)
                     self.uploaded += n
+                    _stats.UPLOADED.inc(n)
                     if self.on_progress:
                         self.on_progress(n)
                     fault_point("upload_piece")

@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--piece", type=int, default=32 << 20, help="upload unit in bytes (progress is durable per piece)")
     p.add_argument("--no-verify", action="store_true",
                    help="before a commit check only the uploaded files' sizes, not every CRC32C (no read-back)")
+    p.add_argument("--metrics", metavar="HOST:PORT",
+                   help="serve Prometheus metrics (bytes uploaded, checkpoints by outcome, backlog, lag; "
+                        "docs/observability.md)")
     p.add_argument("-q", "--quiet", action="store_true")
     return p
 
@@ -57,6 +60,16 @@ def main(argv: list[str]) -> int:
                   file=sys.stderr, flush=True)
 
     mover = Mover(args.staging, opts, on_progress=progress)
+    if args.metrics:
+        from stripefs.rpc._metrics import serve_metrics
+
+        try:
+            host, port = serve_metrics(args.metrics, role="mover")
+        except (OSError, ValueError) as exc:
+            print(f"stripefs mover: --metrics {args.metrics}: {exc}", file=sys.stderr)
+            return 2
+        if not args.quiet:
+            print(f"metrics at http://{host}:{port}/metrics", file=sys.stderr)
     if args.once:
         states = mover.run_once()
         for cid, state in states.items():
