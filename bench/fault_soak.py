@@ -3,10 +3,11 @@
     python -m stripefs.bench.fault_soak [--seeds 50] [--first 0] [--replicas 2,3] [--duration 20] [--json FILE]
 
 Each seed plays :func:`fsclient.testing.faults.run_schedule` (kill -9, SIGSTOP
-pauses past the failure timeout, restarts, one ``add-server``; faults one at a
-time, the next possibly while a returned server still resyncs) with two writer
-and two reader processes, then checks the history, the final bytes and that all
-replicas of every chunk agree. Seeds alternate over ``--replicas``. Prints one
+pauses past the failure timeout, restarts, slow fsyncs of a storage server or of
+the metadata log, one ``add-server``; faults one at a time, the next possibly
+while a returned server still resyncs) with two writer and two reader processes
+(overwrites, truncate + extend, renames, reads and listings), then checks the
+history, the final bytes and that all replicas of every chunk agree. Seeds alternate over ``--replicas``. Prints one
 line per seed and, at the end, the seeds that failed (exit status 1 if any); a
 failed seed's cluster directory is kept for its logs.
 

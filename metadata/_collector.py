@@ -21,8 +21,10 @@ server):
 
 Offline targets are skipped (a returning server resyncs from a serving peer, which no
 longer holds what was dropped); a chain with no target online postpones the removal.
-A cut reaches every target not known offline; one that fails it goes offline
-(``Membership.take_offline``); when no serving target of a chain has the cut, the targets
+A cut goes down each chain from its head, ordered with the chain's writes (see
+``storage.Replicator.cut``); a target that fails it goes offline
+(``Membership.take_offline``) and the chain is asked again, so the targets after it get
+it too; when no serving target of a chain has the cut, the targets
 lacking it are *held* (``Membership.hold``): offline while they heartbeat, called directly
 at their address once they are back, released when every cut they missed landed.
 
@@ -74,6 +76,16 @@ DROP_GRACE = 5.0
 # store: the truncate may be cutting on another service, which this one cannot wait for.
 CUT_RETRY_AFTER = 1.0
 CUT_RETRY_AFTER_SHARED = 10.0
+# Tries of one chain's cut: a failed target goes offline and the chain is asked again (its
+# targets after the failed one still lack the cut); a STALE_ROUTING answer (a table that
+# changed meanwhile) is asked again after a short wait.
+CUT_ATTEMPTS = 5
+# Seconds a chain's head may take per target of the chain (a storage server's call to its
+# successor times out after 30 s: it answers which one failed before we give up on it).
+CUT_HOP_TIMEOUT = 30.0
+# How often a cut in flight looks whether its head was declared offline meanwhile (paused,
+# cut off): then it is asked of the chain's next head at once, not after the timeout.
+CUT_WATCH = 0.25
 
 
 class Collector:
@@ -109,8 +121,9 @@ class Collector:
         self._first_seen: dict[int, float] = {}
         self._drop_seen: dict[tuple[int, int], float] = {}
         self.due = 0.0  # monotonic time before which a wake-up finds no removal due
-        # Calls to storage servers run one at a time, as a server of the cluster (GC, DropChain).
-        self.storage = TrioPool(role_credential(secret, "server"), keep=1, role="server")
+        # Calls to storage servers go out as a server of the cluster (GC, DropChain, cuts: one per
+        # chain at once, so a few connections per server are kept).
+        self.storage = TrioPool(role_credential(secret, "server"), keep=8, role="server")
         self.wakeup = trio.Event()
 
     def wake(self) -> None:
@@ -303,11 +316,16 @@ class Collector:
     async def _cut(self, item: GarbageItem) -> set[int]:
         """Apply a cut on the targets of the file's chains; returns those that still lack it.
 
-        Called: every target not known offline, and the held ones that heartbeat (at their
-        recorded address). A chain is done once a target that serves it has the cut: the
-        others resync from it when they return (``syncing``). Otherwise every target of
-        the chain without the cut is returned, and (on the leader) held. A target that
-        failed goes offline either way, so no client reads the bytes it kept.
+        Each chain's cut goes to its head, which applies it and forwards it down the chain
+        like a write (``RemoveChunks`` with ``chain``: see ``storage.Replicator.cut``), so
+        every replica sees the chain's writes and the cut in one order. A target that
+        failed it goes offline (on the leader) and the chain is asked again, so the targets
+        after it get it too. Held targets (offline, heartbeating) are called directly at
+        their recorded address: nothing is written to them. A chain is done once a target
+        that serves it has the cut: the others resync from it when they return
+        (``syncing``). Otherwise every target of the chain without the cut is returned,
+        and (on the leader) held. A target that failed goes offline either way, so no
+        client reads the bytes it kept.
         """
         layout, cs = item.layout, item.layout.chunk_size
         first = -(-item.length // cs)
@@ -316,23 +334,73 @@ class Collector:
         now = members.clock()
         chains = {c: list(members.table.get(c, [])) for c in sorted(set(layout.chains))}
         part_chain = layout.chain_of(part[0]) if part is not None else None
+        got: dict[int, set[int]] = {c: {t for t in ts if t not in members.servers} for c, ts in chains.items()}
+        failed: dict[int, StripefsError] = {}
 
-        def reachable(t: int) -> bool:
+        def held(t: int) -> bool:  # offline, kept so by a cut it missed, and heartbeating
             info = members.servers.get(t)
-            if info is None or info.state != "offline":
-                return True  # serving, syncing, joining; gone for good (nothing to cut there)
-            return t in members.held and now - info.last_seen <= HEARTBEAT_FRESH
+            return (info is not None and info.state == "offline" and t in members.held
+                    and now - info.last_seen <= HEARTBEAT_FRESH)
 
-        calls: dict[int, list[Message]] = {}
+        direct: dict[int, list[Message]] = {}
         for c, ts in chains.items():
             for t in ts:
-                if reachable(t):
-                    calls.setdefault(t, [m.RemoveChunks(ino=item.ino, from_index=first, forget=False)])
+                if held(t):
+                    direct.setdefault(t, [m.RemoveChunks(ino=item.ino, from_index=first, forget=False)])
         if part is not None:
             for t in chains.get(part_chain, []):  # type: ignore[arg-type]
-                if t in calls:
-                    calls[t].append(m.TruncateChunk(ino=item.ino, index=part[0], length=part[1]))
-        failed = await self._call_each(calls)
+                if t in direct:
+                    direct[t].append(m.TruncateChunk(ino=item.ino, index=part[0], length=part[1]))
+
+        async def through(c: int) -> None:
+            """The cut of chain ``c``, through its head, until every target in its order has it."""
+            for attempt in range(CUT_ATTEMPTS):
+                routing = self._members().routing()
+                order = routing.forward_order(c)
+                if not order:
+                    return
+                msg = m.RemoveChunks(ino=item.ino, from_index=first, chain=c, routing_version=routing.version,
+                                     part=list(part) if c == part_chain and part is not None else None)
+                bad = order[0]
+                try:
+                    reply = await self._call_head(order[0], msg, CUT_HOP_TIMEOUT * (len(order) + 1))
+                except StripefsError as exc:
+                    if exc.code == ErrorCode.STALE_ROUTING and attempt + 1 < CUT_ATTEMPTS:
+                        await trio.sleep(0.05 * (attempt + 1))  # a table changed meanwhile: ask again
+                        continue
+                    log.warning("cut of inode %d on chain %d: head %d failed it: %s", item.ino, c, bad, exc.message)
+                    failed[bad] = exc
+                else:
+                    if reply is None:
+                        return  # the head no longer exists
+                    got[c].update(reply.applied or [bad])
+                    if not reply.failed:
+                        return
+                    bad = reply.failed
+                    failed[bad] = StripefsError(ErrorCode.UNAVAILABLE, f"replica {bad} of chain {c} failed the cut")
+                if not self._leading():
+                    return  # a follower cannot take it offline: the leader retries the cut
+                # Offline now (no client reads what it kept); the targets after it get the
+                # cut at the next attempt, which no longer passes through it.
+                self._members().take_offline(bad)
+
+        async def at_held(sid: int, msgs: list[Message]) -> None:
+            try:
+                for msg in msgs:
+                    await self._call_storage(sid, msg)
+            except StripefsError as exc:
+                log.warning("cut of inode %d on held storage server %d failed: %s", item.ino, sid, exc.message)
+                failed[sid] = exc
+                return
+            for c, ts in chains.items():
+                if sid in ts:
+                    got[c].add(sid)
+
+        async with trio.open_nursery() as nursery:
+            for c in chains:
+                nursery.start_soon(through, c)
+            for sid, msgs in direct.items():
+                nursery.start_soon(at_held, sid, msgs)
         members = self._members()  # (the lead may have changed hands meanwhile)
         leading = self._leading()
         if leading:
@@ -340,10 +408,9 @@ class Collector:
                 members.take_offline(t)
         missing: set[int] = set()
         for c, ts in chains.items():
-            got = [t for t in ts if t in calls and t not in failed]
-            if any(members.serves(c, t) for t in got):
+            if any(members.serves(c, t) for t in got[c]):
                 continue
-            missing.update(t for t in ts if t not in got and self._state(t) != "removed")
+            missing.update(t for t in ts if t not in got[c] and self._state(t) != "removed")
         if not leading:
             missing.update(failed)  # a follower cannot take them offline: the leader retries
         if leading:
@@ -356,26 +423,44 @@ class Collector:
                 log.warning("membership not recorded after a failed cut: %s", exc.message)
         return missing
 
+    async def _call_head(self, server_id: int, msg: m.RemoveChunks, timeout: float) -> m.RemovedReply | None:
+        """A cut sent through a chain, to its head (None: the server no longer exists).
+
+        Raises:
+            StripefsError: the head's error; UNAVAILABLE as soon as the head is offline in
+                the membership (the chain is asked again through its new head).
+        """
+        address = self._address(server_id)
+        if address is None:
+            return None
+        header: dict[str, Any] | None = None
+        error: StripefsError | None = None
+
+        async def call(scope: trio.CancelScope) -> None:
+            nonlocal header, error
+            try:
+                header, _payload = await self.storage.call(server_id, address, msg, timeout=timeout)
+            except StripefsError as exc:
+                error = exc
+            scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call, nursery.cancel_scope)
+            while True:
+                await trio.sleep(CUT_WATCH)
+                info = self._members().servers.get(server_id)
+                if info is None or info.state in ("offline", "removed"):
+                    nursery.cancel_scope.cancel()
+                    break
+        if error is not None:
+            raise error
+        if header is None:
+            raise StripefsError(ErrorCode.UNAVAILABLE, f"storage server {server_id} went offline during a cut")
+        return m.decode_reply(msg, header)
+
     def _state(self, sid: int) -> str:
         info = self._members().servers.get(sid)
         return "serving" if info is None else info.state
-
-    async def _call_each(self, calls: dict[int, list[Message]]) -> dict[int, StripefsError]:
-        """Each server's calls in order, the servers in parallel. Returns the failures by server."""
-        failed: dict[int, StripefsError] = {}
-
-        async def one(sid: int, msgs: list[Message]) -> None:
-            try:
-                for msg in msgs:
-                    await self._call_storage(sid, msg)
-            except StripefsError as exc:
-                log.warning("cut of inode on storage server %d failed: %s", sid, exc.message)
-                failed[sid] = exc
-
-        async with trio.open_nursery() as nursery:
-            for sid, msgs in calls.items():
-                nursery.start_soon(one, sid, msgs)
-        return failed
 
     async def _call_all(self, calls: list[tuple[int, Message]]) -> None:
         """Make the calls in parallel (one slow server costs one wait, not one each).

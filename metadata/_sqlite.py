@@ -41,6 +41,10 @@ SYNC_MODES = {"full": 2, "normal": 1}
 # time, and a store opens with its counters moved past their bounds: a number a lost file
 # had (whose chunks storage servers may hold) never names another file.
 RESERVE = 1 << 16
+# Fault injection for tests (a slow disk): with ``STRIPEFS_SLOW_FSYNC_FILE`` set to a file
+# name, every fsync of the log by :meth:`SqliteStore.sync_log` first sleeps the seconds that
+# file, beside the database, says (``fsclient.testing.faults``' "slow" fault). Unset: nothing.
+SLOW_FSYNC_FILE = os.environ.get("STRIPEFS_SLOW_FSYNC_FILE") or None
 
 
 def check_sync(mode: str) -> str:
@@ -168,6 +172,18 @@ def _lock_writer(path: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _slow_fsync(path: str) -> None:
+    """Sleep the seconds ``path`` holds, if it exists (a test's slow disk; at most 5 s)."""
+    import time
+
+    try:
+        with open(path, "rb") as f:
+            delay = float(f.read().strip() or b"0")
+    except (OSError, ValueError):
+        return
+    time.sleep(min(max(delay, 0.0), 5.0))
 
 
 class SqliteStore(Store):
@@ -330,6 +346,8 @@ class SqliteStore(Store):
         if self.log_failed is not None:
             raise OSError(errno.EIO, f"an earlier fsync of the metadata log failed ({self.log_failed}); "
                           "restart the metadata service")
+        if SLOW_FSYNC_FILE is not None:
+            _slow_fsync(os.path.join(os.path.dirname(os.path.abspath(self.path)), SLOW_FSYNC_FILE))
         try:
             fd = os.open(self.path + "-wal", os.O_RDONLY)
         except FileNotFoundError:

@@ -678,11 +678,14 @@ class ChunkStore:
     def _stale(self, ino: int) -> StripefsError:
         return StripefsError(ErrorCode.STALE_FILE, f"inode {ino} was removed")
 
-    def remove(self, ino: int, from_index: int = 0, forget: bool = False) -> int:
+    def remove(self, ino: int, from_index: int = 0, forget: bool = False, chain: int = 0) -> int:
         """Remove chunks ``>= from_index`` of an inode. Returns how many went.
 
         ``forget`` (the file is gone): the tombstone is made durable first, so no
         crash can leave a removed inode without chunks and without a tombstone.
+        ``chain``: only chunks of that chain (a cut ordered through one chain; the
+        other chains' chunks here are cut by theirs). One whose header names no chain,
+        or is unreadable, goes.
         """
         if forget:
             fd = os.open(self._tombstone(ino), os.O_WRONLY | os.O_CREAT, 0o600)
@@ -694,7 +697,7 @@ class ChunkStore:
         for _ in range(2 if from_index == 0 else 1):
             for index in self._indexes(ino):
                 if index >= from_index:
-                    removed += self._unlink_chunk(ino, index)
+                    removed += self._unlink_chunk(ino, index, chain)
         if from_index == 0:
             self._forget_ino_fds(ino)
         return removed
@@ -712,13 +715,22 @@ class ChunkStore:
                 out.append(key[1])
         return out
 
-    def _unlink_chunk(self, ino: int, index: int) -> int:
-        """Remove one chunk file under its lock: 1 if it was there, else 0."""
+    def _unlink_chunk(self, ino: int, index: int, chain: int = 0, older_than: float | None = None) -> int:
+        """Remove one chunk file under its lock (of ``chain`` only, if set; only if its file
+        was last written before ``older_than``, a ``time.time()``, if set): 1 if it went, else 0."""
         with self._lock(ino, index):
+            if older_than is not None:
+                try:
+                    if os.stat(self.path(ino, index)).st_mtime >= older_than:
+                        return 0
+                except FileNotFoundError:
+                    return 0
             try:
                 meta = self._load(ino, index)
             except StripefsError:  # a corrupt header must not keep garbage alive
                 meta = None
+            if chain and meta is not None and meta.chain not in (0, chain):  # (0: no chain recorded)
+                return 0
             self._forget_fd(ino, index)
             try:
                 os.unlink(self.path(ino, index))
@@ -824,8 +836,11 @@ class ChunkStore:
             self._meta[(ino, index)] = new
             return new
 
-    def remove_one(self, ino: int, index: int) -> None:
-        self._unlink_chunk(ino, index)
+    def remove_one(self, ino: int, index: int, older_than: float | None = None) -> bool:
+        """Remove one chunk; with ``older_than`` only if its file was last written before
+        that time, checked under the chunk's lock (a write landing meanwhile keeps it).
+        Whether it went."""
+        return bool(self._unlink_chunk(ino, index, older_than=older_than))
 
     def drop_chain(self, chain: int) -> int:
         """Delete every chunk of ``chain`` held here (the chain moved to another server)."""

@@ -18,12 +18,18 @@ digest too, so a replica never acknowledges a version it holds with other bytes.
 Reads of a chunk whose newest version here is not acknowledged yet go to the
 chain's last serving target (CRAQ). Scrub re-reads every chunk and repairs bad
 ones from a replica.
+
+A truncation's cut of one chain's chunks travels the same way (:meth:`Replicator.cut`):
+to the head, which holds the inode's *cut lock* of that chain exclusively while the cut
+goes down the chain (its writes to the chain's chunks of that inode hold it shared, so
+chunks created meanwhile are covered too). Every replica thus sees a chain's writes and
+cuts in one order: no write is forwarded into a replica cut before the head, and none
+created after the head's cut reaches a replica not cut yet.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 import contextlib
 from contextlib import asynccontextmanager
@@ -35,7 +41,7 @@ from stripefs.rpc import TrioConnection, TrioPool
 from stripefs.wire import ErrorCode, Message, ReplyMessage, Routing, StripefsError, role_credential
 from stripefs.wire import messages as m
 
-from ._chunks import ChunkStore, VersionGap
+from ._chunks import ChunkMeta, ChunkStore, VersionGap
 from ._qos import BULK_WRITE, bulk_limiter
 
 if TYPE_CHECKING:
@@ -76,6 +82,23 @@ async def control_call(conn: "TrioConnection | MetadataLink", msg: Message[R], p
     return m.decode_reply(msg, header), data
 
 
+class _CutLock:
+    """An inode's chunks of one chain: writes hold it shared, a cut exclusively.
+
+    A cut waits for the writes in flight and shuts out new ones (the ``gate``, a fair
+    lock, is what shared holders pass through): a stream of writes cannot starve it.
+    """
+
+    __slots__ = ("gate", "shared", "idle", "users")
+
+    def __init__(self) -> None:
+        self.gate = trio.Lock()
+        self.shared = 0
+        self.idle = trio.Event()
+        self.idle.set()
+        self.users = 0
+
+
 class Replicator:
     def __init__(self, store: ChunkStore, secret: str, meta: "TrioConnection | MetadataLink"):
         self.store = store
@@ -87,6 +110,7 @@ class Replicator:
         # Forwarding runs many calls to a peer at once, as a server of the cluster.
         self.peers = TrioPool(role_credential(secret, "server"), keep=POOL_PER_PEER, role="server")
         self._locks: dict[tuple[int, int], tuple[trio.Lock, int]] = {}
+        self._cut_locks: dict[tuple[int, int], _CutLock] = {}  # (ino, chain) -> its cut lock
         self._refresh_lock = trio.Lock()
         self.syncing = False
         self.sync_progress: dict[str, int] = {}
@@ -170,16 +194,52 @@ class Replicator:
             else:
                 self._locks[key] = (lock2, users2 - 1)
 
+    @asynccontextmanager
+    async def cut_lock(self, ino: int, chain: int, *, exclusive: bool = False) -> AsyncIterator[None]:
+        """The cut lock of ``ino``'s chunks of ``chain`` (see :class:`_CutLock`): a head's
+        writes and resync copies hold it shared, a cut exclusively. Taken before any chunk lock."""
+        key = (ino, chain)
+        lock = self._cut_locks.get(key)
+        if lock is None:
+            lock = self._cut_locks[key] = _CutLock()
+        lock.users += 1
+        try:
+            if exclusive:
+                async with lock.gate:
+                    while lock.shared:  # no new shared holder passes the gate meanwhile
+                        await lock.idle.wait()
+                    yield
+            else:
+                async with lock.gate:
+                    lock.shared += 1
+                    if lock.shared == 1:
+                        lock.idle = trio.Event()
+                try:
+                    yield
+                finally:
+                    lock.shared -= 1
+                    if not lock.shared:
+                        lock.idle.set()
+        finally:
+            lock.users -= 1
+            if not lock.users:
+                del self._cut_locks[key]
+
     # -- the write path ---------------------------------------------------------------------
+    async def _place(self, chain: int, routing_version: int, what: str) -> tuple[Routing, list[int], int]:
+        """``(table, forward order, our position)`` of ``chain``, by a chain table at least as
+        new as the sender's. Raises STALE_ROUTING when we are not in the chain."""
+        routing = self.routing
+        if routing is None or routing_version > routing.version:
+            routing = await self.refresh(routing_version)
+        order = routing.forward_order(chain)
+        if self.server_id not in order:
+            raise StripefsError(ErrorCode.STALE_ROUTING, f"server {self.server_id} is not {what} chain {chain}")
+        return routing, order, order.index(self.server_id)
+
     async def write(self, msg: m.WriteChunk, view: memoryview) -> m.WriteChunkReply:
         """Apply a chunk write here and along the rest of its chain."""
-        routing = self.routing
-        if routing is None or msg.routing_version > routing.version:
-            routing = await self.refresh(msg.routing_version)
-        order = routing.forward_order(msg.chain)
-        if self.server_id not in order:
-            raise StripefsError(ErrorCode.STALE_ROUTING, f"server {self.server_id} is not serving chain {msg.chain}")
-        pos = order.index(self.server_id)
+        routing, order, pos = await self._place(msg.chain, msg.routing_version, "serving")
         if msg.version is not None and msg.routing_version < routing.version:
             # The sender forwards by an older chain table than ours: its order may lack a member
             # that joined since (a newcomer, a returning server), which would then never get
@@ -195,7 +255,7 @@ class Replicator:
         if msg.version is None:  # from a client: only the head takes those
             if pos != 0:
                 raise StripefsError(ErrorCode.STALE_ROUTING, f"server {self.server_id} is not the head of chain {msg.chain}")
-            async with self.chunk_lock((msg.ino, msg.index)):
+            async with self.cut_lock(msg.ino, msg.chain), self.chunk_lock((msg.ino, msg.index)):
                 with self._dirty_while_applied((msg.ino, msg.index), pos + 1 < len(order)):
                     meta = await trio.to_thread.run_sync(
                         self.store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain,
@@ -218,7 +278,17 @@ class Replicator:
         except VersionGap:
             # We missed versions (we were away): take the predecessor's whole chunk, which
             # already includes this write, then pass the write on.
-            meta = await self.copy_chunk(order[pos - 1], msg.ino, msg.index)
+            try:
+                meta = await self.copy_chunk(order[pos - 1], msg.ino, msg.index)
+            except StripefsError as exc:
+                if exc.code not in (ErrorCode.NOT_FOUND, ErrorCode.STALE_FILE):
+                    raise
+                # The predecessor applied this write and its chunk is gone since: a truncate
+                # or unlink that raced the write cut it there (as here, where the gap comes
+                # from). The write is ordered before that cut; nothing of it is left to keep.
+                log.info("chunk %d:%d was cut at server %d after it applied version %d",
+                         msg.ino, msg.index, order[pos - 1], msg.version)
+                return ChunkMeta()
         if msg.digest is not None and len(view) and (meta.version != msg.version or meta.digest != msg.digest):
             # Our copy diverged: we applied another write as this version (or a later
             # one) while heading the chain and failed before forwarding it. The head
@@ -279,6 +349,56 @@ class Replicator:
             if exc.code in (ErrorCode.UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.STALE_ROUTING):
                 raise StripefsError(ErrorCode.UNAVAILABLE, f"replica {order[pos + 1]} of chain {msg.chain}: {exc.message}") from exc
             raise
+
+    # -- cuts ---------------------------------------------------------------------------------
+    async def cut(self, msg: m.RemoveChunks) -> m.RemovedReply:
+        """Apply a truncation's cut of one chain's chunks here, then down the chain.
+
+        The collector sends it to the head; the head holds the chain's cut lock of the
+        inode exclusively until the tail answered, so no write of that chain is in flight
+        meanwhile. A replica takes its own lock too: a resync copy (shared) fetched before
+        the cut is not installed after it. Idempotent: a retry cuts nothing more.
+
+        Returns:
+            The chunks removed here, the targets that applied the cut (``applied``, from
+            here on) and the successor that failed it (``failed``: those after it lack it).
+
+        Raises:
+            StripefsError: STALE_ROUTING when the sender's chain table disagrees with ours
+                (not the head; a forward from a stale head or an older table) or a
+                successor said so; this server's own failure to apply the cut.
+        """
+        routing, order, pos = await self._place(msg.chain, msg.routing_version, "in")
+        if msg.forwarded and (pos == 0 or msg.routing_version < routing.version):
+            # As for writes: a stale head, or an order that may lack a member that joined since.
+            raise StripefsError(ErrorCode.STALE_ROUTING, f"a cut for chain {msg.chain} forwarded by a stale head "
+                                                         f"or an older chain table ({msg.routing_version})")
+        if not msg.forwarded and pos != 0:
+            raise StripefsError(ErrorCode.STALE_ROUTING, f"server {self.server_id} is not the head of chain {msg.chain}")
+        async with self.cut_lock(msg.ino, msg.chain, exclusive=True):
+            removed = await trio.to_thread.run_sync(self._cut_here, msg)
+            applied, failed = [self.server_id or 0], 0
+            if pos + 1 < len(order):
+                fwd = m.RemoveChunks(ino=msg.ino, from_index=msg.from_index, chain=msg.chain,
+                                     routing_version=routing.version, forwarded=True, part=msg.part)
+                try:
+                    reply, _ = await self.call_peer(order[pos + 1], fwd)
+                except StripefsError as exc:
+                    if exc.code == ErrorCode.STALE_ROUTING:
+                        raise  # alive, by another table: the collector asks again with its newest
+                    log.warning("cut of inode %d on chain %d: replica %d failed it: %s",
+                                msg.ino, msg.chain, order[pos + 1], exc.message)
+                    failed = order[pos + 1]
+                else:
+                    applied += reply.applied or [order[pos + 1]]
+                    failed = reply.failed
+        return m.RemovedReply(removed=removed, applied=applied, failed=failed)
+
+    def _cut_here(self, msg: m.RemoveChunks) -> int:
+        removed = self.store.remove(msg.ino, msg.from_index, False, msg.chain)
+        if msg.part is not None and len(msg.part) == 2:
+            self.store.truncate(msg.ino, int(msg.part[0]), int(msg.part[1]))
+        return removed
 
     async def copy_chunk(self, source: int, ino: int, index: int, *, force: bool = False,
                          expect: tuple[int, int] | None = None) -> Any:
@@ -374,7 +494,9 @@ class Replicator:
                 behind = have is None or have[0] < version
                 if behind or (digest is not None and have != (version, digest)):
                     try:
-                        async with self.chunk_lock((ino, index)):
+                        # The cut lock too: a cut forwarded here while the copy is on its
+                        # way would find nothing to cut, and the copy bring the bytes back.
+                        async with self.cut_lock(ino, chain), self.chunk_lock((ino, index)):
                             now = await trio.to_thread.run_sync(self._current, ino, index)
                             if now != have:
                                 # A write forwarded since the walk. At least as new as the listing:
@@ -393,8 +515,10 @@ class Replicator:
                     copied += 1
                 self.sync_progress["done"] += 1
             for key in set(local) - set(remote):
-                if await trio.to_thread.run_sync(self._older_than, key, started):
-                    await trio.to_thread.run_sync(self.store.remove_one, *key)
+                # Gone from the serving copy since before this resync began: ours goes too. The
+                # age is checked under the chunk's lock, with the removal: a write forwarded
+                # between a separate check and the removal would be acknowledged and lost here.
+                if await trio.to_thread.run_sync(self.store.remove_one, *key, started):
                     removed += 1
         return copied, removed
 
@@ -405,12 +529,6 @@ class Replicator:
         except StripefsError:
             return None  # the copy replaces it
         return None if cur is None else (cur.version, cur.digest)
-
-    def _older_than(self, key: tuple[int, int], t: float) -> bool:
-        try:
-            return os.stat(self.store.path(*key)).st_mtime < t
-        except FileNotFoundError:
-            return False
 
     # -- scrub --------------------------------------------------------------------------------
     async def scrub(self, repair: bool) -> m.ScrubReply:
@@ -423,7 +541,7 @@ class Replicator:
                          for t, st in ms if st == "serving" and t != self.server_id]
                 for peer in dict.fromkeys(peers):
                     try:
-                        async with self.chunk_lock((ino, index)):
+                        async with self.cut_lock(ino, chain), self.chunk_lock((ino, index)):
                             await self.copy_chunk(peer, ino, index, force=True)
                         repaired += 1
                         break

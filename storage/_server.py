@@ -156,6 +156,8 @@ class StorageService(Service):
                     os.close(fd)
             else:
                 await conn.send(head, header)
+        elif isinstance(msg, m.RemoveChunks) and msg.chain:  # a cut, ordered through its chain
+            await conn.send(head, (await self.repl.cut(msg)).to_header())
         elif isinstance(msg, m.RemoveChunks):
             n = await trio.to_thread.run_sync(store.remove, msg.ino, msg.from_index, msg.forget)
             await conn.send(head, m.RemovedReply(removed=n).to_header())

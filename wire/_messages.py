@@ -555,7 +555,14 @@ class ReadChunkReply(ReplyMessage):
 
 @reply
 class RemovedReply(ReplyMessage):
+    """``applied``/``failed``: only in the answer to a cut sent through a chain
+    (:class:`RemoveChunks` with ``chain``): the targets that applied it, head first, and
+    the one that did not answer it (0: none; those after it in the chain lack it too)."""
+
     removed: int  # chunks removed
+    applied: list[int] | None = None
+    failed: int = 0
+    SPARSE = ("applied", "failed")
 
 
 @reply
@@ -959,11 +966,23 @@ class RemoveChunks(Message[RemovedReply]):
     ``forget``: the file itself is gone (its last name was removed and the grace
     period passed): the server keeps a tombstone, so a late read or write of the
     inode fails with STALE_FILE instead of reading a hole or recreating chunks.
+
+    ``chain`` (a truncation's cut, sent to the chain's head): only that chain's chunks,
+    and, with ``part`` = ``[index, length]``, that chunk cut to ``length`` too; the head
+    applies it under the lock its writes to the inode take and forwards it down the chain
+    (``forwarded``, with its ``routing_version``) like a write, so every replica sees the
+    cut and the chain's writes in one order. Sent only when set, so the map of a plain
+    removal is what it always was.
     """
 
     ino: int
     from_index: int = 0
     forget: bool = False
+    chain: int = 0
+    routing_version: int = 0
+    forwarded: bool = False
+    part: list[int] | None = None
+    SPARSE = ("chain", "routing_version", "forwarded", "part")
 
 
 @message(43, mutates=True, server_only=True)

@@ -9,7 +9,15 @@
   dead processes; it returns ``syncing``);
 * ``pause``: SIGSTOP a storage server for longer than the failure timeout (to
   the others it is partitioned away: declared offline), then SIGCONT;
-* ``add``: :func:`add_server` (chains move to the newcomer while traffic runs).
+* ``add``: :func:`add_server` (chains move to the newcomer while traffic runs);
+* ``slow``: a slow disk -- every fsync of one storage server, or of the metadata
+  service's log, sleeps 50-300 ms first, until ``fast`` (the processes run with
+  ``STRIPEFS_SLOW_FSYNC_FILE``; the fault is that file in the victim's directory).
+
+The writers overwrite slots; writer 0 also truncates a file at a region boundary
+and extends it back (the regions past the cut become zeros: issue #27 item 1's
+class, a cut's bytes coming back, shows as a stale read), and renames files (each
+file's name is a register too, read by the readers' listings).
 
 Faults come one at a time (a server is back before the next fault), but the next
 may strike while a returned server is still syncing: a chain of two then has no
@@ -18,6 +26,9 @@ operation may fail. Afterwards every server runs again, the cluster heals, and
 the checker verifies the history, the final bytes, and that every replica of
 every chunk has the same version and digest (asked of the storage servers).
 
+``STRIPEFS_FAULTS_INJECT=cut-lost`` is the checker's self-test: writer 0's truncates
+leave the bytes in place (issue #27 item 1's outcome) and the run must fail with stale reads.
+
 Run one schedule: ``python -m stripefs.fsclient.testing.faults --seed 3 [--replicas 2]``;
 many: ``python -m stripefs.bench.fault_soak --seeds 50``.
 """
@@ -25,6 +36,8 @@ many: ``python -m stripefs.bench.fault_soak --seeds 50``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import random
@@ -34,7 +47,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import crc32c
 
@@ -57,7 +70,7 @@ OFFLINE_AFTER = 5.0  # the metadata service's failure timeout
 @dataclass(frozen=True)
 class Event:
     at: float  # seconds after the traffic started
-    action: str  # kill, restart, pause, resume, add
+    action: str  # kill, restart, pause, resume, add, slow, fast
     server: int = 0  # index into the live servers (kill, pause); the victim is remembered for the pair
 
 
@@ -70,13 +83,21 @@ class Schedule:
     events: list[Event] = field(default_factory=list)
 
     @classmethod
-    def generate(cls, seed: int, replicas: int = 2, duration: float = 20.0, *, add: bool = True) -> Schedule:
+    def generate(cls, seed: int, replicas: int = 2, duration: float = 20.0, *, add: bool = True,
+                 slow: bool = True) -> Schedule:
         rng = random.Random(seed)
         events: list[Event] = []
         t = rng.uniform(0.5, 2.0)
         added = not add
         while t < duration:
-            kind = rng.choice(["kill", "pause"] + ([] if added else ["add"]))
+            kind = rng.choice(["kill", "pause"] + ([] if added else ["add"]) + (["slow"] if slow else []))
+            if kind == "slow":  # victim % 3 == 0: the metadata service's log, else a storage server
+                victim = rng.randrange(1 << 16)
+                down = rng.uniform(1.0, 4.0)
+                events.append(Event(t, "slow", victim))
+                events.append(Event(t + down, "fast", victim))
+                t += down + rng.uniform(0.2, 2.0)
+                continue
             if kind == "add":
                 events.append(Event(t, "add"))
                 added = True
@@ -95,6 +116,10 @@ class Schedule:
                          for e in self.events)
 
 
+SLOW_FILE = "fault-slow-fsync"  # STRIPEFS_SLOW_FSYNC_FILE for the cluster's processes
+NAME = -1  # the region index of a file's name register
+
+
 @dataclass
 class Outcome:
     seed: int
@@ -102,16 +127,18 @@ class Outcome:
     verdict: Verdict
     replicas_differ: list[str]
     root: str
+    crashed: list[str] = field(default_factory=list)  # workers that died (their logs end early)
 
     @property
     def ok(self) -> bool:
-        return self.verdict.ok and not self.replicas_differ
+        return self.verdict.ok and not self.replicas_differ and not self.crashed
 
     def report(self) -> str:
         lines = [f"seed {self.seed}: {'ok' if self.ok else 'FAILED'}: {self.verdict.summary()}",
                  f"  schedule: {self.schedule}"]
         lines += [f"  violation: {x}" for x in self.verdict.violations[:10]]
         lines += [f"  replicas differ: {x}" for x in self.replicas_differ[:10]]
+        lines += [f"  worker crashed: {x}" for x in self.crashed]
         return "\n".join(lines)
 
 
@@ -131,15 +158,133 @@ def _bytes(seed: str, n: int) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
+def _name_crc(name: str) -> int:
+    return crc32c.crc32c(name.encode())
+
+
+def _file_of(name: str) -> int | None:
+    """The file index a name in ``/h`` belongs to (``f3``, ``f3.w0.17``)."""
+    head = name.split(".", 1)[0]
+    return int(head[1:]) if head.startswith("f") and head[1:].isdigit() else None
+
+
+def _truncate_extend(c: Client, names: list[str], f: int, cut: int, full: int,
+                     log: Any, who: str) -> None:
+    """Truncate file ``f`` to ``cut`` and extend it back to ``full``: the regions past the cut
+    become zeros, a write of zeros (``"t"``) acknowledged once the extend is, if the cut was
+    committed (the truncate succeeded, or failed after committing: its bytes must never come
+    back). The extend is retried while a failed cut is still queued (EIO)."""
+    path = f"/h/{names[f]}"
+    t0 = time.monotonic()
+    err: str | None = None
+    try:
+        if os.environ.get("STRIPEFS_FAULTS_INJECT") == "cut-lost":
+            # The checker's self-test: the cut never reaches the bytes (issue #27 item 1's
+            # outcome), the size moves all the same. Its reads must be judged stale.
+            c.truncate(path, full)
+        else:
+            c.truncate(path, cut)
+        committed = True
+    except OSError as exc:
+        err = f"truncate: {type(exc).__name__}: {exc}"
+        try:
+            committed = c.stat(path).size == cut
+        except OSError:
+            committed = False
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            c.truncate(path, full)
+            extended = True
+            break
+        except OSError as exc:
+            err = (err + "; " if err else "") + f"extend: {type(exc).__name__}: {exc}"
+            extended = False
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    t1 = time.monotonic()
+    for u in _units_in(cut, full):
+        a, b = UNITS[u]
+        log.write(Op("t", who, (f, u), crc32c.crc32c(bytes(b - a)), t0, t1, committed and extended, err).to_json() + "\n")
+
+
+def _rename(c: Client, names: list[str], f: int, seq: int, log: Any, who: str) -> None:
+    """Rename file ``f`` to a fresh name: a write of its name register."""
+    new = f"f{f}.{who}.{seq}"
+    t0 = time.monotonic()
+    err: str | None = None
+    try:
+        c.rename(f"/h/{names[f]}", f"/h/{new}")
+    except OSError as exc:
+        err = f"{type(exc).__name__}: {exc}"
+    t1 = time.monotonic()
+    log.write(Op("n", who, (f, NAME), _name_crc(new), t0, t1, err is None, err).to_json() + "\n")
+    if err is None:
+        names[f] = new
+    else:  # it may have happened all the same: learn the name
+        try:
+            names[f] = next(n for n in c.listdir("/h") if _file_of(n) == f)
+        except (OSError, StopIteration):
+            pass
+
+
+def _read_names(c: Client, files: int, log: Any, who: str) -> None:
+    """A listing of ``/h``: a read of every file's name register (a missing file reads as '')."""
+    t0 = time.monotonic()
+    try:
+        listing = c.listdir("/h")
+    except OSError as exc:
+        for f in range(files):
+            log.write(Op("r", who, (f, NAME), None, t0, time.monotonic(), False, f"{type(exc).__name__}: {exc}").to_json()
+                      + "\n")
+        return
+    t1 = time.monotonic()
+    found = {_file_of(n): n for n in listing}
+    for f in range(files):
+        log.write(Op("r", who, (f, NAME), _name_crc(found.get(f, "")), t0, t1, True).to_json() + "\n")
+
+
+@contextlib.contextmanager
+def _flocked(f: Any) -> Iterator[None]:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _worker(spec: dict[str, Any]) -> None:
     """A writer or a reader process: random slots until the stop file appears."""
     rng = random.Random(spec["seed"])
     who, stop, deadline = spec["who"], spec["stop"], time.monotonic() + spec["max_seconds"]
     with Client(spec["cluster"]) as c, open(spec["log"], "a", buffering=1) as log:
-        attrs = [c.stat(p) for p in spec["paths"]]
+        # By inode: writer 0 may have renamed a file before a later worker starts.
+        attrs = [c.stat_inode(ino) for ino in spec["inos"]]
+        # A file's writes and its truncate + extend take turns (flock on a local file per
+        # file): the writers write in place without committing a length (write_from), so
+        # a write landing past the end while another writer has the file cut short is not
+        # file data, and the extend rightly reads it as zeros; the model cannot tell.
+        locks = [open(os.path.join(os.path.dirname(stop), f"lock-{f}"), "a+") for f in range(len(attrs))]
+        names = [p.rsplit("/", 1)[1] for p in spec["paths"]]  # writer 0 alone renames (it knows the names)
+        namespace = spec["role"] == "writer" and spec.get("namespace", False)
         seq = 0
         while not os.path.exists(stop) and time.monotonic() < deadline:
             f = rng.randrange(len(attrs))
+            roll = rng.random()
+            if namespace and roll < 0.06:
+                seq += 1
+                _rename(c, names, f, seq, log, who)
+                continue
+            if namespace and roll < 0.12:
+                cut = rng.choice([a for a, _b in UNITS])
+                with _flocked(locks[f]):
+                    _truncate_extend(c, names, f, cut, SLOTS * SLOT, log, who)
+                continue
+            if spec["role"] == "reader" and roll < 0.1:
+                _read_names(c, len(attrs), log, who)
+                time.sleep(rng.uniform(0.0, 0.02))
+                continue
             s = rng.randrange(SLOTS)
             n = min(rng.choice([1, 1, 2]), SLOTS - s)
             attr = attrs[f]
@@ -150,11 +295,13 @@ def _worker(spec: dict[str, Any]) -> None:
             if spec["role"] == "writer":
                 seq += 1
                 data = _bytes(f"{who}-{seq}", hi - lo)
-                try:
-                    c.write_from(attr.ino, attr.layout, lo, memoryview(data))
-                except OSError as exc:
-                    err = f"{type(exc).__name__}: {exc}"
-                t1 = time.monotonic()
+                with _flocked(locks[f]):
+                    t0 = time.monotonic()
+                    try:
+                        c.write_from(attr.ino, attr.layout, lo, memoryview(data))
+                    except OSError as exc:
+                        err = f"{type(exc).__name__}: {exc}"
+                    t1 = time.monotonic()
                 for u in _units_in(lo, hi):
                     a, b = UNITS[u]
                     log.write(Op("w", who, (f, u), crc32c.crc32c(data[a - lo:b - lo]), t0, t1, err is None, err).to_json()
@@ -227,60 +374,102 @@ def replica_mismatches(c: Client) -> list[str]:
 
 
 def run_schedule(seed: int, *, replicas: int = 2, servers: int | None = None, duration: float = 20.0,
-                 writers: int = 2, readers: int = 2, root: str | None = None, add: bool = True) -> Outcome:
-    """Play one seeded schedule and judge it (see the module docstring)."""
-    schedule = Schedule.generate(seed, replicas, duration, add=add)
+                 writers: int = 2, readers: int = 2, root: str | None = None, add: bool = True,
+                 slow: bool = True, namespace: bool = True) -> Outcome:
+    """Play one seeded schedule and judge it (see the module docstring).
+
+    ``namespace``: writer 0 also truncates/extends and renames files (else it only writes).
+    """
+    schedule = Schedule.generate(seed, replicas, duration, add=add, slow=slow)
     root = root or tempfile.mkdtemp(prefix=f"stripefs-faults-{seed}-")
     servers = servers or replicas + 1
-    h = LocalCluster.start(os.path.join(root, "cluster"), servers=servers, replicas=replicas, chunk_size=CHUNK,
-                           gc_grace=2.0)
+    # Every process of the cluster (restarts and additions too) may be given a slow disk.
+    saved_env = os.environ.get("STRIPEFS_SLOW_FSYNC_FILE")
+    os.environ["STRIPEFS_SLOW_FSYNC_FILE"] = SLOW_FILE
+    try:
+        h = LocalCluster.start(os.path.join(root, "cluster"), servers=servers, replicas=replicas, chunk_size=CHUNK,
+                               gc_grace=2.0)
+    except BaseException:
+        _restore_env(saved_env)
+        raise
     procs: list[subprocess.Popen] = []
     stopped: set[int] = set()
     try:
         logs, paths = [], [f"/h/f{i}" for i in range(FILES)]
         init: list[Op] = []
+        inos: list[int] = []
         with h.client() as c:
             c.mkdir("/h")
             for f, p in enumerate(paths):
                 data = _bytes(f"init-{seed}-{f}", SLOTS * SLOT)
                 t0 = time.monotonic()
                 c.write_bytes(p, data)
+                inos.append(c.stat(p).ino)
                 init += [Op("i", "init", (f, u), crc32c.crc32c(data[a:b]), t0, time.monotonic(), True)
                          for u, (a, b) in enumerate(UNITS)]
+                init.append(Op("i", "init", (f, NAME), _name_crc(p.rsplit("/", 1)[1]), t0, time.monotonic(), True))
         stop = os.path.join(root, "stop")
         for k in range(writers + readers):
             role = "writer" if k < writers else "reader"
             log_path = os.path.join(root, f"{role}{k}.jsonl")
             logs.append(log_path)
             procs.append(_spawn_worker({"who": f"{role[0]}{k}", "role": role, "seed": f"{seed}-{k}", "cluster": h.file,
-                                        "paths": paths, "log": log_path, "stop": stop,
+                                        "paths": paths, "inos": inos, "log": log_path, "stop": stop,
+                                        "namespace": namespace and k == 0,
                                         "max_seconds": duration + 120}))
         _play(h, schedule, stopped)
         with open(stop, "w"):
             pass
-        for proc in procs:
+        crashed: list[str] = []
+        for proc, log_path in zip(procs, logs):
             try:
-                proc.wait(timeout=90)
+                if proc.wait(timeout=90) != 0:
+                    crashed.append(f"{os.path.basename(log_path)}: exit status {proc.returncode}")
             except subprocess.TimeoutExpired:
                 proc.kill()
+                crashed.append(f"{os.path.basename(log_path)}: did not stop")
         with h.client() as c:
             wait_healthy(c, len(h.data["servers"]))
             final = {}
-            for f, p in enumerate(paths):
-                data = c.read_bytes(p)
+            now = {_file_of(n): n for n in c.listdir("/h")}
+            for f in range(len(paths)):
+                final[(f, NAME)] = _name_crc(now.get(f, ""))
+                data = c.read_bytes(f"/h/{now[f]}") if f in now else b""
                 for u, (a, b) in enumerate(UNITS):
                     final[(f, u)] = crc32c.crc32c(data[a:b])
         with Client(os.path.join(h.root, SERVER_FILE)) as sc:  # ListChunks is for servers only
             differ = replica_mismatches(sc)
         verdict = check(init + load(logs), final, expect_no_errors=True)
-        return Outcome(seed, schedule.describe(), verdict, differ, root)
+        return Outcome(seed, schedule.describe(), verdict, differ, root, crashed)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
         for pid in stopped:
             _signal(pid, signal.SIGCONT)
+        _slow_off(h)
         h.down()
+        _restore_env(saved_env)
+
+
+def _restore_env(saved: str | None) -> None:
+    if saved is None:
+        os.environ.pop("STRIPEFS_SLOW_FSYNC_FILE", None)
+    else:
+        os.environ["STRIPEFS_SLOW_FSYNC_FILE"] = saved
+
+
+def _slow_dirs(h: LocalCluster) -> list[str]:
+    """Where a slow-disk fault's file goes: the metadata state directory, then each server's root."""
+    return [os.path.join(h.root, "meta")] + [s["root"] for s in h.data["servers"]]
+
+
+def _slow_off(h: LocalCluster) -> None:
+    for d in _slow_dirs(h):
+        try:
+            os.unlink(os.path.join(d, SLOW_FILE))
+        except OSError:
+            pass
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -314,6 +503,13 @@ def _play(h: LocalCluster, schedule: Schedule, stopped: set[int]) -> None:
             elif e.action == "restart":
                 struck.pop(e.server, None)
                 h.up()
+            elif e.action == "slow":  # one in three: the metadata log; else a live storage server
+                dirs = _slow_dirs(h)
+                where = dirs[0] if e.server % 3 == 0 else dirs[1 + e.server % (len(dirs) - 1)]
+                with open(os.path.join(where, SLOW_FILE), "w") as f:
+                    f.write(f"{0.05 + (e.server % 251) / 1000:.3f}")  # 50-300 ms per fsync
+            elif e.action == "fast":
+                _slow_off(h)
 
 
 def main(argv: list[str] | None = None) -> int:

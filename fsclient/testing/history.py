@@ -11,7 +11,15 @@ slots; every operation becomes one JSON line per region it touched::
 ``s`` is the region's index in the file, ``t0``/``t1`` are ``time.monotonic()``
 at the call and its return (one clock for every process on the machine); ``crc``
 is the CRC32C of the region's bytes (for a failed read, None). Every write's
-bytes are unique, so a CRC names the write that produced them.
+bytes are unique, so a CRC names the write that produced them -- except zeros:
+
+* ``"t"``: a truncate and the extend after it, one op per region past the cut: a
+  write of zeros, acknowledged once the extend is and the cut was committed (even
+  if the truncate itself answered EIO: a cut's bytes must never come back). Many
+  truncates write the same CRC; a read or the final bytes are credited to the one
+  of them that explains it best (the latest to end among those begun in time);
+* ``"n"``: a rename, a write of the file's *name register* (region ``-1``), whose
+  value is the CRC of the file's name; readers read it from listings.
 
 The checker treats each region as a register and verifies:
 
@@ -41,14 +49,15 @@ from typing import Any
 
 __all__ = ["Op", "Verdict", "check", "load"]
 
-Slot = tuple[int, int]  # (file, region)
+Slot = tuple[int, int]  # (file, region); region -1: the file's name
+WRITES = ("w", "t", "n", "i")
 
 
 @dataclass(frozen=True)
 class Op:
     """One operation on one region (``slot``: ``(file, region)``)."""
 
-    kind: str  # "w" (write), "r" (read), "i" (the initial content)
+    kind: str  # "w" (write), "t" (truncate + extend: zeros), "n" (rename), "r" (read), "i" (the initial content)
     who: str
     slot: Slot
     crc: int | None
@@ -76,6 +85,8 @@ class Verdict:
     acked_writes: int = 0
     failed_writes: int = 0
     reads: int = 0
+    truncates: int = 0  # region ops of truncate + extend ("t")
+    renames: int = 0
     errors: list[str] = field(default_factory=list)  # operations that failed (as the application saw them)
     violations: list[str] = field(default_factory=list)  # broken guarantees
 
@@ -84,7 +95,8 @@ class Verdict:
         return not self.violations
 
     def summary(self) -> str:
-        return (f"{self.ops} ops: {self.acked_writes} acked writes, {self.failed_writes} failed, {self.reads} reads; "
+        return (f"{self.ops} ops: {self.acked_writes} acked writes ({self.truncates} truncated regions, "
+                f"{self.renames} renames), {self.failed_writes} failed, {self.reads} reads; "
                 f"{len(self.errors)} errors, {len(self.violations)} violations")
 
 
@@ -110,11 +122,13 @@ def check(ops: list[Op], final: dict[Slot, int], *, expect_no_errors: bool = Fal
     writes: dict[Slot, list[Op]] = defaultdict(list)
     reads: dict[Slot, list[Op]] = defaultdict(list)
     for op in ops:
-        if op.kind in ("w", "i"):
+        if op.kind in WRITES:
             writes[op.slot].append(op)
-            if op.kind == "w":
+            if op.kind != "i":
                 v.acked_writes += op.ok
                 v.failed_writes += not op.ok
+                v.truncates += op.kind == "t"
+                v.renames += op.kind == "n" and op.ok
         else:
             reads[op.slot].append(op)
             v.reads += 1
@@ -123,16 +137,16 @@ def check(ops: list[Op], final: dict[Slot, int], *, expect_no_errors: bool = Fal
     if expect_no_errors and v.errors:
         v.violations.append(f"{len(v.errors)} operations failed although faults came one at a time: {v.errors[:3]}")
     for slot, ws in writes.items():
-        by_crc: dict[int, Op] = {}
+        by_crc: dict[int, list[Op]] = defaultdict(list)
         for w in ws:
             if w.crc is not None:
-                by_crc.setdefault(w.crc, w)
+                by_crc[w.crc].append(w)
         acked = sorted((w for w in ws if w.ok), key=lambda w: w.t1)
         for r in reads[slot]:
             if not r.ok or r.crc is None:
                 continue
-            src = by_crc.get(r.crc)
-            if src is None or src.t0 > r.t1:
+            src = _source(by_crc.get(r.crc, []), r.t1)
+            if src is None:
                 v.violations.append(f"{r.who} read slot {slot} at {r.t0:.3f}-{r.t1:.3f}: bytes no write had produced "
                                     f"(crc {r.crc:#x})")
                 continue
@@ -141,7 +155,7 @@ def check(ops: list[Op], final: dict[Slot, int], *, expect_no_errors: bool = Fal
                 v.violations.append(f"{r.who} read slot {slot} at {r.t0:.3f}: stale bytes of {src.who} "
                                     f"(ended {src.t1:.3f}); {newer.who}'s write was acknowledged at {newer.t1:.3f}")
         crc = final.get(slot)
-        src = by_crc.get(crc) if crc is not None else None
+        src = _source(by_crc.get(crc, []), float("inf")) if crc is not None else None
         if src is None:
             v.violations.append(f"slot {slot}: final bytes no write had produced (crc {crc})")
             continue
@@ -153,6 +167,13 @@ def check(ops: list[Op], final: dict[Slot, int], *, expect_no_errors: bool = Fal
     if missing:
         v.violations.append(f"slots without initial content in the history: {sorted(missing)[:5]}")
     return v
+
+
+def _source(candidates: list[Op], by: float) -> Op | None:
+    """The write that best explains bytes seen at ``by``: of those begun by then, the
+    last to end (unique bytes have one candidate; zeros have every truncate)."""
+    begun = [w for w in candidates if w.t0 <= by]
+    return max(begun, key=lambda w: w.t1) if begun else None
 
 
 def _acked_after(acked: list[Op], src: Op, before: float) -> Op | None:

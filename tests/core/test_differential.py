@@ -206,3 +206,100 @@ def test_differential_with_scrub_running_beside(make_cluster, tmp_path) -> None:
         b.close()
     assert passes[0] >= 2, "the scrubber never completed a pass while the writes ran"
     assert bad == [], f"scrub found chunks failing their checksums: {bad}"
+
+
+def test_differential_with_resync_and_gc_beside(make_cluster, tmp_path) -> None:
+    """Resync and the garbage collector move and drop chunks while writes land (issue #27):
+    the exerciser runs (R=2) while a storage server is killed and restarted over and over
+    (each return resyncs its chains from the surviving replica) and scratch files are
+    written, truncated and removed (the collector cuts and drops their chunks, 0.5 s grace).
+    The file must equal the local one, every replica of every chunk must agree once the
+    cluster healed, and the scratch files' chunks must be gone from every server.
+    ``STRIPEFS_DIFF_SEEDS`` runs more seeds (a longer soak)."""
+    import os as _os
+    import signal
+
+    from stripefs.fsclient.testing._cluster import SERVER_FILE
+    from stripefs.fsclient.testing.faults import replica_mismatches, wait_healthy
+    from stripefs.wire import ErrorCode, StripefsError
+    from stripefs.wire import messages as m
+
+    h = make_cluster(servers=3, replicas=2, gc_grace=0.5)
+    stop, errors = threading.Event(), []
+    restarts, removed = [0], []
+
+    def restart_in_a_loop() -> None:
+        with h.client() as c:
+            k = 0
+            while not stop.is_set():
+                victim = sorted(c.status().servers, key=lambda s: s.server_id)[k % 3]
+                k += 1
+                _os.kill(victim.pid, signal.SIGKILL)
+                time.sleep(0.3)
+                h.up()  # back as syncing: its chains resync from the other replica
+                restarts[0] += 1
+                wait_healthy(c, 3, timeout=60)
+
+    def churn_in_a_loop() -> None:
+        with h.client() as c:
+            c.makedirs("/gc")
+            i = 0
+            while not stop.is_set():
+                path = f"/gc/x{i}"
+                c.write_bytes(path, _os.urandom(3 * TEST_CHUNK + 100))
+                c.truncate(path, TEST_CHUNK // 2)
+                removed.append(c.stat(path))
+                c.remove(path)
+                i += 1
+                time.sleep(0.05)
+
+    def guarded(fn: Any) -> Any:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 -- reported below
+                errors.append(exc)
+        return run
+
+    a, b = h.client(), h.client()
+    threads = [threading.Thread(target=guarded(f), daemon=True) for f in (restart_in_a_loop, churn_in_a_loop)]
+    for th in threads:
+        th.start()
+    try:
+        a.makedirs("/diff")
+        route = NativeRoute((a, b), "/diff")
+        for seed in parse_seeds(range(200, 202)):
+            run_seed(route, LocalRoute(str(tmp_path)), f"r{seed}", seed, ops=OPS, chunk=TEST_CHUNK,
+                     window=_window(a, "/diff"), max_size=MAX_SIZE)
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(120)
+        a.close()
+        b.close()
+    assert not errors, f"the resync or GC loop failed: {errors[0]!r}"
+    assert restarts[0] >= 1 and removed, (restarts, len(removed))
+    with h.client() as c:
+        wait_healthy(c, 3, timeout=60)
+    with Client(_os.path.join(h.root, SERVER_FILE)) as sc:
+        assert replica_mismatches(sc) == []
+
+        def gone(attr: Any) -> bool:
+            assert attr.layout is not None
+            for index in range(4):
+                chain = attr.layout.chain_of(index)
+                for sid, _state in sc.routing(refresh=True).members[chain]:
+                    try:
+                        sc.call_storage(sid, m.StatChunk(ino=attr.ino, index=index))
+                        return False
+                    except StripefsError as exc:
+                        if exc.code != ErrorCode.NOT_FOUND:
+                            raise
+            return True
+
+        deadline = time.monotonic() + 30
+        left = list(removed)
+        while left and time.monotonic() < deadline:
+            left = [x for x in left if not gone(x)]
+            time.sleep(0.2)
+        assert not left, f"{len(left)} removed files kept chunks past the collector's grace"
