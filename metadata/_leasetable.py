@@ -70,8 +70,11 @@ BEATS = 3  # heartbeats per session: a holder with leases hears from the service
 # Seconds a key stays "hot" once a change to it had other holders to wait for (and again at
 # each change while hot): no lease is granted on it meanwhile. A checkpoint directory that
 # 64 readers keep listing then takes creates at the rate it takes them with none (they
-# list it from the service meanwhile) instead of each create waiting for 64 acknowledgements.
-# Off (0) unless STRIPEFS_LEASE_HOT sets it (docs/benchmarks.md, "Attribute leases").
+# list it from the service meanwhile) instead of each create waiting for 64 acknowledgements
+# (docs/benchmarks.md, "Attribute leases"). Off (0) unless STRIPEFS_LEASE_HOT sets it: a
+# mount's daemon gives an answer without a lease the mount's own kernel timeouts, so with
+# long ones (set because leases keep them coherent) a hot key's answers would go stale for
+# that long; it needs short kernel timeouts for unleased answers first.
 HOT = float(os.environ.get("STRIPEFS_LEASE_HOT", "0"))
 MAX_HOT = 100_000
 MAX_PER_CLIENT = 100_000  # live leases per client (~ its cached paths)
@@ -118,12 +121,15 @@ class LeaseTable:
         max_per_client: live leases one client may hold.
         session: seconds a session holder trusts its leases past a watch it sent (see the
             module's docstring), and so the longest a change waits for one; 0: no sessions.
+        hot: seconds a key changed while others held it is granted no lease (:data:`HOT`); 0: off.
     """
 
-    def __init__(self, ttl: float = LEASE_TTL, *, max_per_client: int = MAX_PER_CLIENT, session: float = SESSION):
-        if ttl < 0 or session < 0:
-            raise ValueError("a lease TTL or session cannot be negative")
+    def __init__(self, ttl: float = LEASE_TTL, *, max_per_client: int = MAX_PER_CLIENT, session: float = SESSION,
+                 hot: float = HOT):
+        if ttl < 0 or session < 0 or hot < 0:
+            raise ValueError("a lease TTL, session or hot time cannot be negative")
         self.ttl = ttl
+        self.hot = hot
         self.session = min(session, ttl)
         self.max_per_client = max_per_client
         self.changes = 0  # invalidations so far (a read on a thread is granted only if none happened)
@@ -195,7 +201,7 @@ class LeaseTable:
         hot = self._hot
         for key in keys:
             if hot and hot.get(key, 0.0) > now:
-                hot[key] = now + HOT  # still changing: still no lease on it
+                hot[key] = now + self.hot  # still changing: still no lease on it
             found = self._by_key.get(key)
             if not found:
                 continue
@@ -209,8 +215,8 @@ class LeaseTable:
                 self._remove(lease)
                 if lease.expires <= now:
                     continue  # an expired lease is trusted by nobody
-                if HOT > 0 and len(hot) < MAX_HOT:
-                    hot[key] = now + HOT
+                if self.hot > 0 and len(hot) < MAX_HOT:
+                    hot[key] = now + self.hot
                 entry = told.get(holder.client)
                 if entry is None:
                     told[holder.client] = (holder, [lease.id], lease.expires)

@@ -199,6 +199,34 @@ def test_grants_only_to_a_watching_client_and_within_its_cap() -> None:
     _run(main)
 
 
+def test_a_key_changed_under_other_holders_is_not_leased_while_hot() -> None:
+    """A key whose change had another holder to wait for gets no lease for ``hot`` seconds
+    (longer while it keeps changing so), then again; a change that nobody else held, or the
+    mutator's own, leaves it leasable. A directory that many readers list and a writer keeps
+    creating in then costs each create no acknowledgements."""
+    async def main() -> None:
+        table = LeaseTable(5.0, hot=1.0)
+        await table.watch(A, 0, 10)
+        await table.watch(B, 0, 10)
+        assert table.grant(B, [7])[0]
+        assert table.invalidate({7}, A)  # B held it: waited for, and 7 is hot now
+        assert table.grant(B, [7]) == (0, 0)
+        assert table.grant(B, [8])[0]  # other keys are not
+        await trio.sleep(0.6)
+        assert table.invalidate({7}, A) == []  # nobody holds it, but it is still changing: hot on
+        await trio.sleep(0.6)
+        assert table.grant(B, [7]) == (0, 0)
+        await trio.sleep(0.5)
+        lease, _ = table.grant(B, [7])
+        assert lease  # quiet for a second: leased again
+        table.grant(A, [9])
+        assert table.invalidate({9}, A) == []  # the mutator's own lease: not hot
+        assert table.grant(B, [9])[0]
+        assert LeaseTable(5.0, hot=0).hot == 0
+
+    _run(main)
+
+
 def test_a_change_waits_for_the_holders_ack() -> None:
     async def main() -> None:
         table = LeaseTable(5.0)
@@ -344,6 +372,7 @@ def test_a_directorys_lookup_lease_leaves_its_attributes_to_the_listing_lease(tm
     d = ns.mkdir(ROOT_INO, "d", 0o755, 0, 0).ino
     f = ns.create(d, "f", 0o644, 0, 0, chains=CHAINS)[0].ino
     svc = MetadataService(ns, lambda doc, restarted: Membership(None, 1, doc=doc, restarted=restarted), "s" * 32)
+    svc.lease_table.hot = 0  # which keys each lease covers: keys told here are asked for again at once
 
     class Conn:
         client_id = B
