@@ -48,6 +48,7 @@ import time
 from typing import Any
 
 from stripefs.rpc import Connection
+from stripefs.rpc._metrics import Lazy
 from stripefs.wire import Attr, ErrorCode, Message, StripefsError
 from stripefs.wire import messages as m
 
@@ -66,6 +67,13 @@ RETRY_UNSUPPORTED = 30.0  # ... when the service grants no leases
 ACK_WAIT = 0.02  # seconds the watch waits for its listener's invalidations before acknowledging what finished
 ACK_POLL_MS = 20  # the watch's wait while some are still in progress (each answer lets it acknowledge more)
 
+
+# Lookups of the attribute cache (counted only while the process serves metrics:
+# ``$STRIPEFS_CLIENT_METRICS``, or a FUSE daemon's ``--metrics``).
+_LOOKUPS = ("Counter", "stripefs_client_attr_cache_lookups",
+            "Attribute cache lookups that found a valid entry (result=hit) or none", ("result",))
+CACHE_HITS = Lazy(*_LOOKUPS, values=("hit",))
+CACHE_MISSES = Lazy(*_LOOKUPS, values=("miss",))
 
 class AttrCache:
     """Path -> attributes, leased or for ``timeout`` seconds (thread-safe).
@@ -110,6 +118,11 @@ class AttrCache:
 
     def get(self, path: str, *, leased: bool = False) -> Attr | None:
         """The cached attributes of ``path`` if still valid (``leased``: only a leased entry)."""
+        attr = self._get(path, leased)
+        (CACHE_HITS if attr is not None else CACHE_MISSES).inc()
+        return attr
+
+    def _get(self, path: str, leased: bool) -> Attr | None:
         heard = self.heard  # read before the entry: the watch drops what changed, then moves it
         entry = self._by_path.get(path)
         if entry is None:

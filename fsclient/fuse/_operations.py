@@ -69,6 +69,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 import pyfuse3
 import trio
 
+from stripefs.rpc._metrics import Lazy
 from stripefs.wire import Attr, messages as m
 
 from ..core import AsyncClient, Client
@@ -79,6 +80,12 @@ from ._listings import Listings, Page
 from ._openfile import OpenFile, Stamp, stamp_of
 from ._orphans import ORPHAN_DIR, Orphans
 from ._writebehind import WriteBudget
+
+# The page cache decision at each open (counted only while the daemon serves metrics).
+_PAGE_CACHE = ("Counter", "stripefs_fuse_page_cache_opens",
+               "Opens that kept the kernel's cached pages of the file (decision=keep) or dropped them", ("decision",))
+PAGE_CACHE_KEPT = Lazy(*_PAGE_CACHE, values=("keep",))
+PAGE_CACHE_DROPPED = Lazy(*_PAGE_CACHE, values=("drop",))
 
 __all__ = ["StripeOperations", "FuseConfig"]
 
@@ -627,6 +634,7 @@ class StripeOperations(pyfuse3.Operations):
                 await self._kill_privs(state, ino)
         # The kernel's pages are kept only when they are of this very version (stamp_of).
         keep = stamp is not None and self.cached.get(ino) == stamp
+        (PAGE_CACHE_KEPT if keep else PAGE_CACHE_DROPPED).inc()
         if not keep and self.told.get(ino) not in (None, stamp):
             # The kernel holds attributes (size) older than the file: drop them now.
             await trio.to_thread.run_sync(_invalidate, ino)

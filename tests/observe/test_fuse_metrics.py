@@ -50,6 +50,10 @@ def test_mount_counts_its_requests_and_logs_them(metered: Any, tmp_path: Any,
         assert moved("stripefs_fuse_ops_total", op="read") >= N
         assert moved("stripefs_fuse_bytes_total", op="read") == N * SIZE
         assert moved("stripefs_fuse_op_seconds_count", op="read") >= N
+        # Every open decided about the kernel's pages.
+        decided = moved("stripefs_fuse_page_cache_opens_total", decision="keep") + moved(
+            "stripefs_fuse_page_cache_opens_total", decision="drop")
+        assert decided == moved("stripefs_fuse_ops_total", op="open") >= N
         assert cli.main(["top", "--once", "--interval", "0.1", "--cluster", metered.file]) == 0
         assert f"fuse {mp}" in capsys.readouterr().out
     finally:

@@ -94,3 +94,36 @@ def test_a_checksum_failure_is_counted(metered: Any) -> None:
     after = _scrape_all(found)
     assert _delta(before, after, "storage", "stripefs_storage_checksum_failures_total", where="read") >= 1
     assert _delta(before, after, "storage", "stripefs_rpc_errors_total", code="CHECKSUM") >= 1
+
+
+_CLIENT = """
+import json, sys, time, urllib.request
+from stripefs.rpc._metrics import serve_metrics
+from stripefs.fsclient import Client
+from prometheus_client.parser import text_string_to_metric_families
+host, port = serve_metrics("127.0.0.1:0", role="client")
+with Client(sys.argv[1]) as c:
+    c.write_bytes("/cached", b"x")
+    for _ in range(300):  # leased, and so cached, once the client's lease watch is live
+        c.stat("/cached")
+        time.sleep(0.01)
+text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
+got = {s.labels.get("result", s.labels.get("op", "")) + ":" + s.name: s.value
+       for f in text_string_to_metric_families(text) for s in f.samples}
+print(json.dumps(got))
+"""
+
+
+def test_a_client_counts_its_attribute_cache_lookups(metered: Any) -> None:
+    """A process serving metrics (one of its own: counting is per process) counts its
+    clients' attribute cache lookups: a file stat'ed 300 times is found cached (leased)
+    most of the time, and its first stat missed."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _CLIENT, metered.file], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    hits, misses = got["hit:stripefs_client_attr_cache_lookups_total"], got["miss:stripefs_client_attr_cache_lookups_total"]
+    assert misses >= 1 and hits >= 150 and hits + misses >= 300
