@@ -131,6 +131,13 @@ def mover_pass(cluster: str, sdir: str, out: str, *, kill_at: str | None = None,
     return run_forked(mover_main, (argv,), _env(kill_at, trace), out)
 
 
+def first_and_last(points: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Of every fault point, its first and its last hit only (in the traced order): each kind
+    of kill once at the start of an upload and once at its end, for a short sweep."""
+    last = {name: hit for name, hit in points}
+    return [(name, hit) for name, hit in points if hit in (1, last[name])]
+
+
 def kill_points(trace: str) -> list[tuple[str, int]]:
     """(point, hit count) of every fault point passed, in the order of the traced run."""
     with open(trace) as f:
@@ -187,8 +194,9 @@ def _no_partial(client: Any, prefix: str, when: str) -> None:
 
 
 def sweep_mover(cluster: str, client: Any, prefix: str, workdir: str, files: int = 3,
-                pieces: int = 3) -> tuple[int, float]:
+                pieces: int = 3, short: bool = False) -> tuple[int, float]:
     """Kill ``stripefs mover`` at every fault point and hit count of one upload; resume and check.
+    ``short``: only the first and last hit of each point (:func:`first_and_last`).
 
     Returns:
         ``(kill points, seconds)``.
@@ -213,6 +221,8 @@ def sweep_mover(cluster: str, client: Any, prefix: str, workdir: str, files: int
     assert names[-2:] == ["before_rename", "after_rename"], names
 
     committed = 1
+    if short:
+        points = first_and_last(points)
     for i, (name, hit) in enumerate(points):
         step = i + 2
         stage(step)
@@ -231,8 +241,9 @@ def sweep_mover(cluster: str, client: Any, prefix: str, workdir: str, files: int
 
 
 def sweep_trainer(cluster: str, client: Any, prefix: str, workdir: str, files: int = 3, pieces: int = 3,
-                  keep_local: int = 1) -> tuple[int, float]:
-    """Kill a saving trainer at every fault point and hit count of one save; resume and check.
+                  keep_local: int = 1, short: bool = False) -> tuple[int, float]:
+    """Kill a saving trainer at every fault point and hit count of one save; resume and check
+    (``short``: only the first and last hit of each point).
 
     With ``keep_local=0`` nothing is staged locally: a kill before the commit loses the step
     (the mover abandons it), a kill after the rename leaves it committed.
@@ -259,6 +270,8 @@ def sweep_trainer(cluster: str, client: Any, prefix: str, workdir: str, files: i
 
     committed = 1
     journal = Journal(sdir)
+    if short:
+        points = first_and_last(points)
     for i, (name, hit) in enumerate(points):
         step = i + 2
         rc, text = save(step, _env(f"{name}:{hit}", None))
