@@ -172,6 +172,28 @@ def test_write_order_registry() -> None:
     assert order.pending(7) == order.pending(8) == 0 and not order._inflight
 
 
+def _exercise_beside(h: Any, tmp_path: Any, loops: list[Any], stop: threading.Event, seeds: range,
+                     tag: str) -> None:
+    """Run the exerciser's ``seeds`` on ``h`` (two clients, ``/diff``) while each of ``loops``
+    runs on a thread of its own; ``stop`` is set and the threads joined afterwards."""
+    a, b = h.client(), h.client()
+    threads = [threading.Thread(target=f, daemon=True) for f in loops]
+    for th in threads:
+        th.start()
+    try:
+        a.makedirs("/diff")
+        route = NativeRoute((a, b), "/diff")
+        for seed in parse_seeds(seeds):
+            run_seed(route, LocalRoute(str(tmp_path)), f"{tag}{seed}", seed, ops=OPS, chunk=TEST_CHUNK,
+                     window=_window(a, "/diff"), max_size=MAX_SIZE)
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(120)
+        a.close()
+        b.close()
+
+
 def test_differential_with_scrub_running_beside(make_cluster, tmp_path) -> None:
     """Scrub reloads chunk headers while writes rename copy-on-write files in (issue #27 item
     2 was such a race): the exerciser runs while every storage server scrubs in a loop, and
@@ -190,20 +212,7 @@ def test_differential_with_scrub_running_beside(make_cluster, tmp_path) -> None:
                         bad.extend(reply.bad)
                 passes[0] += 1
 
-    a, b = h.client(), h.client()
-    scrubber = threading.Thread(target=scrub_in_a_loop, daemon=True)
-    scrubber.start()
-    try:
-        a.makedirs("/diff")
-        route = NativeRoute((a, b), "/diff")
-        for seed in parse_seeds(range(100, 106)):
-            run_seed(route, LocalRoute(str(tmp_path)), f"s{seed}", seed, ops=OPS, chunk=TEST_CHUNK,
-                     window=_window(a, "/diff"), max_size=MAX_SIZE)
-    finally:
-        stop.set()
-        scrubber.join(120)
-        a.close()
-        b.close()
+    _exercise_beside(h, tmp_path, [scrub_in_a_loop], stop, range(100, 106), "s")
     assert passes[0] >= 2, "the scrubber never completed a pass while the writes ran"
     assert bad == [], f"scrub found chunks failing their checksums: {bad}"
 
@@ -261,22 +270,7 @@ def test_differential_with_resync_and_gc_beside(make_cluster, tmp_path) -> None:
                 errors.append(exc)
         return run
 
-    a, b = h.client(), h.client()
-    threads = [threading.Thread(target=guarded(f), daemon=True) for f in (restart_in_a_loop, churn_in_a_loop)]
-    for th in threads:
-        th.start()
-    try:
-        a.makedirs("/diff")
-        route = NativeRoute((a, b), "/diff")
-        for seed in parse_seeds(range(200, 202)):
-            run_seed(route, LocalRoute(str(tmp_path)), f"r{seed}", seed, ops=OPS, chunk=TEST_CHUNK,
-                     window=_window(a, "/diff"), max_size=MAX_SIZE)
-    finally:
-        stop.set()
-        for th in threads:
-            th.join(120)
-        a.close()
-        b.close()
+    _exercise_beside(h, tmp_path, [guarded(restart_in_a_loop), guarded(churn_in_a_loop)], stop, range(200, 202), "r")
     assert not errors, f"the resync or GC loop failed: {errors[0]!r}"
     assert restarts[0] >= 1 and removed, (restarts, len(removed))
     with h.client() as c:
