@@ -88,3 +88,72 @@ def test_bulk_writes_share_few_slots_and_small_writes_pass_them(tmp_path: Path) 
     assert peak[0] == _qos.BULK_SLOTS, f"{peak[0]} bulk writes ran at once"
     assert finished.index(99) < 3, "a small write waited for the bulk writes' slots"
     assert sorted(store.read_whole(i, 0)[1] == big for i in range(10, 16)) == [True] * 6
+
+
+def _nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_a_bulk_chunk_write_runs_on_a_lowered_thread_and_a_small_one_in_place(tmp_path: Path) -> None:
+    store = ChunkStore(str(tmp_path))
+    seen: dict[int, tuple[int, int]] = {}  # ino -> (the writing thread's nice, is it the caller's)
+    real = store._write_locked
+
+    def spy(ino, *rest):  # type: ignore[no-untyped-def]
+        seen[ino] = (_nice(), threading.get_native_id())
+        return real(ino, *rest)
+
+    store._write_locked = spy  # type: ignore[method-assign]
+    caller = threading.get_native_id()
+    for ino, data in ((1, os.urandom(_qos.BULK_WRITE)), (2, os.urandom(_qos.BULK_WRITE - 1))):
+        store.write(ino, 0, 0, memoryview(data), crc32c.crc32c(data), CHUNK)
+        assert store.read_whole(ino, 0)[1] == data
+    base = _nice()
+    assert seen[1][0] == min(19, base + _qos.BULK_THREADS.nice) and seen[1][1] != caller
+    assert seen[2] == (base, caller)
+
+
+def test_a_background_pool_lowers_only_its_own_threads() -> None:
+    from stripefs.rpc import BackgroundPool
+
+    pool = BackgroundPool(2, "test-bg", nice=5)
+    base = _nice()
+    try:
+        assert pool.call(_nice) == min(19, base + 5)
+        assert pool.call(pool.call, _nice) == min(19, base + 5)  # from its own thread: in place, not lowered twice
+        assert pool.submit(_nice).result(10) == min(19, base + 5)
+        with pytest.raises(ZeroDivisionError):
+            pool.call(lambda: 1 // 0)
+        assert _nice() == base  # the caller is never touched
+    finally:
+        pool.shutdown()
+    off = BackgroundPool(2, "test-bg-off", nice=0)
+    assert off.call(threading.get_native_id) == threading.get_native_id()
+
+
+def test_a_clients_bulk_write_is_sent_from_a_lowered_thread(cluster, client) -> None:  # type: ignore[no-untyped-def]
+    from stripefs.fsclient.core import _core
+    from stripefs.rpc import Connection
+
+    sent: dict[str, list[int]] = {"bulk": [], "small": []}  # the sending threads' nice, by write
+    which = ["bulk"]
+    real = Connection.submit
+
+    def spy(self, msg, *rest, **kw):  # type: ignore[no-untyped-def]
+        if isinstance(msg, m.WriteChunk):
+            sent[which[0]].append(_nice())
+        return real(self, msg, *rest, **kw)
+
+    base = _nice()
+    big, small = os.urandom(3 << 20), os.urandom(64 << 10)  # (the session cluster's chunks are 256 KiB)
+    Connection.submit = spy  # type: ignore[method-assign]
+    try:
+        client.write_bytes("/qos-bulk", big)
+        which[0] = "small"
+        client.write_bytes("/qos-small", small)
+    finally:
+        Connection.submit = real  # type: ignore[method-assign]
+    assert client.read_bytes("/qos-bulk") == big and client.read_bytes("/qos-small") == small
+    assert len(sent["bulk"]) >= 12 and set(sent["bulk"]) == {min(19, base + _core._BULK_WRITES.nice)}
+    assert sent["small"] and set(sent["small"]) == {base}
+    assert _nice() == base
