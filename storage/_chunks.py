@@ -71,6 +71,7 @@ from ._qos import BULK_THREADS, BULK_WRITE, idle_io
 
 HEADER_SIZE = 8192
 BUCKETS = 4096  # chunk directories: an inode's chunks live in bucket ``ino % BUCKETS``
+BUCKET_GROUP = 64  # buckets made (and their entries synced) together
 BLOCK = CRC_BLOCK  # 64 KiB: the unit of a stored CRC32C (shared with the read-reply checks)
 MAGIC = b"SFCHUNK1"
 _HDR = struct.Struct("!8sQQIIQ")
@@ -531,17 +532,24 @@ class ChunkStore:
         a new chunk in it is written. Not only the thread whose ``mkdir`` made it: a first
         write to another chunk of the bucket, at the same time, finds the directory there
         but its entry maybe not on disk yet. Once per bucket and process (a restarted
-        server syncs again: a killed predecessor may have left an entry only cached)."""
+        server syncs again: a killed predecessor may have left an entry only cached).
+
+        The buckets are made :data:`BUCKET_GROUP` at a time, with one sync of ``chunks/``
+        for the group: the first chunk of each new inode no longer pays a ``mkdir`` and a
+        second directory sync (it did for each of the first 4,096 inodes a process saw)."""
         bucket = _bucket_name(ino)
         if bucket in self._synced_buckets:
             return
-        try:
-            os.mkdir(os.path.join(self.chunk_root, bucket))
-        except FileExistsError:
-            pass
+        first = ino % BUCKETS // BUCKET_GROUP * BUCKET_GROUP
+        group = [f"{b:03x}" for b in range(first, first + BUCKET_GROUP)]
+        for name in group:
+            try:
+                os.mkdir(os.path.join(self.chunk_root, name))
+            except FileExistsError:
+                pass
         self._sync_dir(self.chunk_root)
         with self._mlock:
-            self._synced_buckets.add(bucket)
+            self._synced_buckets.update(group)
 
     def _datasync(self, fd: int) -> None:
         if self.sync:

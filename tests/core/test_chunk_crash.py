@@ -20,7 +20,7 @@ import crc32c
 import pytest
 
 from stripefs.storage import BLOCK, ChunkStore
-from stripefs.storage._chunks import BUCKETS
+from stripefs.storage._chunks import BUCKET_GROUP, BUCKETS
 from stripefs.wire import StripefsError
 
 CS = 4 << 20
@@ -161,10 +161,11 @@ def test_truncate_inside_a_block(tmp_path, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_new_bucket_directory_is_synced_in_its_parent(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first chunk in a bucket creates ``chunks/<bucket>``: the entry of that directory
-    in ``chunks/`` must be made durable (fsync of ``chunks/``) before the write is
-    acknowledged, not only the chunk file's entry in its bucket. Later chunks in the bucket
-    (of this inode or another) sync only the bucket."""
+    """The first chunk in a bucket creates ``chunks/<bucket>`` (with the other buckets of its
+    group): the entry of that directory in ``chunks/`` must be made durable (fsync of
+    ``chunks/``) before the write is acknowledged, not only the chunk file's entry in its
+    bucket. Later chunks in the bucket or its group (of this inode or another) sync only
+    their bucket; a restarted store syncs ``chunks/`` again at its first chunk in a group."""
     store = ChunkStore(str(tmp_path))
     synced: list[str] = []
     real = ChunkStore._fsync_dir
@@ -173,7 +174,14 @@ def test_new_bucket_directory_is_synced_in_its_parent(tmp_path, monkeypatch: pyt
     assert os.path.realpath(store.chunk_root) in synced, f"chunks/ never synced: {synced}"
     assert os.path.realpath(os.path.dirname(store.path(INO, 0))) in synced
     synced.clear()
+    neighbour = INO // BUCKET_GROUP * BUCKET_GROUP + (INO + 1) % BUCKET_GROUP  # another bucket of INO's group
     store.write(INO, 1, 0, memoryview(b"x"), crc32c.crc32c(b"x"), CS)  # the directory exists already
     store.write(INO + BUCKETS, 0, 0, memoryview(b"x"), crc32c.crc32c(b"x"), CS)  # another inode, same bucket
+    store.write(neighbour, 0, 0, memoryview(b"x"), crc32c.crc32c(b"x"), CS)
     assert os.path.realpath(store.chunk_root) not in synced
     assert os.path.realpath(os.path.dirname(store.path(INO + BUCKETS, 0))) in synced
+    assert os.path.realpath(os.path.dirname(store.path(neighbour, 0))) in synced
+    synced.clear()
+    again = ChunkStore(str(tmp_path))
+    again.write(neighbour, 1, 0, memoryview(b"x"), crc32c.crc32c(b"x"), CS)
+    assert os.path.realpath(store.chunk_root) in synced
