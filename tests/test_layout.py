@@ -8,7 +8,7 @@ body of ``if __name__ == "__main__":`` (the module runs as a script there).
 
 The package order it pins, beneath the one import name ``stripefs``::
 
-    wire < rpc < {metadata, storage, fsclient} < staging < bench < stripefs (the CLI)
+    wire < rpc < {metadata, storage, fsclient} < {staging, kvcache} < bench < stripefs (the CLI)
 
 Each layer keeps its folder at the top of the repository and installs as
 ``stripefs.LAYER`` (pyproject's ``package-dir``); the wheel's only top-level name is
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-RANK = {"wire": 0, "rpc": 1, "metadata": 2, "storage": 2, "fsclient": 2, "staging": 3, "bench": 4, "stripefs": 5}
+RANK = {"wire": 0, "rpc": 1, "metadata": 2, "storage": 2, "fsclient": 2, "staging": 3, "kvcache": 3, "bench": 4, "stripefs": 5}
 LAYERS = [pkg for pkg in RANK if pkg != "stripefs"]  # folders that install as stripefs.<folder>
 
 
