@@ -32,7 +32,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _save(cluster, url: str, sdirs: list[str], tmp_path, env_of=lambda rank: {}) -> list[dict]:
+def _save(cluster, url: str, sdirs: list[str], tmp_path, env_of=lambda rank: {}, mode: str = "dcp") -> list[dict]:
     """Run one save on ``len(sdirs)`` ranks; each rank's result (``{}`` for a killed rank)."""
     port, world = _free_port(), len(sdirs)
     procs, outs = [], []
@@ -41,7 +41,7 @@ def _save(cluster, url: str, sdirs: list[str], tmp_path, env_of=lambda rank: {})
         outs.append(out)
         procs.append(subprocess.Popen(
             [sys.executable, os.path.join(HERE, "_dcp_rank.py"), str(rank), str(world), str(port), url, sdir,
-             cluster.file, out], env={**os.environ, **env_of(rank)}, stdout=subprocess.DEVNULL,
+             cluster.file, out, mode], env={**os.environ, **env_of(rank)}, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE))
     for p in procs:
         p.wait(timeout=120)
@@ -53,6 +53,23 @@ def _load(cluster, url: str, world: int, tmp_path) -> dict:
     dcp.load(want, storage_reader=staging.StagedStorageReader(url, staging_dir=str(tmp_path / "load"),
                                                               cluster=cluster.file))
     return want
+
+
+def test_per_rank_saves_agree_on_one_checkpoint_through_torch_distributed(cluster, client, testdir, tmp_path):
+    """``staging.save(..., rank=r, world_size=n)`` without a ``save_id``: the ranks agree on
+    one by a broadcast from rank 0 over the initialized process group, and the step commits
+    once with every rank's keys."""
+    url = f"stripefs:/{testdir}/step-000200"
+    results = _save(cluster, url, [str(tmp_path / f"s{r}") for r in range(2)], tmp_path, mode="save")
+    assert results == [{"ok": True}] * 2
+    man = staging.read_manifest(url, cluster=cluster.file)
+    assert len(man["ranks"]) == 2 and all(r["files"] for r in man["ranks"])  # one entry per rank, each with files
+    loaded = staging.load(url, cluster=cluster.file, prefer_local=False)
+    assert sorted(loaded) == sorted(k for rank in range(2) for k in state(rank))
+    for rank in range(2):
+        for k, v in state(rank).items():
+            assert torch.equal(loaded[k], v), k
+    assert client.listdir(testdir) == ["step-000200"], "a partial directory left behind"
 
 
 @pytest.mark.parametrize("world,shared", [(2, False), (2, True)])  # 4 ranks: the bench's sweep
