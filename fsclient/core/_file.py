@@ -103,6 +103,9 @@ class StripeFile(io.RawIOBase):
         # readahead state: (start, length, buffer, future|None); only for sequential access
         self._ra: list[list[Any]] = []
         self._seq_end = self._pos
+        # The attributes the metadata service answered this object's last length commit or
+        # truncate with, while nothing was written since (None otherwise): see :attr:`committed`.
+        self._committed: Attr | None = None
 
     # -- io plumbing --------------------------------------------------------------------
     def readable(self) -> bool:
@@ -131,6 +134,22 @@ class StripeFile(io.RawIOBase):
             raise StripefsError(ErrorCode.INVALID, "negative seek position", self.name)
         self._pos = pos
         return pos
+
+    @property
+    def settled(self) -> bool:
+        """Nothing buffered, in flight or uncommitted, and no failure to report: ``flush``
+        and ``fsync`` would send, wait for and commit nothing. For event-loop code (the FUSE
+        daemon), which then answers them without a worker thread. (``close`` may still wait
+        for a readahead fetch in flight.)"""
+        return (not self.closed and not self._wlen and not self._inflight and not self._dirty
+                and self._error is None)
+
+    @property
+    def committed(self) -> Attr | None:
+        """The inode's attributes as the metadata service answered this object's last length
+        commit (or truncate), when nothing was written through it since; else None. The
+        version of the file this object's writes made, without asking again."""
+        return self._committed
 
     def _check_open(self) -> None:
         if self.closed:
@@ -315,6 +334,7 @@ class StripeFile(io.RawIOBase):
             return 0
         self._ra.clear()
         self._dirty = True
+        self._committed = None
         if self._wlen and offset != self._wstart + self._wlen:
             self._submit_buffer()
             self._check_error()
@@ -396,6 +416,7 @@ class StripeFile(io.RawIOBase):
         self._check_error()
         self._ra.clear()
         self._dirty = True
+        self._committed = None
         self._fill_buffers(view, offset, block=False)
         return n
 
@@ -496,6 +517,7 @@ class StripeFile(io.RawIOBase):
                 self._truncations = attr.truncations
             self.size = attr.size
             self._dirty = False
+            self._committed = attr
 
     def truncate(self, size: int | None = None) -> int:
         self._check_open()
@@ -506,6 +528,7 @@ class StripeFile(io.RawIOBase):
         attr = self._client.call(m.SetAttr(ino=self.ino, size=size)).attr
         self.size = attr.size
         self._truncations = attr.truncations
+        self._committed = None if self._dirty else attr
         self._written_end = min(self._written_end, size)
         self._ra.clear()
         return size

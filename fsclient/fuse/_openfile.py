@@ -169,6 +169,20 @@ class OpenFile:
         may run on the trio loop (no worker-thread hop)."""
         return not (self.written or self.read_from or self.lock.locked())
 
+    @property
+    def settled(self) -> bool:
+        """Nothing was written through this state, or everything was and is on the storage
+        servers with its length committed, with no failure pending; and no thread is busy
+        with it: a flush or fsync has nothing to send, wait for or commit."""
+        return not self.lock.locked() and (not self.written or self.file.settled)
+
+    @property
+    def closes_at_once(self) -> bool:
+        """Closing sends, commits and waits for nothing (no readahead either), so it may run
+        on the trio loop (no worker-thread hop): `touch`, a stat-like open, or the last close
+        of a file whose writes an fsync already committed."""
+        return self.untouched or (self.settled and not self.read_from)
+
     def close(self) -> None:
         try:
             self.file.close()

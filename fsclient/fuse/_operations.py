@@ -670,6 +670,9 @@ class StripeOperations(pyfuse3.Operations):
             self.listings.clear()  # a truncated file may have other names, in other listings
         if reply.created:  # the parent is stamped with the new inode's time
             self.dir_attrs.touched(parent_inode, attr.ctime_ns)
+            # A new inode has no extended attributes: the security.capability the kernel
+            # asks for before the first write is known absent (as stale as any "absent").
+            self._absent_xattr(attr.ino, b"security.capability")
         await self._wait_closing(attr.ino)
         fi = await self._open_state(attr, flags & ~os.O_TRUNC, ctx.uid)
         return fi, self._looked_up(attr)
@@ -775,14 +778,14 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def flush(self, fh: int) -> None:
         state = self._state(fh)
-        if not (state.written or state.lock.locked()):
-            return  # nothing was ever written through this state: nothing to send or commit
+        if state.settled:
+            return  # nothing to send or commit (the close after an fsync): no thread hop
         await self._sync(state)
 
     @_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
         state = self._state(fh)
-        if not (state.written or state.lock.locked()):
+        if state.settled:
             return
         await self._sync(state)
 
@@ -805,7 +808,7 @@ class StripeOperations(pyfuse3.Operations):
         del self.files[ino]
         done = self.closing[ino] = trio.Event()
         try:
-            if state.untouched:  # `touch`, or an open for stat-like tools
+            if state.closes_at_once:  # `touch`, a stat-like open, the close after an fsync
                 state.close()
             else:
                 await self._locked(state, state.close)
@@ -814,7 +817,9 @@ class StripeOperations(pyfuse3.Operations):
                 self.cached.pop(ino, None)
             elif state.written:  # the version the kernel's pages are of now
                 self.listings.clear()  # closing committed the length
-                attr = await self._attr(ino)
+                # The service's answer to the last commit (or truncate), when nothing was
+                # written after it, is that version; else ask (one round trip).
+                attr = state.file.committed or await self._attr(ino)
                 self.cached[ino] = stamp_of(attr)
             # Never written here: the pages are of the version recorded at the last
             # open, and a change made elsewhere since must not be taken for theirs.
@@ -890,10 +895,14 @@ class StripeOperations(pyfuse3.Operations):
             return (await self.aio.call(m.GetXattr(ino=inode, name=name))).value
         except OSError as exc:
             if exc.errno == errno.ENODATA:
-                if len(self._no_xattr) > 100_000:  # bounded: forget everything rather than grow
-                    self._no_xattr.clear()
-                self._no_xattr[key] = trio.current_time() + self.config.attr_timeout
+                self._absent_xattr(inode, name)
             raise
+
+    def _absent_xattr(self, inode: int, name: bytes) -> None:
+        """Remember for ``attr_timeout`` that ``inode`` has no attribute ``name``."""
+        if len(self._no_xattr) > 100_000:  # bounded: forget everything rather than grow
+            self._no_xattr.clear()
+        self._no_xattr[(inode, name)] = trio.current_time() + self.config.attr_timeout
 
     @_errors
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
