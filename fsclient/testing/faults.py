@@ -117,6 +117,7 @@ class Schedule:
 
 
 SLOW_FILE = "fault-slow-fsync"  # STRIPEFS_SLOW_FSYNC_FILE for the cluster's processes
+REPORT = "report.txt"  # ROOT/report.txt: the whole report of a run (the printed one shows ten violations)
 NAME = -1  # the region index of a file's name register
 
 
@@ -133,11 +134,12 @@ class Outcome:
     def ok(self) -> bool:
         return self.verdict.ok and not self.replicas_differ and not self.crashed
 
-    def report(self) -> str:
+    def report(self, limit: int | None = 10) -> str:
+        """The verdict, the first ``limit`` violations and replica differences (None: all)."""
         lines = [f"seed {self.seed}: {'ok' if self.ok else 'FAILED'}: {self.verdict.summary()}",
                  f"  schedule: {self.schedule}"]
-        lines += [f"  violation: {x}" for x in self.verdict.violations[:10]]
-        lines += [f"  replicas differ: {x}" for x in self.replicas_differ[:10]]
+        lines += [f"  violation: {x}" for x in self.verdict.violations[:limit]]
+        lines += [f"  replicas differ: {x}" for x in self.replicas_differ[:limit]]
         lines += [f"  worker crashed: {x}" for x in self.crashed]
         return "\n".join(lines)
 
@@ -309,7 +311,13 @@ def _worker(spec: dict[str, Any]) -> None:
             else:
                 buf = bytearray(hi - lo)
                 try:
-                    c.read_into(attr.ino, attr.layout, attr.size, lo, memoryview(buf))
+                    # The file's full length, not ``attr.size``: that was read once at start,
+                    # maybe while writer 0 had the file cut short (between its truncate and the
+                    # extend), and every later read past it would return zeros without asking a
+                    # server -- stale reads that are the workload's, not the cluster's. The
+                    # files are never longer; while cut short, the chunks past the cut are
+                    # holes, which read as zeros all the same.
+                    c.read_into(attr.ino, attr.layout, SLOTS * SLOT, lo, memoryview(buf))
                 except OSError as exc:
                     err = f"{type(exc).__name__}: {exc}"
                 t1 = time.monotonic()
@@ -440,7 +448,10 @@ def run_schedule(seed: int, *, replicas: int = 2, servers: int | None = None, du
         with Client(os.path.join(h.root, SERVER_FILE)) as sc:  # ListChunks is for servers only
             differ = replica_mismatches(sc)
         verdict = check(init + load(logs), final, expect_no_errors=True)
-        return Outcome(seed, schedule.describe(), verdict, differ, root, crashed)
+        outcome = Outcome(seed, schedule.describe(), verdict, differ, root, crashed)
+        with open(os.path.join(root, REPORT), "w") as f:  # every violation, not the first ten
+            f.write(outcome.report(limit=None) + "\n")
+        return outcome
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -524,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     outcome = run_schedule(args.seed, replicas=args.replicas, duration=args.duration)
     print(outcome.report())
+    print(f"  logs: {outcome.root} (the whole report: {os.path.join(outcome.root, REPORT)})")
     return 0 if outcome.ok else 1
 
 
