@@ -1,8 +1,13 @@
-"""``python -m stripefs.metadata``: run the metadata service (``stripefs up`` starts it for you)."""
+"""``python -m stripefs.metadata``: run the metadata service (``stripefs up`` starts it for you).
+
+``stripefs serve metadata`` (``stripefs/_cli_serve.py``) runs the same service on a host of
+its own: it shares :func:`add_service_options` and :func:`run`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import gc
 import json
@@ -41,12 +46,9 @@ async def _main(args: argparse.Namespace, secret: str, cluster_id: str, raw: dic
         logging.info("metadata service listening on %s:%d", host, port)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m stripefs.metadata")
-    p.add_argument("--state", required=True, help="directory for the namespace database")
-    p.add_argument("--cluster", required=True, help="cluster.json or secret file holding the secret")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
+def add_service_options(p: argparse.ArgumentParser) -> None:
+    """The service's own options (layout, replication, durability, leases, metrics), shared
+    with ``stripefs serve metadata``."""
     p.add_argument("--chunk-size", type=int, default=4 << 20)
     p.add_argument("--stripe", type=int, default=16)
     p.add_argument("--gc-grace", type=float, default=30.0, help="seconds before chunks of removed files are reclaimed")
@@ -63,11 +65,15 @@ def main() -> None:
     p.add_argument("--metrics", default=os.environ.get(METRICS_ENV) or None, metavar="HOST:PORT",
                    help=f"serve Prometheus metrics there (PORT 0: any free port; PORT+: the first free from PORT); "
                         f"the bound address goes to STATE/metrics-RPCPORT.json (${METRICS_ENV}, else off)")
-    p.add_argument("--store", help="postgresql://... to keep the namespace in PostgreSQL (default: the cluster file's metadata_store_url, else SQLite in --state); prefer the cluster file: a URL here shows in ps")
-    args = p.parse_args()
+
+
+def run(args: argparse.Namespace, secret: str, cluster_id: str, raw: dict) -> int:
+    """Serve until stopped; a service that cannot start (a store it cannot use, a listen
+    address it cannot bind) logs one line saying why and returns 2.
+
+    ``args`` holds :func:`add_service_options`' options and ``state``, ``store``, ``host``, ``port``.
+    """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s metadata %(levelname)s %(message)s")
-    with open(args.cluster) as f:
-        raw = json.load(f)
     # Each request leaves a few container objects behind for a while (tasks, events, replies):
     # with the default threshold (700) the collector ran every few requests and scanned
     # everything the service holds, ~5% of its CPU. Collect young objects 50x less often, and
@@ -76,25 +82,51 @@ def main() -> None:
     gc.freeze()
     gc.set_threshold(35_000, 10, 10)
     try:
-        trio.run(_main, args, raw["secret"], raw.get("cluster_id", ""), raw)
-    except (StripefsError, BaseExceptionGroup) as exc:  # a store it cannot use: one clear line
-        error = _stripefs_error(exc)
-        if error is None:
+        trio.run(_main, args, secret, cluster_id, raw)
+    except (OSError, BaseExceptionGroup) as exc:
+        why = _cannot_start(exc, args.host, args.port)
+        if why is None:
             raise
-        logging.error("metadata service cannot start: %s", error.message)
-        sys.exit(2)
+        logging.error("metadata service cannot start: %s", why)
+        return 2
+    return 0
 
 
-def _stripefs_error(exc: BaseException) -> StripefsError | None:
-    """The StripefsError inside ``exc`` (trio wraps errors of a nursery in groups)."""
+# bind() errors that mean the listen address itself is wrong (in use, not ours, privileged).
+_LISTEN_ERRORS = {errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES}
+
+
+def _cannot_start(exc: BaseException, host: str, port: int) -> str | None:
+    """Why the service could not start, when ``exc`` (or an error grouped in it: trio wraps
+    the errors of a nursery) says: a StripefsError's message (a store it cannot use), or a
+    listen address it cannot bind. None for anything else (a bug: the traceback is shown).
+    The storage server's ``cannot_start`` is the same; each process imports only its own."""
     if isinstance(exc, StripefsError):
-        return exc
+        return exc.message
+    if isinstance(exc, OSError) and exc.errno in _LISTEN_ERRORS:
+        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
     if isinstance(exc, BaseExceptionGroup):
         for inner in exc.exceptions:
-            found = _stripefs_error(inner)
+            found = _cannot_start(inner, host, port)
             if found is not None:
                 return found
     return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m stripefs.metadata")
+    p.add_argument("--state", required=True, help="directory for the namespace database")
+    p.add_argument("--cluster", required=True, help="cluster.json or secret file holding the secret")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--store", help="postgresql://... to keep the namespace in PostgreSQL (default: the cluster file's metadata_store_url, else SQLite in --state); prefer the cluster file: a URL here shows in ps")
+    add_service_options(p)
+    args = p.parse_args(argv)
+    with open(args.cluster) as f:
+        raw = json.load(f)
+    status = run(args, raw["secret"], raw.get("cluster_id", ""), raw)
+    if status:
+        sys.exit(status)
 
 
 if __name__ == "__main__":

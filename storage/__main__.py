@@ -1,17 +1,24 @@
-"""``python -m stripefs.storage``: run one storage server (``stripefs up`` starts them for you)."""
+"""``python -m stripefs.storage``: run one storage server (``stripefs up`` starts them for you).
+
+``stripefs serve storage`` (``stripefs/_cli_serve.py``) runs the same server from a join
+token: it shares :func:`add_service_options` and :func:`run`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import json
 import logging
 import os
+import sys
 
 import trio
 
 from stripefs.rpc import BUSY_AFTER, MAX_CLIENT_CONNECTIONS, PAYLOAD_BUDGET
 from stripefs.rpc._metrics import METRICS_ENV, METRICS_FILE, serve_metrics
+from stripefs.wire import StripefsError
 
 from ._metalink import parse_addresses
 from ._server import serve_storage
@@ -27,6 +34,7 @@ async def _main(args: argparse.Namespace, secret: str, cluster_id: str) -> None:
             serve_storage, args.root, secret=secret, metadata=parse_addresses(args.metadata), host=args.host, port=args.port,
             cluster_id=cluster_id, payload_budget=args.payload_budget, busy_after=args.busy_after,
             max_client_connections=args.max_client_connections, data_sync=args.data_sync == "full",
+            advertise=getattr(args, "advertise", None),
         ))
         if args.ready:
             tmp = args.ready + ".tmp"
@@ -63,13 +71,8 @@ def _seconds(text: str) -> float:
     return value
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m stripefs.storage")
-    p.add_argument("--root", required=True, help="target directory holding the chunks")
-    p.add_argument("--metadata", required=True, help="host:port of the metadata service (several: comma-separated)")
-    p.add_argument("--cluster", required=True, help="cluster.json or secret file holding the secret")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
+def add_service_options(p: argparse.ArgumentParser) -> None:
+    """The server's own options (load bounds, durability, metrics), shared with ``stripefs serve storage``."""
     p.add_argument("--ready", help="file to write host:port into once serving")
     env = os.environ  # a string default goes through ``type`` too: a bad value is a usage error
     p.add_argument("--payload-budget", type=_positive_int, default=env.get(BUDGET_ENV) or PAYLOAD_BUDGET,
@@ -87,11 +90,61 @@ def main() -> None:
     p.add_argument("--data-sync", choices=["full", "none"], default="full",
                    help="full: a chunk write is acknowledged once synced to disk (survives power loss); "
                         "none: once in the page cache (survives a kill -9, not a power loss)")
-    args = p.parse_args()
+
+
+def run(args: argparse.Namespace, secret: str, cluster_id: str) -> int:
+    """Serve until stopped; a server that cannot start as configured (a port in use, a root of
+    another cluster) logs one line saying why and returns 2, as the metadata service does.
+
+    ``args`` holds :func:`add_service_options`' options and ``root``, ``metadata``
+    (``host:port[,...]``), ``host``, ``port`` and optionally ``advertise`` (host, port).
+    ``secret`` is the cluster secret or role keys (``wire._auth.role_keys``).
+    """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s storage %(levelname)s %(message)s")
+    try:
+        trio.run(_main, args, secret, cluster_id)
+    except (OSError, BaseExceptionGroup) as exc:  # a port in use, a root of another cluster: one clear line
+        why = cannot_start(exc, args.host, args.port)
+        if why is None:
+            raise
+        logging.error("storage server cannot start: %s", why)
+        return 2
+    return 0
+
+
+# bind() errors that mean the listen address itself is wrong (in use, not ours, privileged).
+_LISTEN_ERRORS = {errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES}
+
+
+def cannot_start(exc: BaseException, host: str, port: int) -> str | None:
+    """Why a server could not start, when ``exc`` (or an error grouped in it) says: a
+    StripefsError's message, or a listen address it cannot bind. None for anything else."""
+    if isinstance(exc, StripefsError):
+        return exc.message
+    if isinstance(exc, OSError) and exc.errno in _LISTEN_ERRORS:
+        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = cannot_start(inner, host, port)
+            if found is not None:
+                return found
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m stripefs.storage")
+    p.add_argument("--root", required=True, help="target directory holding the chunks")
+    p.add_argument("--metadata", required=True, help="host:port of the metadata service (several: comma-separated)")
+    p.add_argument("--cluster", required=True, help="cluster.json or secret file holding the secret")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    add_service_options(p)
+    args = p.parse_args(argv)
     with open(args.cluster) as f:
         raw = json.load(f)
-    trio.run(_main, args, raw["secret"], raw.get("cluster_id", ""))
+    status = run(args, raw["secret"], raw.get("cluster_id", ""))
+    if status:
+        sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ per storage root and sent with every membership message, which binds the server
 id to this data directory. A registration is ``pending`` until the metadata
 service has connected back to the announced address (the server polls quickly
 meanwhile); the server reports itself started only once admitted. Replication (forwarding along chains, resync, scrub)
-lives in ``_replication.py``.
+lives in ``_replication.py``. The root also records, on first use, the id of the cluster it
+belongs to (``cluster_id``): a server started on it for another cluster is refused before it
+listens, so one cluster never registers chunks another one wrote.
 """
 
 from __future__ import annotations
@@ -265,6 +267,25 @@ def _identity_token(ident: dict[str, Any]) -> bool:
     return True
 
 
+def claim_root(root: str, cluster_id: str) -> None:
+    """Record ``cluster_id`` in ``root``'s target.json on first use; refuse a root of another cluster.
+
+    Raises:
+        StripefsError: PERMISSION when the root belongs to another cluster.
+    """
+    if not cluster_id:  # a cluster without an id (tests, very old files) claims nothing
+        return
+    ident = _load_identity(root)
+    owner = ident.get("cluster_id")
+    if owner == cluster_id:
+        return
+    if owner:
+        raise StripefsError(ErrorCode.PERMISSION, f"storage root {root} belongs to cluster {owner}, not to "
+                                                  f"cluster {cluster_id} (use an empty directory)")
+    ident["cluster_id"] = cluster_id
+    _save_identity(root, ident)
+
+
 async def _register_and_heartbeat(service: StorageService, meta: MetadataLink, host: str, port: int, root: str,
                                   admitted: trio.Event, nursery: trio.Nursery) -> None:
     ident = await trio.to_thread.run_sync(_load_identity, root)
@@ -336,6 +357,7 @@ async def serve_storage(
     busy_after: float = BUSY_AFTER,
     max_client_connections: int = MAX_CLIENT_CONNECTIONS,
     data_sync: bool = True,
+    advertise: tuple[str, int] | None = None,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the target in ``root`` until cancelled.
@@ -352,8 +374,15 @@ async def serve_storage(
             with BUSY at the handshake).
         data_sync: sync chunk writes before acknowledging them (``--data-sync full``);
             False acknowledges them from the page cache (``none``).
+        advertise: the address registered with the metadata service, which clients and
+            peers connect to (``host`` may be 0.0.0.0); port 0 stands for the bound port.
+            By default the bound address itself.
+
+    Raises:
+        StripefsError: PERMISSION when ``root`` belongs to another cluster (:func:`claim_root`).
     """
     os.makedirs(root, exist_ok=True)
+    await trio.to_thread.run_sync(claim_root, root, cluster_id)
     store = await trio.to_thread.run_sync(ChunkStore, root, data_sync)
     credential = role_credential(secret, "server")  # every call this server makes is as a server
     addresses = [metadata] if isinstance(metadata, tuple) else list(metadata)  # type: ignore[list-item]
@@ -365,6 +394,8 @@ async def serve_storage(
                                                          payload_budget=payload_budget, busy_after=busy_after,
                                                          max_client_connections=max_client_connections))
         admitted = trio.Event()
-        nursery.start_soon(_register_and_heartbeat, service, meta_conn, address[0], address[1], store.root, admitted, nursery)
+        shown_host, shown_port = advertise or address  # what the metadata service and clients connect to
+        nursery.start_soon(_register_and_heartbeat, service, meta_conn, shown_host, shown_port or address[1], store.root,
+                           admitted, nursery)
         await admitted.wait()
         task_status.started(address)

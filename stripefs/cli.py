@@ -28,7 +28,7 @@ from stripefs.wire import ErrorCode, StripefsError
 
 from stripefs.fsclient import Client, testing
 
-from . import _cli_ckpt, _cli_profile, _cli_top, _upload
+from . import _cli_ckpt, _cli_profile, _cli_serve, _cli_top, _upload
 from ._units import human as _human, ls_size
 
 # name -> "module:function" taking (argv) and returning an exit status; loaded lazily so
@@ -38,6 +38,7 @@ EXTRA_COMMANDS: dict[str, tuple[str, str]] = {
     "umount": ("stripefs.fsclient.fuse", "Unmount a stripefs FUSE mount"),
     "mover": ("stripefs.staging.mover_cli", "Run the checkpoint mover for a staging directory"),
     "bench": ("stripefs.bench.cli", "Run the throughput benchmark"),
+    "serve": ("stripefs._cli_serve", "Run one role of a cluster on this host: serve metadata|storage (docs/deploy.md)"),
 }
 
 
@@ -610,6 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
     _cli_ckpt.add_parsers(sub, CLUSTER_HELP)
     _cli_top.add_parsers(sub, CLUSTER_HELP)
     _cli_profile.add_parsers(sub)
+    _cli_serve.add_parsers(sub)
     for name, (_mod, help) in EXTRA_COMMANDS.items():
         sub.add_parser(name, help=help, add_help=False)
     return p

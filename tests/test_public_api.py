@@ -53,5 +53,5 @@ def test_console_script_commands() -> None:
 
     commands = set(build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
     assert {"up", "down", "status", "add-server", "scrub", "ls", "stat", "cat", "put", "get", "cp", "mv", "rm", "mkdir",
-            "mount", "umount", "mover", "bench"} <= commands
-    assert set(EXTRA_COMMANDS) == {"mount", "umount", "mover", "bench"}
+            "mount", "umount", "mover", "bench", "serve", "token", "client-config"} <= commands
+    assert set(EXTRA_COMMANDS) == {"mount", "umount", "mover", "bench", "serve"}
