@@ -31,7 +31,8 @@ of the store's own would have to solve again what the metadata service already s
 commit per page put (group-committed, many in flight), fine for pages of 64 KiB and up.
 """
 
+from ._namespace import NamespaceInfo, namespaces
 from ._stats import StoreStats
 from ._store import PageStore
 
-__all__ = ["PageStore", "StoreStats"]
+__all__ = ["NamespaceInfo", "PageStore", "StoreStats", "namespaces"]

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from stripefs.fsclient import Client
 from stripefs.wire import MAX_CHUNK, MIN_CHUNK, ErrorCode, StripefsError, validate_name
 
-__all__ = ["Namespace", "open_namespace", "PAGE_SIZE_XATTR"]
+__all__ = ["Namespace", "NamespaceInfo", "namespaces", "open_namespace", "PAGE_SIZE_XATTR", "ROOT"]
 
 PAGE_SIZE_XATTR = "user.kvcache.page_size"
+ROOT = "/.kvcache"  # where namespaces live unless a store is given another root
 DEFAULT_CHUNK_MAX = 4 << 20  # the largest chunk size the store picks for its segments
 
 
@@ -89,3 +90,46 @@ def open_namespace(client: Client, root: str, name: str, page_size: int) -> Name
             client.set_layout(path, chunk_size=segment_chunk_size(page_size))
         inos.append(attr.ino)
     return Namespace(top, *inos)
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceInfo:
+    """What ``stripefs status`` shows of a namespace: its page size and live occupancy."""
+
+    name: str
+    page_size: int
+    segments: int
+    pages: int
+    retired: int  # evicted segments waiting for their grace before they are freed
+
+    @property
+    def occupancy_bytes(self) -> int:
+        return self.pages * self.page_size
+
+
+def namespaces(client: Client, root: str = ROOT) -> list[NamespaceInfo]:
+    """Every namespace under ``root`` (none when it does not exist), read-only: one
+    listing of ``root`` and of each namespace's ``seg/`` and ``retired/``."""
+    from ._format import BadRecord, segment_pages
+
+    try:
+        names = sorted(client.listdir(root))
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        top = posixpath.join(root, name)
+        try:
+            page_size = int(client.getxattr(top, PAGE_SIZE_XATTR))
+            segs = [e.name for e in client.scandir(f"{top}/seg", attrs=False)]
+            retired = len(client.listdir(f"{top}/retired"))
+        except (OSError, ValueError):
+            continue  # not a namespace (or one being made): left out
+        pages = 0
+        for seg in segs:
+            try:
+                pages += segment_pages(seg)
+            except BadRecord:
+                continue
+        out.append(NamespaceInfo(name, page_size, len(segs), pages, retired))
+    return out

@@ -36,7 +36,7 @@ from ._evict import Evictor
 from ._format import (ENTRY, BadRecord, Entry, Location, decode_entry, encode_entry, encode_target, key_name,
                       new_segment_name, new_writer_id, parse_target, segment_pages, segment_size, table_offset)
 from ._meta import call_all
-from ._namespace import open_namespace
+from ._namespace import ROOT, open_namespace
 from ._stats import Counters, StoreStats
 
 __all__ = ["PageStore"]
@@ -85,7 +85,7 @@ class PageStore:
     """
 
     def __init__(self, client_or_cluster: Any, namespace: str, page_size: int, capacity_bytes: int,
-                 ttl: float | None = None, *, root: str = "/.kvcache", grace: float = 60.0, read_timeout: float = 10.0,
+                 ttl: float | None = None, *, root: str = ROOT, grace: float = 60.0, read_timeout: float = 10.0,
                  touch_interval: float = 1.0, segment_bytes: int | None = None):
         if page_size < 1 or capacity_bytes < page_size:
             raise StripefsError(ErrorCode.INVALID, "page_size must be >= 1 and capacity_bytes >= page_size")

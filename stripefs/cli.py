@@ -286,13 +286,18 @@ def _service_roles(services: tuple[tuple[str, int], ...], secret: str) -> list[t
 
 
 def cmd_status(a: argparse.Namespace) -> int:
+    from stripefs.kvcache import namespaces
+
     with Client(a.cluster) as c:
         st = c.status()
         address = "%s:%d" % c.config.metadata
         services, secret = c.config.addresses, c.config.secret
+        kv = namespaces(c)
     if a.json:
         out = st.to_header()  # the wire form: plain maps, as the service sent them
         out["metadata"] = {**out["metadata"], "address": address}
+        out["kvcache"] = [{"namespace": n.name, "page_size": n.page_size, "segments": n.segments, "pages": n.pages,
+                           "occupancy_bytes": n.occupancy_bytes, "retired_segments": n.retired} for n in kv]
         json.dump(out, sys.stdout, indent=2)
         print()
         return 0
@@ -317,6 +322,9 @@ def cmd_status(a: argparse.Namespace) -> int:
         return "[" + ",".join(f"{t}{'' if s == 'serving' else '(' + s + ')'}" for t, s in zip(c["targets"], c["states"])) + "]"
 
     print(f"chains (replicas {st.replicas}): " + "  ".join(f"{c['chain_id']}:{chain(c)}" for c in st.chains))
+    for n in kv:  # KV-cache namespaces (docs/kvcache.md)
+        print(f"kvcache {n.name}  pages of {_human(n.page_size)}  {n.pages} pages in {n.segments} segments "
+              f"({_human(n.occupancy_bytes)})  {n.retired} retired")
     return 0
 
 

@@ -12,7 +12,7 @@ from stripefs.kvcache._policy import SegmentInfo, choose_victims
 
 
 def test_exports() -> None:
-    assert set(stripefs.kvcache.__all__) == {"PageStore", "StoreStats"}
+    assert set(stripefs.kvcache.__all__) == {"NamespaceInfo", "PageStore", "StoreStats", "namespaces"}
 
 
 def test_entry_round_trip_and_exact_head() -> None:

@@ -193,3 +193,23 @@ def test_readers_beside_eviction_never_see_bad_bytes(cluster: object, ns: str) -
     reader.close()
     assert hits > 0 and ws.evictions > 0 and ws.reclaimed_segments > 0
     assert (rs.checksum_failures, rs.read_errors) == (0, 0)
+
+
+def test_status_shows_each_namespace(client: Client, cluster, ns: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    """``stripefs status`` (and ``--json``) lists the namespace: page size, pages, segments."""
+    import json
+
+    from stripefs import cli
+    from stripefs.kvcache import namespaces
+
+    with PageStore(client, ns, PS, 64 * PS) as store:
+        put(store, keys_of("s", 5))
+        put(store, keys_of("t", 3))
+    info = {n.name: n for n in namespaces(client)}[ns]
+    assert (info.page_size, info.pages, info.segments, info.occupancy_bytes) == (PS, 8, 2, 8 * PS)
+    assert cli.main(["status", "--cluster", cluster.file]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith(f"kvcache {ns} ")]
+    assert line and "8 pages in 2 segments" in line[0]
+    assert cli.main(["status", "--cluster", cluster.file, "--json"]) == 0
+    got = {n["namespace"]: n for n in json.loads(capsys.readouterr().out)["kvcache"]}
+    assert got[ns]["pages"] == 8 and got[ns]["occupancy_bytes"] == 8 * PS
