@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import mmap
+from typing import Any
 
 import trio
 
@@ -49,6 +50,11 @@ class OpenFile:
         # gone at the first write, truncate or refresh.
         self.whole: memoryview | None = None
         self.whole_buf: mmap.mmap | None = None  # the buffer ``whole`` views (the mount's pool lends it)
+        # A small file's whole read, sent at a read-only OPEN (``_operations._read_ahead``) into
+        # ``whole_buf`` and taken by the first READ: (future, finish, the StripeFile it was
+        # sent for, the view it lands in). Taken only if this state is still of that file
+        # and nothing was written through it meanwhile.
+        self.ahead: tuple[Any, Any, StripeFile, memoryview] | None = None
 
     def length(self) -> int:
         """This mount's view of the length (buffered writes included)."""

@@ -70,9 +70,11 @@ import pyfuse3
 import trio
 
 from stripefs.rpc._metrics import Lazy
-from stripefs.wire import Attr, messages as m
+from stripefs.wire import Attr, StripefsError, messages as m
 
 from ..core import AsyncClient, Client
+from ..core._acall import _result
+from ..core._core import REQUEST_TIMEOUT
 from ._dirattrs import DirAttrs
 from ._dirhandle import OFFSET_BITS, READDIR_PAGE, DirHandle
 from ._kernelleases import KernelLeases
@@ -92,7 +94,8 @@ __all__ = ["StripeOperations", "FuseConfig"]
 log = logging.getLogger(__name__)
 
 # A file up to this size is read whole at its first read, on the trio loop, and its later
-# reads are answered from memory: a dataset's small files cost one request each.
+# reads are answered from memory: a dataset's small files cost one request each. A read-only
+# OPEN that drops the kernel's pages sends that request already (``_read_ahead``).
 SMALL_FILE = 1 << 20
 
 BLKSIZE = 1 << 20  # st_blksize: stdio, Python io and cp size their buffers by it
@@ -656,7 +659,64 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         await self._wait_closing(inode)
-        return await self._open_state(await self._open_attr(inode, flags), flags, ctx.uid)
+        fi = await self._open_state(await self._open_attr(inode, flags), flags, ctx.uid)
+        state = self.files.get(inode)
+        if (state is not None and not (fi.keep_cache or fi.direct_io)
+                and flags & (os.O_ACCMODE | os.O_TRUNC) == os.O_RDONLY):
+            self._read_ahead(state)  # the kernel dropped the file's pages: its READ follows
+        return fi
+
+    def _read_ahead(self, state: OpenFile) -> None:
+        """Send a small file's whole read now, at its read-only OPEN, from the loop; the
+        first READ takes it (``_take_ahead``). The storage server answers while the reader
+        gets its descriptor back and asks to read, and the answer lands with nobody
+        waiting: no wake-up of the loop, and the READ is answered without awaiting.
+
+        Only a state opened just now (one handle) that nothing was read from or written
+        through, of at most ``SMALL_FILE`` bytes in one chunk on an open connection."""
+        if (state.handles != 1 or state.whole is not None or state.ahead is not None or state.written
+                or state.read_from or state.dirty or state.lock.locked()):
+            return
+        f = state.file
+        length = state.length()
+        if not 0 < length <= SMALL_FILE:
+            return
+        buf = self._wbufs.pop() if self._wbufs else mmap.mmap(-1, SMALL_FILE)
+        dest = memoryview(buf)[:length]
+        started = self.client._core.start_read(f.ino, f.layout, length, 0, dest)
+        if started is None:  # more than one request (several chunks, a connection to open)
+            if len(self._wbufs) < 64:
+                self._wbufs.append(buf)
+            return
+        state.whole_buf = buf  # a fresh state has none yet
+        state.ahead = (started[0], started[1], f, dest)
+
+    async def _take_ahead(self, state: OpenFile) -> memoryview | None:
+        """The whole file from the read sent at OPEN (``state.whole`` once taken), or None
+        when it cannot serve: it failed, or the state was written or started over meanwhile."""
+        ahead = state.ahead
+        assert ahead is not None
+        fut, finish, f, dest = ahead
+        try:
+            if not fut.done():  # else: answered already, nothing to wait for
+                await _result(fut, REQUEST_TIMEOUT)
+            n = finish(fut.result())
+        except BaseException as exc:
+            # Failed (or cancelled while in flight): a failed request's answer may still be
+            # landing, so its buffer is left to it; the plain path reads the file again
+            # into another, with the client's retries, and reports what stays wrong.
+            if state.ahead is ahead:
+                state.ahead = state.whole_buf = None
+            if isinstance(exc, (StripefsError, OSError)):
+                return None
+            raise
+        if state.ahead is not ahead:  # another READ took it meanwhile
+            return state.whole if state.file is f else None
+        state.ahead = None
+        if state.dirty or state.written or state.file is not f:
+            return None
+        state.whole = dest[:n]
+        return state.whole
 
     @_errors
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
@@ -697,6 +757,10 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def read(self, fh: int, off: int, size: int) -> memoryview:
         state = self._state(fh)
+        if state.ahead is not None:  # the whole file, asked for at OPEN
+            whole = await self._take_ahead(state)
+            if whole is not None:
+                return whole[off : off + size]
         if not state.dirty and not state.lock.locked():
             if state.whole is not None:  # a small file read whole at its first read
                 return state.whole[off : off + size]
@@ -827,6 +891,11 @@ class StripeOperations(pyfuse3.Operations):
             log.exception("release of inode %d", ino)
             self.cached.pop(ino, None)
         finally:
+            ahead, state.ahead = state.ahead, None
+            if ahead is not None and not (ahead[0].done() and ahead[0].exception() is None):
+                # A read sent at OPEN that no READ took, in flight or failed: its answer may
+                # land in the buffer yet, so the buffer is left to it (never lent again).
+                state.whole_buf = None
             if state.whole_buf is not None:  # its reads are over: the buffer goes back to the pool
                 if len(self._wbufs) < 64:
                     self._wbufs.append(state.whole_buf)
