@@ -16,6 +16,7 @@ Every one of them drives the sans-IO state machines of ``wire`` (``ClientConnect
 
 from ._background import BULK, BackgroundPool, int_setting, lower_this_thread
 from ._buffers import BufferPool, aligned
+from ._pid import my_pid
 from ._client import Connection, Reply, abandon, unavailable
 from ._pool import ConnectionPool, TrioPool
 from ._replies import ThreadReply
@@ -26,6 +27,6 @@ from ._server import (
 from ._trio_client import TrioConnection
 
 __all__ = [
-    "BULK", "BackgroundPool", "int_setting", "lower_this_thread", "BufferPool", "aligned", "Connection", "Reply", "abandon", "unavailable", "ConnectionPool", "TrioPool",
+    "BULK", "BackgroundPool", "int_setting", "lower_this_thread", "BufferPool", "aligned", "my_pid", "Connection", "Reply", "abandon", "unavailable", "ConnectionPool", "TrioPool",
     "ThreadReply", "BUSY_AFTER", "MAX_CLIENT_CONNECTIONS", "PAYLOAD_BUDGET", "ByteBudget", "ClientSlots", "ReplayCache", "ServerConn", "Service", "serve_rpc", "tune_socket", "TrioConnection",
 ]

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from ._pid import my_pid
+
 __all__ = ["BULK", "NICE", "BackgroundPool", "bulk_nice", "int_setting", "lower_this_thread"]
 
 log = logging.getLogger(__name__)
@@ -90,7 +92,7 @@ class BackgroundPool:
         return self.nice > 0
 
     def _executor(self) -> ThreadPoolExecutor:
-        pid = os.getpid()
+        pid = my_pid()
         with self._lock:
             if self._pool is None or self._pid != pid:  # a forked child has no threads of the parent's pool
                 self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix=self.name, initializer=self._start)
@@ -119,5 +121,5 @@ class BackgroundPool:
     def shutdown(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
-        if pool is not None and self._pid == os.getpid():
+        if pool is not None and self._pid == my_pid():
             pool.shutdown(wait=False)

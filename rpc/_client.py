@@ -48,6 +48,7 @@ from stripefs.wire import (
     StripefsError,
 )
 
+from ._pid import my_pid
 from ._server import MIN_READ, SOCK_BUF
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ class Connection:
         role: str = "client",
     ):
         self.address = address
-        self.pid = os.getpid()
+        self.pid = my_pid()
         self._machine = ClientConnection(secret, client_id, expect_role, role=role, ids=ids)
         self._pending: dict[int, _Pending] = {}
         self._plock = threading.Lock()
@@ -278,7 +279,7 @@ class Connection:
             with self._plock:
                 if self.broken:  # checked under the lock: _fail_all may have just emptied the table
                     raise unavailable(self.address, "connection is broken")
-                if self.pid != os.getpid():  # a forked child must not touch its parent's stream
+                if self.pid != my_pid():  # a forked child must not touch its parent's stream
                     raise unavailable(self.address, "the connection belongs to the parent process")
                 if req_id is not None and req_id in self._cancelled:
                     retry_too_soon = True

@@ -35,6 +35,7 @@ from typing import Any, AsyncIterator, Generic, Hashable, Iterator, TypeVar
 from stripefs import wire
 
 from ._client import Connection
+from ._pid import my_pid
 from ._trio_client import CALL_TIMEOUT, TrioConnection
 
 __all__ = ["ConnectionPool", "TrioPool"]
@@ -63,7 +64,7 @@ class _KeyedCache(Generic[C]):
     """
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
+        self.pid = my_pid()
         self._lock = threading.Lock()
         self._entries: dict[Hashable, tuple[Address, tuple[C, ...]]] = {}
         self._creating: dict[Hashable, threading.Lock] = {}
@@ -72,13 +73,13 @@ class _KeyedCache(Generic[C]):
 
     def forget(self) -> None:
         """In a forked child: drop every connection without touching its socket."""
-        self.pid = os.getpid()
+        self.pid = my_pid()
         self._lock = threading.Lock()  # a parent thread may have held the old ones at fork time
         self._creating = {}
         self._entries = {}
 
     def _check_fork(self) -> None:
-        if os.getpid() != self.pid:
+        if my_pid() != self.pid:
             self.forget()
 
     def live(self, key: Hashable, address: Address) -> tuple[C, ...]:
@@ -133,7 +134,7 @@ class _KeyedCache(Generic[C]):
 
     def close(self) -> None:
         """Close every connection (in a forked child: forget them, the parent owns the sockets)."""
-        if os.getpid() != self.pid:
+        if my_pid() != self.pid:
             self.forget()
             return
         with self._lock:

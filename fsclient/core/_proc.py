@@ -4,24 +4,9 @@ from __future__ import annotations
 
 import os
 
+from stripefs.rpc import my_pid
+
 __all__ = ["pid_alive", "mounts", "my_pid"]
-
-_pid = os.getpid()
-
-
-def _forked() -> None:
-    global _pid
-    _pid = os.getpid()
-
-
-os.register_at_fork(after_in_child=_forked)
-
-
-def my_pid() -> int:
-    """This process's id without a system call (``os.getpid`` is one, and the client asks at
-    every request whether it was forked since its connections were made); a fork updates it."""
-    return _pid
-
 
 def pid_alive(pid: int) -> bool:
     """Is ``pid`` a live process? A zombie (dead, not yet reaped) counts as dead."""
