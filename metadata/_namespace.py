@@ -32,6 +32,8 @@ from stripefs.wire._errors import ErrorCode, StripefsError
 from stripefs.wire._types import (MAX_CHUNK, MAX_FILE_SIZE, MAX_PATH, MAX_STRIPE, MAX_XATTR_NAME, MAX_XATTR_TOTAL,
                          MAX_XATTR_VALUE, MIN_CHUNK, XATTR_NAMESPACES, Attr, DirEntry, Layout, validate_name)
 
+from stripefs.wire._build import positional_builder
+
 from ._store import DirRow, GarbageItem, Store, Txn
 
 __all__ = ["Namespace", "GarbageItem", "ROOT_INO", "RENAME_NOREPLACE", "RENAME_EXCHANGE", "XATTR_CREATE", "XATTR_REPLACE"]
@@ -57,6 +59,19 @@ XATTR_CREATE, XATTR_REPLACE = 1, 2  # setxattr(2) flags
 # (a rare failure), never reused: inode numbers are not.
 _LATE_CUT = "late_cut:"
 _NODE_TYPES = frozenset({stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR, stat.S_IFBLK, stat.S_IFREG})
+
+
+_new_attr = positional_builder(Attr)
+_ATTR_FIELDS = tuple(f.name for f in dataclasses.fields(Attr))
+_ATTR_NAMES = frozenset(_ATTR_FIELDS)
+
+
+def _with(attr: Attr, **changes: object) -> Attr:
+    """``dataclasses.replace(attr, **changes)``, the same value, without its per-field
+    ``__init__`` of a frozen dataclass (the copies every create and length commit makes)."""
+    if not changes.keys() <= _ATTR_NAMES:
+        raise TypeError(f"Attr has no field {sorted(changes.keys() - _ATTR_NAMES)}")
+    return _new_attr(*[changes[n] if n in changes else getattr(attr, n) for n in _ATTR_FIELDS])
 
 
 def _err(code: ErrorCode, message: str) -> StripefsError:
@@ -126,7 +141,7 @@ class Namespace:
         """A directory's entries changed: bump mtime/ctime (and nlink for subdirs).
         ``dir_attr``: the directory's attributes as this transaction read them, if it did."""
         d = dir_attr if dir_attr is not None else self._inode(txn, ino)
-        txn.put_inode(dataclasses.replace(d, nlink=d.nlink + nlink_delta, mtime_ns=now, ctime_ns=now))
+        txn.put_inode(_with(d, nlink=d.nlink + nlink_delta, mtime_ns=now, ctime_ns=now))
 
     def _queue(self, txn: Txn, kind: str, attr: Attr, length: int) -> None:
         if attr.layout is not None:  # symlinks and dirs hold no chunks
@@ -134,7 +149,7 @@ class Namespace:
 
     def _drop_link(self, txn: Txn, attr: Attr, now: int) -> Attr:
         """One name of a non-directory went away: nlink--, and at 0 the inode goes."""
-        attr = dataclasses.replace(attr, nlink=attr.nlink - 1, ctime_ns=now)
+        attr = _with(attr, nlink=attr.nlink - 1, ctime_ns=now)
         if attr.nlink > 0:
             txn.put_inode(attr)
         else:
@@ -221,7 +236,12 @@ class Namespace:
         validate_name(name)
         with self._store.transaction() as txn:
             self._dir(txn, parent)
-            attr = self._inode(txn, self._entry(txn, parent, name).ino)
+            found = txn.lookup_entry(parent, name)  # the entry and its inode, in one read where the store can
+            if found is None:
+                raise _err(ErrorCode.NOT_FOUND, f"no such file or directory: {name!r}")
+            entry, attr = found
+            if attr is None:
+                attr = self._inode(txn, entry.ino)  # its row is missing: the error ``_inode`` gives
         if keys is not None:
             keys.extend(((parent, name), attr.ino))
         return attr
@@ -255,21 +275,32 @@ class Namespace:
         # the inode the path ends at, and symlinks to follow, are read.
         ino, is_dir = ROOT_INO, True
         links = 0
+        # The last name's entry is read with its inode, in one statement where the store can
+        # (``Txn.lookup_entry``): ``cur`` is then the inode the walk ends at, read in this
+        # same transaction (None: read it at the end, as before).
+        cur: Attr | None = None
+        dirs = self._dirs
         while todo:
             comp = todo.pop()
             if not is_dir:
                 raise _err(ErrorCode.NOT_DIR, f"not a directory on the way to {comp!r}")
+            cur = None
             if comp == "..":
                 if keys is not None:
                     keys.append(ino)  # its parent is in its directory row (written with its inode key)
                 row = txn.get_dir(ino)
                 ino = row.parent if row else ROOT_INO
                 continue
-            validate_name(comp)
-            dirs = self._dirs
             entry = dirs.get((ino, comp)) if dirs is not None else None
-            if entry is None:
-                entry = self._entry(txn, ino, comp)
+            if entry is None:  # (a remembered name was checked when it was remembered)
+                validate_name(comp)
+                if todo:
+                    entry = self._entry(txn, ino, comp)
+                else:
+                    found = txn.lookup_entry(ino, comp)
+                    if found is None:
+                        raise _err(ErrorCode.NOT_FOUND, f"no such file or directory: {comp!r}")
+                    entry, cur = found
                 if dirs is not None and stat.S_ISDIR(entry.mode):
                     if len(dirs) >= DIRS_KEPT:
                         dirs.clear()
@@ -282,13 +313,15 @@ class Namespace:
                     raise _err(ErrorCode.LOOP, "too many levels of symbolic links")
                 if keys is not None:
                     keys.append(entry.ino)
-                target = self._inode(txn, entry.ino).target or ""
+                target = (cur if cur is not None else self._inode(txn, entry.ino)).target or ""
+                cur = None
                 todo.extend(c for c in reversed(target.split("/")) if c not in ("", "."))
                 if target.startswith("/"):
                     ino = ROOT_INO
                 continue  # a relative target resolves from the link's directory, `ino`
             ino, is_dir = entry.ino, stat.S_ISDIR(entry.mode)
-        cur = self._inode(txn, ino)
+        if cur is None:
+            cur = self._inode(txn, ino)
         if keys is not None:
             keys.append(ino)
         if must_be_dir and not cur.is_dir:
@@ -327,7 +360,8 @@ class Namespace:
     def _check_path(path: str) -> None:
         if "\x00" in path:
             raise _err(ErrorCode.INVALID, "path contains NUL")
-        if len(path.encode("utf-8", "surrogateescape")) > MAX_PATH:
+        # (A character is at most 4 bytes of UTF-8: most paths need no encoding to know.)
+        if len(path) * 4 > MAX_PATH and len(path.encode("utf-8", "surrogateescape")) > MAX_PATH:
             raise _err(ErrorCode.NAME_TOO_LONG, f"path longer than {MAX_PATH} bytes")
 
     def parent_of(self, path: str) -> tuple[int, str]:
@@ -933,8 +967,8 @@ class Namespace:
             if length <= old.size and mtime_ns is None:
                 return old
             now = time.time_ns()
-            new = dataclasses.replace(old, size=max(old.size, length), ctime_ns=now,
-                                      mtime_ns=mtime_ns if mtime_ns is not None else now)
+            new = _with(old, size=max(old.size, length), ctime_ns=now,
+                        mtime_ns=mtime_ns if mtime_ns is not None else now)
             txn.put_inode(new)
             return new
 

@@ -21,14 +21,15 @@ import fcntl
 import os
 import sqlite3
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, TypeVar
 
+from stripefs.wire._build import positional_builder
 from stripefs.wire._errors import ErrorCode, StripefsError
-from stripefs.wire._types import Attr, DirEntry
+from stripefs.wire._types import Attr, DirEntry, Layout
 
-from ._sqltxn import _SCHEMA, SCHEMA_VERSION, SqlTxn, check_schema_version
-from ._store import DirRow, Store, Txn
+from ._sqltxn import _SCHEMA, SCHEMA_VERSION, SqlTxn, _chains_tuple, check_schema_version
+from ._store import DirRow, Store, Txn, encode_name
 
 __all__ = ["RESERVE", "SYNC_MODES", "SqliteStore", "check_sync"]
 
@@ -58,7 +59,65 @@ def check_sync(mode: str) -> str:
     return mode
 
 
-class _SqliteTxn(SqlTxn):
+_new_attr = positional_builder(Attr)
+_new_dir_entry = positional_builder(DirEntry)
+_new_layout = positional_builder(Layout)
+
+# The point reads every path walk runs, as constants: SQLite's statement cache keeps each
+# prepared once per connection.
+_GET_INODE = f"SELECT {SqlTxn._INODE_COLS} FROM inodes WHERE ino = ?"
+_GET_DENTRY = "SELECT ino, mode FROM dentries WHERE parent = ? AND name = ?"
+# A directory entry and the inode it names, in one statement (``Txn.lookup_entry``).
+_LOOKUP_ENTRY = (f"SELECT d.ino, d.mode, {', '.join('i.' + c for c in SqlTxn._INODE_COLS.split(', '))} "
+                 "FROM dentries d LEFT JOIN inodes i ON i.ino = d.ino WHERE d.parent = ? AND d.name = ?")
+
+# Layouts decoded from their columns, by ``(chunk_size, chains text)``: a pure function of
+# the row's text (a Layout is immutable), so sharing one object between answers changes no
+# answer. Bounded: emptied when full.
+_LAYOUTS: dict[tuple[int, str], Layout] = {}
+_LAYOUTS_KEPT = 4096
+
+
+def _layout(chunk: int, chains: str | None) -> Layout:
+    key = (chunk, chains or "")
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        if len(_LAYOUTS) >= _LAYOUTS_KEPT:
+            _LAYOUTS.clear()
+        layout = _LAYOUTS[key] = _new_layout(chunk, _chains_tuple(chains))
+    return layout
+
+
+class _SqliteReads(SqlTxn):
+    """The reads of a path walk with less Python per statement: SQLite's ``?`` markers only
+    (no paramstyle rewrite), entries and layouts built without per-field checks, and
+    :meth:`lookup_entry` in one statement. The same rows, the same values."""
+
+    def _q(self, sql: str, params: tuple[Any, ...] = ()) -> Any:
+        return self._cur.execute(sql, params)
+
+    @staticmethod
+    def _attr(row: Any) -> Attr:
+        ino, _, mode, nlink, uid, gid, size, at, mt, ct, chunk, chains, target, rdev, truncations = row
+        layout = _layout(chunk, chains) if chunk is not None else None
+        return _new_attr(ino, mode, nlink, uid, gid, size, at, mt, ct, layout, target, rdev, truncations)
+
+    def get_inode(self, ino: int) -> Attr | None:
+        row = self._cur.execute(_GET_INODE, (ino,)).fetchone()
+        return None if row is None else self._attr(row)
+
+    def get_dentry(self, parent: int, name: str) -> DirEntry | None:
+        row = self._cur.execute(_GET_DENTRY, (parent, encode_name(name))).fetchone()
+        return None if row is None else _new_dir_entry(name, row[0], row[1], None)
+
+    def lookup_entry(self, parent: int, name: str) -> tuple[DirEntry, Attr | None] | None:
+        row = self._cur.execute(_LOOKUP_ENTRY, (parent, encode_name(name))).fetchone()
+        if row is None:
+            return None
+        return _new_dir_entry(name, row[0], row[1], None), None if row[2] is None else self._attr(row[2:])
+
+
+class _SqliteTxn(_SqliteReads):
     """:class:`SqlTxn` whose counters, under ``normal`` (or ``full`` with the log synced by
     its owner, see :meth:`SqliteStore.sync_log_by_owner`), stay below a durably recorded bound."""
 
@@ -226,6 +285,7 @@ class SqliteStore(Store):
         self._batching = False
         self._readers: list[_SqliteReader] = []
         self._bare: list[bool] | None = None  # commit_unsynced's transactions: False = needed a savepoint
+        self._unsaved_scope = _UnsavedScope(self)
         self._changes = 0  # total_changes when the open transaction began: a commit that wrote nothing needs no fsync
         # Counters kept in memory under a reserve (``_SqliteTxn.allocate``): next numbers, durable bounds.
         self.counters: dict[str, int] = {}
@@ -479,13 +539,18 @@ class SqliteStore(Store):
         finally:
             self._batching = False
 
+    def transaction(self) -> AbstractContextManager[Txn]:
+        if self._bare is not None and self._batching:  # commit_unsynced: its one transaction needs no savepoint
+            return self._unsaved_scope
+        return self._transaction()
+
     @contextmanager
-    def transaction(self) -> Iterator[Txn]:
+    def _transaction(self) -> Iterator[Txn]:
         if self._open:
             raise RuntimeError("transactions do not nest")
         if self._batching:
-            if self._bare is not None:  # commit_unsynced: its one transaction needs no savepoint
-                with self._unsaved() as txn:
+            if self._bare is not None:  # commit_unsynced (began while this waited to be entered)
+                with self._unsaved_scope as txn:
                     yield txn
                 return
             with self._savepoint() as txn:
@@ -502,25 +567,6 @@ class SqliteStore(Store):
             if self._conn.in_transaction:
                 self._conn.execute("ROLLBACK")
             raise
-        finally:
-            self._open = False
-
-    @contextmanager
-    def _unsaved(self) -> Iterator[Txn]:
-        """A transaction of :meth:`commit_unsynced`, with no savepoint of its own: one that
-        fails (or a second one) makes the whole batch roll back (``_bare``)."""
-        bare = self._bare
-        assert bare is not None
-        self._open = True
-        try:
-            if bare:
-                bare.append(False)  # a second transaction: it could need its savepoint
-            bare.append(True)
-            try:
-                yield _SqliteTxn(self._conn.cursor(), self)
-            except BaseException:
-                bare.append(False)
-                raise
         finally:
             self._open = False
 
@@ -548,27 +594,92 @@ class SqliteStore(Store):
             self._lock_fd = -1
 
 
+class _UnsavedScope:
+    """A transaction of :meth:`SqliteStore.commit_unsynced`, with no savepoint of its own: one
+    that fails (or a second one) makes the whole batch roll back (``_bare``). A plain context
+    manager, reused (no generator per mutation); its :class:`Txn` is reused too (transactions
+    do not nest, and only the loop commits this way)."""
+
+    __slots__ = ("_store", "_txn")
+
+    def __init__(self, store: SqliteStore) -> None:
+        self._store = store
+        self._txn: _SqliteTxn | None = None
+
+    def __enter__(self) -> Txn:
+        store = self._store
+        if store._open:
+            raise RuntimeError("transactions do not nest")
+        bare = store._bare
+        assert bare is not None
+        if bare:
+            bare.append(False)  # a second transaction: it could need its savepoint
+        bare.append(True)
+        store._open = True
+        txn = self._txn
+        if txn is None:
+            txn = self._txn = _SqliteTxn(store._conn.cursor(), store)
+        return txn
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        store = self._store
+        try:
+            if exc_type is not None:
+                bare = store._bare
+                assert bare is not None
+                bare.append(False)
+        finally:
+            store._open = False
+
+
 class _SqliteReader(Store):
     """A second, query-only connection to a WAL database: each transaction reads one
-    committed snapshot and never waits for the writer (WAL readers do not block)."""
+    committed snapshot and never waits for the writer (WAL readers do not block).
+
+    Used by one thread at a time (the caller's): :meth:`transaction` hands out the same
+    :class:`_ReadScope` every time (one cursor, one :class:`Txn`, no generator per read)."""
 
     def __init__(self, path: str, busy_timeout_s: float = 5.0) -> None:
         self._conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
         self._conn.execute("PRAGMA query_only=1")
+        self._scope = _ReadScope(self._conn)
+
+    def transaction(self) -> "_ReadScope":  # type: ignore[override]
+        return self._scope
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+class _ReadScope:
+    """One read transaction at a time on a reader's connection: ``with`` begins it (deferred:
+    the first read takes the snapshot) and rolls it back (nothing to keep: it only read)."""
+
+    __slots__ = ("_conn", "_cur", "_txn", "_open")
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+        self._cur = conn.cursor()
+        self._txn = _SqliteReads(self._cur)
         self._open = False
 
-    @contextmanager
-    def transaction(self) -> Iterator[Txn]:
+    def __enter__(self) -> Txn:
         if self._open:
             raise RuntimeError("transactions do not nest")
         self._open = True
         try:
-            self._conn.execute("BEGIN")  # deferred: the first read takes the snapshot
-            yield SqlTxn(self._conn.cursor())
-        finally:
-            if self._conn.in_transaction:
-                self._conn.execute("ROLLBACK")  # nothing to keep: it only read
-            self._open = False
+            self._cur.execute("BEGIN")
+        except BaseException:
+            self._end()
+            raise
+        return self._txn
 
-    def close(self) -> None:
-        self._conn.close()
+    def __exit__(self, *exc: object) -> None:
+        self._end()
+
+    def _end(self) -> None:
+        try:
+            if self._conn.in_transaction:
+                self._cur.execute("ROLLBACK")
+        finally:
+            self._open = False

@@ -122,6 +122,12 @@ class Txn(abc.ABC):
     @abc.abstractmethod
     def get_dentry(self, parent: int, name: str) -> DirEntry | None: ...
 
+    def lookup_entry(self, parent: int, name: str) -> tuple[DirEntry, Attr | None] | None:
+        """:meth:`get_dentry` with the inode the entry names (None if its row is missing),
+        or None when there is no such entry; a store may read both in one query."""
+        entry = self.get_dentry(parent, name)
+        return None if entry is None else (entry, self.get_inode(entry.ino))
+
     @abc.abstractmethod
     def put_dentry(self, parent: int, entry: DirEntry) -> None:
         """Insert or replace ``(parent, entry.name)``; ``entry.mode`` keeps type bits only."""
