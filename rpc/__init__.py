@@ -7,19 +7,18 @@
   :meth:`ServerConn.reply_in_thread` from the connection's own reply thread;
 * :class:`Connection` -- a blocking, pipelined client connection with in-place receives;
 * :class:`TrioConnection` -- a small trio client for server-to-server control calls;
-* :class:`ConnectionPool` / :class:`TrioPool` -- connections by server (moves, breakage, fork);
-* :class:`BackgroundPool` -- threads at background CPU priority for bulk transfers (:data:`BULK`).
+* :class:`ConnectionPool` / :class:`TrioPool` -- connections by server (moves, breakage, fork).
 
 Every one of them drives the sans-IO state machines of ``wire`` (``ClientConnection``,
 ``ServerConnection``); none speaks the protocol itself.
 """
 
-from ._background import BULK, BackgroundPool, int_setting, lower_this_thread
 from ._buffers import BufferPool, aligned
 from ._pid import my_pid
 from ._client import Connection, Reply, abandon, unavailable
 from ._pool import ConnectionPool, TrioPool
 from ._replies import ThreadReply
+from ._settings import int_setting
 from ._server import (
     BUSY_AFTER, MAX_CLIENT_CONNECTIONS, PAYLOAD_BUDGET, ByteBudget, ClientSlots, ReplayCache, ServerConn, Service,
     serve_rpc, tune_socket,
@@ -27,6 +26,6 @@ from ._server import (
 from ._trio_client import TrioConnection
 
 __all__ = [
-    "BULK", "BackgroundPool", "int_setting", "lower_this_thread", "BufferPool", "aligned", "my_pid", "Connection", "Reply", "abandon", "unavailable", "ConnectionPool", "TrioPool",
+    "int_setting", "BufferPool", "aligned", "my_pid", "Connection", "Reply", "abandon", "unavailable", "ConnectionPool", "TrioPool",
     "ThreadReply", "BUSY_AFTER", "MAX_CLIENT_CONNECTIONS", "PAYLOAD_BUDGET", "ByteBudget", "ClientSlots", "ReplayCache", "ServerConn", "Service", "serve_rpc", "tune_socket", "TrioConnection",
 ]

@@ -9,6 +9,7 @@ failed or still staged).
 from __future__ import annotations
 
 import argparse
+import os
 import logging
 import sys
 import threading
@@ -36,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", metavar="HOST:PORT",
                    help="serve Prometheus metrics (bytes uploaded, checkpoints by outcome, backlog, lag; "
                         "docs/observability.md)")
+    p.add_argument("--nice", type=int, default=10,
+                   help="steps of CPU priority below the shell's (default 10; 0: none): on busy cores "
+                        "a dataloader's reads beside the upload go first")
     p.add_argument("-q", "--quiet", action="store_true")
     return p
 
@@ -43,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     """Entry point; ``argv[0]`` is the subcommand name (``mover``)."""
     args = _parser().parse_args(argv[1:])
+    if args.nice > 0:
+        os.nice(min(args.nice, 19))  # the whole process: its readers, copies, CRCs and sends
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(message)s")
     opts = MoverOptions(concurrency=args.concurrency, retries=args.retries, cluster=args.cluster, piece=args.piece,
                         verify=not args.no_verify,

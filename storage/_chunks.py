@@ -67,7 +67,7 @@ from stripefs.wire import CRC_BLOCK, ErrorCode, MAX_CHUNK, StripefsError, segmen
 
 from . import _stats
 from ._crc import payload_crcs
-from ._qos import BULK_THREADS, BULK_WRITE, idle_io
+from ._qos import idle_io
 
 HEADER_SIZE = 8192
 BUCKETS = 4096  # chunk directories: an inode's chunks live in bucket ``ino % BUCKETS``
@@ -385,9 +385,6 @@ class ChunkStore:
               chain: int = 0, version: int | None = None) -> ChunkMeta:
         """Write ``data`` at ``offset`` of a chunk, durably. Returns the new meta.
 
-        A bulk write (``rpc.BULK`` bytes or more) runs on a thread at background CPU
-        priority (``_qos``).
-
         ``version``: the chunk version this write creates (replicas get it from the
         chain head); None means "the next one". A write whose version is already
         applied is acknowledged without writing (idempotent retry); a replica that
@@ -397,13 +394,6 @@ class ChunkStore:
             StripefsError: CHECKSUM if ``crc`` does not match the payload, INVALID
             for ranges beyond the chunk size, NO_SPACE when the disk is full.
         """
-        if len(data) >= BULK_WRITE:
-            return BULK_THREADS.call(self._write, ino, index, offset, data, crc, chunk_size, chain, version)
-        return self._write(ino, index, offset, data, crc, chunk_size, chain, version)
-
-    def _write(self, ino: int, index: int, offset: int, data: memoryview, crc: int, chunk_size: int,
-               chain: int = 0, version: int | None = None) -> ChunkMeta:
-        """:meth:`write` on the calling thread."""
         end = offset + len(data)
         if offset < 0 or chunk_size > MAX_CHUNK or end > chunk_size:
             raise StripefsError(ErrorCode.INVALID, f"write [{offset}, {end}) outside a chunk of {chunk_size}")

@@ -3,16 +3,13 @@
 A checkpoint burst is a stream of multi-megabyte chunk writes, each ending in an
 ``fdatasync``; a dataloader is a stream of small reads that each wait for one disk
 read. Left alone, the burst fills the disk's queue and the reads wait behind it
-(their p99 went up fifty-fold). Three rules keep the reads' latency:
+(their p99 went up fifty-fold). Two rules keep the reads' latency:
 
 * **bulk writes take few slots**: a write of at least :data:`BULK_WRITE` bytes runs in
   one of :data:`BULK_SLOTS` worker threads (a ``trio.CapacityLimiter``), so the disk
   queue holds at most that many bulk writes' bytes at once. Only the local disk write
   holds a slot, never a forward to the next replica (two servers forwarding to each
   other could otherwise wait for each other's slots);
-* **at background CPU priority**: the write itself (its CRC32C pass, the copy into the
-  page cache, the sync's writeback) runs on a thread of :data:`BULK_THREADS`, lowered to
-  ``nice`` 10 (``rpc._background``): on busy cores a small read's threads go first;
 * **at idle I/O priority**: the thread writing a bulk chunk (and syncing it: a sync's
   writeback is submitted by the syncing thread) runs in the kernel's ``idle`` I/O
   class for that write, so the block layer's scheduler (mq-deadline, bfq) dispatches
@@ -32,15 +29,12 @@ from typing import Iterator
 
 import trio
 
-from stripefs.rpc import BULK, BackgroundPool, int_setting
+from stripefs.rpc import int_setting
 
-__all__ = ["BULK_WRITE", "BULK_SLOTS", "BULK_THREADS", "bulk_limiter", "idle_io"]
+__all__ = ["BULK_WRITE", "BULK_SLOTS", "bulk_limiter", "idle_io"]
 
-BULK_WRITE = BULK  # bytes: a write at least this large is bulk
+BULK_WRITE = 1 << 20  # bytes: a write at least this large is bulk
 BULK_SLOTS = 2
-# The threads bulk chunk writes run on (callers hold a bulk slot first: more than the slots
-# only when a caller takes none, as a resync's or a test's direct call).
-BULK_THREADS = BackgroundPool(4, "stripefs-bulk")
 
 _IOPRIO_WHO_PROCESS = 1  # with who=0: the calling thread
 _IOPRIO_CLASS_SHIFT = 13

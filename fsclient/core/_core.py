@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import crc32c
 
-from stripefs.rpc import BULK, BackgroundPool, BufferPool, Connection, ConnectionPool, Reply, abandon, lower_this_thread
+from stripefs.rpc import BufferPool, Connection, ConnectionPool, Reply, abandon
 from stripefs.wire import Attr, ErrorCode, Layout, Message, ReplyMessage, Routing, StripefsError, check_segments, messages as m
 
 from ._attrcache import AttrCache, LeaseWatch
@@ -75,17 +75,6 @@ def check_read(header: dict[str, Any], received: memoryview, coff: int) -> None:
         raise StripefsError(ErrorCode.PROTOCOL, "ReadChunk reply: crcs is not a list")
     check_segments(received, coff, crcs)
 _write_reply = m.WriteChunkReply.from_header
-# Bulk writes (a payload of at least rpc.BULK bytes: checkpoint shards, uploads) are sent,
-# CRC and socket copies included, from threads at background CPU priority.
-_BULK_WRITES = BackgroundPool(8, "stripefs-bulk-write")
-
-
-def _lowered(fn: Callable[[], None]) -> Callable[[], None]:
-    """``fn`` run on a fresh thread of its own that first lowers itself as the bulk pool's are."""
-    def run() -> None:
-        lower_this_thread(_BULK_WRITES.nice)
-        fn()
-    return run
 # Chunk request failures retried within the retry budget (anything else reaches the caller).
 _RETRIED = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.STALE_ROUTING, ErrorCode.CHECKSUM, ErrorCode.TIMEOUT, ErrorCode.BUSY})
 
@@ -564,12 +553,8 @@ class ClientCore:
                 ticket.finish(exc)
                 done.set_exception(exc)
 
-        bulk = len(data) >= BULK and _BULK_WRITES.enabled
-        if ticket.ready() and (bulk or len(data) <= layout.chunk_size):
-            if bulk:  # at background CPU priority (rpc._background): small reads beside it go first
-                _BULK_WRITES.submit(run)
-            else:
-                run()
-        else:  # waits for earlier overlapping writes on a thread of its own (never a pool's)
-            threading.Thread(target=_lowered(run) if bulk else run, name="stripefs-write", daemon=True).start()
+        if len(data) <= layout.chunk_size and ticket.ready():
+            run()
+        else:
+            threading.Thread(target=run, name="stripefs-write", daemon=True).start()
         return [done]

@@ -3,6 +3,7 @@ checkpoint, scraped while it works. No timing is asserted."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -32,6 +33,11 @@ def test_the_mover_counts_what_it_uploads_and_its_backlog(cluster: Any, testdir:
         found = re.search(r"metrics at http://(\S+)/metrics", line)
         assert found, f"the mover did not say where its metrics are: {line!r}"
         endpoint = Endpoint("mover", "mover", found.group(1))
+        # A standalone mover runs 10 steps of CPU priority below its shell (--nice): the
+        # whole process, so a dataloader's reads on the same cores go first.
+        with open(f"/proc/{mover.pid}/stat") as f:
+            nice = int(f.read().rsplit(")", 1)[1].split()[16])
+        assert nice == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
         deadline = time.monotonic() + 60
         while True:
             s = scrape(endpoint)
