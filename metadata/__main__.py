@@ -7,7 +7,6 @@ its own: it shares :func:`add_service_options` and :func:`run`.
 from __future__ import annotations
 
 import argparse
-import errno
 import functools
 import gc
 import json
@@ -17,8 +16,8 @@ import sys
 
 import trio
 
+from stripefs.rpc import cannot_start
 from stripefs.rpc._metrics import METRICS_ENV, serve_metrics, write_address_file
-from stripefs.wire import StripefsError
 
 from ._leasetable import LEASE_TTL
 from ._service import serve_metadata
@@ -84,33 +83,12 @@ def run(args: argparse.Namespace, secret: str, cluster_id: str, raw: dict) -> in
     try:
         trio.run(_main, args, secret, cluster_id, raw)
     except (OSError, BaseExceptionGroup) as exc:
-        why = _cannot_start(exc, args.host, args.port)
+        why = cannot_start(exc, args.host, args.port)
         if why is None:
             raise
         logging.error("metadata service cannot start: %s", why)
         return 2
     return 0
-
-
-# bind() errors that mean the listen address itself is wrong (in use, not ours, privileged).
-_LISTEN_ERRORS = {errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES}
-
-
-def _cannot_start(exc: BaseException, host: str, port: int) -> str | None:
-    """Why the service could not start, when ``exc`` (or an error grouped in it: trio wraps
-    the errors of a nursery) says: a StripefsError's message (a store it cannot use), or a
-    listen address it cannot bind. None for anything else (a bug: the traceback is shown).
-    The storage server's ``cannot_start`` is the same; each process imports only its own."""
-    if isinstance(exc, StripefsError):
-        return exc.message
-    if isinstance(exc, OSError) and exc.errno in _LISTEN_ERRORS:
-        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = _cannot_start(inner, host, port)
-            if found is not None:
-                return found
-    return None
 
 
 def main(argv: list[str] | None = None) -> None:

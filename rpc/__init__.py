@@ -18,7 +18,7 @@ from ._pid import my_pid
 from ._client import Connection, Reply, abandon, unavailable
 from ._pool import ConnectionPool, TrioPool
 from ._replies import ThreadReply
-from ._settings import int_setting
+from ._settings import cannot_start, int_setting
 from ._server import (
     BUSY_AFTER, MAX_CLIENT_CONNECTIONS, PAYLOAD_BUDGET, ByteBudget, ClientSlots, ReplayCache, ServerConn, Service,
     serve_rpc, tune_socket,
@@ -26,6 +26,6 @@ from ._server import (
 from ._trio_client import TrioConnection
 
 __all__ = [
-    "int_setting", "BufferPool", "aligned", "my_pid", "Connection", "Reply", "abandon", "unavailable", "ConnectionPool", "TrioPool",
+    "cannot_start", "int_setting", "BufferPool", "aligned", "my_pid", "Connection", "Reply", "abandon", "unavailable", "ConnectionPool", "TrioPool",
     "ThreadReply", "BUSY_AFTER", "MAX_CLIENT_CONNECTIONS", "PAYLOAD_BUDGET", "ByteBudget", "ClientSlots", "ReplayCache", "ServerConn", "Service", "serve_rpc", "tune_socket", "TrioConnection",
 ]

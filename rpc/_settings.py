@@ -1,11 +1,14 @@
-"""Settings a process reads from its environment."""
+"""Settings a process reads from its environment, and why a server could not start."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 
-__all__ = ["int_setting"]
+from stripefs.wire import StripefsError
+
+__all__ = ["cannot_start", "int_setting"]
 
 log = logging.getLogger(__name__)
 
@@ -19,3 +22,23 @@ def int_setting(env: str, default: int) -> int:
     except ValueError:
         log.warning("%s=%r is not a number: using %d", env, raw, default)
         return default
+
+
+# bind() errors that mean the listen address itself is wrong (in use, not ours, privileged).
+_LISTEN_ERRORS = {errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES}
+
+
+def cannot_start(exc: BaseException, host: str, port: int) -> str | None:
+    """Why a server could not start, when ``exc`` (or an error grouped in it: trio wraps the
+    errors of a nursery) says: a StripefsError's message (a store or root it cannot use), or
+    a listen address it cannot bind. None for anything else (a bug: the traceback is shown)."""
+    if isinstance(exc, StripefsError):
+        return exc.message
+    if isinstance(exc, OSError) and exc.errno in _LISTEN_ERRORS:
+        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = cannot_start(inner, host, port)
+            if found is not None:
+                return found
+    return None

@@ -7,7 +7,6 @@ token: it shares :func:`add_service_options` and :func:`run`.
 from __future__ import annotations
 
 import argparse
-import errno
 import functools
 import json
 import logging
@@ -16,9 +15,8 @@ import sys
 
 import trio
 
-from stripefs.rpc import BUSY_AFTER, MAX_CLIENT_CONNECTIONS, PAYLOAD_BUDGET
+from stripefs.rpc import BUSY_AFTER, MAX_CLIENT_CONNECTIONS, PAYLOAD_BUDGET, cannot_start
 from stripefs.rpc._metrics import METRICS_ENV, METRICS_FILE, serve_metrics
-from stripefs.wire import StripefsError
 
 from ._metalink import parse_addresses
 from ._server import serve_storage
@@ -110,25 +108,6 @@ def run(args: argparse.Namespace, secret: str, cluster_id: str) -> int:
         logging.error("storage server cannot start: %s", why)
         return 2
     return 0
-
-
-# bind() errors that mean the listen address itself is wrong (in use, not ours, privileged).
-_LISTEN_ERRORS = {errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES}
-
-
-def cannot_start(exc: BaseException, host: str, port: int) -> str | None:
-    """Why a server could not start, when ``exc`` (or an error grouped in it) says: a
-    StripefsError's message, or a listen address it cannot bind. None for anything else."""
-    if isinstance(exc, StripefsError):
-        return exc.message
-    if isinstance(exc, OSError) and exc.errno in _LISTEN_ERRORS:
-        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            found = cannot_start(inner, host, port)
-            if found is not None:
-                return found
-    return None
 
 
 def main(argv: list[str] | None = None) -> None:
