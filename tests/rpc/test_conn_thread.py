@@ -134,8 +134,9 @@ def test_replies_need_no_trio_worker_thread(data_file: str, now: bool) -> None:
         for i, fut in futs:
             assert fut.result(10).payload == DATA[i * 4096 : i * 4096 + 4096]
         assert len(conn_threads()) >= 1
-        if now:  # only those that found the queue full (64 waiting) went through a task
-            assert server.service.handled < 200 - 64
+        if now:  # only those that found the queue full (64 waiting) went through a task: at
+            # least the first 64 were handed over at once, more when the thread drained some
+            assert server.service.handled <= 200 - 64
     finally:
         conn.close()
         server.stop()
