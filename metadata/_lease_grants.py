@@ -34,13 +34,11 @@ class LeaseGrants:
     Args:
         table: the service's lease table (disabled, TTL 0, when it grants none).
         commit: where the leased reads run.
-        shared: other services share the store (then the table is disabled; the watch says why).
     """
 
-    def __init__(self, table: LeaseTable, commit: CommitPath, *, shared: bool) -> None:
+    def __init__(self, table: LeaseTable, commit: CommitPath) -> None:
         self.table = table
         self.commit = commit
-        self.shared = shared
         self._watchers: dict[ServerConn, bytes] = {}  # watch connections (connection_ended)
 
     async def reply(self, conn: ServerConn, msg: Any) -> ReplyMessage:
@@ -119,8 +117,7 @@ class LeaseGrants:
             StripefsError: NOT_SUPPORTED when this service grants no leases.
         """
         if not self.table.enabled:
-            raise StripefsError(ErrorCode.NOT_SUPPORTED, "this metadata service grants no leases"
-                                if not self.shared else "metadata services sharing a store grant no leases")
+            raise StripefsError(ErrorCode.NOT_SUPPORTED, "this metadata service grants no leases")
         self._watchers[conn] = conn.client_id
         seq, ids, reset = await self.table.watch(conn.client_id, msg.after, msg.wait_ms / 1000,
                                                  session=msg.session, done=msg.done)

@@ -33,17 +33,21 @@ invalidation is acknowledged once every lease it named is.
 A grant is made only when nothing could have changed the answer between the read and the
 registration: reads on the service's loop read and register in one step; a read on a
 thread is granted only if no invalidation at all happened while it ran
-(:meth:`LeaseTable.changes`). The service grants leases only to a client whose watch is
-live (a ``WatchLeases`` in flight, or answered within ``WATCH_GRACE``).
+(:meth:`LeaseTable.changes`) -- or, where every service's changes are heard
+(:meth:`LeaseTable.track_keys`), none that named one of its keys. The service grants
+leases only to a client whose watch is live (a ``WatchLeases`` in flight, or answered
+within ``WATCH_GRACE``).
 
 Bounds: at most ``max_per_client`` live leases per client and ``MAX_LEASES`` in all
 (past them, answers carry no lease: nothing is evicted behind a holder's back); no new lease for a client with more
 than ``MAX_QUEUED`` unacknowledged invalidations; expired leases and idle clients are
 forgotten by :meth:`LeaseTable.run`.
 
-Only a service that alone owns its store grants leases (SQLite): with several services on
-one PostgreSQL store a mutation through one service could not reach the leases another
-granted.
+Services sharing a PostgreSQL store each keep a table of their own for the clients
+connected to them; every mutation's keys reach every table through the database
+(``_leasebus.py``), which calls :meth:`LeaseTable.grant_until` to stop this table
+granting while it cannot hear them, and :meth:`LeaseTable.revoke_all` when it may have
+missed some.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ MAX_PER_CLIENT = 100_000  # live leases per client (~ its cached paths)
 MAX_LEASES = 1_000_000  # live leases in all (~300 bytes each with their keys)
 MAX_QUEUED = 10_000  # invalidations queued for one client, unacknowledged: past it, no new lease
 WATCH_GRACE = 2.0  # a client whose last watch answered this long ago, with none since, gets no lease
+MAX_RECENT = 4096  # invalidations whose keys are remembered (``track_keys``)
 PURGE_EVERY = 1.0
 MAX_WATCH_WAIT = 60.0
 
@@ -133,12 +138,17 @@ class LeaseTable:
         self.session = min(session, ttl)
         self.max_per_client = max_per_client
         self.changes = 0  # invalidations so far (a read on a thread is granted only if none happened)
+        # With :meth:`track_keys`: the keys of the last invalidations, (number, keys or None: all).
+        self._recent: deque[tuple[int, frozenset[Hashable] | None]] | None = None
         self._ids = itertools.count(1)
         self._by_key: dict[Hashable, dict[int, _Lease]] = {}
         self._leases: dict[int, _Lease] = {}
         self._order: deque[_Lease] = deque()  # by expiry (one TTL for all: grant order)
         self._holders: dict[bytes, _Holder] = {}
         self._hot: dict[Hashable, float] = {}  # key -> until when no lease is granted on it (HOT)
+        # Leases are granted only before this (trio time): always, unless the invalidations of
+        # other services must reach this table first (``_leasebus.py``: until it hears them).
+        self.fresh_until = float("inf")
 
     @property
     def enabled(self) -> bool:
@@ -152,10 +162,12 @@ class LeaseTable:
         """Register a lease of ``client`` on ``keys``: ``(lease id, lifetime in ms)``, or
         ``(0, 0)`` when none is granted (leases off, no live watch, over a bound, or, with
         ``since`` (:attr:`changes` before the read), an invalidation since)."""
-        if self.ttl <= 0 or (since is not None and since != self.changes):
+        if self.ttl <= 0 or (since is not None and since != self.changes and not self._unchanged(keys, since)):
             return 0, 0
         holder = self._holders.get(client)
         now = trio.current_time()
+        if now >= self.fresh_until:
+            return 0, 0  # (a shared store's) invalidations may not reach this table now
         if holder is None or not (holder.watching or now - holder.last_seen < WATCH_GRACE):
             return 0, 0
         if (len(holder.leases) >= self.max_per_client or len(holder.queue) >= MAX_QUEUED
@@ -178,6 +190,24 @@ class LeaseTable:
         _stats.LEASE_GRANTS.inc()
         return lease.id, int(self.ttl * 1000)
 
+    def track_keys(self) -> None:
+        """Remember the keys of the last ``MAX_RECENT`` invalidations: a read on a thread
+        is then granted unless one of them named one of its keys (services sharing a
+        store hear every service's changes: ``_leasebus.py``)."""
+        self._recent = deque(maxlen=MAX_RECENT)
+
+    def _unchanged(self, keys: list[Hashable], since: int) -> bool:
+        """No invalidation after ``since`` named one of ``keys`` (as far as remembered)."""
+        recent = self._recent
+        if recent is None or not recent or recent[0][0] > since + 1:
+            return False  # not remembered that far back
+        for number, changed in reversed(recent):
+            if number <= since:
+                return True
+            if changed is None or not changed.isdisjoint(keys):
+                return False
+        return True
+
     def _remove(self, lease: _Lease) -> None:
         if self._leases.pop(lease.id, None) is None:
             return
@@ -196,6 +226,8 @@ class LeaseTable:
         :meth:`wait` waits for: per holder told, the sequence number to be acknowledged
         and when its last lease would have expired."""
         self.changes += 1
+        if self._recent is not None:
+            self._recent.append((self.changes, frozenset(keys)))
         now = trio.current_time()
         told: dict[bytes, tuple[_Holder, list[int], float]] = {}
         hot = self._hot
@@ -235,6 +267,24 @@ class LeaseTable:
                 expires = min(expires, now + self.session)
             waits.append((holder, holder.seq, expires))
         return waits
+
+    def grant_until(self, until: float) -> None:
+        """Grant leases only before ``until`` (trio time; ``-inf``: none until told again).
+        Starting to grant again counts as a change: a read begun before gets no lease (it
+        may have read what an invalidation this table never heard had changed)."""
+        now = trio.current_time()
+        if self.fresh_until <= now < until:
+            self.changes += 1
+            if self._recent is not None:
+                self._recent.append((self.changes, None))
+        self.fresh_until = until
+
+    def revoke_all(self) -> None:
+        """Every lease ends now, its holder told as by :meth:`invalidate` (nobody's change
+        waits for it): this table may have missed an invalidation (``_leasebus.py``)."""
+        self.invalidate(list(self._by_key), b"")
+        if self._recent is not None:
+            self._recent.append((self.changes, None))  # a read begun before may have missed it too
 
     @staticmethod
     async def wait(waits: list[tuple[_Holder, int, float]]) -> None:

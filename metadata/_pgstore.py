@@ -55,10 +55,10 @@ from __future__ import annotations
 import stat
 from collections import deque
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from stripefs.wire._errors import ErrorCode, StripefsError
-from stripefs.wire._types import Attr, Layout
+from stripefs.wire._types import Attr, DirEntry, Layout
 
 from ._sqltxn import _SCHEMA, SCHEMA_VERSION, SqlTxn, _chains_tuple, check_schema_version
 from ._store import DirRow, GarbageItem, LockRow, Store, Txn
@@ -123,6 +123,9 @@ class PgTxn(SqlTxn):
         self._want_savepoint = savepoint
         self.savepoint = False  # set: a SAVEPOINT of this operation was sent
         self.wrote = False
+        # Store keys this operation writes, when the store publishes them (``publish_keys``).
+        self.keys: set[Any] | None = set() if store._payloads is not None else None
+        self.reply_for: bytes | None = None  # the client whose request's result this operation records
         # dirs rows read with (under the lock of) their inode, or written here: ino -> cursor | row | None
         self._dirs: dict[int, Any] = {}
 
@@ -169,13 +172,65 @@ class PgTxn(SqlTxn):
         row = self._q(self._GET_DIR_SHARED, (ino,)).fetchone()
         return DirRow(*row) if row else None
 
+    # What an operation writes is recorded while the store publishes it (as ``_SqliteTxn``
+    # does): an inode number per inode, directory row or xattr written, a ``(parent, name)``
+    # pair per directory entry. Only more than changed, never less.
+    def put_inode(self, a: Attr) -> None:
+        if self.keys is not None:
+            self.keys.add(a.ino)
+        super().put_inode(a)
+
+    def delete_inode(self, ino: int) -> None:
+        if self.keys is not None:
+            self.keys.add(ino)
+        super().delete_inode(ino)
+
     def put_dir(self, r: DirRow) -> None:
+        if self.keys is not None:
+            self.keys.add(r.ino)
         super().put_dir(r)
         self._dirs[r.ino] = r
 
     def delete_dir(self, ino: int) -> None:
+        if self.keys is not None:
+            self.keys.add(ino)
         super().delete_dir(ino)
         self._dirs[ino] = None
+
+    def put_dentry(self, parent: int, e: DirEntry) -> None:
+        if self.keys is not None:
+            self.keys.add((parent, e.name))
+        super().put_dentry(parent, e)
+
+    def delete_dentry(self, parent: int, name: str) -> None:
+        if self.keys is not None:
+            self.keys.add((parent, name))
+        super().delete_dentry(parent, name)
+
+    def put_xattr(self, ino: int, name: bytes, value: bytes) -> None:
+        if self.keys is not None:
+            self.keys.add(ino)
+        super().put_xattr(ino, name, value)
+
+    def delete_xattr(self, ino: int, name: bytes) -> None:
+        if self.keys is not None:
+            self.keys.add(ino)
+        super().delete_xattr(ino, name)
+
+    def get_reply(self, client: bytes, req: int) -> bytes | None:
+        # A request's first look at its record (``_replay.apply_once``): what operations
+        # wrote before it belongs to no request of a client.
+        self._store._attribute(b"")
+        found = super().get_reply(client, req)
+        if found is not None and self._locking:
+            if len(self._store.replayed) > 10_000:  # (each is taken by its request's answer)
+                self._store.replayed.clear()
+            self._store.replayed.add((bytes(client), req))
+        return found
+
+    def put_reply(self, client: bytes, req: int, created_ns: int, result: bytes) -> None:
+        super().put_reply(client, req, created_ns, result)
+        self.reply_for = bytes(client)
 
     def get_lock(self, key: str) -> LockRow | None:
         if self._locking:  # the row may not exist yet: lock its key (sent with the read below)
@@ -308,6 +363,15 @@ class PostgresStore(_Pipelined, Store):
         self._safe_next = False
         self._numbers: dict[str, deque[int]] = {key: deque() for key in _SEQUENCES}
         self._readers: list[_PgReader] = []
+        # Lease invalidations (``publish_keys``): the keys of this batch's operations, by
+        # the client whose request wrote them (b"": none known), published with its commit.
+        self._payloads: Callable[[int, list[tuple[bytes, set[Any]]], bool], list[str]] | None = None
+        self._barrier = False  # this batch publishes even with no keys (:meth:`barrier`)
+        self._pending: set[Any] = set()  # keys of finished operations, no request known yet
+        self._groups: list[tuple[bytes, set[Any]]] = []
+        self._sent = 0  # the last publication number handed to a commit (never reused)
+        self.published = 0  # the last publication number committed (read on the service's loop)
+        self.replayed: set[tuple[bytes, int]] = set()  # requests whose record a mutation found (apply_once)
 
     def _init_schema(self) -> None:
         """Create or check the tables in one transaction: all of them or none."""
@@ -332,6 +396,49 @@ class PostgresStore(_Pipelined, Store):
                     (key,))
             self._conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', %s) "
                                "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
+            # Channels are the database's, tables a schema's: one channel per store, named
+            # for its inodes table (stores in other schemas of one database stay apart).
+            oid = self._conn.execute("SELECT 'inodes'::regclass::oid").fetchone()[0]
+        self.lease_channel = f"stripefs_leases_{oid}"
+
+    def publish_keys(self, payloads: Callable[[int, list[tuple[bytes, set[Any]]], bool], list[str]]) -> None:
+        """From now on every commit that wrote store keys also sends, inside its transaction,
+        ``pg_notify(lease_channel, p)`` for each ``p`` of ``payloads(number, groups, barrier)``:
+        ``groups`` the keys written, by the client whose request wrote them, ``number`` one
+        per publishing commit, growing. PostgreSQL delivers them to every session listening
+        on the channel, only if the transaction commits and only after it did, in commit
+        order (``_leasebus.py``). :attr:`published` is the number of the last one committed."""
+        self._payloads = payloads
+
+    def barrier(self) -> None:
+        """Run in a batch: it publishes, keys or not, marked as a barrier (``_leasebus.py``)."""
+        self._barrier = True
+
+    def _attribute(self, client: bytes) -> None:
+        """The keys of the operations finished since the last call were written for ``client``."""
+        if self._pending:
+            self._groups.append((client, self._pending))
+            self._pending = set()
+
+    def _op_done(self, txn: PgTxn) -> None:
+        """``txn`` finished without error: its keys go with the batch's commit."""
+        if txn.keys:
+            self._pending |= txn.keys
+        if txn.reply_for is not None:  # apply_once recorded a request's result: what came before is its
+            self._attribute(txn.reply_for)
+
+    def _publish(self) -> int:
+        """Send the batch's keys with its commit (pipelined: no wait of their own); the
+        publication's number, 0 for none."""
+        self._attribute(b"")
+        groups, self._groups = self._groups, []
+        barrier, self._barrier = self._barrier, False
+        if not (groups or barrier) or self._payloads is None:
+            return 0
+        self._sent += 1
+        for payload in self._payloads(self._sent, groups, barrier):
+            self._conn.execute("SELECT pg_notify(%s, %s)", (self.lease_channel, payload))
+        return self._sent
 
     def _begin(self) -> None:
         self._usable()
@@ -346,12 +453,16 @@ class PostgresStore(_Pipelined, Store):
             self._conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
 
     def _commit(self) -> None:
-        """COMMIT and wait for it (and for every statement before it)."""
+        """COMMIT and wait for it (and for every statement before it), the keys written
+        published with it (:meth:`publish_keys`)."""
         try:
+            number = self._publish()
             cur = self._conn.execute("COMMIT")
             self._pipe.sync()
             if cur.statusmessage != "COMMIT":  # PostgreSQL answers a failed transaction's COMMIT with ROLLBACK
                 raise StripefsError(ErrorCode.IO, f"the metadata transaction was rolled back ({cur.statusmessage})")
+            if number:
+                self.published = number
         except BaseException as exc:
             broken = self._conn.broken
             self._recover()
@@ -373,6 +484,7 @@ class PostgresStore(_Pipelined, Store):
             raise RuntimeError("batches do not nest")
         self._batching = True
         self._safe, self._safe_next = self._safe_next, False
+        self._pending, self._groups, self._barrier = set(), [], False  # (a batch run again records them again)
         try:
             self._begin()
             try:
@@ -404,13 +516,17 @@ class PostgresStore(_Pipelined, Store):
                 except BaseException as exc:
                     self._op_failed(txn, exc)
                     raise
+                self._op_done(txn)
                 return
             self._begin()
+            self._pending, self._groups = set(), []
+            txn = PgTxn(self, self._conn, locking=True)
             try:
-                yield PgTxn(self, self._conn, locking=True)
+                yield txn
             except BaseException:
                 self._rollback()
                 raise
+            self._op_done(txn)
             self._commit()
         finally:
             self._open = False

@@ -8,6 +8,7 @@ Each responsibility has a module of its own, held here by composition:
 * ``_reads.py``: the read requests' plans and their costs;
 * ``_lease_grants.py`` (:class:`~metadata._lease_grants.LeaseGrants`): which reads get an
   attribute lease on which keys, and the clients' watch; ``_leasetable.py`` keeps the leases;
+  ``_leasebus.py`` carries invalidations between services sharing a PostgreSQL store;
 * ``_replay.py``: answers kept for retried mutations;
 * ``_membership.py``: storage servers, their states and the chain table, run by one
   leader among the services sharing a store (``_leader.py``);
@@ -50,6 +51,7 @@ from ._collector import GC_GRACE, Collector
 from ._commit import MAX_BATCH_RETRIES, REQUEST, TOUCHED, CommitPath
 from ._leader import Leadership
 from ._lease_grants import LeaseGrants
+from ._leasebus import LeaseBus
 from ._leasetable import LEASE_TTL, LeaseTable
 from ._locks import Leases
 from ._membership import ADMIT_AFTER, Membership
@@ -95,10 +97,13 @@ class MetadataService(Service):
                                    leading=lambda: self.lead.leading, persist=self.lead.persist, shared=self.shared,
                                    told=self._leases_changed)
         self.locks = Leases(ns.store)
-        # Attribute leases (``_leasetable.py``): only a service that alone owns its store (SQLite)
-        # sees every mutation, so only it grants them.
-        self.lease_table = LeaseTable(lease_ttl if isinstance(ns.store, SqliteStore) else 0.0)
-        self.grants = LeaseGrants(self.lease_table, self.commit, shared=self.shared)
+        # Attribute leases (``_leasetable.py``): a SQLite store records the keys a mutation
+        # writes (``TOUCHED``); services sharing a PostgreSQL store publish them to each
+        # other (``_leasebus.py``). The in-memory store records none: no leases.
+        leasing = isinstance(ns.store, SqliteStore) or self.shared
+        self.lease_table = LeaseTable(lease_ttl if leasing else 0.0)
+        self.bus = LeaseBus(ns.store, self.lease_table) if self.shared else None
+        self.grants = LeaseGrants(self.lease_table, self.commit)
         self.admission = Admission(self.lead, secret)
         self.replay = Replies()
         self._running: dict[tuple[bytes, int], trio.Event] = {}  # mutations being applied, by replay key
@@ -112,7 +117,9 @@ class MetadataService(Service):
 
     async def _leases_changed(self, keys: set[Any]) -> None:
         """What a background change wrote (a late cut): every lease holder is told, as after a request."""
-        if self.lease_table.enabled:
+        if self.bus is not None:  # (published with its commit)
+            await self.bus.settle(self.ns.store.published)  # type: ignore[attr-defined]
+        elif self.lease_table.enabled:
             await self.lease_table.wait(self.lease_table.invalidate(keys, b""))
 
     def _wake(self) -> None:
@@ -160,7 +167,8 @@ class MetadataService(Service):
         if prior is None:
             done = self._running[key] = trio.Event()
             request = REQUEST.set(key)
-            touched: set[Any] | None = set() if self.lease_table.enabled else None
+            touched: set[Any] | None = set() if self.lease_table.enabled and self.bus is None else None
+            published = self.ns.store.published if self.bus is not None else 0  # type: ignore[attr-defined]
             recording = TOUCHED.set(touched)
             try:
                 reply = await self._dispatch(msg)  # returns once what it changed is durable (CommitPath.apply)
@@ -184,6 +192,8 @@ class MetadataService(Service):
                         # told, and acknowledges (or its lease runs out) before anyone hears
                         # of the change.
                         await self.lease_table.wait(self.lease_table.invalidate(touched, conn.client_id))
+                    elif self.bus is not None:
+                        await self._settled(key, published)
                 finally:
                     if isinstance(prior, (dict, StripefsError)):
                         self.replay.put(key, prior)
@@ -192,6 +202,19 @@ class MetadataService(Service):
         if isinstance(prior, StripefsError):
             raise prior
         await conn.send(head, prior)
+
+    async def _settled(self, key: tuple[bytes, int], published: int) -> None:
+        """A mutation on a shared store: what it wrote was published with its commit (the
+        store's number past ``published``); every service's holders are told, or their
+        leases ran out, before anyone hears of it (``LeaseBus.settle``). A retry answered
+        from another service's record publishes a barrier first: the service that applied
+        it may have died before its holders everywhere were told."""
+        store: Any = self.ns.store
+        if key in store.replayed:
+            store.replayed.discard(key)
+            await self.commit.store_call(store.barrier)
+        if store.published != published:
+            await self.bus.settle(store.published)  # type: ignore[union-attr]
 
     def connection_ended(self, conn: ServerConn, clean: bool) -> None:
         """See ``LeaseGrants.connection_ended``: a watch closed cleanly ends its client's leases."""
@@ -399,6 +422,7 @@ class MetadataService(Service):
         return m.ClusterStatusReply(
             metadata={"pid": os.getpid(), "uptime": time.time() - self.started, "store": self.store_kind,
                       "sync": self.sync, "lease_ttl": self.lease_table.ttl,
+                      "leases_granted": self.lease_table.enabled and trio.current_time() < self.lease_table.fresh_until,
                       "leader": self.lead.leading, **counts,
                       # Offline until the cuts they missed are applied to them (``Collector``).
                       "held": sorted(self.members.held),
@@ -496,7 +520,7 @@ async def serve_metadata(
             ``normal`` (it survives a kill -9 of any process, not a power loss):
             the SQLite store's durability, see :class:`SqliteStore`.
         lease_ttl: seconds an attribute lease lives (``_leasetable.py``); 0 grants none.
-            Only a SQLite store grants leases (several services share a PostgreSQL one).
+            Services sharing a PostgreSQL store should share it (``_leasebus.py``).
     """
     os.makedirs(state_dir, exist_ok=True)
     store = await trio.to_thread.run_sync(open_store, state_dir, store_url, sync)
@@ -513,6 +537,8 @@ async def serve_metadata(
             address = await nursery.start(functools.partial(serve_rpc, service, host, port, secret=secret, cluster_id=cluster_id))
             nursery.start_soon(service.commit.run)
             service.lead.owner = f"{address[0]}:{address[1]}".encode()  # a restart on the same port resumes its lease
+            if service.bus is not None:
+                await nursery.start(service.bus.run)  # listening before the first mutation publishes
             await nursery.start(service.lead.keep)
             nursery.start_soon(detect, service.lead, service.shared)
             nursery.start_soon(service.background)
