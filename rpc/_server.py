@@ -10,9 +10,15 @@ discarded. Responses share one send lock per connection.
 
 Small frames take a short path: a frame head is read straight from the socket
 when bytes are there (the loop is entered only to wait for more), and a small
-response whose connection has no send in progress is written at once. Each
-saves a pass through trio's scheduler per request (trio's socket methods yield
-once more after an operation that succeeded at once).
+response whose connection has no send in progress is written at once, without
+taking a trio lock. Each saves a pass through trio's scheduler per request (trio's
+socket methods yield once more after an operation that succeeded at once). The
+answers the reader makes itself (``answer_now``, refusals of bad requests) are
+held (:meth:`ServerConn.hold`) while more requests are already there, and written
+together: one ``write`` for a burst of pipelined requests, and the answer to a
+lone request at once. The reader sends what it holds before it waits, yields, or
+lets anyone else answer a request of its connection, so no other sender sees the
+difference.
 
 The protocol itself (handshake, request decoding, payload hand-off) is the
 sans-IO :class:`wire.ServerConnection`; this module only moves bytes. Bulk sends
@@ -28,6 +34,7 @@ under the connection's wire lock (a ``threading.Lock``; trio takes it without bl
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -72,6 +79,7 @@ _ACCEPT_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 # accept() errors about one connection that died in the backlog.
 _ACCEPT_PEER = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM}
 MIN_READ = 256  # a whole small request in one read; the few payload bytes past a header are copied once
+BURST_READ = 4096  # the read size while answers are held: a burst of pipelined small requests at once
 SMALL_SEND = 16384  # responses up to this size go out as one write (copying is cheaper than a syscall)
 YIELD_EVERY = 8  # the reader passes through the scheduler at least every 8 requests (reads that find bytes do not)
 SOCK_BUF = 4 << 20
@@ -110,6 +118,9 @@ class ServerConn:
         self._back: trio.Event | None = None
         self._back_item: Any = None
         self._token = trio.lowlevel.current_trio_token()
+        # Response frames the reader made itself (hold()), sent together before it next waits.
+        self._held = bytearray()
+        self._more = False  # the last read filled its buffer: more bytes are likely waiting
 
     @property
     def client_id(self) -> bytes:
@@ -125,12 +136,23 @@ class ServerConn:
         # Read only a little past the end of the next header when a payload may follow,
         # so the payload goes straight from the socket into its destination buffer.
         # The socket is non-blocking: read now, wait in the loop only when nothing is there.
+        # Held answers go out before the read when the last read emptied the socket: a
+        # client waiting for them sends nothing more until it has them, and the read right
+        # after the write may find a quick client's next request. They are kept while a
+        # burst of pipelined requests is still being read (reads that fill their buffer),
+        # and go out when a read finds nothing.
+        if self._held and not self._more:
+            await self.flush()
+        size = max(n, BURST_READ if self._held else MIN_READ)
         while True:
             try:
-                data = os.read(self._fd, max(n, MIN_READ))
+                data = os.read(self._fd, size)
                 break
             except BlockingIOError:
+                if self._held:  # nothing more to answer for now: what the reader answered goes out
+                    await self.flush()
                 await trio.lowlevel.wait_readable(self.sock)
+        self._more = len(data) == size
         self.machine.receive_data(data)
 
     async def _take_wire(self) -> None:
@@ -152,28 +174,79 @@ class ServerConn:
             finally:
                 self.wire_lock.release()
 
-    async def _send_small(self, data: bytes) -> None:
-        """Send one whole small frame: written at once when no other send is in progress
-        and the socket takes it all (no pass through the scheduler), else in turn."""
-        lock = self.send_lock
-        if lock.locked() or not self.wire_lock.acquire(blocking=False):
+    async def _send_small(self, data: bytes | bytearray) -> None:
+        """Send whole small frames: written at once when no other send is in progress and
+        the socket takes it all (no pass through the scheduler, no trio lock taken), else
+        in turn."""
+        wire_lock = self.wire_lock
+        if self.send_lock.locked() or not wire_lock.acquire(blocking=False):
             async with self._sending():
                 await self._sendall_or_tear(data)
             return
-        lock.acquire_nowait()  # no await since locked(): nobody got in between
         try:
-            try:
-                n = os.write(self._fd, data)
-            except BlockingIOError:
-                n = 0
-            if n < len(data):
-                await _trio_sendall(self.sock, memoryview(data)[n:])
+            n = os.write(self._fd, data)
+        except BlockingIOError:
+            n = 0
+        except BaseException:
+            wire_lock.release()
+            self._tear()
+            raise
+        if n == len(data):
+            wire_lock.release()
+            return
+        # The socket took part of it: the rest waits in the loop, with the send lock held so
+        # other trio senders queue behind (free: locked() said so, and nothing awaited since).
+        self.send_lock.acquire_nowait()
+        try:
+            await _trio_sendall(self.sock, memoryview(data)[n:])
         except BaseException:
             self._tear()
             raise
         finally:
-            self.wire_lock.release()
-            lock.release()
+            wire_lock.release()
+            self.send_lock.release()
+
+    def hold(self, head: FrameHead, header: dict[str, Any]) -> int:
+        """Encode the response to ``head`` (no payload) and keep it: the reader task sends
+        the frames it made itself together (:meth:`flush`) once it has answered the
+        requests already there (:meth:`hold_on`). Only the reader task holds frames; it
+        flushes before it waits, yields, or lets any other sender answer a request of its
+        connection (a task, a thread).
+
+        Returns:
+            The bytes held now.
+
+        Raises:
+            StripefsError: TOO_BIG for an oversized header (nothing is held).
+        """
+        held = self._held
+        held += self.machine.send_response(head, header)
+        return len(held)
+
+    def hold_error(self, head: FrameHead, exc: StripefsError) -> int:
+        """:meth:`hold` of the error frame answering ``head``."""
+        held = self._held
+        held += self.machine.send_error(head, exc)
+        return len(held)
+
+    @property
+    def held(self) -> int:
+        """Bytes of the frames :meth:`hold` kept that are not sent yet."""
+        return len(self._held)
+
+    def hold_on(self) -> bool:
+        """Whether the reader should keep holding after an answer: below ``SMALL_SEND``, and
+        more requests are here already (a whole frame head buffered, or the last read
+        filled its buffer). Else it sends now, as early as an answer written at once: a
+        client that waits for it sends nothing more, and the read after the write may
+        then find its next request."""
+        return len(self._held) < SMALL_SEND and (self._more or not self.machine.next_read_size())
+
+    async def flush(self) -> None:
+        """Send the frames :meth:`hold` kept, in one write when the socket takes them all."""
+        if self._held:
+            data, self._held = self._held, bytearray()
+            await self._send_small(data)
 
     async def _sendall_or_tear(self, data: bytes | memoryview) -> None:
         try:
@@ -185,13 +258,15 @@ class ServerConn:
     async def next_event(self) -> Event:
         """The next event from the peer (frames the machine answers itself are sent here).
         While the reply thread receives (:meth:`thread_receives`), the first event it did
-        not serve itself, once it hands receiving back.
+        not serve itself, once it hands receiving back. Frames :meth:`hold` kept are sent
+        before it waits.
 
         Raises:
             StripefsError: a refused handshake (after the refusal was sent) or a broken stream.
             OSError, EOFError: the reply thread's receiving failed.
         """
         if self._back is not None:
+            await self.flush()
             await self._back.wait()
             item, self._back, self._back_item = self._back_item, None, None
             if isinstance(item, BaseException):
@@ -205,6 +280,7 @@ class ServerConn:
             finally:
                 out = self.machine.data_to_send()
                 if out:
+                    await self.flush()
                     async with self._sending():
                         await _trio_sendall(self.sock, out)
             if event is not NEED_DATA:
@@ -413,8 +489,9 @@ class Service:
 
     def answer_now(self, conn: ServerConn, head: FrameHead, msg: wire.Message) -> dict[str, Any] | None:
         """The response header to a request without payload that can be answered at once,
-        with no await (the reader task sends it: no task is started for it); None to have
-        :meth:`handle` answer it in a task of its own, as every request by default.
+        with no await (the reader task sends it: no task is started for it; answers to a
+        burst of pipelined requests leave in one write, see :meth:`ServerConn.hold`); None
+        to have :meth:`handle` answer it in a task of its own, as every request by default.
 
         Raises:
             StripefsError: the request's answer is this error.
@@ -546,6 +623,12 @@ class ReplayCache:
             self._d.popitem(last=False)
 
 
+def _hook(service: Service, name: str) -> Callable[..., Any] | None:
+    """``service.<name>``, or None when it is :class:`Service`'s default (which does nothing)."""
+    fn = getattr(service, name)
+    return None if getattr(fn, "__func__", None) is getattr(Service, name) else fn  # type: ignore[no-any-return]
+
+
 _CONN_ERRORS = (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError, trio.TooSlowError)
 
 
@@ -598,41 +681,66 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
         except Exception:
             log.exception("connection end of %s", peer)
 
+    # The service's optional hooks, looked up once; one it does not override is never called.
+    thread_job = _hook(service, "thread_job")
+    handle_now = _hook(service, "handle_now")
+    answer_now = _hook(service, "answer_now")
+
+    async def handed_over(head: FrameHead, msg: wire.Message) -> bool:
+        """Whether ``thread_job`` or ``handle_now`` disposed of the request (no task)."""
+        await conn.flush()  # what the reader answered goes out before what a thread answers
+        if thread_job is not None:
+            try:
+                job = thread_job(head, msg)
+                if job is not None and conn.try_reply_in_thread(head, job, msg):
+                    conn.thread_receives(thread_job)
+                    return True
+            except Exception:  # noqa: BLE001, S110 -- served below
+                pass
+        if handle_now is not None:
+            try:
+                return bool(handle_now(conn, head, msg))
+            except Exception:  # noqa: BLE001 -- answer_now or handle() serves it and answers any failure
+                return False
+        return False
+
+    def answered_now(head: FrameHead, msg: wire.Message) -> bool:
+        """Whether ``answer_now`` answered the request; its frame (or error) is then held."""
+        try:
+            header = answer_now(conn, head, msg)  # type: ignore[misc]
+            if header is None:
+                return False
+            conn.hold(head, header)
+        except Exception as exc:  # noqa: BLE001 -- answered as failure() says
+            conn.hold_error(head, failure(msg, exc))
+        return True
+
     async def read_loop(nursery: trio.Nursery) -> None:
         unyielded = 0
         while True:
             unyielded += 1
             if unyielded >= YIELD_EVERY:  # frames were there each time: let the handlers run
                 unyielded = 0
+                await conn.flush()
                 await trio.lowlevel.checkpoint()
-            event = await conn.next_event()
-            if isinstance(event, BadRequest):  # its payload is skipped; the stream goes on
-                await reply_error(event.head, event.error)
-                continue
-            if not isinstance(event, RequestReceived):  # ConnectionClosed
+            event = await conn.next_event()  # the held answers go out before it waits for bytes
+            if type(event) is not RequestReceived:
+                if isinstance(event, BadRequest):  # its payload is skipped; the stream goes on
+                    conn.hold_error(event.head, event.error)
+                    if not conn.hold_on():
+                        await conn.flush()
+                    continue
+                await conn.flush()  # ConnectionClosed: the peer ended the stream, still reading answers
                 return
             head, msg = event.head, event.message
             if not head.payload_len:
-                try:
-                    job = service.thread_job(head, msg)
-                    if job is not None and conn.try_reply_in_thread(head, job, msg):
-                        conn.thread_receives(service.thread_job)
-                        continue
-                except Exception:  # noqa: BLE001, S110 -- served below
-                    pass
-                try:
-                    if service.handle_now(conn, head, msg):
-                        continue
-                except Exception:  # noqa: BLE001, S110 -- answer_now or handle() serves it and answers any failure
-                    pass
-                try:
-                    header = service.answer_now(conn, head, msg)
-                except Exception as exc:  # noqa: BLE001 -- answered as failure() says
-                    await reply_error(head, failure(msg, exc))
+                if (thread_job is not None or handle_now is not None) and await handed_over(head, msg):
                     continue
-                if header is not None:
-                    await conn.send(head, header)
+                if answer_now is not None and answered_now(head, msg):
+                    if not conn.hold_on():
+                        await conn.flush()
                     continue
+            await conn.flush()  # before anything is awaited or started for this request
             try:
                 limit.acquire_nowait()
             except trio.WouldBlock:
@@ -664,7 +772,13 @@ async def _serve_conn(sock: trio.socket.SocketType, peer: Any, service: Service,
             await conn.handshake()
         async with trio.open_nursery() as nursery:
             try:
-                await read_loop(nursery)
+                try:
+                    await read_loop(nursery)
+                except Exception:
+                    # The stream broke (a protocol violation, a reset): answers made before it still go out.
+                    with contextlib.suppress(*_CONN_ERRORS, OSError, StripefsError):
+                        await conn.flush()
+                    raise
                 clean_end = True
                 ended(True)  # now, not once the handlers in flight (a long poll) are done
             except _CONN_ERRORS:
