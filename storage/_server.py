@@ -50,6 +50,7 @@ HEARTBEAT_INTERVAL = 1.0
 PENDING_POLL = 0.05
 PENDING_FAST_POLLS = 100
 SMALL_READ = 256 * 1024
+SMALL_WRITE = 256 * 1024  # an unreplicated write this small is done on the connection's thread
 
 
 class StorageService(Service):
@@ -112,6 +113,12 @@ class StorageService(Service):
             try:
                 if msg.chain and (msg.version is not None or self._chained(msg.chain)):
                     reply = await self.repl.write(msg, view)
+                elif len(view) <= SMALL_WRITE:
+                    # A small file's chunk: the connection's own reply thread writes, syncs and
+                    # answers (no worker-thread hop, no wake-up of the loop to send the reply).
+                    await conn.reply_in_thread(head, self._small_write, msg, view, payload)
+                    view = payload = None
+                    return
                 else:  # replication factor 1: nothing to forward
                     meta = await trio.to_thread.run_sync(
                         store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain,
@@ -119,8 +126,9 @@ class StorageService(Service):
                     )
                     reply = m.WriteChunkReply(length=meta.length, version=meta.version)
             finally:
-                view.release()
-                self.pool.put(payload)
+                if view is not None:
+                    view.release()
+                    self.pool.put(payload)
             await conn.send(head, reply.to_header())
         elif isinstance(msg, m.ReadChunk):
             if msg.chain:
@@ -216,6 +224,17 @@ class StorageService(Service):
             reply.send(header, payload=data)
         else:
             reply.send(header)
+
+    def _small_write(self, reply: ThreadReply, msg: m.WriteChunk, view: memoryview, payload: Any) -> None:
+        """Runs on the connection's own thread: write a small chunk durably, then answer.
+        A failure propagates before anything is sent; the thread answers it. (A job the
+        thread skips, its connection torn down, leaves its buffer to the collector.)"""
+        try:
+            meta = self.store.write(msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain)
+        finally:
+            view.release()
+            self.pool.put(payload)
+        reply.send(m.WriteChunkReply(length=meta.length, version=meta.version).to_header())
 
     def _chained(self, chain: int) -> bool:
         """Must a write to ``chain`` go through the chain logic (forwarding, checks)?

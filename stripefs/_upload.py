@@ -107,8 +107,8 @@ def put_tree(client: Client, plan: TreePlan, *, workers: int = 16,
                 progress(len(data))
 
     def stream(local: str, remote: str) -> None:
-        try:
-            with open(local, "rb") as fin, client.open(remote, "wb") as dst:
+        try:  # a name that exists: opened with truncate at once (nothing to make at close)
+            with open(local, "rb") as fin, client.open(remote, "wb", defer=remote not in existing) as dst:
                 while chunk := fin.read(COPY_BUFFER):
                     dst.write(chunk)
                     if progress is not None:

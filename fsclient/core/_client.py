@@ -36,6 +36,7 @@ from ._core import ClientCore, seconds_setting
 from . import _lease
 from ._file import StripeFile, mode_flags
 from ._lease import Lease
+from ._pending import DEFER
 from ._observe import ACCESS_LOG_ENV, CLIENT_METRICS_ENV, observe_client
 from ._wholefiles import Reservations, write_files
 
@@ -446,19 +447,34 @@ class Client:
 
     def rmdir(self, path: str) -> None:
         parent, name, p = self._parent(path)
+        self._reservations.forget(p)
         self._wrap(lambda: self._core.call(m.Rmdir(parent=parent.ino, name=name)), p)
 
     # -- files ----------------------------------------------------------------------------
-    def open(self, path: str, mode: str = "rb", *, encoding: str | None = None, newline: str | None = None) -> Any:
+    def open(self, path: str, mode: str = "rb", *, encoding: str | None = None, newline: str | None = None,
+             defer: bool = True) -> Any:
         """Open a file; modes as the builtin (``rb wb ab xb r+b`` and text modes).
 
         A new file gets mode 0666 minus the process umask, as the builtin's;
         an existing one keeps its mode.
+
+        ``"wb"`` (``"w"``) of a name this client does not know as a file makes the name at
+        the file's first ``fsync``/``close``, with its length, in one request (``defer``;
+        see ``fsclient/core/_pending.py``): other clients see the file from then on, this
+        process at once; an error about the name (a directory there, the parent removed
+        meanwhile) comes at ``fsync``/``close``. ``defer=False`` makes the name at open.
         """
         flags = mode_flags(mode)
         if flags["create"]:
             p = self._leaf(path)
             perm = 0o666 & ~_umask()
+            if (defer and DEFER and flags["truncate"] and not flags["read"] and not flags["exclusive"]
+                    and not self._known_file(p)):
+                # A new file's name is made with its length at its first fsync/close (_pending).
+                res = self._wrap(lambda: self._reservations.take(self, posixpath.dirname(p) or "/"), p)
+                pending = self._core.pending.new(p, res, perm, os.getuid(), os.getgid())
+                f = StripeFile(self, p, pending.attr(), readable=False, writable=True, pending=pending)
+                return io.TextIOWrapper(f, encoding=encoding or "utf-8", newline=newline) if flags["text"] else f
             # One round trip: the service resolves the parent and creates in the same batch.
             reply = self._wrap(lambda: self._core.call(m.CreatePath(
                 path=p, mode=perm, uid=os.getuid(), gid=os.getgid(),
@@ -486,6 +502,9 @@ class Client:
         sp, sname, s = self._parent(src)
         dp, dname, d = self._parent(dst)
         flags = (1 if noreplace else 0) | (2 if exchange else 0)
+        self._reservations.forget(s)
+        if exchange:
+            self._reservations.forget(d)
         self._wrap(lambda: self._core.call(m.Rename(parent=sp.ino, name=sname, new_parent=dp.ino, new_name=dname, flags=flags)), s)
 
     def symlink(self, target: str, path: str) -> Attr:

@@ -45,6 +45,7 @@ from ._attrcache import AttrCache, LeaseWatch
 from ._config import ClusterConfig
 from ._metaretry import RETRY_DELAY, RETRY_ENV, RETRY_FOR, MetaHealth, MetaRetry
 from ._ordering import WriteOrder
+from ._pending import PendingCreates
 from ._proc import my_pid
 
 log = logging.getLogger(__name__)
@@ -214,6 +215,7 @@ class ClientCore:
         # each client starting at a different one.
         self._spread = itertools.count(int.from_bytes(self.client_id[:4], "little"))
         self._order = WriteOrder()  # overlapping writes in flight go out in program order
+        self.pending = PendingCreates(self)  # names of files opened as new, made at fsync/close
 
     def _reset_after_fork(self) -> None:
         # The parent's sockets are shared with us: drop them without shutdown(), which
@@ -228,6 +230,8 @@ class ClientCore:
         forked child): stats ask for leases once the watch is live."""
         if my_pid() != self.pid:
             self._reset_after_fork()
+        if self.pending:  # a cached answer must not miss a name this process made
+            self.pending.settle()
         cache = self.attrs
         if cache is not None and self.leases and self._watch is None:
             with self._lock:
@@ -278,6 +282,8 @@ class ClientCore:
                 ``timeout`` has passed or the retry budget is spent, UNAVAILABLE at once
                 when nobody is there (see :mod:`._metaretry`); PROTOCOL for a malformed reply.
         """
+        if self.pending and not isinstance(msg, PendingCreates.QUIET):
+            self.pending.settle()  # what this process made is there before anything looks
         watch = self.attrs if msg.MUTATES else None
         if watch is not None:
             watch.begin(msg)

@@ -29,10 +29,13 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from stripefs.wire import Attr, ErrorCode, Layout, MAX_FILE_SIZE, Message, ReplyMessage, StripefsError, messages as m
 
+from ._pending import DEFER_BYTES
 from ._rawbytes import fill_bytes
 
 if TYPE_CHECKING:
     from stripefs.rpc import BufferPool
+
+    from ._pending import PendingCreate
 
 R = TypeVar("R", bound=ReplyMessage)
 
@@ -70,26 +73,30 @@ class StripeFile(io.RawIOBase):
         path: the name shown in errors and ``repr``.
         attr: the inode's attributes at open (a regular file: it has a layout).
         readable, writable, append: the open mode.
+        pending: the file was opened as new and its name is made at its first ``fsync``
+            or ``close`` (see ``_pending``); ``attr`` is then its reserved inode's.
 
     Raises:
         StripefsError: INVALID when ``attr`` is not a regular file.
     """
 
-    def __init__(self, client: ChunkIO, path: str, attr: Attr, *, readable: bool, writable: bool, append: bool = False):
+    def __init__(self, client: ChunkIO, path: str, attr: Attr, *, readable: bool, writable: bool, append: bool = False,
+                 pending: "PendingCreate | None" = None):
         super().__init__()
         if attr.layout is None:
             raise StripefsError(ErrorCode.INVALID, "not a regular file", path)
         self._client = client
+        self._pending = pending
         self.name = path
         self.attr = attr
-        self.ino = attr.ino
-        self.layout = attr.layout
+        self._ino = attr.ino
+        self._layout = attr.layout
         self.size = attr.size
         self._truncations = attr.truncations  # the file's truncate count as this object last saw it
         self._readable, self._writable, self._append = readable, writable, append
         self._pos = self.size if append else 0
-        window = min(self.layout.chunk_size * min(self.layout.stripe, 8), MAX_WINDOW)
-        self.window = max(window, self.layout.chunk_size)
+        window = min(self._layout.chunk_size * min(self._layout.stripe, 8), MAX_WINDOW)
+        self.window = max(window, self._layout.chunk_size)
         # write-behind state
         self._wbuf: Any = None
         self._wstart = 0
@@ -106,6 +113,21 @@ class StripeFile(io.RawIOBase):
         # The attributes the metadata service answered this object's last length commit or
         # truncate with, while nothing was written since (None otherwise): see :attr:`committed`.
         self._committed: Attr | None = None
+
+    @property
+    def ino(self) -> int:
+        """The inode number. A file opened as new makes its name first (``_pending``): the
+        number is final then (a name that existed is another inode)."""
+        if self._pending is not None:
+            self._make_name()
+        return self._ino
+
+    @property
+    def layout(self) -> Layout:
+        """The file's layout (final, as :attr:`ino`)."""
+        if self._pending is not None:
+            self._make_name()
+        return self._layout
 
     # -- io plumbing --------------------------------------------------------------------
     def readable(self) -> bool:
@@ -200,7 +222,7 @@ class StripeFile(io.RawIOBase):
         if want >= self.window // 2 or (not sequential and not self._in_window(offset)):
             # Big reads go straight into the caller's buffer; small random reads fetch
             # exactly what was asked (no window of readahead for a dataloader's 4 KiB sample).
-            return self._client.read_into(self.ino, self.layout, length, offset, dest[:want])
+            return self._client.read_into(self._ino, self._layout, length, offset, dest[:want])
         done = 0
         while done < want:
             buf, start, blen = self._window_for(offset + done, length)
@@ -281,10 +303,10 @@ class StripeFile(io.RawIOBase):
                 self._prefetch(start + blen, length)
                 return buf, start, blen
         self._ra.clear()
-        start = offset - offset % self.layout.chunk_size
+        start = offset - offset % self._layout.chunk_size
         blen = min(self.window, length - start)
         buf = self._client.buffers.get(self.window)
-        self._client.read_into(self.ino, self.layout, length, start, memoryview(buf)[:blen])
+        self._client.read_into(self._ino, self._layout, length, start, memoryview(buf)[:blen])
         self._ra.append([start, blen, buf, None])
         self._prefetch(start + blen, length)
         return buf, start, blen
@@ -303,7 +325,7 @@ class StripeFile(io.RawIOBase):
 
         def run() -> None:
             try:
-                fut.set_result(self._client.read_into(self.ino, self.layout, length, start, memoryview(buf)[:blen]))
+                fut.set_result(self._client.read_into(self._ino, self._layout, length, start, memoryview(buf)[:blen]))
             except BaseException as exc:
                 fut.set_exception(exc)
 
@@ -332,6 +354,8 @@ class StripeFile(io.RawIOBase):
         self._check_error()
         if n == 0:
             return 0
+        if self._pending is not None and offset + n > DEFER_BYTES:
+            self._make_name()  # before these bytes leave: a name that exists gets them directly
         self._ra.clear()
         self._dirty = True
         self._committed = None
@@ -342,7 +366,7 @@ class StripeFile(io.RawIOBase):
             self._reap(block=False)
             self._check_error()
             try:
-                self._client.write_from(self.ino, self.layout, offset, view)
+                self._client.write_from(self._ino, self._layout, offset, view)
             except Exception as exc:
                 # Some chunks of this write may have landed and others not: no length
                 # may be committed over them from now on.
@@ -388,7 +412,7 @@ class StripeFile(io.RawIOBase):
         if self._wlen + n < self.window:
             return True
         # Sending a full buffer must start threads, not send inline (one chunk and free).
-        return False if self.window > self.layout.chunk_size else None
+        return False if self.window > self._layout.chunk_size else None
 
     def send_blocker(self) -> "Future[None] | None":
         """The background write a full buffer would wait for before it is sent (at most
@@ -425,7 +449,7 @@ class StripeFile(io.RawIOBase):
             return
         buf, start, n = self._wbuf, self._wstart, self._wlen
         self._wbuf, self._wlen = None, 0
-        futs = [self._client.submit_write(self.ino, self.layout, start, memoryview(buf)[:n])]
+        futs = [self._client.submit_write(self._ino, self._layout, start, memoryview(buf)[:n])]
         self._inflight.append((buf, futs))
         self._written_end = max(self._written_end, start + n)
         self._reap(block=block and len(self._inflight) >= 2)
@@ -499,9 +523,11 @@ class StripeFile(io.RawIOBase):
 
     def _commit(self) -> None:
         self._check_error()  # never commit a length over bytes that were lost
+        if self._pending is not None:
+            self._make_name(self._length())
         if self._dirty:
             try:
-                attr = self._client.commit_length(self.ino, self._length(), mtime_ns=time.time_ns(),
+                attr = self._client.commit_length(self._ino, self._length(), mtime_ns=time.time_ns(),
                                                   truncations=self._truncations)
             except StripefsError as exc:
                 if exc.code == ErrorCode.CUT_PENDING:
@@ -519,13 +545,69 @@ class StripeFile(io.RawIOBase):
             self._dirty = False
             self._committed = attr
 
+    def _make_name(self, length: int | None = None) -> None:
+        """Make this file's pending name (``_pending``). ``length`` (``fsync``/``close``,
+        every write acknowledged): the one commit carries it, and nothing is left to
+        commit; None: the name is made empty. When the name existed, the bytes written so
+        far move to that file (truncated by the make), which the file goes on with.
+
+        Raises:
+            StripefsError: the name could not be made (the file stays pending: a later
+                ``fsync``/``close`` tries again and reports it again).
+        """
+        p = self._pending
+        assert p is not None
+        with p.lock:
+            ours = p.made is None
+            made = p.make(length or 0, time.time_ns() if length is not None else 0) if ours else p.made
+        assert made is not None
+        p.table.done(p)
+        self._pending = None
+        if made.ino != self._ino:
+            self._move_to(made)
+        elif ours and length is not None:
+            self.attr, self.size, self._dirty, self._committed = made, made.size, False, made
+        else:
+            self.attr = made
+
+    def _move_to(self, attr: Attr) -> None:
+        """Go on with the existing file ``attr`` (a pending name that existed), the bytes
+        written so far under the reserved inode copied over (none when nothing was sent
+        yet: the buffer goes to the new inode)."""
+        old_ino, old_layout, end = self._ino, self._layout, self._written_end
+        if end or self._inflight:
+            self._drain()
+            end = self._written_end
+        assert attr.layout is not None
+        self.attr, self._ino, self._layout, self.size = attr, attr.ino, attr.layout, 0
+        self._truncations = attr.truncations
+        self._dirty = True
+        if not end:
+            return
+        step = self.window
+        buf = self._client.buffers.get(step)
+        view = memoryview(buf)
+        try:
+            for off in range(0, end, step):
+                n = min(step, end - off)
+                self._client.read_into(old_ino, old_layout, end, off, view[:n])
+                self._client.write_from(self._ino, self._layout, off, view[:n])
+        except Exception as exc:
+            self._error = self._error or exc
+            raise
+        finally:
+            view.release()
+            self._client.buffers.put(buf)
+
     def truncate(self, size: int | None = None) -> int:
         self._check_open()
         if not self._writable:
             raise io.UnsupportedOperation("file not open for writing")
         size = self._pos if size is None else size
         self._drain()
-        attr = self._client.call(m.SetAttr(ino=self.ino, size=size)).attr
+        if self._pending is not None:
+            self._make_name()
+        attr = self._client.call(m.SetAttr(ino=self._ino, size=size)).attr
         self.size = attr.size
         self._truncations = attr.truncations
         self._committed = None if self._dirty else attr
@@ -548,6 +630,8 @@ class StripeFile(io.RawIOBase):
                 self._commit()
         finally:
             self._shut = True
+            if self._pending is not None:  # its writes or its name failed: no name is made
+                self._pending.table.drop(self._pending)
             for w in self._ra:
                 if w[3] is not None:
                     try:
@@ -565,7 +649,7 @@ class StripeFile(io.RawIOBase):
         raise io.UnsupportedOperation("stripefs files have no OS file descriptor")
 
     def __repr__(self) -> str:
-        return f"<StripeFile {self.name!r} ino={self.ino} size={self._length()}>"
+        return f"<StripeFile {self.name!r} ino={self._ino} size={self._length()}>"
 
 
 def mode_flags(mode: str) -> dict[str, bool]:

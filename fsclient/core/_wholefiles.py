@@ -41,7 +41,7 @@ class Client(Protocol):
 
     def submit_write(self, ino: int, layout: Layout, offset: int, data: memoryview) -> "Future[None]": ...
 
-    def open(self, path: str, mode: str = "rb") -> Any: ...
+    def open(self, path: str, mode: str = "rb", *, defer: bool = True) -> Any: ...
 
 __all__ = ["Reservation", "Reservations", "reserve", "write_files"]
 
@@ -82,6 +82,16 @@ class Reservations:
         with self._lock:
             self._pools.setdefault(parent, collections.deque()).extend(fresh[1:])
         return fresh[0]
+
+
+    def forget(self, path: str) -> None:
+        """Drop the pools of directory ``path`` and of every directory below it (this
+        client removed or moved it: a name made from such a pool would fail at its
+        commit, where ``open`` must fail at once; the reservations are left to expire)."""
+        below = path.rstrip("/") + "/"
+        with self._lock:
+            for key in [k for k in self._pools if k == path or k.startswith(below)]:
+                del self._pools[key]
 
 
 def reserve(client: Client, parent: str, count: int) -> list[Reservation]:
@@ -162,7 +172,7 @@ def write_files(client: Client, files: Sequence[tuple[str, "bytes | bytearray | 
 def _in_place(client: Client, path: str, data: "bytes | bytearray | memoryview") -> Attr | StripefsError:
     """Write an existing file as ``open(path, "wb")`` does; its attributes, or the error."""
     try:
-        with client.open(path, "wb") as f:
+        with client.open(path, "wb", defer=False) as f:  # the name exists: nothing to make
             f.write(data)
         return dataclasses.replace(f.attr, size=f.size)  # as opened; the size as committed
     except StripefsError as exc:
