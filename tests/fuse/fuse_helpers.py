@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -67,3 +68,23 @@ def chunk_writes_fail(servers: list[dict[str, Any]], ino: int, chunks: int = 64)
     finally:
         for b in blockers:
             os.rmdir(b)
+
+
+def wait_gone(pid: int, timeout: float = 20.0) -> None:
+    """Wait until process ``pid`` is gone (reaped when it is our child).
+
+    Raises:
+        AssertionError: it still runs after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} still running after {timeout}s")

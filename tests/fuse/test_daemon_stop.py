@@ -21,25 +21,11 @@ from stripefs.fsclient import Client
 from stripefs.fsclient.fuse import _daemon, main as fuse_main, mount_record, mounted_fstype
 
 from .conftest import do_mount, do_umount
+from .fuse_helpers import wait_gone
 
 pytestmark = pytest.mark.fuse
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _wait_gone(pid: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"daemon {pid} still running after {timeout}s")
 
 
 def _close_quietly(fd: int) -> None:
@@ -60,7 +46,7 @@ def test_stop_signal_drains_open_files(sig: int, cluster, client: Client, testdi
     try:
         assert os.write(fd, data) == len(data)
         os.kill(pid, sig)
-        _wait_gone(pid)
+        wait_gone(pid)
     finally:
         _close_quietly(fd)
         do_umount(mp)
@@ -82,7 +68,7 @@ def test_lazy_umount_drains_open_files(cluster, client: Client, testdir: str, tm
         assert os.write(fd, data) == len(data)  # still served after umount returned (#37 item 6)
     finally:
         _close_quietly(fd)
-    _wait_gone(pid)  # the last close ends the mount; the daemon commits and exits by itself
+    wait_gone(pid)  # the last close ends the mount; the daemon commits and exits by itself
     assert mounted_fstype(mp) is None
     assert client.read_bytes(f"{testdir}/held") == data + data
 
@@ -106,7 +92,7 @@ def test_lazy_umount_waits_for_the_last_handle(cluster, client: Client, testdir:
         closer.join()
     err = capsys.readouterr().err
     assert "waiting up to" in err and "stopping it" not in err
-    _wait_gone(pid, timeout=1.0)  # umount returned after the daemon's exit
+    wait_gone(pid, timeout=1.0)  # umount returned after the daemon's exit
     assert client.read_bytes(f"{testdir}/late") == data
 
 
@@ -155,7 +141,7 @@ def test_umount_never_signals_a_recycled_pid(cluster, tmp_path, monkeypatch) -> 
     do_mount(mp, cluster.file)
     record = mount_record(mp)
     os.kill(record["pid"], signal.SIGKILL)
-    _wait_gone(record["pid"])
+    wait_gone(record["pid"])
     bystander = subprocess.Popen(["sleep", "60"])
     try:
         # Simulate pid reuse: the record now names a live process that is not the daemon.

@@ -15,7 +15,6 @@ import errno
 import os
 import signal
 import stat
-import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,6 +28,7 @@ from stripefs.fsclient.fuse._operations import StripeOperations
 from stripefs.wire import messages as m
 
 from .conftest import do_mount, do_umount
+from .fuse_helpers import wait_gone
 
 pytestmark = pytest.mark.fuse
 
@@ -214,17 +214,7 @@ def _check(c: Client, directory: str, made: dict[str, bytes]) -> None:
 
 def _kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.02)
+    wait_gone(pid, timeout=10)
 
 
 def test_kill_9_of_the_daemon_after_fsync_and_close_keeps_the_files(make_cluster, tmp_path) -> None:
