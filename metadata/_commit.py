@@ -47,8 +47,10 @@ A mutation (:meth:`CommitPath.apply`) goes through these steps, in this order:
    steps between durable and answered belong there): a truncation cuts the chunks on the
    storage servers (in ``_dispatch``); the membership row is written if the request
    changed it; every other client holding a lease on a store key the mutation wrote
-   (:data:`TOUCHED`) is told, and acknowledges or its lease runs out; the answer is
-   recorded for retries (``_replay.Replies``) and sent.
+   (:data:`TOUCHED` on SQLite; on a shared PostgreSQL store the keys are published with
+   the commit and every service tells its own holders, ``_leasebus.py``) is told, and
+   acknowledges or its lease runs out; the answer is recorded for retries
+   (``_replay.Replies``) and sent.
 
 Caveats:
     * Stores without a reader (in-memory; PostgreSQL for now) run reads in the write
@@ -103,7 +105,8 @@ INLINE_BUSY_TIMEOUT = 0.005
 # The (client id, request id) of the mutation the current task applies: ``CommitPath.apply``
 # records its result in the store under that key (see ``_replay.apply_once``).
 REQUEST: contextvars.ContextVar[tuple[bytes, int] | None] = contextvars.ContextVar("request", default=None)
-# The store keys the current mutation wrote (``SqliteStore.touched``), when leases are granted:
+# The store keys the current mutation wrote (``SqliteStore.touched``), when a SQLite store grants
+# leases (a shared PostgreSQL store publishes them instead, ``_leasebus.py``):
 # their leases are invalidated once it committed, before it is answered (``MetadataService.handle``).
 TOUCHED: contextvars.ContextVar[set[Any] | None] = contextvars.ContextVar("touched", default=None)
 
