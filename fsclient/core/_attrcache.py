@@ -306,6 +306,18 @@ class AttrCache:
                 self._clear_names()  # the directory that gained or lost a name
                 if isinstance(msg, m.CreatePath) and self.timeout > 0:
                     self._store(msg.path, reply.attr, time.monotonic() + self.timeout, 0)
+            elif isinstance(msg, m.ReserveFiles):
+                pass  # inode numbers set aside: no name, no attribute changed
+            elif isinstance(msg, m.CommitFiles) and not isinstance(reply, BaseException):
+                # New regular files (names that existed failed alone, unchanged): as a create
+                # of each, never the whole cache (one per small file written).
+                for path in msg.paths:
+                    self._drop(path)
+                for attr in reply.attrs:
+                    self._drop_ino(attr.ino)
+                for path in list(self._dirs):
+                    self._drop(path)
+                self._clear_names()
             else:
                 self._clear()
 

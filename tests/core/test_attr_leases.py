@@ -87,6 +87,30 @@ def test_a_repeated_stat_needs_no_metadata_round_trip(lcluster: LocalCluster, pa
     assert got == [first] * 100
 
 
+def test_writing_new_files_keeps_the_other_leased_entries(lcluster: LocalCluster, pair, d: str) -> None:
+    """A new file's commit (``CommitFiles``) and the reservations before it drop what they
+    change, not the whole cache: a leased stat of another file stays a cache hit, and the
+    new names show in the writer's own listing and stats at once."""
+    holder, writer, _ = pair
+    writer.write_bytes(f"{d}/f", b"abc")
+    first = _leased(holder, f"{d}/f")
+    assert holder.listdir(d) == ["f"]
+    sent: list[str] = []
+    core = holder._core
+    real = core.call
+    core.call = lambda msg, *a, **kw: (sent.append(type(msg).__name__), real(msg, *a, **kw))[1]  # type: ignore[method-assign]
+    try:
+        for k in range(5):
+            with holder.open(f"{d}/new{k}", "wb") as f:
+                f.write(b"x" * (k + 1))
+            assert holder.stat(f"{d}/f") == first
+        assert sent.count("Resolve") == 0, sent  # every stat of f answered from its lease
+        assert holder.listdir(d) == ["f"] + [f"new{k}" for k in range(5)]
+        assert [holder.stat(f"{d}/new{k}").size for k in range(5)] == [1, 2, 3, 4, 5]
+    finally:
+        del core.call
+
+
 def _setup_file(w: Client, d: str) -> None:
     w.write_bytes(f"{d}/f", b"abc")
 
