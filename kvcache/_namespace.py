@@ -6,7 +6,8 @@ A namespace ``NS`` under the store's root (``/.kvcache`` by default)::
     /.kvcache/NS/seg/        live segments (their chunk size set to suit the page size)
     /.kvcache/NS/idx/        one symlink per key: name = key hex, target = page location
     /.kvcache/NS/retired/    evicted segments, kept until no reader can be using them
-    /.kvcache/NS/tmp/        index entries on their way to replace an existing one
+    /.kvcache/NS/tmp/        index entries on their way to replace an existing one (writers before
+                             SymlinkMany replaced in place; still swept)
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ How a put becomes visible (each step durable before the next starts):
 2. the pages and their table are written as one new segment file (``Client.write_bytes``:
    every chunk acknowledged by every replica, then the name and length committed in one
    metadata transaction, so the segment appears whole or not at all);
-3. each page is published by one index entry (a ``Symlink`` whose target is the page's
-   location), all of them in flight together.
+3. each page is published by one index entry (a symlink whose target is the page's
+   location), 200 per ``SymlinkMany`` (one metadata transaction), all in flight together.
 
 A writer killed anywhere leaves at most a segment without index entries (evicted in its
 turn, as the least recently used) and never an index entry over bytes that are not all
@@ -19,7 +19,6 @@ before calling it a hit.
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 import time
@@ -40,6 +39,8 @@ from ._namespace import ROOT, open_namespace
 from ._stats import Counters, StoreStats
 
 __all__ = ["PageStore"]
+
+PUBLISH_BATCH = 200  # index entries per SymlinkMany (the service's limit)
 
 GET_GROUP = 256  # pages looked up and read per round (a batch of more goes in rounds)
 SEGMENT_MAX = 256 << 20  # page bytes per segment, at most
@@ -104,7 +105,6 @@ class PageStore:
         per_segment = segment_bytes if segment_bytes is not None else min(SEGMENT_MAX, capacity_bytes // 8)
         self._segment_pages = max(1, min(per_segment, capacity_bytes) // page_size)
         self._writer = new_writer_id()
-        self._seq = itertools.count()
         self._counters = Counters()
         self._evictor = Evictor(self.client, self.ns, page_size=page_size, capacity=capacity_bytes, ttl=ttl,
                                 grace=grace, counters=self._counters)
@@ -160,23 +160,24 @@ class PageStore:
         return name
 
     def _publish(self, segment: str, names: list[str], crcs: list[int], batch: int) -> None:
-        """One index entry per page of ``segment``; an existing key's entry is replaced."""
+        """One index entry per page of ``segment``, 200 per ``SymlinkMany`` (one metadata
+        transaction each, all of them in flight together); an existing key's entry is
+        replaced in the same transaction (a reader resolves the old page or the new one)."""
         targets = [encode_target(Location(segment, j, crc)) for j, crc in enumerate(crcs)]
-        first = call_all(self.client, [m.Symlink(parent=self.ns.idx_ino, name=n, target=t)
-                                       for n, t in zip(names, targets)])
-        results: list[Any] = list(first)
-        again = [j for j, r in enumerate(first) if isinstance(r, StripefsError) and r.code == ErrorCode.EXISTS]
-        if again:  # replace: a fresh entry in tmp/, renamed over the old one (atomic)
-            tmp = {j: f"{time.time_ns()}~{self._writer}-{next(self._seq)}" for j in again}
-            made = call_all(self.client, [m.Symlink(parent=self.ns.tmp_ino, name=tmp[j], target=targets[j])
-                                          for j in again])
-            moves = [j for j, r in zip(again, made) if not isinstance(r, StripefsError)]
-            moved = call_all(self.client, [m.Rename(parent=self.ns.tmp_ino, name=tmp[j], new_parent=self.ns.idx_ino,
-                                                    new_name=names[j]) for j in moves])
-            for j, r in zip(again, made):
-                results[j] = r
-            for j, r in zip(moves, moved):
-                results[j] = r
+        parts = [(k, min(k + PUBLISH_BATCH, len(names))) for k in range(0, len(names), PUBLISH_BATCH)]
+        replies = call_all(self.client, [m.SymlinkMany(parent=self.ns.idx_ino, names=names[a:b], targets=targets[a:b],
+                                                       replace=True) for a, b in parts])
+        results: list[Any] = []
+        for (a, b), reply in zip(parts, replies):
+            if isinstance(reply, StripefsError):
+                results.extend([reply] * (b - a))
+                continue
+            errors = dict(zip(reply.failed, reply.codes))
+            if len(reply.attrs) + len(errors) != b - a:
+                raise StripefsError(ErrorCode.PROTOCOL, "SymlinkMany: answer does not match the names sent")
+            attrs = iter(reply.attrs)
+            results.extend(StripefsError(errors[k], "index entry not made", names[a + k]) if k in errors
+                           else next(attrs) for k in range(b - a))
         failed = [r for r in results if isinstance(r, StripefsError)]
         stored = len(results) - len(failed)
         self._counters.add(puts=stored, bytes_in=stored * self.page_size)

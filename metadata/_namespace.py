@@ -697,16 +697,49 @@ class Namespace:
             return attr
 
     def symlink(self, parent: int, name: str, target: str, uid: int, gid: int) -> Attr:
-        if not target or "\x00" in target:
-            raise _err(ErrorCode.INVALID, "symlink target must be non-empty without NUL")
-        size = len(target.encode("utf-8", "surrogateescape"))
-        if size > MAX_PATH:
-            raise _err(ErrorCode.NAME_TOO_LONG, f"symlink target longer than {MAX_PATH} bytes")
+        size = _symlink_size(target)
         with self._store.transaction() as txn:
             self._new_parent_checked(txn, parent, name)
             attr = self._new_inode(txn, parent, name, stat.S_IFLNK | 0o777, uid, gid, size=size, target=target)
             self._touch_dir(txn, parent, attr.ctime_ns)
             return attr
+
+    def symlink_many(self, parent: int, names: list[str], targets: list[str], uid: int, gid: int, *,
+                     replace: bool = False) -> list[Attr | StripefsError]:
+        """:meth:`symlink` of each name in directory ``parent``, in one transaction; each
+        fails alone. ``replace``: a name that is a symlink already gets the new one (the old
+        inode goes in the same transaction: a reader resolves the old target or the new one).
+
+        Raises:
+            StripefsError: EINVAL for more than ``MAX_CREATE_MANY`` names, names and targets
+                of unequal lengths or not text; ENOENT/ENOTDIR (parent).
+        """
+        self.check_batch(names)
+        if len(names) != len(targets) or not all(isinstance(t, str) for t in targets):
+            raise _err(ErrorCode.INVALID, "one text target per name")
+        out: list[Attr | StripefsError] = []
+        with self._store.transaction() as txn:
+            self._dir(txn, parent)
+            last = 0
+            for name, target in zip(names, targets):
+                try:
+                    validate_name(name)
+                    size = _symlink_size(target)
+                    entry = txn.get_dentry(parent, name)
+                    if entry is not None:
+                        old = self._inode(txn, entry.ino)
+                        if not (replace and old.is_symlink):
+                            raise _err(ErrorCode.EXISTS, f"file exists: {name!r}")
+                        txn.delete_dentry(parent, name)
+                        self._drop_link(txn, old, time.time_ns())
+                    attr = self._new_inode(txn, parent, name, stat.S_IFLNK | 0o777, uid, gid, size=size, target=target)
+                    last = attr.ctime_ns
+                    out.append(attr)
+                except StripefsError as exc:
+                    out.append(exc)
+            if last:
+                self._touch_dir(txn, parent, last)
+        return out
 
     def mknod(self, parent: int, name: str, mode: int, rdev: int, uid: int, gid: int, *,
               chains: list[int]) -> Attr:
@@ -1127,6 +1160,20 @@ class Namespace:
             "dirs": by_type.get(stat.S_IFDIR, (0, 0))[0],
             "bytes": by_type.get(stat.S_IFREG, (0, 0))[1],
         }
+
+
+def _symlink_size(target: str) -> int:
+    """A symlink's size (its target's bytes).
+
+    Raises:
+        StripefsError: EINVAL (empty, or a NUL), ENAMETOOLONG (over ``MAX_PATH`` bytes).
+    """
+    if not target or "\x00" in target:
+        raise _err(ErrorCode.INVALID, "symlink target must be non-empty without NUL")
+    size = len(target.encode("utf-8", "surrogateescape"))
+    if size > MAX_PATH:
+        raise _err(ErrorCode.NAME_TOO_LONG, f"symlink target longer than {MAX_PATH} bytes")
+    return size
 
 
 class _Heads:

@@ -298,6 +298,17 @@ class MetadataService(Service):
             found = await apply(ns.create_many, list(msg.paths), msg.mode, msg.uid, msg.gid, chains=chains,
                                 exclusive=msg.exclusive, _now=False)
             return many_reply(found)
+        if isinstance(msg, m.SymlinkMany):
+            Namespace.check_batch(msg.names)
+            if not msg.replace:
+                return many_reply(await apply(ns.symlink_many, msg.parent, list(msg.names), list(msg.targets),
+                                              msg.uid, msg.gid, _now=False))
+            try:  # a replaced symlink may be on the way of remembered paths
+                found = await apply(ns.symlink_many, msg.parent, list(msg.names), list(msg.targets), msg.uid, msg.gid,
+                                    replace=True, _now=False, _committed=self.commit.forget_dirs)
+            finally:
+                self.commit.forget_dirs()
+            return many_reply(found)
         if isinstance(msg, m.ReserveFiles):
             chains = await self._frozen_chains()
             items = await apply(ns.reserve_files, msg.parent, msg.count, chains=chains)

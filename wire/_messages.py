@@ -1236,3 +1236,19 @@ class CommitFiles(Message[StatManyReply]):
     gid: int = 0
     mtime_ns: int = 0
     exclusive: bool = False
+
+
+@message(69, mutates=True)
+class SymlinkMany(Message[StatManyReply]):
+    """``Symlink`` of up to 200 names in directory ``parent``, in one round trip and one
+    store transaction: ``names[i]`` -> ``targets[i]``. ``replace``: a name that is a symlink
+    already is pointed at the new target (its old inode goes, atomically with the new one's
+    making; any other type stays and fails EEXIST). Answered like ``CreateMany``; a name
+    fails alone."""
+
+    parent: int
+    names: list[str]
+    targets: list[str]
+    uid: int = 0
+    gid: int = 0
+    replace: bool = False

@@ -12,7 +12,7 @@ import pytest
 from stripefs import wire
 from stripefs.fsclient.core._client import CREATE_MANY_MAX
 from stripefs.rpc import Connection
-from stripefs.wire import StripefsError, messages as m
+from stripefs.wire import ErrorCode, StripefsError, messages as m
 
 
 def test_stat_many_answers_each_path_in_order(client, testdir: str) -> None:
@@ -193,3 +193,18 @@ def test_overlong_paths_fail_alone_however_many(client, testdir: str) -> None:
     assert client.stat(f"{testdir}/ok") == got[-1]
     gone = client.unlink_many([long] * 250 + [f"{testdir}/ok"])
     assert all(r.errno == errno.ENAMETOOLONG for r in gone[:-1]) and gone[-1].nlink == 0
+
+
+def test_symlink_many_through_the_service(client, testdir: str) -> None:
+    d = client.stat(testdir).ino
+    client.write_bytes(f"{testdir}/file", b"x")
+    reply = client.call(m.SymlinkMany(parent=d, names=["a", "b", "file"], targets=["/x/a", "/x/b", "/x/f"]))
+    assert reply.failed == [2] and reply.codes == [ErrorCode.EXISTS] and len(reply.attrs) == 2
+    assert client.readlink(f"{testdir}/a") == "/x/a"
+    again = client.call(m.SymlinkMany(parent=d, names=["a", "file"], targets=["/y/a", "/y/f"], replace=True))
+    assert again.failed == [1] and client.readlink(f"{testdir}/a") == "/y/a"
+    assert client.read_bytes(f"{testdir}/file") == b"x"
+    assert sorted(client.listdir(testdir)) == ["a", "b", "file"]
+    with pytest.raises(OSError) as info:
+        client.call(m.SymlinkMany(parent=d, names=["c"] * 201, targets=["/t"] * 201))
+    assert info.value.errno == errno.EINVAL

@@ -66,6 +66,7 @@ _OPS: list[tuple[str, Callable[[Namespace], Any]]] = [
     ("rename exchange", lambda ns: ns.rename(_ino(ns, "/a"), "f", _ino(ns, "/a"), "sub", RENAME_EXCHANGE)),
     ("link", lambda ns: ns.link(_ino(ns, "/a/f"), _ino(ns, "/a"), "hard")),
     ("symlink", lambda ns: ns.symlink(_ino(ns, "/a"), "new", "/b", 0, 0)),
+    ("symlink_many replace", lambda ns: ns.symlink_many(ROOT_INO, ["lnk", "new"], ["/b", "/a"], 0, 0, replace=True)),
     ("mknod", lambda ns: ns.mknod(_ino(ns, "/a"), "new", stat.S_IFIFO | 0o644, 0, 0, 0, chains=[])),
     ("setattr mode", lambda ns: ns.setattr(_ino(ns, "/a/f"), mode=0o600)),
     ("setattr owner", lambda ns: ns.setattr(_ino(ns, "/a/sub"), uid=7, gid=8)),

@@ -1,4 +1,4 @@
-"""Batched namespace operations (``create_many``, ``unlink_many``) against every store backend:
+"""Batched namespace operations (``create_many``, ``unlink_many``, ``symlink_many``) against every store backend:
 one transaction for many paths, each path with the single operation's semantics."""
 
 from __future__ import annotations
@@ -202,3 +202,39 @@ def test_commit_refuses_names_that_exist_and_keeps_the_reservation(ns: Namespace
     with pytest.raises(StripefsError) as info:
         ns.reserve_files("/d", 0, chains=CHAINS)
     assert info.value.errno == errno.EINVAL
+
+
+def test_symlink_many_makes_and_replaces_links_each_failing_alone(ns: Namespace) -> None:
+    d = ns.resolve("/d").ino
+    create_many(ns, ["/d/file"])
+    found = ns.symlink_many(d, ["a", "b", "file", "c", "n" * (MAX_NAME + 1), "e"],
+                            ["/t/a", "/t/b", "/t/f", "", "/t/x", "x" * (MAX_PATH + 1)], 7, 8)
+    assert codes(found) == [None, None, errno.EEXIST, errno.EINVAL, errno.ENAMETOOLONG, errno.ENAMETOOLONG]
+    a = found[0]
+    assert stat.S_ISLNK(a.mode) and (a.uid, a.gid, a.size) == (7, 8, len("/t/a"))
+    assert ns.readlink(a.ino) == "/t/a" and ns.resolve("/d/file").is_file
+    # Without replace an existing link is EEXIST; with it, the link points anew (a new
+    # inode, the old one gone with its name) and a regular file stays and fails alone.
+    again = ns.symlink_many(d, ["a"], ["/t/a2"], 0, 0)
+    assert codes(again) == [errno.EEXIST]
+    mtime = ns.resolve("/d").mtime_ns
+    swapped = ns.symlink_many(d, ["a", "file", "new"], ["/t/a2", "/t/f2", "/t/n"], 0, 0, replace=True)
+    assert codes(swapped) == [None, errno.EEXIST, None]
+    assert ns.readlink(ns.lookup(d, "a").ino) == "/t/a2" and swapped[0].ino != a.ino
+    with pytest.raises(StripefsError) as info:
+        ns.readlink(a.ino)
+    assert info.value.errno == errno.ENOENT
+    assert ns.resolve("/d/file").is_file and ns.resolve("/d").mtime_ns > mtime
+
+
+def test_symlink_many_refuses_a_bad_batch_whole(ns: Namespace) -> None:
+    d = ns.resolve("/d").ino
+    for names, targets in ([f"l{k}" for k in range(MAX_CREATE_MANY + 1)], ["/t"] * (MAX_CREATE_MANY + 1)), \
+                          (["a", "b"], ["/t"]), (["a"], [b"/t"]):
+        with pytest.raises(StripefsError) as info:
+            ns.symlink_many(d, names, targets, 0, 0)
+        assert info.value.errno == errno.EINVAL
+    assert ns.readdir(d)[0] == []  # nothing was made
+    with pytest.raises(StripefsError) as info:
+        ns.symlink_many(ns.resolve("/d").ino + 10_000, ["a"], ["/t"], 0, 0)
+    assert info.value.errno == errno.ENOENT

@@ -116,6 +116,7 @@ REPLY_OF = {
     "RemoveXattr": "AttrReply", "AcquireLock": "LockReply", "ReleaseLock": "ReleaseLockReply",
     "CreatePath": "CreateReply", "UnlinkPath": "AttrReply", "StatMany": "StatManyReply",
     "ListNames": "NamesReply", "CreateMany": "StatManyReply", "UnlinkMany": "StatManyReply",
+    "SymlinkMany": "StatManyReply",
     "WatchLeases": "WatchLeasesReply", "ReserveFiles": "ReserveFilesReply", "CommitFiles": "StatManyReply",
 }
 
