@@ -169,15 +169,8 @@ class PageStore:
                                                        replace=True) for a, b in parts])
         results: list[Any] = []
         for (a, b), reply in zip(parts, replies):
-            if isinstance(reply, StripefsError):
-                results.extend([reply] * (b - a))
-                continue
-            errors = dict(zip(reply.failed, reply.codes))
-            if len(reply.attrs) + len(errors) != b - a:
-                raise StripefsError(ErrorCode.PROTOCOL, "SymlinkMany: answer does not match the names sent")
-            attrs = iter(reply.attrs)
-            results.extend(StripefsError(errors[k], "index entry not made", names[a + k]) if k in errors
-                           else next(attrs) for k in range(b - a))
+            results.extend([reply] * (b - a) if isinstance(reply, StripefsError)
+                           else reply.per_item(names[a:b], "SymlinkMany"))
         failed = [r for r in results if isinstance(r, StripefsError)]
         stored = len(results) - len(failed)
         self._counters.add(puts=stored, bytes_in=stored * self.page_size)

@@ -1082,6 +1082,20 @@ class StatManyReply(ReplyMessage):
     lease_ms: int = 0
     SPARSE = ("lease_ids", "lease_ms")
 
+    def per_item(self, names: list[str], what: str) -> "list[Attr | StripefsError]":
+        """Per name asked (in order): its attributes, or its error (returned, not raised).
+
+        Raises:
+            StripefsError: PROTOCOL when the answer does not match ``names`` (``what``: the
+                request, for the message).
+        """
+        n = len(names)
+        if (len(self.attrs) + len(self.failed) != n or len(self.codes) != len(self.failed)
+                or len(set(self.failed)) != len(self.failed) or not all(0 <= i < n for i in self.failed)):
+            raise StripefsError(ErrorCode.PROTOCOL, f"{what}: answer does not match the names asked")
+        attrs, errors = iter(self.attrs), dict(zip(self.failed, self.codes))
+        return [StripefsError(errors[i], "", names[i]) if i in errors else next(attrs) for i in range(n)]
+
 
 @message(60, mutates=True)
 class CreatePath(Message[CreateReply]):

@@ -299,11 +299,7 @@ class AttrCache:
             # everything goes. A file has nothing under it; its other names share its inode.
             if (isinstance(msg, (m.CreatePath, m.UnlinkPath)) and not isinstance(reply, BaseException)
                     and not reply.attr.is_symlink):
-                self._drop(msg.path)
-                self._drop_ino(reply.attr.ino)
-                for path in list(self._dirs):
-                    self._drop(path)
-                self._clear_names()  # the directory that gained or lost a name
+                self._named([msg.path], [reply.attr])
                 if isinstance(msg, m.CreatePath) and self.timeout > 0:
                     self._store(msg.path, reply.attr, time.monotonic() + self.timeout, 0)
             elif isinstance(msg, m.ReserveFiles):
@@ -311,15 +307,20 @@ class AttrCache:
             elif isinstance(msg, m.CommitFiles) and not isinstance(reply, BaseException):
                 # New regular files (names that existed failed alone, unchanged): as a create
                 # of each, never the whole cache (one per small file written).
-                for path in msg.paths:
-                    self._drop(path)
-                for attr in reply.attrs:
-                    self._drop_ino(attr.ino)
-                for path in list(self._dirs):
-                    self._drop(path)
-                self._clear_names()
+                self._named(msg.paths, reply.attrs)
             else:
                 self._clear()
+
+    def _named(self, paths: list[str], attrs: list[Attr]) -> None:
+        """Names were made or removed (not symlinks): drop them, their inodes, every
+        directory's attributes and the kept listings (the directories gained or lost a name)."""
+        for path in paths:
+            self._drop(path)
+        for attr in attrs:
+            self._drop_ino(attr.ino)
+        for path in list(self._dirs):
+            self._drop(path)
+        self._clear_names()
 
     # -- the watch -----------------------------------------------------------------------------
     def invalidate(self, lease_ids: list[int]) -> None:

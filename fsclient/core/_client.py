@@ -326,15 +326,7 @@ class Client:
         for start in range(0, len(norm), CREATE_MANY_MAX):
             part = norm[start:start + CREATE_MANY_MAX]
             msg = request(part)
-            reply = self._core.call(msg)
-            if (len(reply.attrs) + len(reply.failed) != len(part) or len(reply.codes) != len(reply.failed)
-                    or len(set(reply.failed)) != len(reply.failed)
-                    or not all(0 <= i < len(part) for i in reply.failed)):
-                raise StripefsError(ErrorCode.PROTOCOL,
-                                    f"{type(msg).__name__}: answer does not match the paths asked")
-            attrs, errors = iter(reply.attrs), dict(zip(reply.failed, reply.codes))
-            out.extend(StripefsError(errors[i], "", part[i]) if i in errors else next(attrs)
-                       for i in range(len(part)))
+            out.extend(self._core.call(msg).per_item(part, type(msg).__name__))
         return out
 
     def lstat(self, path: str) -> Attr:

@@ -90,12 +90,11 @@ class PendingCreate:
         client = self.table.client
         reply = client.call(m.CommitFiles(paths=[self.path], inos=[self.res.ino], ids=[self.res.id], lengths=[length],
                                           mode=self.mode, uid=self.uid, gid=self.gid, mtime_ns=mtime_ns))
-        if len(reply.attrs) + len(reply.failed) != 1 or len(reply.codes) != len(reply.failed):
-            raise StripefsError(ErrorCode.PROTOCOL, "CommitFiles: answer does not match the file sent")
-        if reply.attrs:
-            self.made = reply.attrs[0]
-            return self.made
-        code = reply.codes[0]
+        (got,) = reply.per_item([self.path], "CommitFiles")
+        if not isinstance(got, StripefsError):
+            self.made = got
+            return got
+        code = got.code
         if code == ErrorCode.STALE_FILE:
             raise StripefsError(ErrorCode.IO, "the file's reserved inode expired before it was committed: "
                                               "its bytes are lost", self.path)

@@ -156,12 +156,8 @@ def write_files(client: Client, files: Sequence[tuple[str, "bytes | bytearray | 
             for i in part:
                 out[i] = StripefsError(exc.code, exc.message, files[i][0])
             continue
-        if (len(reply.attrs) + len(reply.failed) != len(part) or len(reply.codes) != len(reply.failed)
-                or not all(0 <= k < len(part) for k in reply.failed)):
-            raise StripefsError(ErrorCode.PROTOCOL, "CommitFiles: answer does not match the files sent")
-        attrs, errors = iter(reply.attrs), dict(zip(reply.failed, reply.codes))
-        for k, i in enumerate(part):
-            out[i] = StripefsError(errors[k], "", files[i][0]) if k in errors else next(attrs)
+        for i, got in zip(part, reply.per_item([files[i][0] for i in part], "CommitFiles")):
+            out[i] = got
     if not exclusive:  # names that exist: those files are written in place
         for i, r in enumerate(out):
             if isinstance(r, StripefsError) and r.code == ErrorCode.EXISTS:

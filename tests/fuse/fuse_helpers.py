@@ -78,13 +78,20 @@ def wait_gone(pid: int, timeout: float = 20.0) -> None:
     """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not alive(pid):
             return
         time.sleep(0.02)
     raise AssertionError(f"process {pid} still running after {timeout}s")
+
+
+def alive(pid: int) -> bool:
+    """Is process ``pid`` still there (reaped first when it is our child and exited)?"""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False

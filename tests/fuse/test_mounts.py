@@ -11,6 +11,7 @@ import time
 import pytest
 
 from .conftest import do_mount, do_umount
+from .fuse_helpers import alive
 from stripefs.fsclient.fuse import main as fuse_main, mount_record, mounted_fstype
 
 pytestmark = pytest.mark.fuse
@@ -56,7 +57,7 @@ def test_kill_9_then_remount_keeps_closed_files(make_cluster, tmp_path) -> None:
     assert record is not None
     os.kill(record["pid"], signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while _alive(record["pid"]) and time.monotonic() < deadline:
+    while alive(record["pid"]) and time.monotonic() < deadline:
         time.sleep(0.05)
     with pytest.raises(OSError):
         os.listdir(mp)  # ENOTCONN: the mount is dead
@@ -72,18 +73,6 @@ def test_kill_9_then_remount_keeps_closed_files(make_cluster, tmp_path) -> None:
             assert open(f"{mp}/d/{name}", "rb").read() == data
     finally:
         do_umount(mp)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 def test_stale_orphans_of_a_dead_daemon_are_removed(make_cluster, tmp_path) -> None:
