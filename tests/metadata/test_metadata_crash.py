@@ -19,7 +19,9 @@ commits whose frames are all there, in order). Afterwards the log is replayed co
 commit onto the database file (every prefix of its writes: the states S_0..S_n), and the
 answers are judged in the order they were sent: each must hold in some state S_j with
 ``lo <= j <= hi`` -- ``hi`` the last commit durable when it was sent, ``lo`` the state
-every answer sent before this request was issued needed (real-time order). A
+every answer sent before this request was issued needed (real-time order); a mutation
+that group commit folded into one transaction with a concurrent one that undid it (two
+chmods of one file) is placed at their shared commit (``folded``). A
 mutation's answer holds where its effect is (the fresh name with its inode, the new
 mode and mtime, the new size); a read's where the state shows exactly what it said
 (``EEXIST`` and ``ENOENT`` included). Finally the survivors themselves -- copies of the
@@ -304,8 +306,56 @@ def holds(a: Answer, st: State) -> bool:
     raise AssertionError(f"no claim known for {type(msg).__name__}")
 
 
+def _touches(a: Answer, before: State) -> set[tuple]:
+    """What a successful mutation changed from state ``before``: the names it made or
+    removed, the inode it set or unlinked."""
+    msg = a.msg
+    if a.code is not None:
+        return set()
+    if isinstance(msg, m.SetAttr):
+        return {("ino", msg.ino)}
+    if isinstance(msg, (m.Mkdir, m.Create)):
+        return {("name", msg.parent, msg.name)}
+    if isinstance(msg, (m.Unlink, m.Rmdir)):
+        return {("name", msg.parent, msg.name), ("ino", before.entries.get((msg.parent, msg.name)))}
+    if isinstance(msg, m.Rename):
+        return {("name", msg.parent, msg.name), ("name", msg.new_parent, msg.new_name)}
+    return set()
+
+
+def _changed(key: tuple, before: State, after: State) -> bool:
+    if key[0] == "ino":
+        return before.attrs.get(key[1]) != after.attrs.get(key[1])
+    return before.entries.get(key[1:]) != after.entries.get(key[1:])
+
+
+def folded(answers: list[Answer], i: int, states: list[State], lo: int, hi: int) -> int | None:
+    """The commit in ``lo..hi`` that holds answer ``i`` overwritten within it, if any.
+
+    Group commit runs the mutations that queued together as one SQLite transaction, so a
+    mutation that a concurrent one undid within the same batch (two chmods of one file; a
+    truncate of a file unlinked at once; a rename whose old name a racing ``mkdir`` took)
+    shows in no committed state,
+    and no power loss can keep or lose one without the other. Such an answer is placed
+    at commit ``j`` when a mutation ``b`` concurrent with it (each issued before the other
+    was answered) touched the same name or inode, ``b`` first holds at ``j``, and commit
+    ``j`` changed what the answer claims.
+    """
+    a = answers[i]
+    for j in range(max(lo, 1), hi + 1):
+        keys = _touches(a, states[j - 1])
+        if not any(_changed(k, states[j - 1], states[j]) for k in keys):
+            continue
+        for n, b in enumerate(answers):
+            if (n != i and b.issued <= i and a.issued <= n and keys & _touches(b, states[j - 1])
+                    and holds(b, states[j]) and not holds(b, states[j - 1])):
+                return j
+    return None
+
+
 def judge(answers: list[Answer], states: list[State], ends: list[int]) -> tuple[list[str], int]:
-    """Each answer must hold in some ``S_j``, ``lo <= j <= hi`` (module docstring).
+    """Each answer must hold in some ``S_j``, ``lo <= j <= hi`` (module docstring), or be
+    folded into such a commit with a concurrent mutation of the same name or inode.
 
     Returns:
         ``(violations, answers whose state was durable only because of the log fsync)``.
@@ -313,10 +363,12 @@ def judge(answers: list[Answer], states: list[State], ends: list[int]) -> tuple[
     bad: list[str] = []
     placed: list[int] = []
     prefix_max = [0]
-    for a in answers:
+    for i, a in enumerate(answers):
         lo = prefix_max[a.issued]
         hi = bisect.bisect_right(ends, a.durable)
         j = next((j for j in range(lo, hi + 1) if holds(a, states[j])), None)
+        if j is None:
+            j = folded(answers, i, states, lo, hi)
         if j is None:
             later = next((j for j in range(max(lo, hi + 1), len(states)) if holds(a, states[j])), None)
             if later is not None:
@@ -578,3 +630,26 @@ def test_the_model_catches_answers_given_before_they_are_durable(tmp_path) -> No
     for bug in ("visible", "ack"):
         r = run_round(tmp_path / bug, seed=1, ops=25, bug=bug)
         assert any("a power loss then would undo" in v for v in r.violations), (bug, r.violations[:3])
+
+
+def test_a_mutation_folded_with_a_concurrent_one_is_placed_at_their_commit() -> None:
+    """Group commit: two chmods of one file in one batch leave only the second's state. The
+    first answer holds at that commit when the two overlapped in time; the same states
+    with the second chmod issued only after the first was answered are a violation."""
+    def attr(mode: int) -> Any:
+        return m.AttrReply(attr=m.Attr(ino=7, mode=mode, nlink=1, uid=0, gid=0, size=0, atime_ns=0,
+                                       mtime_ns=5, ctime_ns=5, layout=None))
+
+    def state(mode: int) -> State:
+        return State(attrs={7: (False, 0, mode, 5)})
+
+    states, ends = [state(FILE), state(FILE & ~0o777 | 0o600)], [100]
+    first = Answer("a", m.SetAttr(ino=7, mode=FILE & ~0o777 | 0o700), issued=0, durable=100, reply=attr(FILE & ~0o777 | 0o700))
+    second = Answer("a", m.SetAttr(ino=7, mode=FILE & ~0o777 | 0o600), issued=0, durable=100, reply=attr(FILE & ~0o777 | 0o600))
+    assert judge([first, second], states, ends)[0] == []
+    after = Answer("a", second.msg, issued=1, durable=100, reply=second.reply)  # issued once `first` was answered
+    bad, _ = judge([first, after], states, ends)
+    assert len(bad) == 1 and "holds in no state" in bad[0]
+    early = Answer("a", first.msg, issued=0, durable=0, reply=first.reply)  # folded, but sent before the fsync
+    bad, _ = judge([early, second], states, ends)
+    assert len(bad) == 1 and bad[0].startswith(str(early))
