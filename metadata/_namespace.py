@@ -546,9 +546,9 @@ class Namespace:
 
         return self._each_path(paths, one)
 
-    def reserve_files(self, parent: str, count: int, *, chains: list[int]) -> list[GarbageItem]:
+    def reserve_files(self, parent: str | int, count: int, *, chains: list[int]) -> list[GarbageItem]:
         """Reserve ``count`` inode numbers for whole files a client writes before they exist,
-        each with the layout a new file in directory ``parent`` would get.
+        each with the layout a new file in directory ``parent`` (a path, or an inode) would get.
 
         A reservation is a ``reserved`` garbage item: the file's commit clears it
         (:meth:`commit_files`); a client that dies first leaves it to the collector,
@@ -562,7 +562,7 @@ class Namespace:
         if not 1 <= count <= MAX_CREATE_MANY:
             raise _err(ErrorCode.INVALID, f"reserve 1..{MAX_CREATE_MANY} files at a time, not {count}")
         with self._store.transaction() as txn:
-            directory = self._walk(txn, parent, True)
+            directory = self._dir(txn, parent) if isinstance(parent, int) else self._walk(txn, parent, True)
             if not directory.is_dir:
                 raise _err(ErrorCode.NOT_DIR, f"{parent!r} is not a directory")
             out = []
@@ -574,10 +574,12 @@ class Namespace:
             return out
 
     def commit_files(self, paths: list[str], inos: list[int], ids: list[int], lengths: list[int], mode: int,
-                     uid: int, gid: int, *, mtime_ns: int = 0, exclusive: bool = False) -> list[Attr | StripefsError]:
+                     uid: int, gid: int, *, mtime_ns: int = 0, exclusive: bool = False,
+                     parent_ino: int = 0) -> list[Attr | StripefsError]:
         """Make whole files from reservations (:meth:`reserve_files`), in one transaction:
         ``paths[i]`` becomes the regular file ``inos[i]``, ``lengths[i]`` bytes long, with
-        the reservation's layout. The caller wrote those bytes, durably, before: the length
+        the reservation's layout (``parent_ino``, not 0: ``paths[i]`` is a name in that
+        directory). The caller wrote those bytes, durably, before: the length
         covers nothing that is not on the storage servers.
 
         A name that exists is never replaced: EEXIST (EISDIR for a directory unless
@@ -596,7 +598,7 @@ class Namespace:
 
         def one(txn: Txn, heads: _Heads, path: str) -> Attr:
             ino, rid, length = next(todo)
-            parent, name = heads.parent(path)
+            parent, name = heads.parent_of(parent_ino, path) if parent_ino else heads.parent(path)
             if not 0 <= length <= MAX_FILE_SIZE:
                 raise _err(ErrorCode.FILE_TOO_BIG if length > 0 else ErrorCode.INVALID, f"bad length {length}")
             item = txn.get_garbage(rid)
@@ -1186,7 +1188,7 @@ class _Heads:
 
     def __init__(self, ns: Namespace, txn: Txn):
         self._ns, self._txn = ns, txn
-        self._dirs: dict[str, Attr] = {}
+        self._dirs: dict[str | int, Attr] = {}  # head path (or directory inode) -> directory
         self._changed: dict[int, tuple[Attr, int]] = {}  # ino -> (attr as read, latest change)
 
     def parent(self, path: str) -> tuple[Attr, str]:
@@ -1200,6 +1202,14 @@ class _Heads:
             if not parent.is_dir:
                 raise _err(ErrorCode.NOT_DIR, "parent is not a directory")
             self._dirs[head] = parent
+        validate_name(name)
+        return parent, name
+
+    def parent_of(self, ino: int, name: str) -> tuple[Attr, str]:
+        """As :meth:`parent`, for ``name`` in the directory inode ``ino``."""
+        parent = self._dirs.get(ino)
+        if parent is None:
+            parent = self._dirs[ino] = self._ns._dir(self._txn, ino)
         validate_name(name)
         return parent, name
 

@@ -311,7 +311,7 @@ class MetadataService(Service):
             return many_reply(found)
         if isinstance(msg, m.ReserveFiles):
             chains = await self._frozen_chains()
-            items = await apply(ns.reserve_files, msg.parent, msg.count, chains=chains)
+            items = await apply(ns.reserve_files, msg.parent_ino or msg.parent, msg.count, chains=chains)
             return m.ReserveFilesReply(inos=[i.ino for i in items], ids=[i.id for i in items],
                                        chunk_sizes=[i.layout.chunk_size for i in items],
                                        chains=[list(i.layout.chains) for i in items])
@@ -319,7 +319,7 @@ class MetadataService(Service):
             Namespace.check_batch(msg.paths)
             found = await apply(ns.commit_files, list(msg.paths), list(msg.inos), list(msg.ids), list(msg.lengths),
                                 msg.mode, msg.uid, msg.gid, mtime_ns=msg.mtime_ns, exclusive=msg.exclusive,
-                                _now=False)
+                                parent_ino=msg.parent_ino, _now=False)
             self.collector.garbage_added()  # a replaced file's last name
             return many_reply(found)
         if isinstance(msg, m.UnlinkMany):

@@ -1224,12 +1224,14 @@ class ReserveFilesReply(ReplyMessage):
 @message(67, mutates=True)
 class ReserveFiles(Message[ReserveFilesReply]):
     """Reserve ``count`` (1..200) inode numbers, each with the layout a new file in the
-    directory ``parent`` (a path) would get. A reservation not committed within the
-    service's grace (minutes) is garbage: its chunks are dropped and the inode number is
-    never used."""
+    directory ``parent`` (a path; or the directory inode ``parent_ino`` when it is not 0:
+    a mount, which knows inodes, not paths) would get. A reservation not committed within
+    the service's grace (minutes) is garbage: its chunks are dropped and the inode number
+    is never used."""
 
     parent: str
     count: int
+    parent_ino: int = 0
 
 
 @message(68, mutates=True)
@@ -1239,7 +1241,8 @@ class CommitFiles(Message[StatManyReply]):
     client wrote them, durably, first), with ``mode``/``uid``/``gid`` and mtime ``mtime_ns``
     (0: now). An existing regular file at a path is replaced, as a rename over it would
     (``exclusive``: EEXIST instead). Answered like ``CreateMany``; a path fails alone
-    (ESTALE: its reservation expired, write it again)."""
+    (ESTALE: its reservation expired, write it again). With ``parent_ino`` (not 0) each
+    ``paths[i]`` is a name in that directory (a mount's files, known by inode)."""
 
     paths: list[str]
     inos: list[int]
@@ -1250,6 +1253,7 @@ class CommitFiles(Message[StatManyReply]):
     gid: int = 0
     mtime_ns: int = 0
     exclusive: bool = False
+    parent_ino: int = 0
 
 
 @message(69, mutates=True)

@@ -55,6 +55,8 @@ async def _result(fut: "Future[Reply]", timeout: float) -> Reply:
 
 async def acall(core: "ClientCore", msg: Message[R], timeout: float = 60.0) -> R:
     """:meth:`ClientCore.call` for trio code: same retries (same request id), same errors."""
+    if core.pending.due(msg):  # names this process made are there before anything looks (_pending)
+        await trio.to_thread.run_sync(core.pending.settle_for, msg)
     watch = core.attrs if msg.MUTATES else None
     if watch is not None:
         watch.begin(msg)

@@ -282,8 +282,8 @@ class ClientCore:
                 ``timeout`` has passed or the retry budget is spent, UNAVAILABLE at once
                 when nobody is there (see :mod:`._metaretry`); PROTOCOL for a malformed reply.
         """
-        if self.pending and not isinstance(msg, PendingCreates.QUIET):
-            self.pending.settle()  # what this process made is there before anything looks
+        if self.pending:
+            self.pending.settle_for(msg)  # what this process made is there before anything looks
         watch = self.attrs if msg.MUTATES else None
         if watch is not None:
             watch.begin(msg)

@@ -164,7 +164,13 @@ class StripeFile(io.RawIOBase):
         daemon), which then answers them without a worker thread. (``close`` may still wait
         for a readahead fetch in flight.)"""
         return (not self.closed and not self._wlen and not self._inflight and not self._dirty
-                and self._error is None)
+                and self._error is None and self._pending is None)
+
+    @property
+    def pending(self) -> bool:
+        """Opened as new, its name not made yet (``_pending``): its first ``fsync``,
+        ``close`` or anything asking for its inode makes it (a metadata request)."""
+        return self._pending is not None
 
     @property
     def committed(self) -> Attr | None:

@@ -55,10 +55,13 @@ class Caller(Protocol):
 class PendingCreate:
     """One file opened as new whose name is not made yet (module docstring)."""
 
-    __slots__ = ("table", "path", "res", "mode", "uid", "gid", "lock", "born", "made", "dropped")
+    __slots__ = ("table", "path", "parent_ino", "res", "mode", "uid", "gid", "lock", "born", "made", "dropped")
 
-    def __init__(self, table: "PendingCreates", path: str, res: Reservation, mode: int, uid: int, gid: int) -> None:
+    def __init__(self, table: "PendingCreates", path: str, res: Reservation, mode: int, uid: int, gid: int,
+                 parent_ino: int = 0) -> None:
+        # ``path``: the file's path; with ``parent_ino`` (a mount's files), its name in that directory.
         self.table, self.path, self.res, self.mode, self.uid, self.gid = table, path, res, mode, uid, gid
+        self.parent_ino = parent_ino
         self.lock = threading.Lock()
         self.born = time.monotonic()
         self.made: Attr | None = None  # the name's attributes once made (another inode: it existed)
@@ -89,7 +92,8 @@ class PendingCreate:
     def _make(self, length: int, mtime_ns: int) -> Attr:
         client = self.table.client
         reply = client.call(m.CommitFiles(paths=[self.path], inos=[self.res.ino], ids=[self.res.id], lengths=[length],
-                                          mode=self.mode, uid=self.uid, gid=self.gid, mtime_ns=mtime_ns))
+                                          mode=self.mode, uid=self.uid, gid=self.gid, mtime_ns=mtime_ns,
+                                          parent_ino=self.parent_ino))
         (got,) = reply.per_item([self.path], "CommitFiles")
         if not isinstance(got, StripefsError):
             self.made = got
@@ -100,8 +104,12 @@ class PendingCreate:
                                               "its bytes are lost", self.path)
         if code != ErrorCode.EXISTS:
             raise StripefsError(code, "cannot create the file", self.path)
-        self.made = client.call(m.CreatePath(path=self.path, mode=self.mode, uid=self.uid, gid=self.gid,
-                                             exclusive=False, truncate=True)).attr
+        if self.parent_ino:
+            self.made = client.call(m.Create(parent=self.parent_ino, name=self.path, mode=self.mode, uid=self.uid,
+                                             gid=self.gid, exclusive=False, truncate=True)).attr
+        else:
+            self.made = client.call(m.CreatePath(path=self.path, mode=self.mode, uid=self.uid, gid=self.gid,
+                                                 exclusive=False, truncate=True)).attr
         if not self.made.is_file:
             raise StripefsError(ErrorCode.IS_DIR if self.made.is_dir else ErrorCode.INVALID,
                                 "not a regular file", self.path)
@@ -125,9 +133,10 @@ class PendingCreates:
     def __bool__(self) -> bool:
         return bool(self._files)
 
-    def new(self, path: str, res: Reservation, mode: int, uid: int, gid: int) -> PendingCreate:
-        """A pending file for ``path`` under reservation ``res``, in the table."""
-        p = PendingCreate(self, path, res, mode, uid, gid)
+    def new(self, path: str, res: Reservation, mode: int, uid: int, gid: int, parent_ino: int = 0) -> PendingCreate:
+        """A pending file for ``path`` (or name ``path`` in directory ``parent_ino``) under
+        reservation ``res``, in the table."""
+        p = PendingCreate(self, path, res, mode, uid, gid, parent_ino)
         with self._lock:
             self._files[id(p)] = p
             if self._timer is None:
@@ -152,11 +161,41 @@ class PendingCreates:
         it; their owners move on from there. An error is left to the owner (its
         ``fsync``/``close`` makes the name again and reports it). Nothing while this
         thread is making a name itself (its own requests would wait for it)."""
+        now = time.monotonic()
+        self._settle(lambda p: older_than is None or now - p.born >= older_than)
+
+    def settle_for(self, msg: Message[Any]) -> None:
+        """:meth:`settle` the names that ``msg`` could observe: a mount's ``Lookup`` of one
+        name observes that name only, its ``GetAttr`` of an inode that inode (and, for a
+        directory, the names made in it: its times and link count); any other request
+        (a listing, a rename, a removal...) observes them all. Names known by path (the
+        native client's) are always made: their directory inode is not known here."""
+        if isinstance(msg, self.QUIET):
+            return
+        if isinstance(msg, m.Lookup):
+            self._settle(lambda p: not p.parent_ino or (p.parent_ino, p.path) == (msg.parent, msg.name))
+        elif isinstance(msg, m.GetAttr):
+            self._settle(lambda p: not p.parent_ino or msg.ino in (p.parent_ino, p.res.ino))
+        else:
+            self._settle(lambda p: True)
+
+    def due(self, msg: Message[Any]) -> bool:
+        """Would :meth:`settle_for` ``msg`` make a name (cheap: the caller avoids a thread hop)?"""
+        if not self._files or isinstance(msg, self.QUIET):
+            return False
+        with self._lock:
+            files = list(self._files.values())
+        if isinstance(msg, m.Lookup):
+            return any(not p.parent_ino or (p.parent_ino, p.path) == (msg.parent, msg.name) for p in files)
+        if isinstance(msg, m.GetAttr):
+            return any(not p.parent_ino or msg.ino in (p.parent_ino, p.res.ino) for p in files)
+        return True
+
+    def _settle(self, want: Any) -> None:
         if getattr(_making, "on", False):
             return
-        now = time.monotonic()
         with self._lock:
-            due = [p for p in self._files.values() if older_than is None or now - p.born >= older_than]
+            due = [p for p in self._files.values() if want(p)]
         for p in due:
             with p.lock:
                 if p.made is None and not p.dropped:

@@ -65,24 +65,38 @@ class Reservations:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pools: dict[str, collections.deque[Reservation]] = {}
-        self._sizes: dict[str, int] = {}
+        self._pools: dict[str | int, collections.deque[Reservation]] = {}
+        self._sizes: dict[str | int, int] = {}
 
-    def take(self, client: Client, parent: str) -> Reservation:
-        """One reservation for a file in ``parent``, from the pool when it has a fresh one."""
+    def take(self, client: Client, parent: str | int) -> Reservation:
+        """One reservation for a file in ``parent`` (a path, or a directory inode), from the
+        pool when it has a fresh one."""
+        got = self.take_now(parent)
+        if got is not None:
+            return got
+        fresh = reserve(client, parent, self.refill_size(parent))
+        self.add(parent, fresh[1:])
+        return fresh[0]
+
+    def take_now(self, parent: str | int) -> Reservation | None:
+        """A fresh reservation from ``parent``'s pool, or None (it must be refilled)."""
         now = time.monotonic()
         with self._lock:
             pool = self._pools.setdefault(parent, collections.deque())
             while pool and now - pool[0].taken > POOL_AGE:
                 pool.popleft()  # left to expire: the service collects it
-            if pool:
-                return pool.popleft()
-            size = self._sizes[parent] = min(POOL_MAX, max(4, 2 * self._sizes.get(parent, 2)))
-        fresh = reserve(client, parent, size)
-        with self._lock:
-            self._pools.setdefault(parent, collections.deque()).extend(fresh[1:])
-        return fresh[0]
+            return pool.popleft() if pool else None
 
+    def refill_size(self, parent: str | int) -> int:
+        """How many to reserve for ``parent``'s next refill (it grows while it is used)."""
+        with self._lock:
+            size = self._sizes[parent] = min(POOL_MAX, max(4, 2 * self._sizes.get(parent, 2)))
+            return size
+
+    def add(self, parent: str | int, fresh: Sequence[Reservation]) -> None:
+        """Put fresh reservations of ``parent`` into its pool."""
+        with self._lock:
+            self._pools.setdefault(parent, collections.deque()).extend(fresh)
 
     def forget(self, path: str) -> None:
         """Drop the pools of directory ``path`` and of every directory below it (this
@@ -90,22 +104,40 @@ class Reservations:
         commit, where ``open`` must fail at once; the reservations are left to expire)."""
         below = path.rstrip("/") + "/"
         with self._lock:
-            for key in [k for k in self._pools if k == path or k.startswith(below)]:
+            for key in [k for k in self._pools if k == path or isinstance(k, str) and k.startswith(below)]:
                 del self._pools[key]
 
+    def forget_all(self) -> None:
+        """Drop every pool (a mount's directory was removed or moved: pools are by inode,
+        and which are below it is not known here)."""
+        with self._lock:
+            self._pools.clear()
 
-def reserve(client: Client, parent: str, count: int) -> list[Reservation]:
-    """``count`` fresh reservations in ``parent`` (one request per ``BATCH``)."""
+
+def reserve(client: Client, parent: str | int, count: int) -> list[Reservation]:
+    """``count`` fresh reservations in ``parent`` (a path or a directory inode; one
+    request per ``BATCH``)."""
     out: list[Reservation] = []
     while len(out) < count:
         n = min(BATCH, count - len(out))
-        reply = client.call(m.ReserveFiles(parent=parent, count=n))
-        if not len(reply.inos) == len(reply.ids) == len(reply.chunk_sizes) == len(reply.chains) == n:
-            raise StripefsError(ErrorCode.PROTOCOL, "ReserveFiles: answer does not match the count asked")
-        now = time.monotonic()
-        out.extend(Reservation(ino, rid, Layout(cs, tuple(chains)).validate(), now)
-                   for ino, rid, cs, chains in zip(reply.inos, reply.ids, reply.chunk_sizes, reply.chains))
+        out.extend(reservations(client.call(reserve_request(parent, n)), n))
     return out
+
+
+def reserve_request(parent: str | int, count: int) -> m.ReserveFiles:
+    """The ``ReserveFiles`` of ``count`` files in ``parent`` (a path or a directory inode)."""
+    if isinstance(parent, int):
+        return m.ReserveFiles(parent="", count=count, parent_ino=parent)
+    return m.ReserveFiles(parent=parent, count=count)
+
+
+def reservations(reply: m.ReserveFilesReply, count: int) -> list[Reservation]:
+    """The reservations a ``ReserveFiles`` of ``count`` answered, checked."""
+    if not len(reply.inos) == len(reply.ids) == len(reply.chunk_sizes) == len(reply.chains) == count:
+        raise StripefsError(ErrorCode.PROTOCOL, "ReserveFiles: answer does not match the count asked")
+    now = time.monotonic()
+    return [Reservation(ino, rid, Layout(cs, tuple(chains)).validate(), now)
+            for ino, rid, cs, chains in zip(reply.inos, reply.ids, reply.chunk_sizes, reply.chains)]
 
 
 def write_files(client: Client, files: Sequence[tuple[str, "bytes | bytearray | memoryview"]], *,

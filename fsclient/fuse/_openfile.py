@@ -171,16 +171,16 @@ class OpenFile:
 
     @property
     def untouched(self) -> bool:
-        """Neither written nor read: closing sends, commits and waits for nothing, so it
-        may run on the trio loop (no worker-thread hop)."""
-        return not (self.written or self.read_from or self.lock.locked())
+        """Neither written nor read, its name made (``_newfiles``): closing sends, commits
+        and waits for nothing, so it may run on the trio loop (no worker-thread hop)."""
+        return not (self.written or self.read_from or self.lock.locked() or self.file.pending)
 
     @property
     def settled(self) -> bool:
         """Nothing was written through this state, or everything was and is on the storage
         servers with its length committed, with no failure pending; and no thread is busy
         with it: a flush or fsync has nothing to send, wait for or commit."""
-        return not self.lock.locked() and (not self.written or self.file.settled)
+        return not self.lock.locked() and not self.file.pending and (not self.written or self.file.settled)
 
     @property
     def closes_at_once(self) -> bool:

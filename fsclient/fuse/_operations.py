@@ -70,7 +70,7 @@ import pyfuse3
 import trio
 
 from stripefs.rpc._metrics import Lazy
-from stripefs.wire import Attr, StripefsError, messages as m
+from stripefs.wire import Attr, ErrorCode, StripefsError, messages as m
 
 from ..core import AsyncClient, Client
 from ..core._acall import _result
@@ -79,6 +79,7 @@ from ._dirattrs import DirAttrs
 from ._dirhandle import OFFSET_BITS, READDIR_PAGE, DirHandle
 from ._kernelleases import KernelLeases
 from ._listings import Listings, Page
+from ._newfiles import NewFiles
 from ._openfile import OpenFile, Stamp, stamp_of
 from ._orphans import ORPHAN_DIR, Orphans
 from ._writebehind import WriteBudget
@@ -175,6 +176,7 @@ class StripeOperations(pyfuse3.Operations):
         self.cached: dict[int, Stamp] = {}  # ino -> the version (stamp_of) of the kernel's page cache
         self.closing: dict[int, trio.Event] = {}
         self.writes = WriteBudget(self.config.write_buffer_mb << 20)
+        self.new_files = NewFiles(client, self.aio)  # CREATEs whose name is made at fsync/close
         self._fh = itertools.count(1)
         self._rbufs: list[mmap.mmap] = []  # never closed: pyfuse3 may still hold a view
         self._wbufs: list[mmap.mmap] = []  # SMALL_FILE buffers for whole reads, back at release
@@ -293,8 +295,14 @@ class StripeOperations(pyfuse3.Operations):
             # ... unless the names are leased: their invalidation could not take it back
             # from the kernel (it drops the names here, and each lookup asks this daemon).
             missing.entry_timeout = 0.0 if self.listings.leased(parent_inode) else left
+            self.new_files.said_missing(parent_inode, name)
             return missing
-        attr, leased = await self._leased(m.Lookup(parent=parent_inode, name=text), parent=parent_inode, name=name)
+        try:
+            attr, leased = await self._leased(m.Lookup(parent=parent_inode, name=text), parent=parent_inode, name=name)
+        except StripefsError as exc:
+            if exc.code == ErrorCode.NOT_FOUND:
+                self.new_files.said_missing(parent_inode, name)
+            raise
         self.dir_attrs.put(attr, version)
         e = self._looked_up(attr)
         if leased is not None:
@@ -601,15 +609,17 @@ class StripeOperations(pyfuse3.Operations):
         return await self.orphans.clean()
 
     # -- files ------------------------------------------------------------------------------
-    async def _open_state(self, attr: Attr, flags: int, uid: int) -> pyfuse3.FileInfo:
-        """A new handle of ``attr``'s inode, opened with ``flags`` by user ``uid``."""
+    async def _open_state(self, attr: Attr, flags: int, uid: int, file: Any = None) -> pyfuse3.FileInfo:
+        """A new handle of ``attr``'s inode, opened with ``flags`` by user ``uid`` (``file``:
+        the file object a new state starts with, else one on ``attr``)."""
         if not attr.is_file:
             raise pyfuse3.FUSEError(errno.EISDIR if attr.is_dir else errno.EINVAL)
         ino = attr.ino
         state = self.files.get(ino)
         shared = state is not None
         if state is None:
-            state = self.files[ino] = OpenFile(self.client, self.client.open_inode(attr, readable=True, writable=True))
+            state = self.files[ino] = OpenFile(self.client, file or self.client.open_inode(attr, readable=True,
+                                                                                           writable=True))
         # Counted before any await: a release of the other handles meanwhile must not close it.
         state.handles += 1
         fh = next(self._fh)
@@ -721,6 +731,10 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        if self.new_files.may_defer(parent_inode, name, flags):  # the name is made at fsync/close
+            res = await self.new_files.reservation(parent_inode)
+            if res is not None:
+                return await self._create_new(parent_inode, name, mode, flags, ctx, res)
         # A new name, or an existing file opened (maybe truncated): the parent's pages go.
         reply = await self._named(parent_inode, name, self.aio.call(
             m.Create(parent=parent_inode, name=_name(name), mode=stat.S_IMODE(mode), uid=ctx.uid, gid=ctx.gid,
@@ -735,6 +749,20 @@ class StripeOperations(pyfuse3.Operations):
             self._absent_xattr(attr.ino, b"security.capability")
         await self._wait_closing(attr.ino)
         fi = await self._open_state(attr, flags & ~os.O_TRUNC, ctx.uid)
+        return fi, self._looked_up(attr)
+
+    async def _create_new(self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext,
+                          res: Any) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        """CREATE of a name just found absent, answered with a reserved inode (``_newfiles``)."""
+        file = self.new_files.new_file(parent_inode, name, mode, ctx.uid, ctx.gid, res)
+        attr = file.attr
+        self.listings.added(parent_inode, _name(name))
+        self.listings.drop(parent_inode)
+        # The service stamps the directory when the name is made; a GETATTR of it before
+        # then asks the service, which makes the name first (PendingCreates.settle_for).
+        self.dir_attrs.drop(parent_inode)
+        self._absent_xattr(attr.ino, b"security.capability")
+        fi = await self._open_state(attr, flags & ~os.O_TRUNC, ctx.uid, file=file)
         return fi, self._looked_up(attr)
 
     @_errors
@@ -757,6 +785,8 @@ class StripeOperations(pyfuse3.Operations):
     @_errors
     async def read(self, fh: int, off: int, size: int) -> memoryview:
         state = self._state(fh)
+        if state.file.pending:  # a new file read back through its handle: its name first, off the loop
+            await self._sync(state, fh)
         if state.ahead is not None:  # the whole file, asked for at OPEN
             whole = await self._take_ahead(state)
             if whole is not None:
@@ -844,20 +874,21 @@ class StripeOperations(pyfuse3.Operations):
         state = self._state(fh)
         if state.settled:
             return  # nothing to send or commit (the close after an fsync): no thread hop
-        await self._sync(state)
+        await self._sync(state, fh)
 
     @_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
         state = self._state(fh)
         if state.settled:
             return
-        await self._sync(state)
+        await self._sync(state, fh)
 
-    async def _sync(self, state: OpenFile) -> None:
+    async def _sync(self, state: OpenFile, fh: int) -> None:
         try:
             await self._locked(state, state.sync)
         finally:
             self.listings.clear()  # the committed length and mtime: listings holding the file show the old ones
+        await self.new_files.check_moved(self.handles.get(fh), state.file)
 
     async def release(self, fh: int) -> None:
         ino = self.handles.pop(fh, None)
@@ -891,6 +922,7 @@ class StripeOperations(pyfuse3.Operations):
             log.exception("release of inode %d", ino)
             self.cached.pop(ino, None)
         finally:
+            self.new_files.released(ino)
             ahead, state.ahead = state.ahead, None
             if ahead is not None and not (ahead[0].done() and ahead[0].exception() is None):
                 # A read sent at OPEN that no READ took, in flight or failed: its answer may

@@ -173,6 +173,26 @@ def test_a_reservation_commits_once_and_never_after_it_is_gone(ns: Namespace) ->
         ns.lookup(ns.resolve("/d").ino, "c")
 
 
+def test_reservations_and_commits_by_directory_inode(ns: Namespace) -> None:
+    """A mount knows directories by inode: ``parent`` an inode, the paths names in it."""
+    d = ns.resolve("/d")
+    items = ns.reserve_files(d.ino, 3, chains=CHAINS)
+    assert len({i.ino for i in items}) == 3
+    found = ns.commit_files(["a", "b", "c/d"], [i.ino for i in items], [i.id for i in items], [3, 4, 5], 0o600, 0, 0,
+                            parent_ino=d.ino)
+    assert codes(found)[:2] == [None, None] and codes(found)[2] == errno.EINVAL  # a name, not a path
+    assert (ns.resolve("/d/a").ino, ns.resolve("/d/b").size) == (items[0].ino, 4)
+    after = ns.resolve("/d")
+    assert after.mtime_ns > d.mtime_ns  # the directory is stamped as for any create
+    f = ns.resolve("/d/a").ino
+    for parent, code in ((f, errno.ENOTDIR), (987654, errno.ENOENT)):
+        with pytest.raises(StripefsError) as info:
+            ns.reserve_files(parent, 1, chains=CHAINS)
+        assert info.value.errno == code
+        assert codes(ns.commit_files(["x"], [items[2].ino], [items[2].id], [1], 0o644, 0, 0, parent_ino=parent)) \
+            == [code]
+
+
 def test_commit_never_replaces_a_name(ns: Namespace) -> None:
     """A new inode under an old name would strand every cache that maps the name to the old
     one (a mount's dentries): the client writes an existing file in place instead."""
