@@ -41,7 +41,7 @@ from ._pool import ClientPool, WorkloadError, WorkloadSkipped
 from ._ratios import add_peer_ratios
 from ._routes import PEERS, Route, RouteSkipped, RunEnv, make_route
 from ._seed import dataset_sizes
-from ._tasks import CLEANUP, PREPARE, record_names
+from ._tasks import CLEANUP, FINISH, PREPARE, record_names
 from ._validity import check_validity
 from ._workloads import PartResult
 
@@ -81,6 +81,12 @@ class BenchConfig:
     metadata_sync: str | None = None  # the local cluster's --metadata-sync (None: full)
     data_sync: str | None = None  # the local cluster's --data-sync (None: full)
     attr_timeout: float | None = None  # native-library clients' attribute cache (None: theirs)
+    kv_page: int = 1 << 20  # kvcache: bytes per page (bench._kvcache_workload)
+    kv_batch: int = 64  # kvcache: keys per batch
+    kv_keys: int = 1000  # kvcache: the key space
+    kv_capacity: int | None = None  # kvcache: the store's bytes (None: a quarter of the keys' pages)
+    kv_rounds: int | None = None  # kvcache: measured batches per client (None: for ``duration`` s)
+    kv_warmup: int | None = None  # kvcache: untimed batches per client before them (None: ``duration`` s)
 
 
 def _quantile(sorted_lat: list[float], q: float) -> float:
@@ -100,6 +106,9 @@ def aggregate(name: str, path: str, servers: int,
                            "servers": servers, "bytes": nbytes, "seconds": seconds,
                            "gbps": nbytes / seconds / 1e9, "ops": ops, "ops_per_s": ops / seconds,
                            "verified_bytes": sum(p.verified for p in parts)}
+    for p in parts:  # a workload's own counters (hits, evictions, ...)
+        for k, v in p.counts.items():
+            rec[k] = rec.get(k, 0) + v
     lat = sorted(x for p in parts for x in p.lat)
     if lat:
         rec["latency_p50_ms"] = _quantile(lat, 0.50) * 1e3
@@ -219,7 +228,8 @@ def _run_route(route: Route, spec: dict[str, Any], clients: int, servers: int,
                     "duration": cfg.duration, "files": cfg.files, "shards": cfg.shards,
                     "dl_files": cfg.dl_files, "sw_files": cfg.sw_files,
                     "rand_size": cfg.rand_size or max(cfg.size, RAND_MIN),
-                    "tag": f"{w}-{clients}c-{seq[0]}"}
+                    "tag": f"{w}-{clients}c-{seq[0]}", "route": route.name,
+                    **{k: v for k, v in cfg.__dict__.items() if k.startswith("kv_")}}
             display.begin(f"{route.name:<10} {w:<13} c={clients} s={servers}",
                           _expected_bytes(w, clients, cfg))
             try:
@@ -255,6 +265,8 @@ def _run_route(route: Route, spec: dict[str, Any], clients: int, servers: int,
                     r["cpu_ms_per_op"] = round((cpu_c + cpu_s) / r["ops"] * 1e3, 4)
                     r["cpu_servers_ms_per_op"] = round(cpu_s / r["ops"] * 1e3, 4)
             _burst_ratios(recs)
+            if w in FINISH:
+                FINISH[w](recs)
             out["results"].extend(recs)
             display.end(recs)
     finally:

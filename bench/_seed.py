@@ -20,6 +20,10 @@ burst_interference   the first half of the clients (rounded up) read the dataset
                      clients write a checkpoint burst of ``size`` bytes each
                      (``burst_interference``, with the p99 ratio during/alone, and
                      ``burst_write``, the burst's throughput)
+kvcache              an inference server's KV-cache tier: Zipf batches of fixed-size pages
+                     got from and put back into a store smaller than the key space (the
+                     page store on native, one file per page on POSIX routes); records
+                     ``kvcache_get`` (hit ratio) and ``kvcache_put`` (``bench._kvcache_workload``)
 ===================  ===================================================================
 
 The dataset is written once per route by ``prepare_dataset`` (untimed, all clients in
@@ -35,12 +39,15 @@ from typing import Any
 
 import numpy as np
 
+from ._kvcache_workload import PARTS as KVCACHE_PARTS
+from ._kvcache_workload import kvcache, kvcache_cleanup, kvcache_finish
 from ._pattern import VerifyError, file_id
 from ._sessions import Session
 from ._workloads import (ClientContext, PartResult, aligned, check_size, clock,
                          evict, read_back, write_burst, write_range)
 
-__all__ = ["SEED", "SEED_PREPARE", "SEED_CLEANUP", "dataset_sizes", "dataset_path", "prepare_dataset"]
+__all__ = ["SEED", "SEED_PREPARE", "SEED_CLEANUP", "SEED_PARTS", "SEED_FINISH", "dataset_sizes", "dataset_path",
+           "prepare_dataset"]
 
 DATASET_SEED, ORDER_SEED, SMALL_SEED = 20260101, 7, 100
 MIN_FILE, MAX_FILE = 64 << 10, 256 << 10
@@ -246,8 +253,12 @@ def _burst_writer(s: Session, task: dict[str, Any], ctx: ClientContext,
 
 
 SEED = {"dataloader": dataloader, "dataloader_batched": dataloader_batched, "small_writes": small_writes,
-        "small_writes_one_dir": small_writes_one_dir, "burst_interference": burst_interference}
+        "small_writes_one_dir": small_writes_one_dir, "burst_interference": burst_interference,
+        "kvcache": kvcache}
 SEED_PREPARE = {"dataloader": prepare_dataset, "dataloader_batched": prepare_dataset,
                 "burst_interference": prepare_dataset}
 SEED_CLEANUP = {"small_writes": _small_writes_cleanup,
-                "small_writes_one_dir": lambda s, task, ctx: _small_writes_cleanup(s, task, ctx, one_dir=True)}
+                "small_writes_one_dir": lambda s, task, ctx: _small_writes_cleanup(s, task, ctx, one_dir=True),
+                "kvcache": kvcache_cleanup}
+SEED_PARTS = {"kvcache": KVCACHE_PARTS}  # records not named like their workload
+SEED_FINISH = {"kvcache": kvcache_finish}  # fields computed from a task's aggregated records

@@ -4,28 +4,29 @@
 ones, ``bench._seed`` for the seed workloads); ``PREPARE`` holds, for each cold read
 workload, what must be written before the benchmark process drops the caches; ``CLEANUP``
 what a workload leaves behind, removed in a call of its own (so that its CPU is not counted
-as the workload's).
+as the workload's); ``FINISH`` what a workload adds to its records once they are aggregated.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._seed import SEED, SEED_CLEANUP, SEED_PREPARE
+from ._seed import SEED, SEED_CLEANUP, SEED_FINISH, SEED_PARTS, SEED_PREPARE
 from ._sessions import Session
 from ._workloads import CLASSIC, CLASSIC_PREPARE, ClientContext, PartResult
 
-__all__ = ["WORKLOADS", "PREPARE", "CLEANUP", "BATCH_PARTS", "run_workload", "record_names"]
+__all__ = ["WORKLOADS", "PREPARE", "CLEANUP", "FINISH", "BATCH_PARTS", "run_workload", "record_names"]
 
 WORKLOADS = {**CLASSIC, **SEED}
 PREPARE = {**CLASSIC_PREPARE, **SEED_PREPARE}
 CLEANUP = dict(SEED_CLEANUP)
+FINISH = dict(SEED_FINISH)
 
 # Produced only by routes whose sessions batch metadata calls (bench._sessions.BatchedSession).
 BATCH_PARTS = ["meta_create_batch", "meta_stat_batch", "meta_unlink_batch"]
 _PARTS = {"metadata": ["meta_create", "meta_stat", "meta_readdir", "meta_unlink", *BATCH_PARTS],
           "mixed": ["mixed_read", "mixed_write"],
-          "burst_interference": ["burst_alone", "burst_interference", "burst_write"]}
+          "burst_interference": ["burst_alone", "burst_interference", "burst_write"], **SEED_PARTS}
 
 
 def record_names(workload: str) -> list[str]:

@@ -79,6 +79,7 @@ class PartResult:
     ops: int = 0
     lat: list[float] = field(default_factory=list)
     verified: int = 0
+    counts: dict[str, int] = field(default_factory=dict)  # more counters, summed into the record
 
 
 @dataclass

@@ -4,6 +4,8 @@
                    [--cluster C] [--clients N...] [--servers M...] [--routes R...]
                    [--workloads W...] [--size SIZE] [--block SIZE] [--duration S]
                    [--dataset-files N] [--small-files N] [--no-drop-caches]
+                   [--kv-page SIZE] [--kv-batch N] [--kv-keys N] [--kv-capacity SIZE]
+                   [--kv-rounds N] [--kv-warmup N]
 
 Starts a local cluster (or uses ``--cluster``), runs every workload on every route with N
 client processes, measures the machine's floors in the same run, prints a summary table and
@@ -20,6 +22,7 @@ import importlib.metadata
 import sys
 from typing import Any
 
+from ._kvcache_workload import KvcacheConfig
 from ._orchestrate import BenchConfig, run_bench
 from ._routes import PEERS, ROUTES
 from ._tasks import WORKLOADS
@@ -72,6 +75,16 @@ def _parser() -> argparse.ArgumentParser:
                          "sweep 2000)")
     ap.add_argument("--small-files", type=int, dest="sw_files",
                     help="files per client in small_writes (default 1000, quick 60, sweep 200)")
+    ap.add_argument("--kv-page", type=_size, help="kvcache: page size, 256K..2M (default 1M)")
+    ap.add_argument("--kv-batch", type=int, metavar="N", help="kvcache: keys per batch, 32..256 (default 64)")
+    ap.add_argument("--kv-keys", type=int, metavar="N", help="kvcache: the key space (default 1000)")
+    ap.add_argument("--kv-capacity", type=_size,
+                    help="kvcache: the store's capacity, less than the key space (default: a quarter of it, "
+                         "at least a batch per client)")
+    ap.add_argument("--kv-rounds", type=int, metavar="N",
+                    help="kvcache: measured batches per client (default: as many as --duration allows)")
+    ap.add_argument("--kv-warmup", type=int, metavar="N",
+                    help="kvcache: untimed batches per client before them (default: --duration's worth)")
     ap.add_argument("--no-drop-caches", action="store_true",
                     help="do not drop the kernel page cache before reads (clients evict "
                          "their own files instead)")
@@ -104,7 +117,8 @@ def build_config(a: argparse.Namespace) -> BenchConfig:
     cfg.servers = a.servers or cfg.servers
     cfg.workloads = a.workloads or cfg.workloads or list(WORKLOADS)
     cfg.routes = a.routes or (cfg.routes + (PEERS if a.peers else []))
-    for name in ("size", "block", "duration", "files", "dl_files", "sw_files"):
+    for name in ("size", "block", "duration", "files", "dl_files", "sw_files", "kv_page", "kv_batch", "kv_keys",
+                 "kv_capacity", "kv_rounds", "kv_warmup"):
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))
     cfg.chunk_size, cfg.cluster, cfg.workdir = a.chunk_size, a.cluster, a.workdir
@@ -126,6 +140,8 @@ def build_config(a: argparse.Namespace) -> BenchConfig:
     cfg.block = min(cfg.block, cfg.size)
     if cfg.duration <= 0 or cfg.files < 1 or cfg.dl_files < 1 or cfg.sw_files < 1:
         raise ValueError("--duration must be > 0, --files, --dataset-files and --small-files >= 1")
+    if "kvcache" in cfg.workloads:
+        KvcacheConfig.of(cfg.__dict__).check(max(cfg.clients))
     return cfg
 
 
