@@ -1233,6 +1233,8 @@ class ReserveFiles(Message[ReserveFilesReply]):
     count: int
     parent_ino: int = 0
 
+    SPARSE = ("parent_ino",)  # left out at 0: a client by path still speaks to older services
+
 
 @message(68, mutates=True)
 class CommitFiles(Message[StatManyReply]):
@@ -1254,6 +1256,8 @@ class CommitFiles(Message[StatManyReply]):
     mtime_ns: int = 0
     exclusive: bool = False
     parent_ino: int = 0
+
+    SPARSE = ("parent_ino",)  # left out at 0: a client by path still speaks to older services
 
 
 @message(69, mutates=True)

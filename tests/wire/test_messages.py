@@ -374,3 +374,16 @@ def test_every_code_builds_its_error_and_crosses_the_wire() -> None:
     assert StripefsError.from_wire({"code": "2"}).code is ErrorCode.IO
     with pytest.raises(TypeError):
         StripefsError([1])  # type: ignore[arg-type]
+
+
+def test_a_directory_inode_travels_only_when_given() -> None:
+    """``ReserveFiles``/``CommitFiles`` by path carry no ``parent_ino`` (an older metadata
+    service refuses fields it does not know); by inode (a mount's) they do, and decode back."""
+    by_path = m.ReserveFiles(parent="/d", count=3)
+    assert "parent_ino" not in by_path.to_header()
+    commit = m.CommitFiles(paths=["/d/a"], inos=[9], ids=[1], lengths=[5], mode=0o644)
+    assert "parent_ino" not in commit.to_header()
+    by_ino = m.CommitFiles(paths=["a"], inos=[9], ids=[1], lengths=[5], mode=0o644, parent_ino=7)
+    assert by_ino.to_header()["parent_ino"] == 7
+    assert decode_message(m.CommitFiles.MSG_ID, by_ino.to_header()) == by_ino
+    assert decode_message(m.ReserveFiles.MSG_ID, by_path.to_header()) == by_path
