@@ -1,6 +1,7 @@
 """Checkpoint staging benchmark: staging.save/load and the DCP bridge against floors and peers, one run.
 
     python -m stripefs.bench.staging_bench [--size-gb 2] [--json FILE] [--cluster C] [--only durable,load]
+    python -m stripefs.bench.staging_bench --only restore [--restore-size 2G] [--restore-tensors 16,1000]
 
 Starts a private 4-server cluster unless ``--cluster`` is given. Every figure
 is a median of ``--repeat`` runs and is reported with the floor or peer
@@ -10,8 +11,9 @@ Sections (``--only`` picks some): ``blocking`` (save's blocking time vs a copy o
 the tensors, and vs ``torch.save`` to the store), ``durable`` (time from ``save()``
 to globally durable with ``keep_local=0`` and with a local copy, against a native
 client write of the same bytes, interleaved so that each ratio compares
-neighbours), ``load`` (vs the loopback socket floor and ``torch.load``), ``dcp``
-and ``train``.
+neighbours), ``load`` (vs the loopback socket floor and ``torch.load``), ``restore``
+(a state of ``--restore-size`` bytes cut into equal tensors, loaded from the store and from
+the local staged copy, each round next to the socket floor), ``dcp`` and ``train``.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ import torch
 
 from stripefs import staging
 from stripefs.bench._report import write_json
+from stripefs.bench.floors import parse_size
 from stripefs.fsclient import Client, testing
 
-SECTIONS = ("blocking", "durable", "load", "dcp", "train")
+SECTIONS = ("blocking", "durable", "load", "restore", "dcp", "train")
 
 
 def make_state(total: int) -> dict[str, Any]:
@@ -76,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cluster")
     ap.add_argument("--json")
     ap.add_argument("--train-steps", type=int, default=60)
+    ap.add_argument("--restore-size", type=parse_size, default=parse_size("512M"),
+                    help="bytes of the restore section's state (512M; 2G on a machine with the memory)")
+    ap.add_argument("--restore-tensors", default="16,1000", help="restore: tensor counts to cut the state into")
     ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections: " + " ".join(SECTIONS))
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
@@ -90,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     client = Client(args.cluster)
     sdir = os.path.join(scratch, "staging")
     results: list[dict[str, Any]] = []
-    sd = make_state(int(args.size_gb * (1 << 30)))
+    sd = make_state(int(args.size_gb * (1 << 30))) if only - {"restore"} else {}
     size = nbytes(sd)
 
     def rec(workload: str, path: str, seconds: float, b: int = size) -> None:
@@ -116,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
                 staging.save(sd, last, staging_dir=sdir, cluster=args.cluster, keep_local=1, keep_remote=1,
                              background_mover=False).wait()
             load_bench(sd, args, client, sdir, scratch, last, rec)
+        if "restore" in only:
+            for count in (int(c) for c in args.restore_tensors.split(",")):
+                restore_bench(args, sdir, scratch, url, count, results)
         if "dcp" in only:
             dcp_bench(sd, args, scratch, sdir, rec)
         if "train" in only:
@@ -253,6 +262,47 @@ def load_bench(sd: dict[str, Any], args: Any, client: Client, sdir: str, scratch
             torch.save(sd, f)
     rec("load", "torch_load_native_file", median(lambda: timed(
         lambda: torch.load(client.open("/bench/torch.pt", "rb"), weights_only=True)), args.repeat))
+
+
+def restore_state(total: int, count: int) -> dict[str, torch.Tensor]:
+    """``count`` float32 tensors of equal size, about ``total`` bytes in all (random: incompressible)."""
+    g = torch.Generator().manual_seed(count)
+    n = max(1, total // count // 4)
+    return {f"layer{i:04d}.weight": torch.rand(n, generator=g) for i in range(count)}
+
+
+def restore_bench(args: Any, sdir: str, scratch: str, url: Callable[[], str], count: int,
+                  results: list[dict[str, Any]]) -> None:
+    """``staging.load`` of one state from the store and from the local staged copy, vs the socket floor.
+
+    Each round measures the floor, then a load from the store (``prefer_local=False``), then a
+    load from the staged copy (the same call, ``staging_dir`` given): the ratios are medians of
+    per-round ratios, neighbours in time seeing the same machine load. Each loaded state is
+    dropped before the next load, so every load writes into fresh memory as a restore does.
+    """
+    from stripefs.bench.floors import floor_socket
+
+    sd = restore_state(args.restore_size, count)
+    size = nbytes(sd)
+    where = url()
+    staging.save(sd, where, staging_dir=sdir, cluster=args.cluster, keep_local=1, keep_remote=1,
+                 background_mover=False).wait()
+    del sd
+    loads = {"store": dict(prefer_local=False), "local": dict(staging_dir=sdir)}
+    times: dict[str, list[float]] = {"floor_socket": [], **{k: [] for k in loads}}
+    for label, kw in loads.items():  # warm-up: connections, the local copy in the page cache
+        staging.load(where, cluster=args.cluster, **kw)
+    for _ in range(args.repeat):
+        times["floor_socket"].append(floor_socket(size, streams=4, directory=scratch)["seconds"])
+        for label, kw in loads.items():
+            times[label].append(timed(lambda: staging.load(where, cluster=args.cluster, **kw)))
+    workload = f"restore_{count}"
+    for label, runs in times.items():
+        s = statistics.median(runs)
+        ratio = statistics.median(f / r for f, r in zip(times["floor_socket"], runs))
+        results.append({"workload": workload, "path": label, "clients": 1, "servers": 4, "bytes": size,
+                        "seconds": round(s, 4), "gbps": round(size / s / 1e9, 3), "ratio_to_floor": round(ratio, 3)})
+        print(f"{workload:24s} {label:28s} {s:8.3f} s  {size / s / 1e9:6.2f} GB/s  {ratio:5.2f}x floor", flush=True)
 
 
 def dcp_bench(sd: dict[str, Any], args: Any, scratch: str, sdir: str, rec: Callable[..., None]) -> None:

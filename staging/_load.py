@@ -1,16 +1,16 @@
 """``staging.load`` and ``staging.latest``: parallel reads straight into tensor memory.
 
-Every tensor of at least ``DIRECT`` bytes gets its own ``torch.empty`` and the
-bytes are read into it with one ``pread_into`` (which fans out over every
-chunk and server at once); runs of small tensors are read with one request
-into a scratch buffer and copied out, so a model with thousands of biases
-costs a few round trips, not thousands. Each tensor's CRC32C is checked
-before it is returned: a mismatch raises :class:`ChecksumError` (fail closed).
+How the bytes move is :mod:`._fill`'s: tensors of at least ``DIRECT`` bytes are read into their
+own memory in chunk-sized pieces spread over the ``READERS`` threads, each piece's CRC32C taken
+as it lands; runs of small tensors are read with one request each, so a model with thousands of
+biases costs a few round trips, not thousands. Each tensor's CRC32C is checked before it is
+returned: a mismatch raises :class:`ChecksumError` (fail closed).
 
 Memory: the tensors themselves plus a fixed budget, whatever the state holds: each of the
 ``READERS`` threads holds at most one scratch buffer of ``RUN_BYTES`` (a run of small tensors
-is cut there), or for a zstd file ``ZSTD_BLOCK`` of frames and one decompressed frame: 64 MiB
-over the state's size for raw files, about 96 MiB for zstd ones.
+read from the store is cut there; a local one is scattered straight into its tensors), or for a
+zstd file ``ZSTD_BLOCK`` of frames and one decompressed frame: 64 MiB over the state's size for
+raw files, about 96 MiB for zstd ones.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ import errno
 import os
 import posixpath
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Callable
 
 import crc32c
 import torch
 
+# DIRECT and RUN_BYTES are imported for those who read the load's knobs here (the memory tests).
+from ._fill import DIRECT, RUN_BYTES, bytes_of, fresh, raw_jobs, read_exact  # noqa: F401
 from ._format import MANIFEST, ChecksumError, decode_tree, dtype_from_name, parse_manifest, step_order
 from ._journal import Journal
 from ._ranks import rank_slice
@@ -37,9 +39,8 @@ __all__ = ["load", "latest", "read_manifest", "verify"]
 
 log = logging.getLogger("stripefs.staging")
 
-DIRECT = 1 << 20
 READERS = 8
-RUN_BYTES = 8 << 20  # the most one run of small tensors reads at once (its scratch buffer)
+LOCAL_PIECE = 4 << 20  # a local file's pieces (a stored file's are its chunks)
 
 
 class _Source:
@@ -47,6 +48,7 @@ class _Source:
 
     def __init__(self, root: str, client: Any | None):
         self.root, self.client = root, client
+        self.local = client is None
         self._files: dict[str, Any] = {}
         self._lock = threading.Lock()
 
@@ -75,23 +77,23 @@ class _Source:
         # Straight to the client's stateless read: StripeFile's readahead window is per-thread state.
         return self.client.read_into(f.ino, f.layout, f.size, offset, dest)
 
+    def piece(self, name: str) -> int:
+        """Bytes of one piece of a large tensor's read: a stored file's chunk (one request)."""
+        if self.client is None:
+            return LOCAL_PIECE
+        chunk = self.open(name).layout.chunk_size
+        while chunk > 4 * LOCAL_PIECE and chunk % 2 == 0:  # a huge chunk: still pieces to spread
+            chunk //= 2
+        return chunk
+
+    def preadv(self, name: str, dests: list[memoryview], offset: int) -> int:
+        """One scattering read of a local file (only local sources have one)."""
+        return os.preadv(self.open(name), dests, offset)
+
     def close(self) -> None:
         for f in self._files.values():
             os.close(f) if self.client is None else f.close()
         self._files.clear()
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-
-def _read_exact(src: _Source, name: str, dest: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(dest):
-        n = src.pread_into(name, dest[done:], offset + done)
-        if n <= 0:
-            raise ChecksumError(f"{name} is shorter than its manifest says", name)
-        done += n
 
 
 def _load_from(src: _Source, man: dict[str, Any], verify: bool, only: range | None = None) -> list[torch.Tensor]:
@@ -102,9 +104,10 @@ def _load_from(src: _Source, man: dict[str, Any], verify: bool, only: range | No
     jobs: list[Callable[[], None]] = []
 
     def check(i: int, t: torch.Tensor) -> None:
-        if verify and crc32c.crc32c(_bytes_of(t)) != index[i]["crc32c"]:
+        if verify and crc32c.crc32c(bytes_of(t)) != index[i]["crc32c"]:
             raise ChecksumError(f"tensor {i} of {src.root} fails its CRC32C check", src.root)
 
+    scratch = threading.local()  # each reader thread's buffer for runs of small tensors
     for fi, rec in enumerate(files):
         if only is not None and fi not in only:
             continue
@@ -113,54 +116,16 @@ def _load_from(src: _Source, man: dict[str, Any], verify: bool, only: range | No
                       key=lambda i: index[i]["offset"])
         if rec.get("encoding", "raw") == "zstd":
             jobs.append(lambda rec=rec, mine=mine: _load_zstd(src, rec, index, mine, out, check))
-            continue
-        run: list[int] = []
-
-        def flush(run: list[int], name: str = rec["name"]) -> None:
-            if run:
-                jobs.append(lambda run=list(run), name=name: _load_run(src, name, index, run, out, check))
-                run.clear()
-
-        for i in mine:
-            e = index[i]
-            if e["nbytes"] >= DIRECT:
-                flush(run)
-                jobs.append(lambda i=i, name=rec["name"]: _load_one(src, name, index, i, out, check))
-                continue
-            # A run's scratch holds its span of the file: cut it before it passes RUN_BYTES.
-            if run and e["offset"] + e["nbytes"] - index[run[0]]["offset"] > RUN_BYTES:
-                flush(run)
-            run.append(i)
-        flush(run)
+        else:
+            jobs.extend(raw_jobs(src, rec, index, mine, out, verify, scratch))
     with ThreadPoolExecutor(READERS) as pool:
-        for fut in [pool.submit(j) for j in jobs]:
-            fut.result()
+        futures = [pool.submit(j) for j in jobs]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in futures if f in done and f.exception() is not None), None)
+        if failed is not None:
+            pool.shutdown(cancel_futures=True)  # the load fails: the jobs not started never start
+            failed.result()
     return out  # type: ignore[return-value]
-
-
-def _empty(e: dict[str, Any]) -> torch.Tensor:
-    return torch.empty(e["shape"], dtype=dtype_from_name(e["dtype"]))
-
-
-def _load_one(src: _Source, name: str, index: list[dict[str, Any]], i: int, out: list[Any], check: Any) -> None:
-    t = _empty(index[i])
-    _read_exact(src, name, _bytes_of(t), index[i]["offset"])
-    check(i, t)
-    out[i] = t
-
-
-def _load_run(src: _Source, name: str, index: list[dict[str, Any]], run: list[int], out: list[Any], check: Any) -> None:
-    start = index[run[0]]["offset"]
-    end = max(index[i]["offset"] + index[i]["nbytes"] for i in run)
-    scratch = torch.empty(end - start, dtype=torch.uint8)
-    _read_exact(src, name, _bytes_of(scratch), start)
-    for i in run:
-        t = _empty(index[i])
-        if index[i]["nbytes"]:
-            off = index[i]["offset"] - start
-            t.reshape(-1).view(torch.uint8).copy_(scratch[off : off + index[i]["nbytes"]])
-        check(i, t)
-        out[i] = t
 
 
 ZSTD_BLOCK = 8 << 20  # compressed bytes read per request by a zstd load (whole frames)
@@ -175,8 +140,8 @@ def _load_zstd(src: _Source, rec: dict[str, Any], index: list[dict[str, Any]], m
     """
     import zstandard
 
-    tensors = {i: _empty(index[i]) for i in mine}
-    spans = [(index[i]["offset"], index[i]["offset"] + index[i]["nbytes"], _bytes_of(tensors[i])) for i in mine]
+    tensors = {i: fresh(index[i]) for i in mine}
+    spans = [(index[i]["offset"], index[i]["offset"] + index[i]["nbytes"], bytes_of(tensors[i])) for i in mine]
     frames, size, raw_size = rec["frames"], rec["size"], rec["raw_size"]
     dec = zstandard.ZstdDecompressor()
     block = bytearray()
@@ -192,7 +157,7 @@ def _load_zstd(src: _Source, rec: dict[str, Any], index: list[dict[str, Any]], m
         if len(block) < want:
             block = bytearray(want)
         view = memoryview(block)[:want]
-        _read_exact(src, rec["name"], view, cpos)
+        read_exact(src, rec["name"], view, cpos)
         boff = 0
         for rlen, clen, crc in frames[fi:last]:
             if pos + rlen > raw_size:

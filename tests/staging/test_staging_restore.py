@@ -1,0 +1,131 @@
+"""Restoring a checkpoint (issue 31): large tensors read in pieces, each piece's CRC32C combined
+into the tensor's, and runs of small tensors scattered straight into their memory from a local
+copy -- with every guarantee of the plain read: exact bytes, dtypes and shapes, and any flipped
+byte an error, wherever in a tensor it lies.
+
+The cluster's chunks are 256 KiB (``tests/conftest.py``), so a 1 MiB tensor is four pieces from
+the store; ``LOCAL_PIECE`` is made small here so that a local read cuts it in pieces too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from stripefs import staging
+from stripefs.staging import ChecksumError, _load
+from stripefs.staging._format import MANIFEST, parse_manifest
+
+
+@pytest.fixture
+def sdir(tmp_path) -> str:
+    return str(tmp_path / "staging")
+
+
+@pytest.fixture(autouse=True)
+def small_local_pieces(monkeypatch):
+    monkeypatch.setattr(_load, "LOCAL_PIECE", 64 << 10)
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(31)
+    return {
+        "big": torch.randn(3 << 18, generator=g),  # 3 MiB: pieces of a chunk, a short last one
+        "odd": torch.randn(1000003, generator=g).to(torch.bfloat16),  # ends mid-page
+        "ints": torch.randint(-9, 9, (1 << 19,), generator=g, dtype=torch.int32),  # exactly DIRECT
+        "biases": [torch.randn(n, generator=g) for n in (1, 3, 17, 4095, 4097, 70000)],  # gaps between
+        "empty": torch.empty(0, 5),
+        "flags": torch.rand(33, generator=g) > 0.5,
+        "step": 7,
+    }
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _save(state, url, sdir, cluster) -> str:
+    h = staging.save(state, url, staging_dir=sdir, cluster=cluster.file, keep_local=1, keep_remote=1,
+                     background_mover=False)
+    assert h.wait(60)
+    return os.path.join(sdir, "steps", h.id)
+
+
+def test_restore_is_exact_from_the_store_and_from_the_local_copy(cluster, testdir, sdir):
+    state = _state()
+    url = f"stripefs:/{testdir}/step-1"
+    local = _save(state, url, sdir, cluster)
+    for out in (staging.load(url, cluster=cluster.file, prefer_local=False),
+                staging.load(url, cluster=cluster.file, staging_dir=sdir), staging.load(local)):
+        assert out.keys() == state.keys()
+        assert all(_same(state[k], out[k]) for k in state), [k for k in state if not _same(state[k], out[k])]
+
+
+def test_many_small_tensors_come_back_exact(cluster, testdir, sdir):
+    """More small tensors than one scattering read takes (IOV_MAX), of sizes that leave gaps."""
+    g = torch.Generator().manual_seed(5)
+    state = {f"b{i}": torch.randn(1 + i % 37, generator=g) for i in range(1500)}
+    url = f"stripefs:/{testdir}/step-1"
+    local = _save(state, url, sdir, cluster)
+    for out in (staging.load(url, cluster=cluster.file, prefer_local=False), staging.load(local)):
+        assert all(_same(v, out[k]) for k, v in state.items())
+
+
+def _flip(local: str, man: dict, index: int, where: float) -> None:
+    """Flip one byte of stored tensor ``index`` at fraction ``where`` of its bytes."""
+    e = man["tensors"][index]
+    path = os.path.join(local, man["files"][e["file"]]["name"])
+    pos = e["offset"] + min(int(e["nbytes"] * where), e["nbytes"] - 1)
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("where", [0.0, 0.3, 0.5, 0.99, 1.0])
+def test_a_flipped_byte_in_any_piece_is_an_error(cluster, testdir, sdir, where):
+    """First, middle and last piece of a many-piece tensor, and a small tensor of a run."""
+    state = {"big": torch.randn(3 << 18), "small": torch.randn(300), "other": torch.randn(200)}
+    local = _save(state, f"stripefs:/{testdir}/step-1", sdir, cluster)
+    with open(os.path.join(local, MANIFEST), "rb") as f:
+        man = parse_manifest(f.read(), local)
+    big = next(i for i, e in enumerate(man["tensors"]) if e["nbytes"] == state["big"].nbytes)
+    small = next(i for i, e in enumerate(man["tensors"]) if e["nbytes"] == state["small"].nbytes)
+    _flip(local, man, big, where)
+    with pytest.raises(ChecksumError, match=f"tensor {big} "):
+        staging.load(local)
+    _flip(local, man, big, where)  # back as it was
+    assert _same(staging.load(local)["big"], state["big"])
+    _flip(local, man, small, where)
+    with pytest.raises(ChecksumError, match=f"tensor {small} "):
+        staging.load(local)
+    assert not _same(staging.load(local, verify=False)["small"], state["small"])  # unchecked: as stored
+
+
+def test_a_bad_local_copy_falls_back_to_the_store(cluster, testdir, sdir):
+    state = {"big": torch.randn(3 << 18)}
+    url = f"stripefs:/{testdir}/step-1"
+    local = _save(state, url, sdir, cluster)
+    with open(os.path.join(local, MANIFEST), "rb") as f:
+        man = parse_manifest(f.read(), local)
+    _flip(local, man, 0, 0.7)
+    out = staging.load(url, cluster=cluster.file, staging_dir=sdir)
+    assert _same(out["big"], state["big"])
+
+
+def test_a_short_local_file_is_an_error(cluster, testdir, sdir):
+    state = {"big": torch.randn(3 << 18), "biases": [torch.randn(10) for _ in range(5)]}
+    local = _save(state, f"stripefs:/{testdir}/step-1", sdir, cluster)
+    with open(os.path.join(local, MANIFEST), "rb") as f:
+        man = parse_manifest(f.read(), local)
+    path = os.path.join(local, man["files"][0]["name"])
+    os.truncate(path, os.path.getsize(path) // 2)
+    with pytest.raises(ChecksumError, match="shorter than its manifest"):
+        staging.load(local, verify=False)
