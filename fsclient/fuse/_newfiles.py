@@ -97,18 +97,22 @@ class NewFiles:
         self.open[attr.ino] = (parent, name)
         return StripeFile(self.client, f"<inode {attr.ino}>", attr, readable=True, writable=True, pending=pending)
 
-    async def check_moved(self, ino: int | None, file: StripeFile) -> None:
-        """After ``ino``'s name was made (fsync, flush): when it turned out to exist (another
-        client made it between our lookup and the commit), the bytes went to that file, and
-        the kernel's entry, which names the reserved inode nobody made, is dropped before
-        the caller answers (the next open looks the name up again)."""
+    async def made(self, ino: int | None, file: StripeFile) -> tuple[int, bool] | None:
+        """After an fsync or flush of ``ino``: once its name is made, ``(its directory, whether
+        the name was ours)`` (the first time only; None before and after). The name is not
+        ours when another client made it between our lookup and the commit: the bytes went
+        to that file, and the kernel's entry, which names the reserved inode nobody made, is
+        dropped before the caller answers (the next open looks the name up again)."""
         where = self.open.get(ino) if ino is not None else None
-        if where is None or file.pending or file.attr.ino == ino:
-            return
+        if where is None or file.pending:
+            return None
         del self.open[ino]
+        if file.attr.ino == ino:
+            return where[0], True
         log.info("new file %r in directory %d existed at its commit: written to inode %d", where[1], where[0],
                  file.attr.ino)
         await trio.to_thread.run_sync(_forget_entry, where[0], where[1])
+        return where[0], False
 
     def released(self, ino: int) -> None:
         """The last handle of ``ino`` was closed."""

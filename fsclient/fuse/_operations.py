@@ -758,9 +758,9 @@ class StripeOperations(pyfuse3.Operations):
         attr = file.attr
         self.listings.added(parent_inode, _name(name))
         self.listings.drop(parent_inode)
-        # The service stamps the directory when the name is made; a GETATTR of it before
-        # then asks the service, which makes the name first (PendingCreates.settle_for).
-        self.dir_attrs.drop(parent_inode)
+        # The directory as this mount knows it shows the create now (this clock), and the
+        # service's stamp once the name is made (_sync).
+        self.dir_attrs.touched(parent_inode, attr.ctime_ns)
         self._absent_xattr(attr.ino, b"security.capability")
         fi = await self._open_state(attr, flags & ~os.O_TRUNC, ctx.uid, file=file)
         return fi, self._looked_up(attr)
@@ -888,7 +888,13 @@ class StripeOperations(pyfuse3.Operations):
             await self._locked(state, state.sync)
         finally:
             self.listings.clear()  # the committed length and mtime: listings holding the file show the old ones
-        await self.new_files.check_moved(self.handles.get(fh), state.file)
+        made = await self.new_files.made(self.handles.get(fh), state.file)
+        if made is not None:  # a new file's name was made: its directory is stamped with the commit's time
+            parent, ours = made
+            if ours:
+                self.dir_attrs.touched(parent, state.file.attr.ctime_ns)
+            else:
+                self.dir_attrs.drop(parent)
 
     async def release(self, fh: int) -> None:
         ino = self.handles.pop(fh, None)
