@@ -482,6 +482,7 @@ class SqliteStore(Store):
             if self.durable_commit or not all(self._bare):
                 self.durable_commit = False
                 self._conn.execute("ROLLBACK")
+                self.bounds.clear()  # a bound this transaction moved is undone: read it again
                 return False, None
             self._conn.execute("COMMIT")
             self.unchecked += 1
@@ -490,6 +491,7 @@ class SqliteStore(Store):
             self.durable_commit = False
             if self._conn.in_transaction:
                 self._conn.execute("ROLLBACK")
+                self.bounds.clear()  # a bound this transaction moved is undone: read it again
             raise
         finally:
             self._batching = False
@@ -535,6 +537,7 @@ class SqliteStore(Store):
         except BaseException:
             if self._conn.in_transaction:
                 self._conn.execute("ROLLBACK")
+                self.bounds.clear()  # a bound this transaction moved is undone: read it again
             raise
         finally:
             self._batching = False
@@ -566,6 +569,7 @@ class SqliteStore(Store):
         except BaseException:
             if self._conn.in_transaction:
                 self._conn.execute("ROLLBACK")
+                self.bounds.clear()  # a bound this transaction moved is undone: read it again
             raise
         finally:
             self._open = False
@@ -579,6 +583,7 @@ class SqliteStore(Store):
                 yield _SqliteTxn(self._conn.cursor(), self)
             except BaseException:
                 self._conn.execute("ROLLBACK TO op")  # undo this transaction only
+                self.bounds.clear()  # a bound this transaction moved is undone: read it again
                 self._conn.execute("RELEASE op")
                 raise
             self._conn.execute("RELEASE op")

@@ -337,3 +337,29 @@ def test_an_unlink_skips_the_xattr_cleanup_only_while_no_file_has_any(tmp_path) 
     with SqliteStore(tmp_path / "meta.db") as third:
         Namespace(third).unlink_path("/kept")
         assert third._conn.execute("SELECT COUNT(*) FROM xattrs").fetchone()[0] == 0
+
+
+def test_a_bound_moved_by_a_commit_rolled_back_is_moved_again(tmp_path) -> None:
+    """A loop commit that takes a counter's first numbers moves its reserved bound, and is
+    rolled back (it needs an fsync) to run on the thread. The bound it wrote must not stay
+    remembered: else no commit ever records it, and after a restart the counter starts
+    below numbers already handed out (a reopened service failed its next removal with
+    ``UNIQUE constraint failed: garbage.id``)."""
+    path = str(tmp_path / "meta.db")
+    store = SqliteStore(path)
+    store.sync_log_by_owner()
+    ns = Namespace(store)
+    with store.batch():
+        ns.mkdir(1, "d", 0o755, 0, 0)
+    done, _ = store.commit_unsynced(lambda: ns.reserve_files("/d", 3, chains=[1]))
+    assert not done  # the first garbage numbers move next_garbage's bound: refused, rolled back
+    with store.batch():
+        given = [g.id for g in ns.reserve_files("/d", 3, chains=[1])]
+    store.sync_log()
+    store.close()
+    store = SqliteStore(path)  # a restart
+    try:
+        again = Namespace(store).reserve_files("/d", 1, chains=[1])[0].id
+    finally:
+        store.close()
+    assert again > max(given)
