@@ -17,7 +17,7 @@ When a CREATE is answered this way (:meth:`NewFiles.may_defer`):
   making it later is what a create would have done. A name another client makes in
   between is found at the commit: that file is opened truncated and the bytes move to it
   (``_pending``), and the kernel's entry, which names the reserved inode, is dropped
-  (:meth:`NewFiles.released`).
+  (:meth:`NewFiles.made`).
 
 What this mount shows meanwhile is the file, from the moment of CREATE: the kernel has
 its entry; a lookup or ``stat`` of it, a listing of its directory, a rename or anything
