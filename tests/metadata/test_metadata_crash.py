@@ -26,7 +26,8 @@ mutation's answer holds where its effect is (the fresh name with its inode, the 
 mode and mtime, the new size); a read's where the state shows exactly what it said
 (``EEXIST`` and ``ENOENT`` included). Finally the survivors themselves -- copies of the
 database and the log cut at the durable lengths -- are opened as a restarted service
-opens them (``SqliteStore``, SQLite's own recovery) and must equal the replayed states.
+opens them (``SqliteStore``, SQLite's own recovery) and must equal the replayed states,
+and hand out no inode or garbage number again.
 
 Short in ``make test`` (one seeded round); ``STRIPEFS_META_CRASH_ROUNDS=50`` (and
 ``STRIPEFS_META_CRASH_OPS``, operations per client and round, at most ~60 so that no
@@ -214,8 +215,11 @@ def replay(db: bytes, wal: bytes) -> tuple[list[State], list[int]]:
     return states, ends
 
 
-def survivor(tmp: Path, db: bytes, wal: bytes, length: int, k: int) -> State:
-    """The store a restarted service opens after a power loss that kept ``length`` bytes of the log."""
+def survivor(tmp: Path, db: bytes, wal: bytes, length: int, k: int, seen_inos: set[int]) -> tuple[State, list[str]]:
+    """The store a restarted service opens after a power loss that kept ``length`` bytes of
+    the log, and what is wrong with its counters: the next inode number must be above every
+    inode any state or answer showed, the next garbage number above every item it holds
+    (numbers are never handed out twice, whatever was lost)."""
     d = tmp / f"survivor-{k}"
     d.mkdir()
     (d / "meta.db").write_bytes(db)
@@ -223,7 +227,15 @@ def survivor(tmp: Path, db: bytes, wal: bytes, length: int, k: int) -> State:
     store = SqliteStore(d / "meta.db")
     try:
         with store.transaction() as txn:
-            return _state(txn)
+            st = _state(txn)
+            ino, gid = txn.allocate("next_ino"), txn.allocate("next_garbage")
+            held = [g.id for g in txn.list_garbage(1 << 30)]
+        wrong = []
+        if seen_inos and ino <= max(seen_inos):
+            wrong.append(f"a restart after a log cut at {length} bytes hands out inode {ino} again")
+        if held and gid <= max(held):
+            wrong.append(f"a restart after a log cut at {length} bytes hands out garbage item {gid} again")
+        return st, wrong
     finally:
         store.close()
         shutil.rmtree(d)
@@ -303,6 +315,8 @@ def holds(a: Answer, st: State) -> bool:
         if code in (ErrorCode.NOT_FOUND, ErrorCode.NOT_DIR):
             return msg.ino not in st.children
         return True
+    if isinstance(msg, m.ReserveFiles):
+        return True  # numbers set aside, no name: what it must not do shows in the survivors' counters
     raise AssertionError(f"no claim known for {type(msg).__name__}")
 
 
@@ -443,8 +457,11 @@ class Workload:
     async def writer(self, ops: int) -> None:
         for _ in range(ops):
             await trio.sleep(0)
-            kind = self.rng.choice(["mkdir", "create", "create", "rename", "remove", "chmod", "truncate", "truncate"])
-            if kind in ("mkdir", "create"):
+            kind = self.rng.choice(["mkdir", "create", "create", "rename", "remove", "chmod", "truncate", "truncate",
+                                    "reserve"])
+            if kind == "reserve":  # several numbers of two counters in one commit
+                await self.ask(self.a, m.ReserveFiles(parent="/", count=self.rng.randint(2, 4)))
+            elif kind in ("mkdir", "create"):
                 parent = self._pick(self.dirs)
                 assert parent is not None
                 name = f"n{next(self.names)}"
@@ -600,8 +617,11 @@ def run_round(tmp: Path, seed: int, ops: int = OPS, *, bug: str | None = None) -
     # at what was durable (the last state, and a few answers' moments) equals the replay.
     lengths = sorted({a.durable for a in work.answers})
     picks = {lengths[-1], len(wal)} | set(random.Random(seed).sample(lengths, min(4, len(lengths))))
+    seen = {i for st in states for i in st.attrs} | {a.reply.attr.ino for a in work.answers
+                                                     if a.reply is not None and hasattr(a.reply, "attr")}
     for k, length in enumerate(sorted(picks)):
-        got = survivor(tmp, db, wal, length, k)
+        got, wrong = survivor(tmp, db, wal, length, k, seen)
+        violations.extend(wrong)
         want = states[bisect.bisect_right(ends, length)]
         if got != want:
             violations.append(f"the survivor of a log cut at {length} bytes differs from the replay of its commits")
