@@ -34,7 +34,7 @@ import os
 import stat
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from stripefs.wire import Attr, ErrorCode, Message, StripefsError, messages as m
 
@@ -165,33 +165,37 @@ class PendingCreates:
         self._settle(lambda p: older_than is None or now - p.born >= older_than)
 
     def settle_for(self, msg: Message[Any]) -> None:
-        """:meth:`settle` the names that ``msg`` could observe: a mount's ``Lookup`` of one
-        name observes that name only, its ``GetAttr`` of an inode that inode (and, for a
-        directory, the names made in it: its times and link count); any other request
-        (a listing, a rename, a removal...) observes them all. Names known by path (the
-        native client's) are always made: their directory inode is not known here."""
-        if isinstance(msg, self.QUIET):
-            return
-        if isinstance(msg, m.Lookup):
-            self._settle(lambda p: not p.parent_ino or (p.parent_ino, p.path) == (msg.parent, msg.name))
-        elif isinstance(msg, m.GetAttr):
-            self._settle(lambda p: not p.parent_ino or msg.ino in (p.parent_ino, p.res.ino))
-        else:
-            self._settle(lambda p: True)
+        """:meth:`settle` the names that ``msg`` could observe (:meth:`_observed_by`)."""
+        want = self._observed_by(msg)
+        if want is not None:
+            self._settle(want)
 
     def due(self, msg: Message[Any]) -> bool:
         """Would :meth:`settle_for` ``msg`` make a name (cheap: the caller avoids a thread hop)?"""
-        if not self._files or isinstance(msg, self.QUIET):
+        if not self._files:
+            return False
+        want = self._observed_by(msg)
+        if want is None:
             return False
         with self._lock:
-            files = list(self._files.values())
-        if isinstance(msg, m.Lookup):
-            return any(not p.parent_ino or (p.parent_ino, p.path) == (msg.parent, msg.name) for p in files)
-        if isinstance(msg, m.GetAttr):
-            return any(not p.parent_ino or msg.ino in (p.parent_ino, p.res.ino) for p in files)
-        return True
+            return any(want(p) for p in self._files.values())
 
-    def _settle(self, want: Any) -> None:
+    @staticmethod
+    def _observed_by(msg: Message[Any]) -> Callable[[PendingCreate], bool] | None:
+        """Which pending names ``msg`` could observe (None: none). A mount's ``Lookup`` of
+        one name observes that name only, its ``GetAttr`` of an inode that inode (and, for a
+        directory, the names made in it: its times and link count); any other request (a
+        listing, a rename, a removal...) observes them all. Names known by path (the native
+        client's) are observed by every request: their directory inode is not known here."""
+        if isinstance(msg, PendingCreates.QUIET):
+            return None
+        if isinstance(msg, m.Lookup):
+            return lambda p: not p.parent_ino or (p.parent_ino, p.path) == (msg.parent, msg.name)
+        if isinstance(msg, m.GetAttr):
+            return lambda p: not p.parent_ino or msg.ino in (p.parent_ino, p.res.ino)
+        return lambda p: True
+
+    def _settle(self, want: Callable[[PendingCreate], bool]) -> None:
         if getattr(_making, "on", False):
             return
         with self._lock:

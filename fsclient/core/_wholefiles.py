@@ -107,12 +107,6 @@ class Reservations:
             for key in [k for k in self._pools if k == path or isinstance(k, str) and k.startswith(below)]:
                 del self._pools[key]
 
-    def forget_all(self) -> None:
-        """Drop every pool (a mount's directory was removed or moved: pools are by inode,
-        and which are below it is not known here)."""
-        with self._lock:
-            self._pools.clear()
-
 
 def reserve(client: Client, parent: str | int, count: int) -> list[Reservation]:
     """``count`` fresh reservations in ``parent`` (a path or a directory inode; one

@@ -75,6 +75,7 @@ from stripefs.wire import Attr, ErrorCode, StripefsError, messages as m
 from ..core import AsyncClient, Client
 from ..core._acall import _result
 from ..core._core import REQUEST_TIMEOUT
+from ..core._wholefiles import Reservation
 from ._dirattrs import DirAttrs
 from ._dirhandle import OFFSET_BITS, READDIR_PAGE, DirHandle
 from ._kernelleases import KernelLeases
@@ -752,7 +753,7 @@ class StripeOperations(pyfuse3.Operations):
         return fi, self._looked_up(attr)
 
     async def _create_new(self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext,
-                          res: Any) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+                          res: Reservation) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         """CREATE of a name just found absent, answered with a reserved inode (``_newfiles``)."""
         file = self.new_files.new_file(parent_inode, name, mode, ctx.uid, ctx.gid, res)
         attr = file.attr
