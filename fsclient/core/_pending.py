@@ -184,7 +184,8 @@ class PendingCreates:
     def _observed_by(msg: Message[Any]) -> Callable[[PendingCreate], bool] | None:
         """Which pending names ``msg`` could observe (None: none). A mount's ``Lookup`` of
         one name observes that name only, its ``GetAttr`` of an inode that inode (and, for a
-        directory, the names made in it: its times and link count); any other request (a
+        directory, the names made in it: its times and link count), a ``Readdir`` without
+        attributes the names made in that directory; any other request (a
         listing, a rename, a removal...) observes them all. Names known by path (the native
         client's) are observed by every request: their directory inode is not known here."""
         if isinstance(msg, PendingCreates.QUIET):
@@ -193,6 +194,8 @@ class PendingCreates:
             return lambda p: not p.parent_ino or (p.parent_ino, p.path) == (msg.parent, msg.name)
         if isinstance(msg, m.GetAttr):
             return lambda p: not p.parent_ino or msg.ino in (p.parent_ino, p.res.ino)
+        if isinstance(msg, m.Readdir) and not msg.plus:  # names only: those of that directory
+            return lambda p: not p.parent_ino or p.parent_ino == msg.ino
         return lambda p: True
 
     def _settle(self, want: Callable[[PendingCreate], bool]) -> None:

@@ -14,6 +14,8 @@ from stripefs.wire import DirEntry
 __all__ = ["Listings", "Page"]
 
 _serials = itertools.count(1)
+FILL_WINDOW = 2.0  # seconds: two "no such name" answers from the service within it: a directory being filled
+BIG_AGAIN = 30.0  # seconds before the names of a directory found larger than a page are fetched again
 
 
 class Page:
@@ -76,10 +78,16 @@ class Listings:
     * ``ttl`` is the smaller of the attribute and entry timeouts; 0 keeps nothing.
     * Bounded by :attr:`MAX_ENTRIES` entries in all: past it, everything is forgotten.
     * Names are kept only for directories of at most one page (1,000 entries).
-    * Under a listing lease (the daemon's, see ``_kernelleases.py``) a page and the names
-      are kept no longer than the lease lives (``keep``): the lease is what makes them
-      coherent, and its invalidation drops them at once. The "no such name" answers made
-      from leased names are then not for the kernel to keep (:meth:`leased`).
+    * Under a listing lease (the daemon's, see ``_kernelleases.py``) a page is kept no
+      longer than the lease lives (``keep``) nor than ``ttl``; names are kept for the
+      lease's whole life: the lease is what makes them coherent (another client's create,
+      unlink or rename in the directory takes it back first, and that drops them at once;
+      this mount's own changes leave it, and are applied here). The "no such name" answers
+      made from leased names are then not for the kernel to keep (:meth:`leased`).
+    * A directory being filled (two of its lookups in :data:`FILL_WINDOW` seconds were
+      round trips that said "no such name", :meth:`filling`) gets its names fetched under
+      a lease (:meth:`fetching`, :meth:`put_fetched`): one listing instead of a lookup per
+      new name. Not for directories of more than one page (:meth:`too_big`).
     """
 
     MAX_ENTRIES = 50_000  # ~0.7 KB each, with its attributes and what it tells the kernel
@@ -93,6 +101,11 @@ class Listings:
         self.names: dict[int, tuple[set[str], float, float, bool]] = {}
         self.named = 0  # names in all the sets kept
         self.version = 0  # moves at every drop: see put
+        # directory ino -> this mount's changes to its names while a fetch of them is in
+        # flight: (added, removed, outcome unknown) -- applied to the fetched names
+        self._inflight: dict[int, tuple[set[str], set[str], list[bool]]] = {}
+        self._misses: dict[int, tuple[int, float]] = {}  # directory ino -> (misses, the first's time)
+        self._big: dict[int, float] = {}  # directory ino -> until when it is not fetched (see too_big)
 
     def get(self, ino: int, after: str) -> Page | None:
         """The page of ``ino`` after ``after`` if it is younger than ``ttl``, else None."""
@@ -148,15 +161,62 @@ class Listings:
         """Keep ``names``, every name of directory ``ino`` as of ``asked`` (trio clock),
         asked for when :attr:`version` was ``version`` (else not kept, as :meth:`put`);
         ``keep`` as :meth:`put`'s (given: the names are under a lease)."""
-        kept = self.ttl if keep is None else min(self.ttl, keep)
-        if kept <= 0 or version != self.version:
+        kept = self.ttl if keep is None else keep  # leased: kept while the lease lives
+        if self.ttl <= 0 or kept <= 0 or version != self.version:
             return
+        self._store_names(ino, names, asked, kept, keep is not None)
+
+    def _store_names(self, ino: int, names: set[str], asked: float, kept: float, leased: bool) -> None:
         if self.named + len(names) > self.MAX_ENTRIES:
             self.names.clear()
             self.named = 0
-        self.forget_names(ino)
-        self.names[ino] = (names, asked, kept, keep is not None)
+        self._drop_names(ino)
+        self.names[ino] = (names, asked, kept, leased)
         self.named += len(names)
+
+    # -- a directory being filled: its names fetched under a lease --------------------------
+    def missed(self, parent: int) -> None:
+        """The metadata service answered a lookup in ``parent``: no such name."""
+        now = trio.current_time()
+        count, first = self._misses.get(parent, (0, now))
+        if now - first > FILL_WINDOW:
+            count, first = 0, now
+        if len(self._misses) >= 4096:
+            self._misses.clear()
+        self._misses[parent] = (count + 1, first)
+
+    def filling(self, parent: int) -> bool:
+        """Should ``parent``'s names be fetched (under a lease) before its next lookup goes
+        to the service? When two lookups there said "no such name" within
+        :data:`FILL_WINDOW` s, no fetch is in flight, and it was not found too big lately."""
+        hit = self._misses.get(parent)
+        if hit is None or hit[0] < 2 or parent in self._inflight or self.ttl <= 0:
+            return False
+        if trio.current_time() - hit[1] > FILL_WINDOW:
+            del self._misses[parent]
+            return False
+        return self._big.get(parent, 0.0) <= trio.current_time()
+
+    def fetching(self, ino: int) -> None:
+        """A fetch of every name of ``ino`` is sent now: this mount's changes to them until
+        it is answered are recorded, to be applied to its answer (:meth:`put_fetched`)."""
+        self._inflight[ino] = (set(), set(), [False])
+
+    def put_fetched(self, ino: int, names: set[str] | None, asked: float, keep: float) -> None:
+        """Keep the fetched ``names`` of ``ino`` for ``keep`` seconds after ``asked`` (a
+        lease's), with this mount's changes made meanwhile; None: the fetch failed."""
+        added, removed, unknown = self._inflight.pop(ino, (set(), set(), [True]))
+        self._misses.pop(ino, None)
+        if names is None or unknown[0] or keep <= 0 or self.ttl <= 0:
+            return
+        self._store_names(ino, (names | added) - removed, asked, keep, True)
+
+    def too_big(self, ino: int) -> None:
+        """``ino`` has more names than one page: its lookups go to the service, and its
+        names are not fetched again for :data:`BIG_AGAIN` seconds."""
+        if len(self._big) >= 4096:
+            self._big.clear()
+        self._big[ino] = trio.current_time() + BIG_AGAIN
 
     def absent(self, parent: int, name: str) -> float | None:
         """The seconds for which ``name`` is known not to be in ``parent``, or None."""
@@ -165,7 +225,7 @@ class Listings:
             return None
         left = hit[1] + hit[2] - trio.current_time()
         if left <= 0:
-            self.forget_names(parent)
+            self._drop_names(parent)
             return None
         return left
 
@@ -176,6 +236,10 @@ class Listings:
 
     def added(self, parent: int, name: str) -> None:
         """This mount made ``name`` in ``parent``."""
+        flight = self._inflight.get(parent)
+        if flight is not None:
+            flight[0].add(name)
+            flight[1].discard(name)
         hit = self.names.get(parent)
         if hit is not None and name not in hit[0]:
             hit[0].add(name)
@@ -183,13 +247,24 @@ class Listings:
 
     def removed(self, parent: int, name: str) -> None:
         """This mount removed ``name`` from ``parent``."""
+        flight = self._inflight.get(parent)
+        if flight is not None:
+            flight[1].add(name)
+            flight[0].discard(name)
         hit = self.names.get(parent)
         if hit is not None and name in hit[0]:
             hit[0].discard(name)
             self.named -= 1
 
     def forget_names(self, ino: int) -> None:
-        """Forget the names of ``ino`` (a change of this mount whose outcome is unknown)."""
+        """Forget the names of ``ino`` (a change of this mount whose outcome is unknown, or
+        the lease on them was taken back); a fetch of them in flight is not kept either."""
+        flight = self._inflight.get(ino)
+        if flight is not None:
+            flight[2][0] = True
+        self._drop_names(ino)
+
+    def _drop_names(self, ino: int) -> None:
         hit = self.names.pop(ino, None)
         if hit is not None:
             self.named -= len(hit[0])

@@ -70,7 +70,7 @@ import pyfuse3
 import trio
 
 from stripefs.rpc._metrics import Lazy
-from stripefs.wire import Attr, ErrorCode, StripefsError, messages as m
+from stripefs.wire import MAX_NAME, Attr, ErrorCode, StripefsError, messages as m
 
 from ..core import AsyncClient, Client
 from ..core._acall import _result
@@ -290,7 +290,12 @@ class StripeOperations(pyfuse3.Operations):
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         version, text = self.dir_attrs.version, _name(name)
         left = self.listings.absent(parent_inode, text)
+        if left is None and self.listings.filling(parent_inode):
+            await self._fetch_names(parent_inode)
+            left = self.listings.absent(parent_inode, text)
         if left is not None:  # not among the names this mount knows of parent (see Listings)
+            if len(name) > MAX_NAME:  # what the service would have said (the kernel checks no length)
+                raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
             missing = pyfuse3.EntryAttributes()
             missing.st_ino = 0  # a negative entry: the kernel keeps "no such name" for the rest of the time
             # ... unless the names are leased: their invalidation could not take it back
@@ -303,6 +308,7 @@ class StripeOperations(pyfuse3.Operations):
         except StripefsError as exc:
             if exc.code == ErrorCode.NOT_FOUND:
                 self.new_files.said_missing(parent_inode, name)
+                self.listings.missed(parent_inode)
             raise
         self.dir_attrs.put(attr, version)
         e = self._looked_up(attr)
@@ -312,6 +318,31 @@ class StripeOperations(pyfuse3.Operations):
             if not stat.S_ISDIR(attr.mode):  # a directory's lease covers its entry only
                 e.attr_timeout = leased
         return e
+
+    async def _fetch_names(self, ino: int) -> None:
+        """Every name of directory ``ino``, which this mount is filling, fetched under a
+        listing lease and kept while it lives (see Listings): the lookups of new names that
+        follow are answered "no such name" without a round trip each. Nothing is kept
+        without a lease, from a listing of more than one page, or after an error (the
+        lookup asks the service as before)."""
+        kl = self.kernel_leases
+        if kl is None or not kl.asking:
+            return
+        self.listings.fetching(ino)
+        names: set[str] | None = None
+        asked, keep = trio.current_time(), 0.0
+        try:
+            token, sent = kl.token(), time.monotonic()
+            reply = await self.aio.call(m.Readdir(ino=ino, limit=READDIR_PAGE, plus=False, lease=True))
+            left = kl.timeout(token, reply.lease_id, reply.lease_ms, sent, ino)
+            if reply.more:
+                self.listings.too_big(ino)
+            elif left:
+                names, keep = {e.name for e in reply.entries}, trio.current_time() - asked + left
+        except StripefsError:
+            pass  # the lookup that follows meets the same error, and reports it
+        finally:
+            self.listings.put_fetched(ino, names, asked, keep)
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
         for ino, n in inode_list:
