@@ -45,6 +45,8 @@ PUBLISH_BATCH = 200  # index entries per SymlinkMany (the service's limit)
 GET_GROUP = 256  # pages looked up and read per round (a batch of more goes in rounds)
 SEGMENT_MAX = 256 << 20  # page bytes per segment, at most
 _TOUCHED_MAX = 4096  # segments whose last touch a store remembers
+SEGMENTS_KEPT = 16384  # complete segments a store remembers the attributes of (see _locate)
+SEGMENT_TTL = 1.0  # seconds a remembered segment is used at most (less when grace - read_timeout is short)
 
 
 def _client_of(target: Any) -> tuple[Client, bool]:
@@ -113,6 +115,14 @@ class PageStore:
         self._lock = threading.Lock()
         self._rings: list[ReadRing] = []
         self._touched: dict[str, float] = {}  # segment -> when this process last moved its recency
+        # Complete segments as stat'ed, until when each may be used: a segment's name is never
+        # reused and its file never changes once whole, so a get asks the service only for
+        # segments it has not met lately (one StatMany per batch instead of two). Kept for
+        # less than grace - read_timeout: a segment retired meanwhile is still readable
+        # while it is used (its reads end within read_timeout), as with a stat answered from
+        # the client's attribute cache; a read of one that failed forgets it.
+        self._segments: dict[str, tuple[RegisteredFile, float]] = {}
+        self._segment_ttl = min(SEGMENT_TTL, (grace - read_timeout) / 2)
 
     # -- put --------------------------------------------------------------------------------
     def batch_put(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> None:
@@ -220,11 +230,22 @@ class PageStore:
                     self._counters.add(checksum_failures=int(count))
             locs.append(loc)
         segments = sorted({loc.segment for loc in locs if loc is not None})
+        known, now = self._segments, time.monotonic()
         files = {}
-        for seg, attr in zip(segments, self.client.stat_many([self.ns.seg_path(s) for s in segments])):
-            if isinstance(attr, Attr) and attr.layout is not None \
-                    and attr.size == segment_size(segment_pages(seg), self.page_size):
-                files[seg] = RegisteredFile(attr.ino, attr.layout, attr.size, self.ns.seg_path(seg))
+        for seg in segments:
+            hit = known.get(seg)
+            if hit is not None and hit[1] > now:
+                files[seg] = hit[0]
+        unknown = [seg for seg in segments if seg not in files]
+        if unknown:
+            if len(known) + len(unknown) > SEGMENTS_KEPT:
+                known.clear()
+            until = time.monotonic() + self._segment_ttl  # counted from before the question
+            for seg, attr in zip(unknown, self.client.stat_many([self.ns.seg_path(s) for s in unknown])):
+                if isinstance(attr, Attr) and attr.layout is not None \
+                        and attr.size == segment_size(segment_pages(seg), self.page_size):
+                    files[seg] = RegisteredFile(attr.ino, attr.layout, attr.size, self.ns.seg_path(seg))
+                    known[seg] = (files[seg], until)
         return [loc if loc is not None and loc.segment in files else None for loc in locs], files
 
     def _get_group(self, part: list[int], keys: list[bytes], names: list[str], views: list[memoryview],
@@ -263,6 +284,7 @@ class PageStore:
                 hit_segments.add(loc.segment)
                 continue
             views[i][:] = self._zeros  # whatever landed there is not the page
+            self._segments.pop(loc.segment, None)  # removed, or not what it was: stat it again
             self._counters.add(**({"checksum_failures": 1} if fault == ErrorCode.CHECKSUM else {"read_errors": 1}))
         self._touch(hit_segments, files)
 

@@ -208,9 +208,15 @@ class Collector:
                                     "have not applied (they are offline): it cannot grow until they have")
 
     def garbage_added(self) -> None:
-        """A removal was queued: it is due after the grace period (now, with none)."""
-        self.due = min(self.due, time.monotonic() + self.grace)
-        self.wakeup.set()
+        """A removal was queued (maybe: every ``CommitFiles`` calls this): it is due after
+        the grace period (now, with none). The background task is woken only when that
+        makes a pass due sooner, or one is overdue: a wake-up per small file cost the
+        service's loop a scheduling round and a cancel scope each, to find nothing due."""
+        now = time.monotonic()
+        due = now + self.grace
+        if due < self.due or self.due <= now:
+            self.due = min(self.due, due)
+            self.wakeup.set()
 
     async def collect(self) -> None:
         """Apply the cuts still queued, drop chunks of removed files (after the grace

@@ -213,3 +213,42 @@ def test_status_shows_each_namespace(client: Client, cluster, ns: str, capsys) -
     assert cli.main(["status", "--cluster", cluster.file, "--json"]) == 0
     got = {n["namespace"]: n for n in json.loads(capsys.readouterr().out)["kvcache"]}
     assert got[ns]["pages"] == 8 and got[ns]["occupancy_bytes"] == 8 * PS
+
+
+def test_a_get_of_segments_met_lately_asks_for_the_index_entries_only(client: Client, ns: str) -> None:
+    """Segments are immutable under unique names: a get remembers them for less than
+    ``(grace - read_timeout) / 2`` and then looks up only the keys' index entries."""
+    with PageStore(client, ns, PS, 8 * PS, segment_bytes=2 * PS, grace=1.0, read_timeout=0.5) as store:
+        keys = keys_of("a", 2) + keys_of("b", 2)  # two segments
+        put(store, keys_of("a", 2))
+        put(store, keys_of("b", 2))
+        assert get(store, keys) == [True] * 4
+        asked: list[int] = []
+        real = store.client.stat_many
+
+        def counted(paths, **kw):  # type: ignore[no-untyped-def]  # the real call, counted
+            asked.append(len(paths))
+            return real(paths, **kw)
+
+        store.client.stat_many = counted  # type: ignore[method-assign]
+        try:
+            assert get(store, keys) == [True] * 4
+            assert asked == [4]  # the index entries; both segments known
+            time.sleep(0.3)  # past the 0.25 s a segment is remembered here
+            asked.clear()
+            assert get(store, keys) == [True] * 4
+            assert asked == [4, 2]
+        finally:
+            del store.client.stat_many
+
+
+def test_a_remembered_segment_evicted_meanwhile_is_a_miss_after_its_time(client: Client, ns: str) -> None:
+    with PageStore(client, ns, PS, 4 * PS, segment_bytes=2 * PS, grace=1.0, read_timeout=0.5) as store:
+        put(store, keys_of("a", 2))
+        put(store, keys_of("b", 2))
+        assert get(store, keys_of("a", 2)) == [True, True]  # a's segment remembered
+        put(store, keys_of("c", 2))  # the store is full: a's segment is retired
+        assert len(client.listdir(f"{store.ns.dir}/retired")) == 1
+        time.sleep(0.3)
+        assert get(store, keys_of("a", 2)) == [False, False]  # evicted: a miss, as without the memory
+        assert get(store, keys_of("b", 2) + keys_of("c", 2)) == [True] * 4
