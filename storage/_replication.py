@@ -58,6 +58,8 @@ SETTLE = 3.0  # seconds: > 2 heartbeats, so every peer routes by the table that 
 # declared offline (the failure timeout is 5 s) and left out of writes: reads ask for the
 # chain table first, and a resync in progress starts over.
 SILENCE = 3.0
+CONFIRM_TIMEOUT = 2.0  # seconds a read waits for the metadata service to confirm the chain table
+CONFIRM_BACKOFF = 0.5  # seconds reads fail at once after such a wait ran out
 
 
 async def control_call(conn: "TrioConnection | MetadataLink", msg: Message[R], payload: bytes = b"") -> tuple[R, bytes | bytearray]:
@@ -121,6 +123,7 @@ class Replicator:
         # When the metadata service last answered us (trio clock), and so confirmed our view
         # of the chain table: see StorageService.handle (reads after a long silence).
         self.heard = -float("inf")
+        self._unconfirmed_until = -float("inf")  # a confirm failed: reads fail fast until then
         self._clock: trio.abc.Clock | None = None  # the loop's, for confirmed() on other threads
         self.silences = 0  # how often it went that long without an answer (paused, cut off)
         self.bulk = bulk_limiter()  # bulk local writes (see _qos): few at once, small reads first
@@ -157,17 +160,44 @@ class Replicator:
     async def confirm(self, lease: float = SILENCE) -> None:
         """Ask for the chain table unless the metadata service answered within ``lease`` seconds.
 
-        Reads that arrive together after a silence share one call.
+        Reads that arrive together after a silence share one call. The call gets
+        :data:`CONFIRM_TIMEOUT` seconds: a metadata service cut off by a network that drops
+        packets silently would otherwise hold every read here for the transport's timeouts
+        (10 s to connect, 30 s to answer) before the client tried another replica. After a
+        failed call, reads fail at once for :data:`CONFIRM_BACKOFF` seconds, rather than
+        each waiting its turn behind the lock for another timeout.
+
+        Raises:
+            StripefsError: UNAVAILABLE when the metadata service did not answer in time (the
+                client reads from another replica), or its own error.
         """
         if trio.current_time() - self.heard <= lease:
             return
+        self._check_unconfirmed()
         async with self._refresh_lock:
             if trio.current_time() - self.heard <= lease:
                 return  # another read asked meanwhile
+            self._check_unconfirmed()
             asked = trio.current_time()
-            reply, _ = await control_call(self.meta, m.GetRouting())
+            with trio.move_on_after(CONFIRM_TIMEOUT) as scope:
+                try:
+                    reply, _ = await control_call(self.meta, m.GetRouting())
+                except StripefsError as exc:
+                    self._unconfirmed_until = trio.current_time() + CONFIRM_BACKOFF
+                    if exc.code != ErrorCode.TIMEOUT:
+                        raise
+                    raise StripefsError(ErrorCode.UNAVAILABLE, f"cannot confirm the chain table: {exc.message}") from exc
+            if scope.cancelled_caught:
+                self._unconfirmed_until = trio.current_time() + CONFIRM_BACKOFF
+                raise StripefsError(ErrorCode.UNAVAILABLE, f"the metadata service did not answer within "
+                                    f"{CONFIRM_TIMEOUT:g} s: this server cannot confirm it still serves the chain")
             self.routing = reply.routing
             self.note_heard(asked)
+
+    def _check_unconfirmed(self) -> None:
+        if trio.current_time() < self._unconfirmed_until:
+            raise StripefsError(ErrorCode.UNAVAILABLE, "the metadata service did not answer lately: this server "
+                                "cannot confirm it still serves the chain")
 
     # -- peers ------------------------------------------------------------------------------
     async def call_peer(self, sid: int, msg: Message[R], payload: bytes = b"") -> tuple[R, bytes | bytearray]:

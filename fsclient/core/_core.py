@@ -390,11 +390,7 @@ class ClientCore:
             try:
                 finish(pieces[i], fut.result(REQUEST_TIMEOUT))
                 failing_since.pop(i, None)
-            except TimeoutError as exc:
-                for _, other in [(i, fut), *inflight]:  # nothing may land in dest after we return
-                    abandon(other)
-                raise StripefsError(ErrorCode.TIMEOUT, "storage request timed out") from exc
-            except StripefsError as exc:
+            except StripefsError as exc:  # first: a TIMEOUT answer is a TimeoutError too, and is retried
                 if exc.code not in _RETRIED:
                     _settle(inflight)
                     raise
@@ -422,6 +418,10 @@ class ClientCore:
                     # a returning one serving again): back off, up to a second.
                     heapq.heappush(waiting, (now + min(RETRY_DELAY * attempts[i], 1.0), i))
                     stale = True
+            except TimeoutError as exc:  # no answer within REQUEST_TIMEOUT: give the call up
+                for _, other in [(i, fut), *inflight]:  # nothing may land in dest after we return
+                    abandon(other)
+                raise StripefsError(ErrorCode.TIMEOUT, "storage request timed out") from exc
 
     def read_into(self, ino: int, layout: Layout, file_size: int, offset: int, dest: memoryview) -> int:
         """Read up to ``len(dest)`` bytes at ``offset``; holes read as zeros. Returns bytes read."""

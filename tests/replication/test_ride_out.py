@@ -292,3 +292,75 @@ def test_a_write_forwarded_by_an_older_chain_table_is_refused(make_cluster) -> N
     assert err.value.code == ErrorCode.STALE_ROUTING
     with h.client() as c:
         assert c.read_bytes("/f") == b"a" * 4096
+
+
+def test_a_read_the_server_cannot_confirm_fails_fast_while_the_metadata_service_is_silent(make_cluster) -> None:
+    """A storage server confirms its chain table before serving a read after a silence of
+    the metadata service; a service that does not answer (paused here; cut off by a link
+    that drops packets silently in the namespace test bed) makes the read fail with
+    UNAVAILABLE within CONFIRM_TIMEOUT -- the client's cue to read another replica -- not
+    after the transport's 10-30 s; reads that follow fail at once for a moment, and are
+    served again once the service answers."""
+    from stripefs.storage import _replication
+    from stripefs.wire import ErrorCode, StripefsError, messages as m
+
+    h = make_cluster(servers=1)
+    data = os.urandom(4096)
+    with h.client() as c:
+        c.write_bytes("/f", data)
+        ino = c.stat("/f").ino
+        place = c.placement("/f")[0]
+        server, chain = place["replicas"][0], place["chain"]
+        read = m.ReadChunk(ino=ino, index=0, offset=0, length=len(data), chain=chain)
+        meta_pid = h.data["metadata_services"][0]["pid"]
+        pause(meta_pid)
+        try:
+            time.sleep(_replication.SILENCE + 1.0)  # the server's last answer is too old now
+            t0 = time.monotonic()
+            with pytest.raises(StripefsError) as info:
+                c.call_storage(server, read, timeout=30)
+            first = time.monotonic() - t0
+            assert info.value.code == ErrorCode.UNAVAILABLE
+            assert first < _replication.CONFIRM_TIMEOUT + 1.5, f"the read waited {first:.1f} s"
+            t0 = time.monotonic()
+            with pytest.raises(StripefsError):
+                c.call_storage(server, read, timeout=30)
+            assert time.monotonic() - t0 < 0.4  # within the backoff: at once
+        finally:
+            os.kill(meta_pid, signal.SIGCONT)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                reply = c.call_storage(server, read, timeout=30)
+                break
+            except StripefsError as exc:
+                assert exc.code == ErrorCode.UNAVAILABLE and time.monotonic() < deadline
+                time.sleep(0.2)
+        assert reply.length == len(data)
+
+
+def test_a_timeout_answered_by_a_server_is_retried_on_another_replica(cluster) -> None:
+    """``_run_pieces``: a piece whose request was answered TIMEOUT (a server that could not
+    reach a peer or the metadata service in time) goes to the next replica within the
+    retry budget; it used to end the call, since a TIMEOUT answer is a ``TimeoutError``
+    too and was taken for the client's own wait running out."""
+    from concurrent.futures import Future
+
+    from stripefs.wire import ErrorCode, StripefsError
+
+    attempts: list[int] = []
+    finished: list[object] = []
+
+    def submit(piece: tuple, attempt: int) -> Future:
+        attempts.append(attempt)
+        fut: Future = Future()
+        if attempt == 0:
+            fut.set_exception(StripefsError(ErrorCode.TIMEOUT, "peer did not answer in time"))
+        else:
+            fut.set_result("answer")
+        return fut
+
+    with Client(cluster.file) as c:
+        chain = next(iter(c.routing().chains))
+        c._core._run_pieces([(0, 0, 0, 0, chain)], submit, lambda piece, reply: finished.append(reply))
+    assert attempts == [0, 1] and finished == ["answer"]
