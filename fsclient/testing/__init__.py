@@ -8,7 +8,11 @@
   to a local file and to a stripefs route at once, compared byte for byte;
 * :mod:`.faults` and :mod:`.history` -- seeded fault schedules (kill -9, pauses,
   restarts, add-server) against writer and reader processes that record every
-  operation, and the checker that judges that history (``bench.fault_soak``).
+  operation, and the checker that judges that history (``bench.fault_soak``);
+* :mod:`.netbed` and :mod:`.netfaults` -- many hosts on one machine (a network namespace
+  each, on one bridge) with link faults (partitions, one-way drops, a pulled cable, a slow
+  link), a cluster's roles started on them with the deploy commands, and seeded link-fault
+  schedules judged by the same checker (``bench.net_soak``; docs/deploy.md).
 """
 
 from ._cluster import LocalCluster, add_server, down, mark_removed, read_cluster, up

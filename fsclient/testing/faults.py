@@ -58,7 +58,8 @@ from ..core import Client
 from ._cluster import SERVER_FILE, LocalCluster
 from .history import Op, Verdict, check, load
 
-__all__ = ["Event", "Outcome", "Schedule", "replica_mismatches", "run_schedule"]
+__all__ = ["Event", "Outcome", "Schedule", "replica_mismatches", "run_schedule", "write_initial", "wait_workers",
+           "final_content"]
 
 CHUNK = 256 * 1024
 SLOT = 96 * 1024  # slots straddle chunk boundaries (256 KiB chunks): a slot write is two pieces
@@ -328,9 +329,52 @@ def _worker(spec: dict[str, Any]) -> None:
             time.sleep(rng.uniform(0.0, 0.02))
 
 
-def _spawn_worker(spec: dict[str, Any]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "stripefs.fsclient.testing.faults", "--worker", json.dumps(spec)],
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+def _spawn_worker(spec: dict[str, Any], prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+    """Start a worker process; ``prefix`` goes before its command (``nsenter --net=...``: on another host)."""
+    return subprocess.Popen([*prefix, sys.executable, "-m", "stripefs.fsclient.testing.faults", "--worker",
+                             json.dumps(spec)], stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def write_initial(c: Client, seed: int, files: int = FILES) -> tuple[list[str], list[int], list[Op]]:
+    """Make ``/h`` and its files with their initial content: (paths, inodes, the ``"i"`` ops)."""
+    paths = [f"/h/f{i}" for i in range(files)]
+    init: list[Op] = []
+    inos: list[int] = []
+    c.mkdir("/h")
+    for f, p in enumerate(paths):
+        data = _bytes(f"init-{seed}-{f}", SLOTS * SLOT)
+        t0 = time.monotonic()
+        c.write_bytes(p, data)
+        inos.append(c.stat(p).ino)
+        init += [Op("i", "init", (f, u), crc32c.crc32c(data[a:b]), t0, time.monotonic(), True)
+                 for u, (a, b) in enumerate(UNITS)]
+        init.append(Op("i", "init", (f, NAME), _name_crc(p.rsplit("/", 1)[1]), t0, time.monotonic(), True))
+    return paths, inos, init
+
+
+def wait_workers(procs: list[subprocess.Popen], logs: list[str], timeout: float = 90) -> list[str]:
+    """Wait for the workers (after the stop file); the ones that crashed or did not stop, in words."""
+    crashed: list[str] = []
+    for proc, log_path in zip(procs, logs):
+        try:
+            if proc.wait(timeout=timeout) != 0:
+                crashed.append(f"{os.path.basename(log_path)}: exit status {proc.returncode}")
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            crashed.append(f"{os.path.basename(log_path)}: did not stop")
+    return crashed
+
+
+def final_content(c: Client, files: int) -> dict[tuple[int, int], int]:
+    """Every register's final value: each region's CRC and each file's name (by its listing)."""
+    final = {}
+    now = {_file_of(n): n for n in c.listdir("/h")}
+    for f in range(files):
+        final[(f, NAME)] = _name_crc(now.get(f, ""))
+        data = c.read_bytes(f"/h/{now[f]}") if f in now else b""
+        for u, (a, b) in enumerate(UNITS):
+            final[(f, u)] = crc32c.crc32c(data[a:b])
+    return final
 
 
 # -- the cluster side ---------------------------------------------------------------------
@@ -403,19 +447,9 @@ def run_schedule(seed: int, *, replicas: int = 2, servers: int | None = None, du
     procs: list[subprocess.Popen] = []
     stopped: set[int] = set()
     try:
-        logs, paths = [], [f"/h/f{i}" for i in range(FILES)]
-        init: list[Op] = []
-        inos: list[int] = []
+        logs: list[str] = []
         with h.client() as c:
-            c.mkdir("/h")
-            for f, p in enumerate(paths):
-                data = _bytes(f"init-{seed}-{f}", SLOTS * SLOT)
-                t0 = time.monotonic()
-                c.write_bytes(p, data)
-                inos.append(c.stat(p).ino)
-                init += [Op("i", "init", (f, u), crc32c.crc32c(data[a:b]), t0, time.monotonic(), True)
-                         for u, (a, b) in enumerate(UNITS)]
-                init.append(Op("i", "init", (f, NAME), _name_crc(p.rsplit("/", 1)[1]), t0, time.monotonic(), True))
+            paths, inos, init = write_initial(c, seed)
         stop = os.path.join(root, "stop")
         for k in range(writers + readers):
             role = "writer" if k < writers else "reader"
@@ -428,23 +462,10 @@ def run_schedule(seed: int, *, replicas: int = 2, servers: int | None = None, du
         _play(h, schedule, stopped)
         with open(stop, "w"):
             pass
-        crashed: list[str] = []
-        for proc, log_path in zip(procs, logs):
-            try:
-                if proc.wait(timeout=90) != 0:
-                    crashed.append(f"{os.path.basename(log_path)}: exit status {proc.returncode}")
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                crashed.append(f"{os.path.basename(log_path)}: did not stop")
+        crashed = wait_workers(procs, logs)
         with h.client() as c:
             wait_healthy(c, len(h.data["servers"]))
-            final = {}
-            now = {_file_of(n): n for n in c.listdir("/h")}
-            for f in range(len(paths)):
-                final[(f, NAME)] = _name_crc(now.get(f, ""))
-                data = c.read_bytes(f"/h/{now[f]}") if f in now else b""
-                for u, (a, b) in enumerate(UNITS):
-                    final[(f, u)] = crc32c.crc32c(data[a:b])
+            final = final_content(c, len(paths))
         with Client(os.path.join(h.root, SERVER_FILE)) as sc:  # ListChunks is for servers only
             differ = replica_mismatches(sc)
         verdict = check(init + load(logs), final, expect_no_errors=True)
