@@ -172,6 +172,7 @@ class Namespace:
 
     def _new_parent_checked(self, txn: Txn, parent: int, name: str) -> None:
         validate_name(name)
+        txn.expect(parent, name)
         self._dir(txn, parent)
         if txn.get_dentry(parent, name) is not None:
             raise _err(ErrorCode.EXISTS, f"file exists: {name!r}")
@@ -494,6 +495,7 @@ class Namespace:
         """
         validate_name(name)
         with self._store.transaction() as txn:
+            txn.expect(parent, name)
             return self._create(txn, self._dir(txn, parent), name, mode, uid, gid, chains, exclusive, truncate)
 
     def create_path(self, path: str, mode: int, uid: int, gid: int, *, chains: list[int],
@@ -793,6 +795,7 @@ class Namespace:
         (0: the inode is gone and a ``remove`` garbage item is queued)."""
         validate_name(name)
         with self._store.transaction() as txn:
+            txn.expect(parent, name, target=True)
             return self._unlink(txn, self._dir(txn, parent), name)
 
     def unlink_path(self, path: str) -> Attr:
@@ -814,6 +817,7 @@ class Namespace:
         validate_name(name)
         self.forget_dirs()  # committed or not, what a name leads to may change
         with self._store.transaction() as txn:
+            txn.expect(parent, name, target=True)
             self._dir(txn, parent)
             attr = self._inode(txn, self._entry(txn, parent, name).ino)
             if not attr.is_dir:
@@ -839,6 +843,8 @@ class Namespace:
         validate_name(name)
         validate_name(new_name)
         with self._store.transaction() as txn:
+            txn.expect(parent, name, target=True)
+            txn.expect(new_parent, new_name, target=True)
             self._dir(txn, parent)
             self._dir(txn, new_parent)
             src = self._inode(txn, self._entry(txn, parent, name).ino)

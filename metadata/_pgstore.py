@@ -32,14 +32,32 @@ here, in a writing transaction, that read takes the row's lock
 
 Names stay unique by the primary key ``(parent, name)`` in any case.
 
-**Round trips.** The connection runs in pipeline mode: a statement whose result is
-not needed (every write, ``BEGIN``, ``SAVEPOINT``) is sent without waiting, and only a
-read waits, for everything sent before it too. A create costs three waits (the
-reply record check, the directory's row with its lock and ``dirs`` row, the name)
-plus the batch's commit; see docs/operations.md for the measurements. A write's
-failure may thus surface in a later operation of the batch: then the batch (nothing
-of it committed) runs again in *safe mode*, each operation waiting for its own
-statements, so the failure is told to the operation that caused it alone, as before.
+**Round trips and statements.** The connection runs in pipeline mode: a statement
+whose result is not needed (``BEGIN``, a write) is sent without waiting, and only a
+read waits, for everything sent before it too. Per operation of a batch:
+
+* *reads ahead*: an operation names what it is about to read (``Txn.expect``: the
+  directory, the entry, the inode the entry names); all of it is sent at once, in lock
+  order, and the reads then take the answers -- one wait where there were three;
+* *rows held*: an inode row read under its lock, or written, is answered from memory
+  when the operation reads it again (nobody else can change it before the commit);
+* *the result record's check* (``apply_once``) is sent and taken as "not applied yet"
+  without waiting; before the commit (or when the batch failed) its answer, long in by
+  then, is looked at, and a request applied already reruns the batch in safe mode,
+  where the check waits and the record answers it;
+* *writes held back*: an operation's writes are sent only before the next read or the
+  commit, so one that reads nothing after its first write (a create, an unlink, a
+  rename) needs no savepoint, and is undone by dropping them; the writes sent together
+  go as one statement (data-modifying ``WITH`` parts), the commit's notifications with
+  them;
+* *prepared statements*: each statement is parsed and planned once per connection
+  (:func:`_prepared_statements`).
+
+A create is then 7 statements and 2 waits, the second of them the commit (see
+docs/operations.md for the measurements). A write's failure may thus surface in a later
+operation of the batch: then the batch (nothing of it committed) runs again in *safe
+mode*, each operation waiting for its own statements (and its own savepoint, writes
+sent as they come), so the failure is told to the operation that caused it alone.
 
 Caveats:
     * Needs ``psycopg`` 3 (``pip install 'stripefs[postgres]'``) with pipeline support (libpq >= 14).
@@ -61,7 +79,7 @@ from stripefs.wire._errors import ErrorCode, StripefsError
 from stripefs.wire._types import Attr, DirEntry, Layout
 
 from ._sqltxn import _SCHEMA, SCHEMA_VERSION, SqlTxn, _chains_tuple, check_schema_version
-from ._store import DirRow, GarbageItem, LockRow, Store, Txn
+from ._store import DirRow, GarbageItem, LockRow, Store, Txn, encode_name
 
 __all__ = ["PostgresStore", "PG_SCHEMA"]
 
@@ -114,6 +132,10 @@ class PgTxn(SqlTxn):
     _GET_INODE_LOCKED = f"SELECT {SqlTxn._INODE_COLS} FROM inodes WHERE ino = %s FOR UPDATE"
     _GET_DIR = "SELECT ino, parent, chunk_size, stripe FROM dirs WHERE ino = %s"
     _GET_DIR_SHARED = _GET_DIR + " FOR SHARE"
+    _GET_DENTRY = "SELECT ino, mode FROM dentries WHERE parent = %s AND name = %s"
+    # The inode an entry names, locked (the entry read in the same statement).
+    _GET_TARGET_LOCKED = (f"SELECT {SqlTxn._INODE_COLS} FROM inodes WHERE ino = "
+                          "(SELECT ino FROM dentries WHERE parent = %s AND name = %s) FOR UPDATE")
 
     def __init__(self, store: "PostgresStore", conn: Any, *, locking: bool, savepoint: bool = False) -> None:
         self._store = store
@@ -128,23 +150,72 @@ class PgTxn(SqlTxn):
         self.reply_for: bytes | None = None  # the client whose request's result this operation records
         # dirs rows read with (under the lock of) their inode, or written here: ino -> cursor | row | None
         self._dirs: dict[int, Any] = {}
+        # Writes held back (see PostgresStore: deferred writes), while this operation has
+        # read nothing since its first write: a batch's operation outside safe mode.
+        self._defer = savepoint and not store._safe
+        self.held: list[tuple[str, tuple[Any, ...]]] = []
+        # Reads sent ahead by :meth:`expect`, taken by the first read of the same row (a write
+        # to the row first drops them): inode number -> (inode cursor, dirs cursor or None);
+        # (parent, name) -> (entry cursor, cursor of the inode it names, or None).
+        self._ahead_inodes: dict[int, tuple[Any, Any]] = {}
+        self._ahead_entries: dict[tuple[int, str], tuple[Any, Any]] = {}
+        # Inode rows this operation holds the lock of, as it read or wrote them last (None:
+        # deleted): nobody else changes them before the commit, so a read again is answered here.
+        self._held_rows: dict[int, Attr | None] = {}
 
     def _q(self, sql: str, params: tuple[Any, ...] = ()) -> Any:
         conn = self._conn
         if sql[0] == "S":  # a read (SELECT): a cursor of its own, fetched by the caller
+            self._before_read()
             cur = conn.cursor()
         else:
+            self.wrote = True
+            if self._defer:
+                self.held.append((_pg(sql), params))
+                return None  # (writes return nothing their callers use)
             if self._want_savepoint and not self.savepoint:
                 conn.execute("SAVEPOINT op")
                 self.savepoint = True
-            self.wrote = True
             cur = self._store._wcur
         cur.execute(_pg(sql), params)
         return cur
 
-    def get_inode(self, ino: int) -> Attr | None:
+    def _before_read(self) -> None:
+        """Send the writes held back before this read (it sees them): the batch's earlier
+        operations' first, then this one's own inside its savepoint -- from now on it can
+        fail after a write that reached the server, and its writes go out as they come."""
+        store = self._store
+        if self.held:
+            store._flush()
+            self._conn.execute("SAVEPOINT op")
+            self.savepoint = True
+            store._send(self.held)
+            self.held = []
+            self._defer = False
+        elif store._deferred:
+            store._flush()
+
+    def expect(self, parent: int, name: str, target: bool = False) -> None:
+        """Send now, without waiting, the locked reads the operation is about to make: the
+        directory's inode (and ``dirs`` row), its entry ``name`` and, with ``target``, the
+        inode the entry names -- in this order, so each runs once the lock before it is
+        held (READ COMMITTED: each statement on a new snapshot), and answers what the same
+        read made later would. A create then waits once for all of them, not three times."""
         if not self._locking:
-            return super().get_inode(ino)
+            return
+        self._before_read()
+        if parent not in self._ahead_inodes:
+            self._ahead_inodes[parent] = self._send_inode(parent)
+        ecur = self._conn.cursor()
+        ecur.execute(self._GET_DENTRY, (parent, encode_name(name)))
+        tcur = None
+        if target:
+            tcur = self._conn.cursor()
+            tcur.execute(self._GET_TARGET_LOCKED, (parent, encode_name(name)))
+        self._ahead_entries[(parent, name)] = (ecur, tcur)
+
+    def _send_inode(self, ino: int) -> tuple[Any, Any]:
+        self._before_read()
         conn = self._conn
         cur = conn.cursor()
         cur.execute(self._GET_INODE_LOCKED, (ino,))
@@ -152,12 +223,39 @@ class PgTxn(SqlTxn):
         # dirs row as the last holder of the lock left it. Needed for directories only.
         dcur = conn.cursor()
         dcur.execute(self._GET_DIR, (ino,))
+        return cur, dcur
+
+    def get_inode(self, ino: int) -> Attr | None:
+        if not self._locking:
+            return super().get_inode(ino)
+        held = self._held_rows.get(ino, False)
+        if held is not False:
+            return held
+        ahead = self._ahead_inodes.pop(ino, None)
+        cur, dcur = ahead if ahead is not None else self._send_inode(ino)
         row = cur.fetchone()
         if row is None:
-            return None
-        if stat.S_ISDIR(row[1]):
+            if dcur is None:  # an entry's inode read ahead, and the entry had gone: read it again
+                return self.get_inode(ino)
+            return None  # (no lock held: not remembered)
+        if row[0] != ino:  # (read ahead for an entry that named another inode by then)
+            return self.get_inode(ino)
+        if dcur is not None and stat.S_ISDIR(row[1]):
             self._dirs[ino] = dcur
-        return self._attr(row)
+        self._held_rows[ino] = attr = self._attr(row)
+        return attr
+
+    def get_dentry(self, parent: int, name: str) -> DirEntry | None:
+        ahead = self._ahead_entries.pop((parent, name), None)
+        if ahead is None:
+            return super().get_dentry(parent, name)
+        ecur, tcur = ahead
+        row = ecur.fetchone()
+        if row is None:
+            return None
+        if tcur is not None and row[0] not in self._ahead_inodes:
+            self._ahead_inodes[row[0]] = (tcur, None)
+        return DirEntry(name, row[0], row[1])
 
     def get_dir(self, ino: int) -> DirRow | None:
         known = self._dirs.get(ino, False)
@@ -178,11 +276,18 @@ class PgTxn(SqlTxn):
     def put_inode(self, a: Attr) -> None:
         if self.keys is not None:
             self.keys.add(a.ino)
+        self._ahead_inodes.pop(a.ino, None)
+        if a.layout is None or type(a.layout.chains) is tuple:  # (as a read would build it)
+            self._held_rows[a.ino] = a
+        else:
+            self._held_rows.pop(a.ino, None)
         super().put_inode(a)
 
     def delete_inode(self, ino: int) -> None:
         if self.keys is not None:
             self.keys.add(ino)
+        self._ahead_inodes.pop(ino, None)
+        self._held_rows[ino] = None
         super().delete_inode(ino)
 
     def put_dir(self, r: DirRow) -> None:
@@ -200,11 +305,13 @@ class PgTxn(SqlTxn):
     def put_dentry(self, parent: int, e: DirEntry) -> None:
         if self.keys is not None:
             self.keys.add((parent, e.name))
+        self._ahead_entries.pop((parent, e.name), None)
         super().put_dentry(parent, e)
 
     def delete_dentry(self, parent: int, name: str) -> None:
         if self.keys is not None:
             self.keys.add((parent, name))
+        self._ahead_entries.pop((parent, name), None)
         super().delete_dentry(parent, name)
 
     def put_xattr(self, ino: int, name: bytes, value: bytes) -> None:
@@ -221,6 +328,13 @@ class PgTxn(SqlTxn):
         # A request's first look at its record (``_replay.apply_once``): what operations
         # wrote before it belongs to no request of a client.
         self._store._attribute(b"")
+        if self._defer:
+            # Sent, not waited for: taken as "not applied yet" (almost always true) and
+            # checked before the batch commits (PostgresStore._check_guesses), its answer
+            # fetched by then with the operation's next read.
+            self._store._guesses.append(self._q("SELECT result FROM replies WHERE client = ? AND req = ?",
+                                                (bytes(client), req)))
+            return None
         found = super().get_reply(client, req)
         if found is not None and self._locking:
             if len(self._store.replayed) > 10_000:  # (each is taken by its request's answer)
@@ -251,10 +365,82 @@ class PgTxn(SqlTxn):
         if key not in _SEQUENCES:
             return super().allocate(key)
         pool = self._store._numbers[key]
-        if not pool:
-            rows = self._q(f"SELECT nextval('{key}_seq') FROM generate_series(1, ?)", (ALLOCATE_BLOCK,)).fetchall()
+        if not pool:  # (a sequence ignores the transaction's writes: the held ones stay held)
+            cur = self._conn.cursor()
+            rows = cur.execute(f"SELECT nextval('{key}_seq') FROM generate_series(1, %s)", (ALLOCATE_BLOCK,)).fetchall()
             pool.extend(sorted(int(r[0]) for r in rows))
         return pool.popleft()
+
+
+# Rows a write names, by table: how many of its first parameters are its row's key (the
+# primary key's columns, or a prefix that covers more rows, never fewer). Writes to other
+# tables, or naming rows otherwise (DELETE FROM replies WHERE created_ns < ...), stand alone.
+_KEY_WIDTH = {"inodes": 1, "dirs": 1, "xattrs": 1, "dentries": 2, "garbage": 1, "locks": 1, "meta": 1}
+
+
+def _row(sql: str, params: tuple[Any, ...]) -> Any:
+    """What ``sql`` (an ``INSERT INTO t``/``DELETE FROM t ... WHERE <key> = ...``) writes,
+    to tell two writes to one row apart from writes to different rows; None: unknown."""
+    if sql[0] == "S":
+        return ("select", id(params))  # a notification: no row
+    words = sql.split(None, 3)
+    table = words[2]
+    if table == "replies" and words[0] == "INSERT":
+        return (table, params[0], params[1])
+    width = _KEY_WIDTH.get(table)
+    if width is None or (words[0] == "DELETE" and "WHERE ino = " not in sql and "WHERE parent = " not in sql
+                         and "WHERE id = " not in sql and "WHERE key = " not in sql):
+        return None
+    return (table, *params[:width])
+
+
+# Every statement is prepared on the server at its first use (parsed and planned once per
+# connection: planning one of these costs the backend about as much as running it), the
+# least used deallocated past this many.
+_PREPARED_MAX = 256
+
+
+def _prepared_statements(conn: Any) -> None:
+    """Prepare every statement ``conn`` runs on the server, at its first use, and keep
+    them over rollbacks.
+
+    Two things of psycopg's prepared statements go wrong in a pipeline, and are avoided:
+
+    * it forgets every prepared statement when a ``ROLLBACK`` (``TO SAVEPOINT`` too)
+      completes, and has them deallocated, while statements sent before that answer came
+      use them: here they are kept, as the server keeps them (a prepared statement is the
+      session's, not the transaction's);
+    * a statement prepared on its n-th use (n > 1) whose ``Parse`` the server skipped (an
+      error earlier in the pipeline) stays known as prepared, and every later use fails.
+      Prepared at its *first* use, psycopg checks its answer and forgets the name of a
+      statement that was not prepared.
+
+    Without the hook used for the first (another psycopg) nothing is prepared."""
+    manager = getattr(conn, "_prepared", None)
+    discard = getattr(manager, "_should_discard", None)
+    if discard is None:
+        conn.prepare_threshold = None
+        return
+
+    def unless_rollback(prep: Any, results: Any) -> bool:
+        if any((r.command_status or b"").startswith(b"ROLLBACK") for r in results):
+            return False
+        return bool(discard(prep, results))
+
+    manager._should_discard = unless_rollback
+    conn.prepare_threshold = 0
+    conn.prepared_max = _PREPARED_MAX
+
+
+def _record_clash(exc: BaseException) -> bool:
+    """``exc`` is (or was caused by) a request's result recorded twice (``replies``' key)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if getattr(seen, "sqlstate", None) == "23505" and \
+                getattr(getattr(seen, "diag", None), "constraint_name", None) == "replies_pkey":
+            return True
+        seen = seen.__cause__
+    return False
 
 
 def _where(url: str) -> str:
@@ -286,9 +472,7 @@ class _Pipelined:
         self._pipeline()
 
     def _pipeline(self) -> None:
-        # No server-side prepared statements here: psycopg forgets them all at every ROLLBACK
-        # (TO SAVEPOINT too) and, pipelined, may then use a name whose PREPARE was skipped.
-        self._conn.prepare_threshold = None
+        _prepared_statements(self._conn)
         self._pipe_cm = self._conn.pipeline()
         self._pipe = self._pipe_cm.__enter__()
         self._wcur = self._conn.cursor()
@@ -372,6 +556,11 @@ class PostgresStore(_Pipelined, Store):
         self._sent = 0  # the last publication number handed to a commit (never reused)
         self.published = 0  # the last publication number committed (read on the service's loop)
         self.replayed: set[tuple[bytes, int]] = set()  # requests whose record a mutation found (apply_once)
+        # Writes of the batch's finished operations not sent yet: sent, combined, before
+        # the next read or the commit (PgTxn._before_read, _flush).
+        self._deferred: list[tuple[str, tuple[Any, ...]]] = []
+        # The batch's reply-record reads taken as "none" without waiting (PgTxn.get_reply).
+        self._guesses: list[Any] = []
 
     def _init_schema(self) -> None:
         """Create or check the tables in one transaction: all of them or none."""
@@ -428,17 +617,82 @@ class PostgresStore(_Pipelined, Store):
             self._attribute(txn.reply_for)
 
     def _publish(self) -> int:
-        """Send the batch's keys with its commit (pipelined: no wait of their own); the
-        publication's number, 0 for none."""
+        """Send the batch's keys with its commit (pipelined: no wait of their own), the
+        writes still held back with them; the publication's number, 0 for none."""
         self._attribute(b"")
         groups, self._groups = self._groups, []
         barrier, self._barrier = self._barrier, False
         if not (groups or barrier) or self._payloads is None:
+            self._flush()
             return 0
         self._sent += 1
-        for payload in self._payloads(self._sent, groups, barrier):
-            self._conn.execute("SELECT pg_notify(%s, %s)", (self.lease_channel, payload))
+        self._deferred.extend(("SELECT pg_notify(%s, %s)", (self.lease_channel, payload))
+                              for payload in self._payloads(self._sent, groups, barrier))
+        self._flush()
         return self._sent
+
+    def _flush(self) -> None:
+        """Send the writes held back for the batch's finished operations."""
+        if self._deferred:
+            writes, self._deferred = self._deferred, []
+            self._send(writes)
+
+    def _send(self, writes: list[tuple[str, tuple[Any, ...]]]) -> None:
+        """Send ``writes`` (in order) in as few statements as keep their meaning: each run
+        of writes to different rows is one statement, the others as data-modifying
+        ``WITH`` parts of the last -- one parse, one execution, one answer instead of
+        several. They see the same snapshot and not each other's changes, so a write to a
+        row already written in the run (or to rows that cannot be told apart, ``_row``)
+        starts the next one; a ``SELECT`` (a notification) can only end a run."""
+        run: list[tuple[str, tuple[Any, ...]]] = []
+        rows: set[Any] = set()
+        for sql, params in writes:
+            row = _row(sql, params)
+            if run and (row is None or row in rows):
+                self._execute(run)
+                run, rows = [], set()
+            run.append((sql, params))
+            rows.add(row)
+            if row is None or sql[0] == "S":
+                self._execute(run)
+                run, rows = [], set()
+        if run:
+            self._execute(run)
+
+    def _execute(self, run: list[tuple[str, tuple[Any, ...]]]) -> None:
+        if len(run) == 1:
+            self._wcur.execute(*run[0])
+            return
+        parts = ", ".join(f"w{i} AS ({sql})" for i, (sql, _) in enumerate(run[:-1]))
+        self._wcur.execute(f"WITH {parts} {run[-1][0]}", tuple(p for _, params in run for p in params))
+
+    def _guessed_wrong(self, exc: BaseException) -> bool:
+        """The batch failed with ``exc``: was a request of it applied already (its record
+        found by a read taken as "none", or clashing with the record it wrote)? Then it
+        runs again in safe mode (:meth:`_check_guesses`), else it would apply the request
+        again, fail again, and so on."""
+        guesses, self._guesses = self._guesses, []
+        wrong = _record_clash(exc)
+        for cur in guesses:
+            if wrong or self._conn.broken:
+                break
+            try:
+                wrong = cur.fetchone() is not None  # (answered before the failure, or not at all)
+            except self._psycopg.Error:
+                break
+        if wrong:
+            self._safe_next = True
+        return wrong
+
+    def _check_guesses(self) -> None:
+        """Before the commit: did a reply-record read taken as "none" find one? Then the
+        batch (nothing of it committed) runs again in safe mode, where that read waits,
+        and the request is answered from its record, not applied twice."""
+        guesses, self._guesses = self._guesses, []
+        for cur in guesses:
+            if cur.fetchone() is not None:
+                self._safe_next = True
+                raise _Unattributed(RuntimeError("a request of the batch was applied already"))
 
     def _begin(self) -> None:
         self._usable()
@@ -456,6 +710,7 @@ class PostgresStore(_Pipelined, Store):
         """COMMIT and wait for it (and for every statement before it), the keys written
         published with it (:meth:`publish_keys`)."""
         try:
+            self._check_guesses()
             number = self._publish()
             cur = self._conn.execute("COMMIT")
             self._pipe.sync()
@@ -465,6 +720,7 @@ class PostgresStore(_Pipelined, Store):
                 self.published = number
         except BaseException as exc:
             broken = self._conn.broken
+            self._guessed_wrong(exc)
             self._recover()
             if broken:
                 raise StripefsError(ErrorCode.IO, f"lost the PostgreSQL connection before the commit: {exc}") from exc
@@ -475,6 +731,7 @@ class PostgresStore(_Pipelined, Store):
             raise
 
     def _rollback(self) -> None:
+        self._deferred, self._guesses = [], []
         self._recover()  # (a lost session took its open transaction with it)
 
     @contextmanager
@@ -485,12 +742,16 @@ class PostgresStore(_Pipelined, Store):
         self._batching = True
         self._safe, self._safe_next = self._safe_next, False
         self._pending, self._groups, self._barrier = set(), [], False  # (a batch run again records them again)
+        self._deferred, self._guesses = [], []
         try:
             self._begin()
             try:
                 yield
-            except BaseException:
+            except BaseException as exc:
+                wrong = self._guessed_wrong(exc)
                 self._rollback()
+                if wrong and not self.retryable(exc):  # (its failure may come from applying it twice)
+                    raise _Unattributed(exc) from exc
                 raise
             self._commit()
         finally:
@@ -509,6 +770,8 @@ class PostgresStore(_Pipelined, Store):
                     txn.savepoint = True
                 try:
                     yield txn
+                    if txn.held:  # (no savepoint: it read nothing after writing) sent with the next
+                        self._deferred += txn.held
                     if txn.savepoint:  # (sent, not waited for) nested savepoints slow every later statement
                         self._conn.execute("RELEASE SAVEPOINT op")
                     if self._safe:
@@ -534,6 +797,7 @@ class PostgresStore(_Pipelined, Store):
     def _op_failed(self, txn: PgTxn, exc: BaseException) -> None:
         """An operation of the batch raised ``exc``: undo what it wrote (it fails alone), or
         raise what fails the batch (a lost race; a statement error that may be another's)."""
+        txn.held = []  # never sent: nothing to undo
         db_error = isinstance(exc, self._psycopg.Error)
         if self.retryable(exc) or self._conn.broken:
             return  # the batch fails (and runs again, when retryable)
@@ -559,7 +823,7 @@ class PostgresStore(_Pipelined, Store):
             code = getattr(seen, "sqlstate", None)
             if code in _RETRY_SQLSTATES:
                 return True
-            if code == "23505" and getattr(getattr(seen, "diag", None), "constraint_name", None) == "replies_pkey":
+            if _record_clash(seen):
                 return True  # another service recorded this request's result first: run again, find it
             seen = seen.__cause__
         return False
@@ -583,6 +847,20 @@ class PostgresStore(_Pipelined, Store):
 
     def __repr__(self) -> str:
         return f"PostgresStore({self._conn.info.host}:{self._conn.info.port}/{self._conn.info.dbname})"
+
+
+class _PgReads(SqlTxn):
+    """A read-only transaction's primitives: :meth:`lookup_entry` in one statement (a
+    path walk's last name and its inode: one round trip, not two)."""
+
+    _LOOKUP_ENTRY = (f"SELECT d.ino, d.mode, {', '.join('i.' + c for c in SqlTxn._INODE_COLS.split(', '))} "
+                     "FROM dentries d LEFT JOIN inodes i ON i.ino = d.ino WHERE d.parent = %s AND d.name = %s")
+
+    def lookup_entry(self, parent: int, name: str) -> tuple[DirEntry, Attr | None] | None:
+        row = self._cur.execute(self._LOOKUP_ENTRY, (parent, encode_name(name))).fetchone()
+        if row is None:
+            return None
+        return DirEntry(name, row[0], row[1]), None if row[2] is None else self._attr(row[2:])
 
 
 class _PgReader(Store):
@@ -617,7 +895,7 @@ class _PgReader(Store):
                     if attempt or not self._conn.broken:
                         raise  # (a session that ended while idle, a server restart: once more on a new one)
             try:
-                yield SqlTxn(self._conn.cursor(), paramstyle="format")
+                yield _PgReads(self._conn.cursor(), paramstyle="format")
             finally:
                 if not self._conn.broken and \
                         self._conn.info.transaction_status != self._psycopg.pq.TransactionStatus.IDLE:

@@ -128,6 +128,12 @@ class Txn(abc.ABC):
         entry = self.get_dentry(parent, name)
         return None if entry is None else (entry, self.get_inode(entry.ino))
 
+    def expect(self, parent: int, name: str, target: bool = False) -> None:
+        """A hint: the operation is about to read directory ``parent``'s inode, its entry
+        ``name`` and, with ``target``, the inode that entry names. A store whose reads are
+        round trips may send them all at once now (the reads themselves still follow, and
+        return what they would have returned). The default does nothing."""
+
     @abc.abstractmethod
     def put_dentry(self, parent: int, entry: DirEntry) -> None:
         """Insert or replace ``(parent, entry.name)``; ``entry.mode`` keeps type bits only."""
