@@ -2,13 +2,16 @@
 
     python -m stripefs.bench.coherence_soak --minutes 10
     python -m stripefs.bench.coherence_soak --minutes 2 --first-seed 5000 --seconds 30 --history-dir /tmp/h
+    python -m stripefs.bench.coherence_soak --minutes 10 --metadata-store postgresql --metadata-services 3
 
 Starts two private clusters, one with a short lease TTL (1 s) and one with a long one
 (30 s), each mounted twice (``attr_timeout`` = ``entry_timeout`` = 0.5 s), and runs
 ``fsclient.testing.coherence`` histories on them in turn, a new seed each, until the time
 is spent; each history is checked as soon as it ends. Prints the operations by kind and
 the violations (with seed, op, timestamps, what was seen and allowed); the exit status
-is 1 if any. Replay a seed with ``python -m stripefs.fsclient.testing.coherence --seed N``
+is 1 if any. With ``--metadata-store postgresql --metadata-services N`` each cluster has
+N services on one private PostgreSQL, and every client spreads its requests over them.
+Replay a seed with ``python -m stripefs.fsclient.testing.coherence --seed N``
 (the interleaving differs: threads).
 """
 
@@ -28,7 +31,8 @@ from stripefs.fsclient.testing.coherence import Rig, check, run_history, summary
 TTLS = (1.0, 30.0)
 
 
-def soak(minutes: float, first_seed: int, seconds: float, mounts: int, history_dir: str | None) -> dict[str, Any]:
+def soak(minutes: float, first_seed: int, seconds: float, mounts: int, history_dir: str | None,
+         store: str = "sqlite", services: int = 1) -> dict[str, Any]:
     """Run histories round-robin over the TTLs for ``minutes``; returns the totals and violations."""
     totals: dict[str, Any] = {"histories": 0, "operations": 0, "mutations": 0, "by_op": {}, "violations": [],
                               "crashes": [], "by_ttl": {str(t): 0 for t in TTLS}}
@@ -36,7 +40,8 @@ def soak(minutes: float, first_seed: int, seconds: float, mounts: int, history_d
         rigs = []
         try:
             for ttl in TTLS:
-                rigs.append(Rig(os.path.join(work, f"ttl{ttl:g}"), lease_ttl=ttl, mounts=mounts))
+                rigs.append(Rig(os.path.join(work, f"ttl{ttl:g}"), lease_ttl=ttl, mounts=mounts, store=store,
+                                services=services))
             deadline = time.monotonic() + minutes * 60
             seed = first_seed
             while time.monotonic() < deadline:
@@ -72,10 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=60.0, help="length of one history")
     p.add_argument("--first-seed", type=int, default=1000, help="seeds below 1000 are what make test runs")
     p.add_argument("--no-mounts", action="store_true", help="native clients only (no FUSE here)")
+    p.add_argument("--metadata-store", choices=("sqlite", "postgresql"), default="sqlite")
+    p.add_argument("--metadata-services", type=int, default=1, help="more than one needs postgresql")
     p.add_argument("--history-dir", help="keep every history here (JSON lines, one file per seed)")
     p.add_argument("--json", help="write the totals here")
     a = p.parse_args(argv)
-    totals = soak(a.minutes, a.first_seed, a.seconds, 0 if a.no_mounts else 2, a.history_dir)
+    totals = soak(a.minutes, a.first_seed, a.seconds, 0 if a.no_mounts else 2, a.history_dir,
+                  a.metadata_store, a.metadata_services)
     print(json.dumps({k: v for k, v in totals.items() if k != "violations"}, indent=1))
     for v in totals["violations"][:50]:
         print("VIOLATION", v)

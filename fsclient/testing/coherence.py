@@ -742,15 +742,21 @@ class Rig:
         daemon_code: per mount index, Python run in that mount's daemon before it serves
             (tests inject a bug this way; the daemon then runs ``--foreground`` under us).
         mounts: how many mounts (0 where FUSE is not usable).
+        services: metadata services; more than one needs ``store="postgresql"`` (a private
+            PostgreSQL under ``workdir``, destroyed by :meth:`close`). Every client, the
+            mounts' included, sends each request to the next service in turn, so a lease is
+            granted by one service and broken by a change through another.
     """
 
     def __init__(self, workdir: str, *, lease_ttl: float, mount_timeout: float = 0.5, slack: float = 0.5,
-                 mounts: int = 2, daemon_code: dict[int, str] | None = None):
+                 mounts: int = 2, daemon_code: dict[int, str] | None = None, store: str = "sqlite",
+                 services: int = 1):
         from stripefs.fsclient.testing import LocalCluster
 
         self.workdir, self.window = workdir, mount_timeout + slack
+        self.store = store
         self.cluster = LocalCluster.start(os.path.join(workdir, "cluster"), servers=1, chunk_size=256 * 1024,
-                                          lease_ttl=lease_ttl)
+                                          lease_ttl=lease_ttl, metadata_store=store, metadata_services=services)
         self.mounts: list[str] = []
         self._procs: list[subprocess.Popen[bytes]] = []
         self.clients: list[Client] = []
@@ -803,6 +809,10 @@ class Rig:
             except subprocess.TimeoutExpired:
                 proc.kill()
         self.cluster.down()
+        if self.store == "postgresql":
+            from stripefs.fsclient.testing import LocalPostgres
+
+            LocalPostgres(self.cluster.root).destroy()
 
     def __enter__(self) -> "Rig":
         return self
@@ -854,11 +864,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mount-timeout", type=float, default=0.5, help="the mounts' attr_timeout and entry_timeout")
     p.add_argument("--slack", type=float, default=0.5, help="added to the mounts' window (request latency)")
     p.add_argument("--no-mounts", action="store_true", help="native clients only (no FUSE here)")
+    p.add_argument("--metadata-store", choices=("sqlite", "postgresql"), default="sqlite")
+    p.add_argument("--metadata-services", type=int, default=1, help="more than one needs postgresql")
     p.add_argument("--history", help="write every record here (JSON lines)")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="stripefs-coherence-") as work, \
             Rig(work, lease_ttl=a.ttl, mount_timeout=a.mount_timeout, slack=a.slack,
-                mounts=0 if a.no_mounts else 2) as rig:
+                mounts=0 if a.no_mounts else 2, store=a.metadata_store, services=a.metadata_services) as rig:
         h = run_history(rig, a.seed, a.duration)
         violations = check(h)
     if a.history:
