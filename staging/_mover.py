@@ -77,28 +77,34 @@ class MoverOptions:
                                     # (False: committed sizes only)
 
 
-_clients: dict[str, Client] = {}
+_clients: dict[tuple[str, str], Client] = {}
 _clients_lock = threading.Lock()
+UPLOAD_QOS = "background"  # the mover's writes yield to every other writer's at the servers (storage/_qos.py)
 
 
-def client_for(cluster: str | None) -> Client:
-    """A process-wide Client per cluster spec (connections are reused across saves)."""
-    key = cluster or ""
+def client_for(cluster: str | None, qos: str = "interactive") -> Client:
+    """A process-wide Client per cluster spec and traffic class (connections are reused
+    across saves)."""
+    key = (cluster or "", qos)
     with _clients_lock:
         c = _clients.get(key)
         if c is None or c.pid != os.getpid():
-            c = _clients[key] = Client(cluster)
+            c = _clients[key] = Client(cluster, qos=qos)
         return c
 
 
 def drop_client(cluster: str | None) -> None:
     with _clients_lock:
-        c = _clients.pop(cluster or "", None)
-    if c is not None:
-        try:
-            c.close()
-        except OSError:
-            pass
+        dropped = [_clients.pop(k) for k in [k for k in _clients if k[0] == (cluster or "")]]
+    for c in dropped:
+        _close_quietly(c)
+
+
+def _close_quietly(c: Client) -> None:
+    try:
+        c.close()
+    except OSError:
+        pass
 
 
 def checkpoint_path(url: Any) -> str:
@@ -189,10 +195,28 @@ def with_retries(fn: Callable[[], None], options: MoverOptions, what: str, clust
 
 
 class _Throttle:
-    def __init__(self, rate: float | None):
+    """The upload's pace: at most ``rate`` bytes/s over the checkpoint when set, and
+    yielding to the servers' other writers. The mover writes in the background class
+    (:data:`UPLOAD_QOS`), so its writes wait for slots behind everyone else's and the
+    servers say how long (:attr:`Client.queue_delay`); past :data:`QUEUE_TARGET` the
+    upload waits as long again before its next piece (at most :data:`MAX_YIELD`): the
+    busier the servers' bulk lanes, the more of them it leaves to a job's own burst."""
+
+    QUEUE_TARGET = 0.005
+    MAX_YIELD = 0.5
+
+    def __init__(self, rate: float | None, client: Client | None = None):
         self.rate, self.t0, self.sent, self.lock = rate, time.monotonic(), 0, threading.Lock()
+        self.client = client
+        self.yielded = 0.0  # seconds waited for the servers' queues (tests, stats)
 
     def account(self, n: int) -> None:
+        delay = self.client.queue_delay if self.client is not None else 0.0
+        if delay > self.QUEUE_TARGET:
+            wait = min(delay, self.MAX_YIELD)
+            with self.lock:
+                self.yielded += wait
+            time.sleep(wait)
         if not self.rate:
             return
         with self.lock:
@@ -274,7 +298,7 @@ class Uploader:
                      lambda exc: self.journal.note_error(self.row.id, f"{type(exc).__name__}: {exc}"))
 
     def _attempt(self, wait_local: Callable[[], None] | None) -> None:
-        client = client_for(self.options.cluster or self.row.cluster)
+        client = client_for(self.options.cluster or self.row.cluster, UPLOAD_QOS)
         final, partial = remote_paths(self.row.url, self.partial_id or self.row.id)
         existing = committed_id(client, final)
         if existing == self.row.id:  # committed by an earlier attempt whose journal update was lost
@@ -291,7 +315,7 @@ class Uploader:
                 self.journal.reset_progress(self.row.id)  # the partial upload is gone: start over
                 files = self.journal.files(self.row.id)
             client.makedirs(partial, 0o777 & ~process_umask())  # the parents it creates too
-        throttle = _Throttle(self.options.bandwidth)
+        throttle = _Throttle(self.options.bandwidth, client)
         with ThreadPoolExecutor(max(1, self.options.concurrency), thread_name_prefix="stripefs-mover") as pool:
             for fut in [pool.submit(self._upload_checked, client, partial, f, throttle) for f in files]:
                 fut.result()

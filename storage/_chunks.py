@@ -389,8 +389,10 @@ class ChunkStore:
 
     # -- write ----------------------------------------------------------------------------
     def write(self, ino: int, index: int, offset: int, data: memoryview, crc: int, chunk_size: int,
-              chain: int = 0, version: int | None = None) -> ChunkMeta:
+              chain: int = 0, version: int | None = None, qos: int = 0) -> ChunkMeta:
         """Write ``data`` at ``offset`` of a chunk, durably. Returns the new meta.
+
+        ``qos``: the write's traffic class (storage/_qos.py): bulk ones at idle I/O priority.
 
         ``version``: the chunk version this write creates (replicas get it from the
         chain head); None means "the next one". A write whose version is already
@@ -419,7 +421,7 @@ class ChunkStore:
                 if cur.version != version - 1:
                     raise VersionGap(cur.version, version)
             try:
-                with idle_io(len(data)):
+                with idle_io(len(data), qos):
                     return self._write_locked(ino, index, offset, data, chain, segment_crcs)
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:

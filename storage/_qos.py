@@ -18,6 +18,15 @@ read. Left alone, the burst fills the disk's queue and the reads wait behind it
 
 Small writes (a dataloader's outputs, metadata-sized files) and every read keep the
 default class and need no slot. ``STRIPEFS_BULK_SLOTS`` sets the slots (0: no limit).
+
+**Classes a writer names** (``WriteChunk.qos``, ``Client(qos=...)``): by size (the
+default, as above); ``bulk`` -- every write of that client takes a bulk slot at idle I/O
+priority, the small ones too (a checkpoint's small shards); ``background`` -- as bulk,
+and at most :data:`BACKGROUND_SLOTS` of them at once per server, so a background upload
+(the checkpoint mover, a copy) holds at most that many of the bulk slots and a burst of
+the writer's own job gets the rest. Every write that named a class is told how long it
+waited for its slots (``WriteChunkReply.queued_us``): what a background writer paces
+itself on (``staging``'s mover). Replicas apply a forwarded write in its class.
 """
 
 from __future__ import annotations
@@ -30,11 +39,14 @@ from typing import Iterator
 import trio
 
 from stripefs.rpc import int_setting
+from stripefs.wire import messages as m
 
-__all__ = ["BULK_WRITE", "BULK_SLOTS", "bulk_limiter", "idle_io"]
+__all__ = ["BULK_WRITE", "BULK_SLOTS", "BACKGROUND_SLOTS", "bulk_limiter", "background_limiter", "is_bulk", "idle_io"]
 
 BULK_WRITE = 1 << 20  # bytes: a write at least this large is bulk
 BULK_SLOTS = 2
+BACKGROUND_SLOTS = 1
+QOS_BY_SIZE = m.QOS_BY_SIZE
 
 _IOPRIO_WHO_PROCESS = 1  # with who=0: the calling thread
 _IOPRIO_CLASS_SHIFT = 13
@@ -62,10 +74,21 @@ def bulk_limiter() -> trio.CapacityLimiter | None:
     return trio.CapacityLimiter(slots) if slots > 0 else None
 
 
+def background_limiter() -> trio.CapacityLimiter | None:
+    """The limiter background-class writes take before their bulk slot (None: unlimited)."""
+    slots = int_setting("STRIPEFS_BACKGROUND_SLOTS", BACKGROUND_SLOTS)
+    return trio.CapacityLimiter(slots) if slots > 0 else None
+
+
+def is_bulk(nbytes: int, qos: int = QOS_BY_SIZE) -> bool:
+    """Is a write of ``nbytes`` in class ``qos`` scheduled as bulk (a slot, idle I/O)?"""
+    return qos != QOS_BY_SIZE or nbytes >= BULK_WRITE
+
+
 @contextlib.contextmanager
-def idle_io(nbytes: int) -> Iterator[None]:
-    """Run the block at idle I/O priority when ``nbytes`` is a bulk write (this thread only)."""
-    if nbytes < BULK_WRITE or _IOPRIO is None:
+def idle_io(nbytes: int, qos: int = QOS_BY_SIZE) -> Iterator[None]:
+    """Run the block at idle I/O priority when it is a bulk write (this thread only)."""
+    if not is_bulk(nbytes, qos) or _IOPRIO is None:
         yield
         return
     libc, set_nr, get_nr = _IOPRIO

@@ -42,7 +42,7 @@ from stripefs.wire import ErrorCode, Message, ReplyMessage, Routing, StripefsErr
 from stripefs.wire import messages as m
 
 from ._chunks import ChunkMeta, ChunkStore, VersionGap
-from ._qos import BULK_WRITE, bulk_limiter
+from ._qos import background_limiter, bulk_limiter, is_bulk
 
 if TYPE_CHECKING:
     from ._metalink import MetadataLink
@@ -82,6 +82,13 @@ async def control_call(conn: "TrioConnection | MetadataLink", msg: Message[R], p
     """
     header, data = await conn.call(msg, payload)
     return m.decode_reply(msg, header), data
+
+
+def write_reply(msg: m.WriteChunk, meta: ChunkMeta, waited_us: int) -> m.WriteChunkReply:
+    """The answer to ``msg``: the wait for its slots only to a writer that named a class
+    (older clients take no field they do not know)."""
+    return m.WriteChunkReply(length=meta.length, version=meta.version,
+                             queued_us=waited_us if msg.qos != m.QOS_BY_SIZE else 0)
 
 
 class _CutLock:
@@ -127,11 +134,28 @@ class Replicator:
         self._clock: trio.abc.Clock | None = None  # the loop's, for confirmed() on other threads
         self.silences = 0  # how often it went that long without an answer (paused, cut off)
         self.bulk = bulk_limiter()  # bulk local writes (see _qos): few at once, small reads first
+        self.background = background_limiter()  # background ones: fewer still, before their bulk slot
 
-    def limiter_for(self, nbytes: int) -> trio.CapacityLimiter | None:
-        """The worker-thread limiter of a local chunk write of ``nbytes``: bulk ones share
-        :data:`~storage._qos.BULK_SLOTS` slots; others (and reads) trio's default."""
-        return self.bulk if nbytes >= BULK_WRITE else None
+    def limiter_for(self, nbytes: int, qos: int = m.QOS_BY_SIZE) -> trio.CapacityLimiter | None:
+        """The worker-thread limiter of a local chunk write of ``nbytes`` in class ``qos``:
+        bulk ones share :data:`~storage._qos.BULK_SLOTS` slots; others (and reads) trio's default."""
+        return self.bulk if is_bulk(nbytes, qos) else None
+
+    async def store_write(self, msg: m.WriteChunk, view: memoryview, version: int | None = None) -> tuple[ChunkMeta, int]:
+        """Apply ``msg`` to the local store in a worker thread, under the slots of its class
+        (storage/_qos.py); returns the chunk's meta and the microseconds it waited for them."""
+        asked = trio.current_time()
+        async with contextlib.AsyncExitStack() as slots:
+            if msg.qos == m.QOS_BACKGROUND and self.background is not None:
+                await slots.enter_async_context(self.background)
+            limiter = self.limiter_for(len(view), msg.qos)
+            if limiter is not None:
+                await slots.enter_async_context(limiter)
+            waited = int((trio.current_time() - asked) * 1e6)
+            meta = await trio.to_thread.run_sync(
+                self.store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain, version,
+                msg.qos)
+        return meta, waited
 
     # -- routing ----------------------------------------------------------------------------
     async def refresh(self, at_least: int = 0) -> Routing:
@@ -287,24 +311,20 @@ class Replicator:
                 raise StripefsError(ErrorCode.STALE_ROUTING, f"server {self.server_id} is not the head of chain {msg.chain}")
             async with self.cut_lock(msg.ino, msg.chain), self.chunk_lock((msg.ino, msg.index)):
                 with self._dirty_while_applied((msg.ino, msg.index), pos + 1 < len(order)):
-                    meta = await trio.to_thread.run_sync(
-                        self.store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain,
-                        limiter=self.limiter_for(len(view)),
-                    )
+                    meta, waited = await self.store_write(msg, view)
                 await self._forward_marked(order, pos, msg, view, meta.version, routing.version, meta.digest)
         else:
             with self._dirty_while_applied((msg.ino, msg.index), pos + 1 < len(order)):
-                meta = await self._apply_forwarded(order, pos, msg, view)
+                meta, waited = await self._apply_forwarded(order, pos, msg, view)
             await self._forward_marked(order, pos, msg, view, msg.version, routing.version, msg.digest)
-        return m.WriteChunkReply(length=meta.length, version=meta.version)
+        return write_reply(msg, meta, waited)
 
-    async def _apply_forwarded(self, order: list[int], pos: int, msg: m.WriteChunk, view: memoryview) -> Any:
-        """Apply a write forwarded by our predecessor here; the chunk's meta now."""
+    async def _apply_forwarded(self, order: list[int], pos: int, msg: m.WriteChunk, view: memoryview) -> tuple[Any, int]:
+        """Apply a write forwarded by our predecessor here; the chunk's meta now, and the
+        microseconds the write waited for its slots here."""
+        waited = 0
         try:
-            meta = await trio.to_thread.run_sync(
-                self.store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain, msg.version,
-                limiter=self.limiter_for(len(view)),
-            )
+            meta, waited = await self.store_write(msg, view, msg.version)
         except VersionGap:
             # We missed versions (we were away): take the predecessor's whole chunk, which
             # already includes this write, then pass the write on.
@@ -318,7 +338,7 @@ class Replicator:
                 # from). The write is ordered before that cut; nothing of it is left to keep.
                 log.info("chunk %d:%d was cut at server %d after it applied version %d",
                          msg.ino, msg.index, order[pos - 1], msg.version)
-                return ChunkMeta()
+                return ChunkMeta(), waited
         if msg.digest is not None and len(view) and (meta.version != msg.version or meta.digest != msg.digest):
             # Our copy diverged: we applied another write as this version (or a later
             # one) while heading the chain and failed before forwarding it. The head
@@ -328,7 +348,7 @@ class Replicator:
             log.warning("chunk %d:%d diverged here (version %d, chain at %d): copying it from server %d",
                         msg.ino, msg.index, meta.version, msg.version, order[pos - 1])
             meta = await self.copy_chunk(order[pos - 1], msg.ino, msg.index, force=True)
-        return meta
+        return meta, waited
 
     @contextlib.contextmanager
     def _dirty_while_applied(self, key: tuple[int, int], has_successor: bool) -> Iterator[None]:
@@ -370,7 +390,7 @@ class Replicator:
         if pos + 1 >= len(order):
             return
         fwd = m.WriteChunk(ino=msg.ino, index=msg.index, offset=msg.offset, crc=msg.crc, chunk_size=msg.chunk_size,
-                           chain=msg.chain, routing_version=rv, version=version, digest=digest)
+                           chain=msg.chain, routing_version=rv, version=version, digest=digest, qos=msg.qos)
         try:
             await self.call_peer(order[pos + 1], fwd, bytes(view))
         except StripefsError as exc:

@@ -40,7 +40,7 @@ from stripefs.wire import messages as m
 from . import _stats
 from ._chunks import ChunkStore
 from ._metalink import MetadataLink
-from ._replication import Replicator, control_call
+from ._replication import Replicator, control_call, write_reply
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ PENDING_POLL = 0.05
 PENDING_FAST_POLLS = 100
 SMALL_READ = 256 * 1024
 SMALL_WRITE = 256 * 1024  # an unreplicated write this small is done on the connection's thread
+QOS_KNOWN = tuple(m.QOS_CLASSES.values())
 
 
 class StorageService(Service):
@@ -111,20 +112,18 @@ class StorageService(Service):
         if isinstance(msg, m.WriteChunk):
             view = memoryview(payload)[: head.payload_len]
             try:
+                if msg.qos not in QOS_KNOWN:
+                    raise StripefsError(ErrorCode.INVALID, f"unknown traffic class {msg.qos!r} (known: {QOS_KNOWN})")
                 if msg.chain and (msg.version is not None or self._chained(msg.chain)):
                     reply = await self.repl.write(msg, view)
-                elif len(view) <= SMALL_WRITE:
+                elif len(view) <= SMALL_WRITE and msg.qos == m.QOS_BY_SIZE:
                     # A small file's chunk: the connection's own reply thread writes, syncs and
                     # answers (no worker-thread hop, no wake-up of the loop to send the reply).
                     await conn.reply_in_thread(head, self._small_write, msg, view, payload)
                     view = payload = None
                     return
                 else:  # replication factor 1: nothing to forward
-                    meta = await trio.to_thread.run_sync(
-                        store.write, msg.ino, msg.index, msg.offset, view, msg.crc, msg.chunk_size, msg.chain,
-                        limiter=self.repl.limiter_for(len(view)),
-                    )
-                    reply = m.WriteChunkReply(length=meta.length, version=meta.version)
+                    reply = write_reply(msg, *await self.repl.store_write(msg, view))
             finally:
                 if view is not None:
                     view.release()

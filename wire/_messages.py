@@ -538,8 +538,13 @@ class SyncDoneReply(ReplyMessage):
 
 @reply
 class WriteChunkReply(ReplyMessage):
+    """``queued_us``: how long the write waited for a slot of its class at the server
+    (storage/_qos.py), sent only when it waited: what a background writer paces itself on."""
+
     length: int  # the chunk's length after the write
     version: int  # the chunk's version after the write
+    queued_us: int = 0
+    SPARSE = ("queued_us",)
 
 
 @reply
@@ -922,9 +927,18 @@ class ReleaseLock(Message[ReleaseLockReply]):
 # --- storage servers (40-59) -------------------------------------------------------------
 
 
+# Traffic classes of chunk writes (``WriteChunk.qos``; how a server schedules each:
+# storage/_qos.py). By size: a write of at least 1 MiB is bulk, smaller ones go first.
+QOS_BY_SIZE, QOS_BULK, QOS_BACKGROUND = 0, 1, 2
+QOS_CLASSES = {"interactive": QOS_BY_SIZE, "bulk": QOS_BULK, "background": QOS_BACKGROUND}
+
+
 @message(40, mutates=True)
 class WriteChunk(Message[WriteChunkReply]):
-    """Payload: the bytes. ``crc`` is CRC32C of the payload (end-to-end check)."""
+    """Payload: the bytes. ``crc`` is CRC32C of the payload (end-to-end check).
+
+    ``qos``: the write's traffic class (:data:`QOS_CLASSES`), sent only when not by size,
+    so the map of an ordinary write is what it always was."""
 
     ino: int
     index: int
@@ -939,6 +953,8 @@ class WriteChunk(Message[WriteChunkReply]):
     # write as the same version before a failure) replaces it from its predecessor rather
     # than acknowledging bytes the chain does not hold.
     digest: int | None = None
+    qos: int = QOS_BY_SIZE
+    SPARSE = ("qos",)
 
     def needs_server_role(self) -> bool:
         # A write carrying a version is a replica forwarding along its chain: applied as

@@ -152,14 +152,24 @@ class Client:
         access_log: a file to log every call of the path API to (``stripefs profile``);
             None: ``$STRIPEFS_ACCESS_LOG``, else none. ``$STRIPEFS_CLIENT_METRICS=HOST:PORT``
             serves this process's client metrics (``_observe.py``).
+        qos: the traffic class of this client's chunk writes at the storage servers
+            (storage/_qos.py): ``interactive`` (the default: writes of 1 MiB and more
+            are bulk, smaller ones go first), ``bulk`` (every write yields to small
+            ones: a checkpoint writer) or ``background`` (as bulk, and a server runs
+            few of them at once: uploads, copies). :attr:`queue_delay` then says how
+            long the servers held its writes.
     """
 
     def __init__(self, cluster: "str | os.PathLike[str] | ClusterConfig | None" = None, *, secret: str | None = None,
                  conns_per_server: int = 2, max_inflight: int = 32, attr_timeout: float | None = None,
-                 retry_for: float | None = None, leases: bool | None = None, access_log: str | None = None):
+                 retry_for: float | None = None, leases: bool | None = None, access_log: str | None = None,
+                 qos: str = "interactive"):
+        if qos not in m.QOS_CLASSES:
+            raise StripefsError(ErrorCode.INVALID, f"qos must be one of {', '.join(m.QOS_CLASSES)}, not {qos!r}")
         self.config = find_cluster(cluster, secret)
         self._core = ClientCore(self.config, conns_per_server=conns_per_server, max_inflight=max_inflight,
                                 retry_for=retry_for)
+        self._core.qos = m.QOS_CLASSES[qos]
         attr_timeout = seconds_setting(attr_timeout, ATTR_TIMEOUT_ENV, 0.0, "attr_timeout")
         if leases is None:
             leases = os.environ.get(LEASES_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
@@ -177,6 +187,13 @@ class Client:
         self._core.owner = weakref.ref(self)  # a held Lease keeps its client (_lease.Lease)
         if access_log or os.environ.get(ACCESS_LOG_ENV) or os.environ.get(CLIENT_METRICS_ENV):
             observe_client(self, access_log)  # opt-in: an access log, Prometheus metrics (_observe.py)
+
+    @property
+    def queue_delay(self) -> float:
+        """Seconds this client's recent chunk writes waited for their slots at the storage
+        servers (a moving average of what they reported; 0 for ``qos="interactive"``,
+        whose writes are not told): how busy the servers' bulk lanes are for it."""
+        return self._core.queue_delay.seconds
 
     def close(self) -> None:
         """Release this client's leases (locks and attribute leases) and close its connections."""

@@ -180,6 +180,24 @@ def _settle(inflight: "deque[tuple[int, Future]]") -> None:
             pass
 
 
+class QueueDelay:
+    """A moving average of the waits the storage servers report for a client's classed
+    writes (``WriteChunkReply.queued_us``): the first report sets it, each later one moves
+    it an eighth of the way."""
+
+    WEIGHT = 1 / 8
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.last = 0.0  # the latest report
+        self.reports = 0
+
+    def add(self, waited: float) -> None:
+        self.last = waited
+        self.reports += 1  # (a lost increment under a race only delays the averaging)
+        self.seconds += (waited - self.seconds) * (1.0 if self.reports == 1 else self.WEIGHT)
+
+
 class ClientCore:
     """Shared machinery of :class:`fsclient.Client` (sync) and the async API."""
 
@@ -196,6 +214,8 @@ class ClientCore:
         self.locks: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the Lease locks held through this core
         self.owner: Callable[[], Any] = lambda: None  # the Client of this core (a weak reference)
         self.meta_health = MetaHealth()  # answered before? waiting now? (how metadata retries behave)
+        self.qos = m.QOS_BY_SIZE  # the class of this client's chunk writes (Client(qos=...))
+        self.queue_delay = QueueDelay()  # what the servers report of their waits (classed writes only)
         self._init_state()
         _LIVE.add(self)
 
@@ -543,11 +563,13 @@ class ClientCore:
                     index, coff, k, pos, chain = p
                     conn = self.data_conn(self._head(chain))
                     msg = m.WriteChunk(ino=ino, index=index, offset=coff, crc=crcs[pos], chunk_size=layout.chunk_size,
-                                       chain=chain, routing_version=self.routing().version)
+                                       chain=chain, routing_version=self.routing().version, qos=self.qos)
                     return conn.submit(msg, payload=data[pos : pos + k])
 
                 def finish(p: tuple[int, int, int, int, int], reply: Reply) -> None:
-                    _write_reply(reply.header)  # a well-formed WriteChunkReply, or PROTOCOL
+                    answer = _write_reply(reply.header)  # a well-formed WriteChunkReply, or PROTOCOL
+                    if self.qos != m.QOS_BY_SIZE:
+                        self.queue_delay.add(answer.queued_us / 1e6)
                     acked[p[3]].set_result(None)  # later writes over this piece may go now
 
                 self._run_pieces(pieces, submit, finish)
