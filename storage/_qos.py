@@ -25,8 +25,9 @@ priority, the small ones too (a checkpoint's small shards); ``background`` -- as
 and at most :data:`BACKGROUND_SLOTS` of them at once per server, so a background upload
 (the checkpoint mover, a copy) holds at most that many of the bulk slots and a burst of
 the writer's own job gets the rest. Every write that named a class is told how long it
-waited for its slots (``WriteChunkReply.queued_us``): what a background writer paces
-itself on (``staging``'s mover). Replicas apply a forwarded write in its class.
+waited for its bulk slot (``WriteChunkReply.queued_us``; not for its background slot,
+which it waits for behind its own uploads): what a background writer paces itself on
+(``staging``'s mover). Replicas apply a forwarded write in its class.
 """
 
 from __future__ import annotations

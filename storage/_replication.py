@@ -143,11 +143,14 @@ class Replicator:
 
     async def store_write(self, msg: m.WriteChunk, view: memoryview, version: int | None = None) -> tuple[ChunkMeta, int]:
         """Apply ``msg`` to the local store in a worker thread, under the slots of its class
-        (storage/_qos.py); returns the chunk's meta and the microseconds it waited for them."""
-        asked = trio.current_time()
+        (storage/_qos.py); returns the chunk's meta and the microseconds it waited for its
+        bulk slot: what other writers' bulk work cost it (the wait for a background slot,
+        behind the writer's own uploads, is not counted: a mover must not slow down for
+        its own queue)."""
         async with contextlib.AsyncExitStack() as slots:
             if msg.qos == m.QOS_BACKGROUND and self.background is not None:
                 await slots.enter_async_context(self.background)
+            asked = trio.current_time()
             limiter = self.limiter_for(len(view), msg.qos)
             if limiter is not None:
                 await slots.enter_async_context(limiter)
