@@ -122,6 +122,17 @@ _MFS_IP = "10.77.2.1"
 _MFS_PORTS = {"ml": 19419, "cs": 19420, "cl": 19421}
 
 
+def stop_mount(proc: subprocess.Popen, mountpoint: str) -> None:
+    """Unmount a FUSE client's mountpoint (lazily) and end its process (killed past 10 s)."""
+    subprocess.run(["umount", "-l", mountpoint], capture_output=True, timeout=30)
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class MooseRoute(Route):
     name = "moosefs"
     servers = 2
@@ -198,13 +209,7 @@ class MooseRoute(Route):
 
     def stop(self) -> None:
         if self.mount is not None:
-            subprocess.run(["umount", "-l", f"{self.p}/mnt"], capture_output=True, timeout=30)
-            self.mount.terminate()
-            try:
-                self.mount.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.mount.kill()
-                self.mount.wait()
+            stop_mount(self.mount, f"{self.p}/mnt")
             self.mount = None
         while self.daemons:
             subprocess.run(self.daemons.pop(), capture_output=True, timeout=60)

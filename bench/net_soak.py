@@ -18,7 +18,7 @@ Caveats:
     * Needs root and network namespaces (the bed's); exits 2 saying why when there are none.
     * A seed takes ``--duration`` plus start-up and healing (~40-90 s on 2 cores); the last
       seed may end after ``--minutes``.
-    * No link delay where the kernel lacks ``sch_netem`` (see docs/deploy.md).
+    * No link delay: the schedules cut, drop and slow links, none is delayed (docs/deploy.md).
     * Replay a failure with ``python -m stripefs.fsclient.testing.netfaults --seed N --replicas R``.
 """
 

@@ -25,7 +25,10 @@ Link faults (each undone by :meth:`NetBed.heal`):
   down): no host, the operator included, reaches it;
 * :meth:`~NetBed.limit` ``(host, rate)``: a token bucket (``tc tbf``) on both ends of its
   veth, so its sending and its receiving are limited;
-* :meth:`~NetBed.delay` ``(host, ms, jitter_ms)``: ``tc netem``, where the kernel has it.
+* :meth:`~NetBed.delay` ``(host, ms, jitter_ms)``: ``ms`` more on every round trip of the
+  host, half each way: ``tc netem`` where the kernel has it, else a user-space delay line
+  (:mod:`.delayline`: the host's ``eth0`` and its bridge port become TAP devices, and a
+  forwarding process of the bed's holds every frame for the one-way delay).
 
 Names: every namespace, link and bridge of a bed starts with its tag (``sfnb`` and four
 hex digits), so parallel beds do not collide; ``/run/stripefs-netbed/TAG`` records the
@@ -36,9 +39,20 @@ root namespace uses.
 Caveats:
     * Needs root, ``ip`` (iproute2) and ``nsenter`` (util-linux); :func:`unavailable` says
       why a bed cannot be made here, and tests skip with that reason.
-    * Delay and jitter need the kernel's ``sch_netem``. Without it :meth:`~NetBed.delay`
-      raises :class:`NetemUnavailable` (nothing fakes a delay): every link then has the
-      veth's latency, a few microseconds. :func:`has_netem` says which.
+    * Without the kernel's ``sch_netem`` (:func:`has_netem`) a delay is the delay line's, an
+      emulation with limits (measured on a 2-core VM, docs/deploy.md "A delay without
+      netem"): round trips come out above the setting, never below (+0.09-0.16 ms at the
+      median for 0.2-1 ms settings, the veth's 0.02 included; the tail grows with the
+      machine's load), and a delayed host's link carries at most ~0.6-1 GB/s with 65000-byte
+      frames (``mtu=JUMBO_MTU``), ~70-100 MB/s with 1500-byte ones: give the bed a jumbo
+      MTU when a delayed link carries bulk data. Its process is the bed's (stopped by
+      :meth:`~NetBed.unshape`, :meth:`~NetBed.heal` and :meth:`~NetBed.close`, killed by a
+      sweep, and gone when its owner dies). Undelayed links are veths: a few microseconds.
+      ``delay(..., line=False)`` raises :class:`NetemUnavailable` without netem;
+      ``line=True`` uses the line even with it.
+    * A delay line recables its host (new devices, same address and MAC; faults in force
+      carry over): connections open at that moment see a brief outage. Delay before starting
+      what should run delayed.
     * Link faults act on IPv4 between bed hosts. A dropped direction also drops the
       sender's ARP, which a permanent entry replaces: a heal deletes it, and the next
       packet resolves the address again.
@@ -55,17 +69,21 @@ import secrets
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..core._proc import pid_alive
+from .delayline import DelayLine
 
 __all__ = ["Host", "NetBed", "BedUnavailable", "NetemUnavailable", "unavailable", "has_netem", "sweep"]
 
 PREFIX = "sfnb"  # every bed's names: sfnbXXXX-HOST (namespaces), sfnbXXXXbr, sfnbXXXXvN (links)
 STATE_DIR = "/run/stripefs-netbed"  # TAG -> the owner's pid, while a bed lives
 NOWHERE = "02:00:00:00:00:00"  # a locally administered MAC no port has: frames to it are dropped
+DEFAULT_MTU = 1500
+JUMBO_MTU = 65000  # under the TAP device's maximum (65521): 40x fewer frames through a delay line
 FIRST_HOST = 10  # hosts get .10, .11, ...; the root namespace (the bridge) has .1
 _TAG = re.compile(PREFIX + "[0-9a-f]{4}")  # a bed's tag; the start of each of its names
 
@@ -123,12 +141,19 @@ def has_netem() -> bool:
 
 def _remove(tag: str) -> None:
     """Remove a bed's namespaces (killing what runs in them), links and bridge, by its tag."""
+    killed: list[int] = []
     for ns in _ip("netns", "list", check=False).stdout.split():
         if ns.startswith(tag + "-"):
             for pid in _ip("netns", "pids", ns, check=False).stdout.split():
                 with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid), signal.SIGKILL)
+                    killed.append(int(pid))
             _ip("netns", "del", ns, check=False)
+    # A delay line's TAP devices close with its process (killed above, in a host's namespace):
+    # wait for the killed to be gone, so that no device of the bed outlives this call.
+    end = time.monotonic() + 5.0
+    while any(pid_alive(p) for p in killed) and time.monotonic() < end:
+        time.sleep(0.01)
     for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
         name = line.split(":", 2)[1].strip().split("@", 1)[0] if line.count(":") >= 2 else ""
         if name.startswith(tag):
@@ -166,7 +191,7 @@ class Host:
     netns: str
     addr: str
     mac: str
-    link: str  # the bridge's end of its veth, in the root namespace
+    link: str  # the bridge's end of its veth (or of its delay line: a TAP device), in the root namespace
 
     def argv(self, argv: list[str]) -> list[str]:
         """``argv`` as a command that runs on this host (in its network namespace only)."""
@@ -189,6 +214,7 @@ class NetBed:
 
     Args:
         names: the hosts, in address order (``.10``, ``.11``, ...).
+        mtu: every link's MTU (the bridge, veths, delay lines' TAP devices): up to 65521.
 
     Raises:
         BedUnavailable: on entry, when :func:`unavailable` names a reason.
@@ -202,6 +228,9 @@ class NetBed:
     _dropped: set[tuple[str, str]] = field(default_factory=set)
     _isolated: set[str] = field(default_factory=set)
     _shaped: set[str] = field(default_factory=set)
+    mtu: int = DEFAULT_MTU  # every link's; a delay line wants a jumbo one (JUMBO_MTU): fewer frames
+    _lines: dict[str, DelayLine] = field(default_factory=dict)  # hosts cabled through a delay line
+    _limits: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # limit()'s arguments, per host
 
     def __enter__(self) -> NetBed:
         why = unavailable()
@@ -209,6 +238,8 @@ class NetBed:
             raise BedUnavailable(why)
         if len(set(self.names)) != len(self.names) or not 0 < len(self.names) <= 200:
             raise ValueError(f"host names must be unique, 1 to 200 of them: {self.names}")
+        if not 68 <= self.mtu <= 65521:
+            raise ValueError(f"mtu {self.mtu}: 68 to 65521 (a TAP device's maximum)")
         os.makedirs(STATE_DIR, exist_ok=True)
         with open(os.path.join(STATE_DIR, "lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one bed at a time picks a subnet and claims it
@@ -233,6 +264,9 @@ class NetBed:
 
     def close(self) -> None:
         """Kill every process on the bed's hosts and remove its namespaces, links and bridge."""
+        for line in self._lines.values():
+            line.stop()
+        self._lines.clear()
         _remove(self.tag)
         self.hosts.clear()
 
@@ -254,24 +288,57 @@ class NetBed:
             raise BedUnavailable("no free 10.77.K.0/24 subnet (K 100-254) in the root namespace")
         self.subnet, self.gateway = f"10.77.{k}", f"10.77.{k}.1"
         br = f"{self.tag}br"
-        _ip("link", "add", br, "type", "bridge")
+        _ip("link", "add", br, "mtu", str(self.mtu), "type", "bridge")
         _ip("addr", "add", f"{self.gateway}/24", "dev", br)
         _ip("link", "set", br, "up")
 
     def _make_host(self, i: int, name: str) -> None:
-        netns, link, peer = f"{self.tag}-{name}"[:64], f"{self.tag}v{i}", f"{self.tag}p{i}"
+        netns, addr = f"{self.tag}-{name}"[:64], f"{self.subnet}.{FIRST_HOST + i}"
         _ip("netns", "add", netns)
-        _ip("link", "add", link, "type", "veth", "peer", "name", peer)
+        _ip("-n", netns, "link", "set", "lo", "up")
+        link = self._plug_veth(i, netns)
+        _ip("-n", netns, "addr", "add", f"{addr}/24", "dev", "eth0")
+        _ip("-n", netns, "link", "set", "eth0", "up")
+        mac = _ip("-n", netns, "-br", "link", "show", "eth0").stdout.split()[2]
+        self.hosts[name] = Host(name, netns, addr, mac, link)
+
+    def _plug_veth(self, i: int, netns: str) -> str:
+        """Cable host ``i`` to the bridge with a veth pair (its end named ``eth0``); returns the bridge's end."""
+        link, peer = f"{self.tag}v{i}", f"{self.tag}p{i}"
+        _ip("link", "add", link, "mtu", str(self.mtu), "type", "veth", "peer", "name", peer, "mtu", str(self.mtu))
         _ip("link", "set", peer, "netns", netns)
         _ip("-n", netns, "link", "set", peer, "name", "eth0")
         _ip("link", "set", link, "master", f"{self.tag}br")
         _ip("link", "set", link, "up")
-        addr = f"{self.subnet}.{FIRST_HOST + i}"
-        _ip("-n", netns, "addr", "add", f"{addr}/24", "dev", "eth0")
-        _ip("-n", netns, "link", "set", "lo", "up")
-        _ip("-n", netns, "link", "set", "eth0", "up")
-        mac = _ip("-n", netns, "-br", "link", "show", "eth0").stdout.split()[2]
-        self.hosts[name] = Host(name, netns, addr, mac, link)
+        return link
+
+    def _recable(self, name: str, line: DelayLine | None) -> None:
+        """Give the host a new cable: a delay line's TAP pair (``line`` started here) or, with
+        None, a veth pair again. Its address, MAC and the faults in force on it carry over."""
+        h, i = self.hosts[name], self.names.index(name)
+        old = self._lines.pop(name, None)
+        if old is not None:
+            old.stop()  # its TAP devices vanish with it: eth0 and the bridge port are gone
+        else:
+            _ip("link", "del", h.link)  # the veth pair: both ends, eth0 included
+        if line is None:
+            h.link = self._plug_veth(i, h.netns)
+        else:
+            self._lines[name] = line.start()
+            h.link = line.bridge_tap
+            _ip("-n", h.netns, "link", "set", "eth0", "address", h.mac, "mtu", str(self.mtu))
+            _ip("link", "set", h.link, "mtu", str(self.mtu))
+            _ip("link", "set", h.link, "master", f"{self.tag}br")
+            _ip("link", "set", h.link, "up")
+        _ip("-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", "eth0")
+        _ip("-n", h.netns, "link", "set", "eth0", "up")
+        for src, dst in self._dropped:  # a permanent neighbour entry lives on its device: made again
+            if src == name:
+                self.drop(src, dst)
+        if name in self._isolated:
+            self.isolate(name)
+        if name in self._limits:
+            self.limit(name, *self._limits[name])
 
     # -- link faults -------------------------------------------------------------------------
     def _group(self, hosts: str | Iterable[str]) -> list[str]:
@@ -329,18 +396,30 @@ class NetBed:
                     "latency", latency)
             if p.returncode != 0:
                 raise RuntimeError(f"tc tbf on {name}: {p.stderr.strip()}")
+        self._limits[name] = (rate, burst, latency)
         self._shaped.add(name)
 
-    def delay(self, name: str, ms: float, jitter_ms: float = 0.0) -> None:
-        """Delay every packet the host sends and receives by ``ms`` (+- ``jitter_ms``) milliseconds.
+    def delay(self, name: str, ms: float, jitter_ms: float = 0.0, *, line: bool | None = None) -> None:
+        """Add ``ms`` (+- ``jitter_ms``) milliseconds to every round trip the host makes: half
+        to what it sends, half to what it receives (two delayed hosts: the sum of both).
 
+        Args:
+            line: True: a user-space delay line (:mod:`.delayline`) even where netem exists;
+                False: netem or nothing; None: netem where the kernel has it, else the line.
         Raises:
-            NetemUnavailable: the kernel has no ``sch_netem`` (no delay can be made here).
+            NetemUnavailable: ``line=False`` and the kernel has no ``sch_netem``.
         """
-        if not has_netem():
+        if line is None:
+            line = not has_netem()
+        if not line and not has_netem():
             raise NetemUnavailable("netem is not available in this kernel (no sch_netem): links cannot be "
                                    "given a delay or jitter on this machine")
         h = self.hosts[name]
+        if line:
+            tap = f"{self.tag}d{self.names.index(name)}"
+            self._recable(name, DelayLine(tap, h.netns, ms / 2, jitter_ms / 2))
+            self._shaped.add(name)
+            return
         for netns, dev in ((h.netns, "eth0"), (None, h.link)):
             p = _tc(netns, "qdisc", "replace", "dev", dev, "root", "netem", "delay", f"{ms / 2}ms",
                     f"{jitter_ms / 2}ms")
@@ -348,11 +427,19 @@ class NetBed:
                 raise RuntimeError(f"tc netem on {name}: {p.stderr.strip()}")
         self._shaped.add(name)
 
+    def delayed_by_line(self) -> list[str]:
+        """The hosts whose link runs through a delay line now."""
+        return sorted(n for n, ln in self._lines.items() if ln.alive)
+
     def unshape(self, name: str) -> None:
-        """Undo :meth:`limit` and :meth:`delay` for the host."""
+        """Undo :meth:`limit` and :meth:`delay` for the host (a delay line's host gets its veth back)."""
         h = self.hosts[name]
-        for netns, dev in ((h.netns, "eth0"), (None, h.link)):
-            _tc(netns, "qdisc", "del", "dev", dev, "root")
+        self._limits.pop(name, None)
+        if name in self._lines:
+            self._recable(name, None)  # a new veth: no qdisc on it
+        else:
+            for netns, dev in ((h.netns, "eth0"), (None, h.link)):
+                _tc(netns, "qdisc", "del", "dev", dev, "root")
         self._shaped.discard(name)
 
     def heal(self, a: str | Iterable[str] | None = None, b: str | Iterable[str] | None = None) -> None:

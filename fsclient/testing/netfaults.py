@@ -36,8 +36,9 @@ Run one: ``python -m stripefs.fsclient.testing.netfaults --seed 3``; many:
 
 Caveats:
     * Needs what :class:`~.netbed.NetBed` needs (root, iproute2, network namespaces).
-    * No delay on any link without ``sch_netem`` (:func:`.netbed.has_netem`): the links
-      here are veths, a few microseconds each.
+    * The schedules add no delay: the links are veths, a few microseconds each (a delay,
+      ``NetBed.delay``, is netem or, without it, the bed's user-space delay line, which
+      caps a host's bandwidth; see docs/deploy.md).
 """
 
 from __future__ import annotations

@@ -131,17 +131,19 @@ def test_a_limited_link_is_slow(bed: NetBed) -> None:
     assert float(_probe(a, "send", b.addr, PORT, 1 << 20)) < 0.5
 
 
-def test_a_delay_needs_netem(bed: NetBed) -> None:
+def test_a_delay_is_netem_where_the_kernel_has_it_else_the_delay_line(bed: NetBed) -> None:
+    a, b = bed.host("a"), bed.host("b")
+    _start(b, "listen", b.addr, PORT)
     if netbed.has_netem():
-        a, b = bed.host("a"), bed.host("b")
-        _start(b, "listen", b.addr, PORT)
-        bed.delay("a", 200)
-        began = time.monotonic()
-        assert _probe(a, "connect", b.addr, PORT) == "ok"
-        assert time.monotonic() - began >= 0.2
+        bed.delay("a", 200, line=False)
     else:
         with pytest.raises(NetemUnavailable, match="netem is not available in this kernel"):
-            bed.delay("a", 1.0, 0.5)
+            bed.delay("a", 1.0, 0.5, line=False)
+        bed.delay("a", 200)  # the default falls back to the user-space delay line (test_delayline.py)
+        assert bed.delayed_by_line() == ["a"]
+    began = time.monotonic()
+    assert _probe(a, "connect", b.addr, PORT) == "ok"
+    assert time.monotonic() - began >= 0.2
 
 
 def _exists(names: list[str]) -> list[str]:
