@@ -127,11 +127,12 @@ class Replicator:
         # (in flight, or its forward failed). Reads of them go to the chain's last serving
         # target, which holds only what the chain has (see StorageService.handle).
         self.dirty: dict[tuple[int, int], int] = {}
-        # When the metadata service last answered us (trio clock), and so confirmed our view
-        # of the chain table: see StorageService.handle (reads after a long silence).
+        # When the last heartbeat the metadata service answered was sent (trio clock), which
+        # confirms our view of the chain table: see note_heard and StorageService.handle.
         self.heard = -float("inf")
         self._unconfirmed_until = -float("inf")  # a confirm failed: reads fail fast until then
         self._clock: trio.abc.Clock | None = None  # the loop's, for confirmed() on other threads
+        self._heard_event = trio.Event()  # set (and replaced) at every answered heartbeat
         self.silences = 0  # how often it went that long without an answer (paused, cut off)
         self.bulk = bulk_limiter()  # bulk local writes (see _qos): few at once, small reads first
         self.background = background_limiter()  # background ones: fewer still, before their bulk slot
@@ -164,19 +165,29 @@ class Replicator:
     async def refresh(self, at_least: int = 0) -> Routing:
         async with self._refresh_lock:
             if self.routing is None or self.routing.version < at_least or at_least == -1:
-                asked = trio.current_time()
+                # Not a sign of life for the service: a table fetched here says nothing
+                # of whether it still counts us as alive (see note_heard).
                 reply, _ = await control_call(self.meta, m.GetRouting())
                 self.routing = reply.routing
-                self.note_heard(asked)
         assert self.routing is not None
         return self.routing
 
     def note_heard(self, asked: float) -> None:
-        """The metadata service answered a request sent at ``asked`` (trio clock)."""
+        """The metadata service answered a heartbeat sent at ``asked`` (trio clock).
+
+        Only heartbeats count: the service declares a server offline ``OFFLINE_AFTER`` (5 s)
+        after the last heartbeat it received, and this server serves reads only while its
+        last answered heartbeat is less than :data:`SILENCE` (3 s) old -- so it has stopped
+        before the service leaves it out of writes. Any other answer (a chain table fetched
+        for a resync pass or a client's newer table) proved nothing to the service: counted
+        as heard, it let a server whose heartbeats were not getting through serve old bytes
+        after the service had declared it offline (a link-fault soak found it)."""
         if asked - self.heard > SILENCE:
             self.silences += 1
         self._clock = trio.lowlevel.current_clock()
         self.heard = max(self.heard, asked)
+        self._heard_event.set()
+        self._heard_event = trio.Event()
 
     def confirmed(self, lease: float = SILENCE) -> bool:
         """Did the metadata service answer within ``lease`` seconds (:meth:`confirm` would return at once)?
@@ -185,41 +196,28 @@ class Replicator:
         return clock is not None and clock.current_time() - self.heard <= lease
 
     async def confirm(self, lease: float = SILENCE) -> None:
-        """Ask for the chain table unless the metadata service answered within ``lease`` seconds.
+        """Return once a heartbeat sent within ``lease`` seconds was answered (at once if one was).
 
-        Reads that arrive together after a silence share one call. The call gets
-        :data:`CONFIRM_TIMEOUT` seconds: a metadata service cut off by a network that drops
-        packets silently would otherwise hold every read here for the transport's timeouts
-        (10 s to connect, 30 s to answer) before the client tried another replica. After a
-        failed call, reads fail at once for :data:`CONFIRM_BACKOFF` seconds, rather than
-        each waiting its turn behind the lock for another timeout.
+        After a silence, a read waits at most :data:`CONFIRM_TIMEOUT` seconds for the
+        heartbeat loop (every second) to be answered: a metadata service cut off by a
+        network that drops packets silently would otherwise hold every read here for the
+        transport's timeouts before the client tried another replica. After a wait that ran
+        out, reads fail at once for :data:`CONFIRM_BACKOFF` seconds.
 
         Raises:
-            StripefsError: UNAVAILABLE when the metadata service did not answer in time (the
-                client reads from another replica), or its own error.
+            StripefsError: UNAVAILABLE when no heartbeat was answered in time (the client
+                reads from another replica).
         """
         if trio.current_time() - self.heard <= lease:
             return
         self._check_unconfirmed()
-        async with self._refresh_lock:
-            if trio.current_time() - self.heard <= lease:
-                return  # another read asked meanwhile
-            self._check_unconfirmed()
-            asked = trio.current_time()
-            with trio.move_on_after(CONFIRM_TIMEOUT) as scope:
-                try:
-                    reply, _ = await control_call(self.meta, m.GetRouting())
-                except StripefsError as exc:
-                    self._unconfirmed_until = trio.current_time() + CONFIRM_BACKOFF
-                    if exc.code != ErrorCode.TIMEOUT:
-                        raise
-                    raise StripefsError(ErrorCode.UNAVAILABLE, f"cannot confirm the chain table: {exc.message}") from exc
-            if scope.cancelled_caught:
-                self._unconfirmed_until = trio.current_time() + CONFIRM_BACKOFF
-                raise StripefsError(ErrorCode.UNAVAILABLE, f"the metadata service did not answer within "
-                                    f"{CONFIRM_TIMEOUT:g} s: this server cannot confirm it still serves the chain")
-            self.routing = reply.routing
-            self.note_heard(asked)
+        with trio.move_on_after(CONFIRM_TIMEOUT):
+            while trio.current_time() - self.heard > lease:
+                await self._heard_event.wait()
+        if trio.current_time() - self.heard > lease:
+            self._unconfirmed_until = trio.current_time() + CONFIRM_BACKOFF
+            raise StripefsError(ErrorCode.UNAVAILABLE, f"the metadata service answered no heartbeat within "
+                                f"{CONFIRM_TIMEOUT:g} s: this server cannot confirm it still serves the chain")
 
     def _check_unconfirmed(self) -> None:
         if trio.current_time() < self._unconfirmed_until:

@@ -347,8 +347,7 @@ async def _register_and_heartbeat(service: StorageService, meta: MetadataLink, h
                 repl = service.repl
                 if repl.routing is None or repl.routing.version != reply.routing_version:
                     await repl.refresh(-1)
-                else:  # the metadata service confirmed the table we route by
-                    repl.note_heard(asked)
+                repl.note_heard(asked)  # alive to the service as of `asked`, with its table
                 if reply.state == "syncing" and not repl.syncing:
                     nursery.start_soon(repl.resync)
                 admitted.set()
