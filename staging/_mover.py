@@ -60,6 +60,7 @@ log = logging.getLogger("stripefs.staging")
 
 PIECE = 32 << 20
 DEPTH = 2  # pieces in flight per file
+UPLOAD_QOS = "background"  # the mover's writes yield to every other writer's at the servers (storage/_qos.py)
 
 
 @dataclass
@@ -75,11 +76,11 @@ class MoverOptions:
     verify: bool = True             # before the commit, check every uploaded file's CRC32Cs: read back, or
                                     # (bytes still in memory) each replica's stored block CRC32Cs
                                     # (False: committed sizes only)
+    qos: str = UPLOAD_QOS           # the upload's traffic class at the storage servers (storage/_qos.py)
 
 
 _clients: dict[tuple[str, str], Client] = {}
 _clients_lock = threading.Lock()
-UPLOAD_QOS = "background"  # the mover's writes yield to every other writer's at the servers (storage/_qos.py)
 
 
 def client_for(cluster: str | None, qos: str = "interactive") -> Client:
@@ -197,7 +198,7 @@ def with_retries(fn: Callable[[], None], options: MoverOptions, what: str, clust
 class _Throttle:
     """The upload's pace: at most ``rate`` bytes/s over the checkpoint when set, and
     yielding to the servers' other writers. The mover writes in the background class
-    (:data:`UPLOAD_QOS`), so its writes wait for slots behind everyone else's and the
+    (:data:`UPLOAD_QOS`, ``MoverOptions.qos``), so its writes wait for slots behind everyone else's and the
     servers say how long (:attr:`Client.queue_delay`); past :data:`QUEUE_TARGET` the
     upload waits as long again before its next piece (at most :data:`MAX_YIELD`): the
     busier the servers' bulk lanes, the more of them it leaves to a job's own burst."""
@@ -298,7 +299,7 @@ class Uploader:
                      lambda exc: self.journal.note_error(self.row.id, f"{type(exc).__name__}: {exc}"))
 
     def _attempt(self, wait_local: Callable[[], None] | None) -> None:
-        client = client_for(self.options.cluster or self.row.cluster, UPLOAD_QOS)
+        client = client_for(self.options.cluster or self.row.cluster, self.options.qos)
         final, partial = remote_paths(self.row.url, self.partial_id or self.row.id)
         existing = committed_id(client, final)
         if existing == self.row.id:  # committed by an earlier attempt whose journal update was lost

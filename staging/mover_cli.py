@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", metavar="HOST:PORT",
                    help="serve Prometheus metrics (bytes uploaded, checkpoints by outcome, backlog, lag; "
                         "docs/observability.md)")
+    p.add_argument("--qos", choices=("interactive", "bulk", "background"), default="background",
+                   help="traffic class of the uploads at the storage servers (default background)")
     p.add_argument("--nice", type=int, default=10,
                    help="steps of CPU priority below the shell's (default 10; 0: none): on busy cores "
                         "a dataloader's reads beside the upload go first")
@@ -51,7 +53,7 @@ def main(argv: list[str]) -> int:
         os.nice(min(args.nice, 19))  # the whole process: its readers, copies, CRCs and sends
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(message)s")
     opts = MoverOptions(concurrency=args.concurrency, retries=args.retries, cluster=args.cluster, piece=args.piece,
-                        verify=not args.no_verify,
+                        verify=not args.no_verify, qos=args.qos,
                         bandwidth=args.bandwidth * 1e6 if args.bandwidth else None)
     sent: dict[str, int] = {}
     t0 = time.monotonic()

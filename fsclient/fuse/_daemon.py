@@ -14,7 +14,8 @@ every file still open -- write-behind buffers sent, lengths committed -- before
 it exits, so a file held open (a log) keeps everything written to it.
 
 Options (``-o``): ours are ``attr_timeout=S``, ``entry_timeout=S``,
-``direct_io``, ``readahead_kb=N``, ``write_buffer_mb=N``; anything else (``allow_other``, ``ro``,
+``direct_io``, ``readahead_kb=N``, ``write_buffer_mb=N``, ``qos=interactive|bulk|background``
+(the class of the mount's chunk writes at the storage servers); anything else (``allow_other``, ``ro``,
 ...) goes to libfuse. ``default_permissions`` is always on.
 """
 
@@ -68,6 +69,10 @@ def parse_options(opts: list[str]) -> tuple[Any, set[str]]:
                     raise ValueError
             elif key == "direct_io":
                 cfg.direct_io = True
+            elif key == "qos":
+                if value not in m.QOS_CLASSES:
+                    raise MountError(f"bad mount option {opt!r}: qos is one of {', '.join(m.QOS_CLASSES)}")
+                cfg.qos = value
             elif key == "noallow_other":
                 fuse_opts.discard("allow_other")
             elif opt:
@@ -107,7 +112,7 @@ def serve(mountpoint: str, cluster: str | None, options: list[str], ready_fd: in
     from ._operations import StripeOperations
 
     cfg, fuse_opts = parse_options(options)
-    client = Client(cluster)
+    client = Client(cluster, qos=cfg.qos)
     ops = StripeOperations(client, cfg)
     from stripefs.rpc._metrics import serve_metrics
 

@@ -115,15 +115,18 @@ class FuseConfig:
         readahead_kb: kernel readahead window set on the mount's bdi (0 = leave it).
         write_buffer_mb: write-behind bytes the mount keeps in flight to the storage
             servers, all files together, before a write waits (on the loop) for room.
+        qos: the traffic class of the mount's chunk writes (``Client(qos=...)``).
     """
 
     def __init__(self, attr_timeout: float = 1.0, entry_timeout: float = 1.0,
-                 direct_io: bool = False, readahead_kb: int = 16384, write_buffer_mb: int = 256):
+                 direct_io: bool = False, readahead_kb: int = 16384, write_buffer_mb: int = 256,
+                 qos: str = "interactive"):
         self.attr_timeout = attr_timeout
         self.entry_timeout = entry_timeout
         self.direct_io = direct_io
         self.readahead_kb = readahead_kb
         self.write_buffer_mb = write_buffer_mb
+        self.qos = qos
 
 
 def _errors(fn: F) -> F:

@@ -119,3 +119,30 @@ def test_unknown_classes_are_refused(cluster: LocalCluster) -> None:
         with pytest.raises(StripefsError) as exc:
             c._core.data_conn(server).submit(msg, payload=b"").result(10)
         assert exc.value.code == ErrorCode.INVALID and "traffic class" in str(exc.value)
+
+
+def test_a_mount_and_a_save_name_their_class() -> None:
+    from stripefs.fsclient.fuse._daemon import MountError, parse_options
+    from stripefs.staging import MoverOptions
+
+    cfg, fuse_opts = parse_options(["attr_timeout=2,qos=bulk"])
+    assert cfg.qos == "bulk" and not any(o.startswith("qos") for o in fuse_opts)
+    assert parse_options([])[0].qos == "interactive"
+    with pytest.raises(MountError, match="qos is one of interactive, bulk, background"):
+        parse_options(["qos=urgent"])
+    assert MoverOptions().qos == UPLOAD_QOS == "background"
+
+
+def test_the_mover_uploads_in_its_options_class(cluster: LocalCluster, tmp_path: Path) -> None:
+    import torch
+
+    from stripefs import staging
+    from stripefs.staging import _mover
+
+    for qos in ("bulk", "background"):
+        h = staging.save({"w": torch.arange(1 << 16, dtype=torch.float32)}, f"stripefs://qos/{qos}",
+                         staging_dir=str(tmp_path / qos), cluster=cluster.file,
+                         options=staging.MoverOptions(cluster=cluster.file, qos=qos))
+        h.wait()
+        used = _mover.client_for(cluster.file, qos)
+        assert used._core.qos == m.QOS_CLASSES[qos] and used._core.queue_delay.reports > 0
