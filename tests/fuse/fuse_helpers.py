@@ -95,3 +95,18 @@ def alive(pid: int) -> bool:
         return True
     except ProcessLookupError:
         return False
+
+
+def assert_inside_windows(rig: Any, seed: int, seconds: float) -> None:
+    """One seeded coherence history on ``rig``: no crash, no observation outside the
+    documented windows, and a run that did its work (reads by both kinds of actor, changes)."""
+    from stripefs.fsclient.testing.coherence import check, run_history, summary
+
+    h = run_history(rig, seed, seconds)
+    violations = check(h)
+    counts = summary(h, violations)
+    assert not h.crashes, h.crashes
+    assert not violations, "\n".join(str(v) for v in violations[:20])
+    by_op = counts["by_op"]
+    assert by_op.get("mount.read", 0) and by_op.get("native.read", 0), by_op
+    assert counts["mutations"] >= 10, counts

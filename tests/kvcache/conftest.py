@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import itertools
 import os
-import random
 
 import pytest
 
+from stripefs.bench.kvcache_soak import page_of  # the page stored under a key: any hit can be checked
+
+__all__ = ["ns", "page_of"]
+
 _names = itertools.count()
-
-
-def page_of(key: bytes, size: int) -> bytes:
-    """The page a test stores under ``key``: any hit can be checked against it."""
-    return random.Random(key).randbytes(size)
 
 
 @pytest.fixture
