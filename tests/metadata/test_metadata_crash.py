@@ -648,7 +648,10 @@ def test_every_answer_survives_a_power_loss_at_any_instant(tmp_path) -> None:
 def test_the_model_catches_answers_given_before_they_are_durable(tmp_path) -> None:
     """The bugs this model exists for, put back on one service: it must name them."""
     for bug in ("visible", "ack"):
-        r = run_round(tmp_path / bug, seed=1, ops=25, bug=bug)
+        for seed in range(1, 5):  # a round nearly always shows it; a loaded machine's timing may not
+            r = run_round(tmp_path / f"{bug}-{seed}", seed=seed, ops=25, bug=bug)
+            if any("a power loss then would undo" in v for v in r.violations):
+                break
         assert any("a power loss then would undo" in v for v in r.violations), (bug, r.violations[:3])
 
 
