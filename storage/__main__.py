@@ -32,7 +32,7 @@ async def _main(args: argparse.Namespace, secret: str, cluster_id: str) -> None:
             serve_storage, args.root, secret=secret, metadata=parse_addresses(args.metadata), host=args.host, port=args.port,
             cluster_id=cluster_id, payload_budget=args.payload_budget, busy_after=args.busy_after,
             max_client_connections=args.max_client_connections, data_sync=args.data_sync == "full",
-            advertise=getattr(args, "advertise", None),
+            small_chunks=args.small_chunks == "container", advertise=getattr(args, "advertise", None),
         ))
         if args.ready:
             tmp = args.ready + ".tmp"
@@ -88,6 +88,12 @@ def add_service_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-sync", choices=["full", "none"], default="full",
                    help="full: a chunk write is acknowledged once synced to disk (survives power loss); "
                         "none: once in the page cache (survives a kill -9, not a power loss)")
+    p.add_argument("--small-chunks", choices=["container", "files"],
+                   default=env.get("STRIPEFS_SMALL_CHUNKS") or "container",
+                   help="where new chunks of at most 128 KiB go: container (records appended to shared logs "
+                        "under ROOT/small, one shared fdatasync for the writes that arrive together) or files "
+                        "(a chunk file each); a root's chunks of either kind are always served "
+                        "($STRIPEFS_SMALL_CHUNKS, else container)")
 
 
 def run(args: argparse.Namespace, secret: str, cluster_id: str) -> int:

@@ -68,6 +68,7 @@ from stripefs.wire import CRC_BLOCK, ErrorCode, MAX_CHUNK, StripefsError, segmen
 from . import _stats
 from ._crc import payload_crcs
 from ._qos import BULK_WRITE, idle_io
+from ._small import SMALL_MAX, Record, SmallLog
 
 HEADER_SIZE = 8192
 BUCKETS = 4096  # chunk directories: an inode's chunks live in bucket ``ino % BUCKETS``
@@ -86,6 +87,10 @@ SLOW_FSYNC_FILE = os.environ.get("STRIPEFS_SLOW_FSYNC_FILE") or None
 # machine, against ~0.1 s direct, at the same disk throughput. ``STRIPEFS_DIRECT_IO=0``: never.
 DIRECT_IO = os.environ.get("STRIPEFS_DIRECT_IO", "1") != "0"
 DIRECT_ALIGN = 4096  # file offsets, lengths and buffer addresses of a direct write
+# Where new small chunks (at most SMALL_MAX bytes) go: ``container`` (records appended to
+# the container logs of ROOT/small/, storage/_small.py) or ``files`` (a chunk file each).
+# Either way a root's existing chunks of both kinds are served.
+SMALL_CHUNKS = os.environ.get("STRIPEFS_SMALL_CHUNKS", "container")
 FDS_PER_LOCK = 4  # chunk files kept open for small reads, per slot of the descriptor cache (256), at most
 assert MAX_CHUNK // BLOCK <= MAX_BLOCKS
 
@@ -228,7 +233,7 @@ class ChunkMeta:
 class ChunkStore:
     """Chunk files of one target. Methods block (disk I/O): call them from worker threads."""
 
-    def __init__(self, root: str, sync: bool = True):
+    def __init__(self, root: str, sync: bool = True, small: bool | None = None):
         self.root = os.path.abspath(root)
         # False (``--data-sync none``): no fdatasync or directory fsync at all; a write is
         # acknowledged once in the page cache (it survives a kill of this process, not a
@@ -261,7 +266,22 @@ class ChunkStore:
         self.direct = DIRECT_IO and sync  # False once the file system refused O_DIRECT (tmpfs)
         self.direct_bytes = 0  # written with O_DIRECT (see _write_data)
         self._upgrade()
-        self._scan_usage()
+        files = self._scan_usage()
+        # Small chunks in container logs (storage/_small.py): new ones when ``small`` (default
+        # from STRIPEFS_SMALL_CHUNKS); a root that has logs is always read.
+        self.small_max = SMALL_MAX if (SMALL_CHUNKS == "container" if small is None else small) else 0
+        self.small: SmallLog | None = None
+        small_root = os.path.join(self.root, "small")
+        if self.small_max or os.path.isdir(small_root):
+            gone = {int(n, 16) for n in os.listdir(self.tomb_root) if len(n) == 16}
+            slow = functools.partial(_slow_fsync, self.root) if SLOW_FSYNC_FILE is not None else None
+            self.small = SmallLog(small_root, sync, removed=gone.__contains__, before_sync=slow)
+            # A chunk moved to a file (it outgrew the logs) whose removal record was not
+            # synced yet when the server stopped: the file is the newer copy.
+            self.small.kill([k for k in self.small.keys() if k in files])
+            used, count = self.small.usage()
+            self.used += used
+            self.chunks += count
 
     # -- paths and bookkeeping ----------------------------------------------------------
     def _dir(self, ino: int) -> str:
@@ -334,8 +354,10 @@ class ChunkStore:
         except Exception:  # noqa: BLE001, S110 -- at interpreter exit, or a half-built store
             pass
 
-    def _scan_usage(self) -> None:
+    def _scan_usage(self) -> set[tuple[int, int]]:
+        """Count the chunk files' bytes; sweep interrupted writes. Returns the files' keys."""
         used = chunks = 0
+        keys = set()
         for dirpath, _dirs, files in os.walk(self.chunk_root):
             for name in files:
                 if name.endswith(".tmp"):
@@ -345,8 +367,11 @@ class ChunkStore:
                     used += max(0, os.stat(os.path.join(dirpath, name)).st_size - HEADER_SIZE)
                     chunks += 1
                 except FileNotFoundError:
-                    pass
+                    continue
+                if (key := _parse_chunk_name(name)) is not None:
+                    keys.add(key)
         self.used, self.chunks = used, chunks
+        return keys
 
     def capacity(self) -> tuple[int, int]:
         """(total bytes, free bytes) of the file system holding the target."""
@@ -369,6 +394,8 @@ class ChunkStore:
         meta = self._meta.get(key)
         if meta is not None:
             return meta
+        if self.small is not None and (rec := self.small.get(key)) is not None:
+            return self._small_meta(ino, index, rec)
         own = fd is None
         try:
             if own:
@@ -434,6 +461,13 @@ class ChunkStore:
             segment_crcs = payload_crcs(data, offset)[0]
         path = self.path(ino, index)
         fresh = not os.path.exists(path)
+        if self.small is not None and fresh:
+            rec = self.small.get((ino, index))
+            if rec is not None or offset + len(data) <= self.small_max:
+                if rec is None or max(rec.length, offset + len(data)) <= self.small_max:
+                    return self._write_small(ino, index, offset, data, chain, rec, segment_crcs)
+                self._promote(ino, index, rec)  # outgrew the logs: a chunk file from now on
+                fresh = False
         target = path + ".tmp" if fresh else path
         if fresh:
             if self.is_removed(ino):  # a late write must not bring back chunks nobody collects
@@ -477,6 +511,105 @@ class ChunkStore:
         self.used += new.length - meta.length
         self._meta[(ino, index)] = new
         return new
+
+    # -- small chunks in container logs (storage/_small.py) --------------------------------
+    @staticmethod
+    def _small_meta(ino: int, index: int, rec: Record) -> ChunkMeta:
+        if rec.bad:
+            raise StripefsError(ErrorCode.CHECKSUM, f"chunk {ino}:{index} is damaged in its container log")
+        return ChunkMeta(rec.version, rec.length, rec.crcs, (1 << len(rec.crcs)) - 1, chain=rec.chain)
+
+    def _small_bytes(self, ino: int, index: int, rec: Record) -> bytes:
+        """A small chunk's whole bytes, checked against its CRCs (a change rewrites the whole
+        record: unchecked old bytes would get fresh CRCs and their damage would go unseen)."""
+        assert self.small is not None
+        meta = self._small_meta(ino, index, rec)
+        data = self.small.read(rec, 0, rec.length)
+        self._verify(ino, index, meta, data)
+        return data
+
+    def _write_small(self, ino: int, index: int, offset: int, data: memoryview, chain: int,
+                     rec: Record | None, segment_crcs: list[int]) -> ChunkMeta:
+        """A write to a small chunk: its whole new bytes appended as one record (caller holds
+        the chunk's lock). The blocks the write touches get new CRCs (the write's own for
+        blocks it covers whole); the others keep theirs, as in a chunk file."""
+        assert self.small is not None
+        end = offset + len(data)
+        if rec is None:
+            if self.is_removed(ino):  # a late write must not bring back chunks nobody collects
+                raise self._stale(ino)
+            old = ChunkMeta()
+            buf = bytearray(end)
+        else:
+            old = self._small_meta(ino, index, rec)
+            buf = bytearray(self._small_bytes(ino, index, rec))
+            if end > len(buf):
+                buf.extend(bytes(end - len(buf)))
+        buf[offset:end] = data
+        length = len(buf)
+        crcs = old.crcs[:] + [0] * (-(-length // BLOCK) - len(old.crcs))
+        for b in range(min(old.length, offset) // BLOCK, (end - 1) // BLOCK + 1):
+            bstart, bend = b * BLOCK, min((b + 1) * BLOCK, length)
+            if bstart >= offset and bend <= end:
+                crcs[b] = segment_crcs[b - offset // BLOCK]
+            else:
+                crcs[b] = _crc(memoryview(buf)[bstart:bend])
+        self.small.put((ino, index), old.version + 1, chain, buf, crcs)
+        self.used += length - old.length
+        self.chunks += rec is None
+        return ChunkMeta(old.version + 1, length, crcs, (1 << len(crcs)) - 1, chain=chain)
+
+    def _promote(self, ino: int, index: int, rec: Record) -> None:
+        """Move a small chunk from its log to a chunk file (same version and bytes): the
+        file is made durable first, then the log records the chunk gone. A crash in
+        between leaves both; the next start keeps the file (see __init__)."""
+        assert self.small is not None
+        meta = self._small_meta(ino, index, rec)
+        self._install_file(ino, index, meta, self._small_bytes(ino, index, rec))
+        self.small.kill([(ino, index)])
+
+    def _install_file(self, ino: int, index: int, meta: ChunkMeta, view: Any) -> None:
+        """Write a whole chunk file (header, bytes), durably, under its final name."""
+        self._bucket_ready(ino)
+        path = self.path(ino, index)
+        tmp = path + ".tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.pwrite(fd, meta.pack(), 0)
+            os.pwrite(fd, view, HEADER_SIZE)
+            with idle_io(len(view)):  # a resync's copy is background work
+                self._datasync(fd)
+            meta.mtime_ns = os.fstat(fd).st_mtime_ns
+        finally:
+            os.close(fd)
+        self._forget_fd(ino, index)
+        os.rename(tmp, path)
+        self._sync_dir(self._dir(ino))
+        self._meta[(ino, index)] = meta
+
+    def _read_small(self, ino: int, index: int, rec: Record, offset: int, length: int,
+                    inline: bool) -> tuple[int, int, int, bytes | None, int, list[int]]:
+        """The read of ``open_read_checked`` from a container log (caller holds the lock)."""
+        assert self.small is not None
+        meta = self._small_meta(ino, index, rec)
+        n = max(0, min(length, meta.length - offset))
+        if n == 0:
+            return -1, 0, 0, None, meta.length, []
+        if inline:
+            raw = self.small.read(rec, offset, n)
+            view = memoryview(raw)
+            crcs = self._segment_crcs(meta, offset, n, lambda s, e: view[s - offset : e - offset])
+            return -1, 0, n, raw, meta.length, crcs
+        crcs = self._segment_crcs(meta, offset, n, lambda s, e: self.small.read(rec, s, e - s))  # type: ignore[union-attr]
+        return self.small.fd(rec), rec.data + offset, n, None, meta.length, crcs
+
+    def compact_small(self) -> int:
+        """Reclaim container-log space when the sealed logs are mostly dead records: the
+        oldest log's live records move forward and the log goes. Records moved."""
+        if self.small is None or (number := self.small.compactable()) is None:
+            return 0
+        with idle_io(BULK_WRITE):  # background work: the disk's idle time only
+            return self.small.compact(number, lambda key: self._lock(*key))
 
     def _write_cow(self, ino: int, index: int, offset: int, data: memoryview, meta: ChunkMeta,
                    segment_crcs: list[int]) -> ChunkMeta:
@@ -643,6 +776,8 @@ class ChunkStore:
             # leave fd on the old file, and reloading the header from it would cache the old
             # meta for the new file (its CRCs then fail reads, and the next write builds on it).
             cached = length <= inline
+            if self.small is not None and (rec := self.small.get(key)) is not None:
+                return self._read_small(ino, index, rec, offset, length, cached)
             fds, fd_lock = self._fds[slot], self._fd_locks[slot]
             fd = -1
             if cached:
@@ -748,6 +883,11 @@ class ChunkStore:
             os.close(fd)
             self._sync_dir(self.tomb_root)
         removed = 0
+        if self.small is not None:
+            for index in self.small.indexes(ino):
+                if index >= from_index:
+                    # Synced, unless the tombstone (synced above) already says it all.
+                    removed += self._unlink_small(ino, index, chain, sync=not forget)
         # Twice for a whole inode: a chunk whose write passed its tombstone check just
         # before the tombstone was made may appear after the first listing.
         for _ in range(2 if from_index == 0 else 1):
@@ -774,6 +914,8 @@ class ChunkStore:
     def _unlink_chunk(self, ino: int, index: int, chain: int = 0, older_than: float | None = None) -> int:
         """Remove one chunk file under its lock (of ``chain`` only, if set; only if its file
         was last written before ``older_than``, a ``time.time()``, if set): 1 if it went, else 0."""
+        if self.small is not None and (ino, index) in self.small.index:
+            return self._unlink_small(ino, index, chain, older_than=older_than)
         with self._lock(ino, index):
             if older_than is not None:
                 try:
@@ -797,6 +939,39 @@ class ChunkStore:
             self.chunks -= 1
             return 1
 
+    def _unlink_small(self, ino: int, index: int, chain: int = 0, older_than: float | None = None,
+                      sync: bool = True) -> int:
+        """:meth:`_unlink_chunk` of a chunk in a container log."""
+        assert self.small is not None
+        with self._lock(ino, index):
+            rec = self.small.get((ino, index))
+            if rec is None or (older_than is not None and rec.written >= older_than):
+                return 0
+            if chain and not rec.bad and rec.chain not in (0, chain):
+                return 0
+            self.small.kill([(ino, index)], sync=sync)
+            self.used -= rec.length
+            self.chunks -= 1
+            return 1
+
+    def _truncate_small(self, ino: int, index: int, length: int, rec: Record) -> None:
+        """:meth:`truncate` of a chunk in a container log: a record of the shorter bytes (the
+        kept whole blocks keep their CRCs; the cut block's is computed)."""
+        assert self.small is not None
+        if rec.bad:  # damaged: cutting it off is what was asked (as a corrupt chunk file)
+            self.small.kill([(ino, index)])
+            self.chunks -= 1
+            return
+        if length >= rec.length:
+            return
+        data = self.small.read(rec, 0, length)
+        nblocks = -(-length // BLOCK)
+        crcs = rec.crcs[:nblocks]
+        if length % BLOCK:
+            crcs[-1] = _crc(memoryview(data)[(nblocks - 1) * BLOCK :])
+        self.small.put((ino, index), rec.version + 1, rec.chain, data, crcs)
+        self.used -= rec.length - length
+
     def truncate(self, ino: int, index: int, length: int) -> None:
         """Cut one chunk to ``length`` bytes (the chunk holding a file's new end).
 
@@ -807,6 +982,8 @@ class ChunkStore:
         if not 0 <= length <= MAX_CHUNK:
             raise StripefsError(ErrorCode.INVALID, f"chunk length {length} outside 0..{MAX_CHUNK}")
         with self._lock(ino, index):
+            if self.small is not None and (rec := self.small.get((ino, index))) is not None:
+                return self._truncate_small(ino, index, length, rec)
             self._forget_fd(ino, index)
             try:
                 fd = os.open(self.path(ino, index), os.O_RDWR)
@@ -869,27 +1046,23 @@ class ChunkStore:
                 return cur
             if self.is_removed(ino):  # a copy from a peer that has not collected it yet
                 raise self._stale(ino)
-            self._bucket_ready(ino)
-            path = self.path(ino, index)
-            tmp = path + ".tmp"
             view = memoryview(data)
             crcs = [_crc(view[b : b + BLOCK]) for b in range(0, len(view), BLOCK)]
             new = ChunkMeta(version, len(view), crcs, (1 << len(crcs)) - 1, chain=chain)
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.pwrite(fd, new.pack(), 0)
-                os.pwrite(fd, view, HEADER_SIZE)
-                with idle_io(len(view)):  # a resync's copy is background work
-                    self._datasync(fd)
-                new.mtime_ns = os.fstat(fd).st_mtime_ns
-            finally:
-                os.close(fd)
-            self._forget_fd(ino, index)
-            os.rename(tmp, path)
-            self._sync_dir(self._dir(ino))
+            key = (ino, index)
+            in_log = self.small is not None and key in self.small.index
+            if len(view) <= self.small_max and (in_log or not os.path.exists(self.path(ino, index))):
+                assert self.small is not None
+                self.small.put(key, version, chain, view, crcs)
+                self.used += new.length - (cur.length if cur else 0)
+                self.chunks += cur is None
+                return new
+            self._install_file(ino, index, new, view)
+            if in_log:
+                assert self.small is not None
+                self.small.kill([key])  # the file is durable: the log's copy goes
             self.used += new.length - (cur.length if cur else 0)
             self.chunks += cur is None
-            self._meta[(ino, index)] = new
             return new
 
     def remove_one(self, ino: int, index: int, older_than: float | None = None) -> bool:
@@ -908,6 +1081,8 @@ class ChunkStore:
     def read_whole(self, ino: int, index: int) -> tuple[ChunkMeta, bytes] | None:
         """A whole chunk, verified against its CRCs (for copying to a replica)."""
         with self._lock(ino, index):
+            if self.small is not None and (rec := self.small.get((ino, index))) is not None:
+                return self._small_meta(ino, index, rec), self._small_bytes(ino, index, rec)
             meta = self._load(ino, index)
             if meta is None:
                 return None
@@ -933,6 +1108,8 @@ class ChunkStore:
             except (NotADirectoryError, FileNotFoundError):
                 continue
             out.extend(key for n in names if (key := _parse_chunk_name(n)) is not None)
+        if self.small is not None:
+            out.extend(self.small.keys())
         return out
 
     def chunks_by_chain(self) -> dict[int, list[tuple[int, int, int, int, int]]]:
@@ -974,6 +1151,15 @@ class ChunkStore:
             meta = None
             try:
                 with self._lock(ino, index):
+                    if self.small is not None and (rec := self.small.get((ino, index))) is not None:
+                        try:
+                            self._small_bytes(ino, index, rec)
+                        except StripefsError:
+                            _stats.CHECKSUM_SCRUB.inc()
+                            bad.append((ino, index, rec.chain))
+                        else:
+                            checked += 1
+                        continue
                     try:
                         fd = os.open(self.path(ino, index), os.O_RDONLY)
                     except FileNotFoundError:

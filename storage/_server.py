@@ -51,6 +51,7 @@ PENDING_POLL = 0.05
 PENDING_FAST_POLLS = 100
 SMALL_READ = 256 * 1024
 SMALL_WRITE = 256 * 1024  # an unreplicated write this small is done on the connection's thread
+COMPACT_EVERY = 10.0  # seconds between passes that reclaim the container logs' dead space
 QOS_KNOWN = tuple(m.QOS_CLASSES.values())
 
 
@@ -362,6 +363,15 @@ async def _register_and_heartbeat(service: StorageService, meta: MetadataLink, h
         await trio.sleep(PENDING_POLL if pending and polls <= PENDING_FAST_POLLS else HEARTBEAT_INTERVAL)
 
 
+async def _compact_small(store: ChunkStore, every: float = COMPACT_EVERY) -> None:
+    """Reclaim the container logs' dead space in the background (``ChunkStore.compact_small``):
+    a pass every ``every`` seconds, one log at a time, at idle I/O priority."""
+    while True:
+        await trio.sleep(every)
+        while await trio.to_thread.run_sync(store.compact_small):
+            await trio.sleep(0.1)
+
+
 async def serve_storage(
     root: str,
     *,
@@ -374,6 +384,7 @@ async def serve_storage(
     busy_after: float = BUSY_AFTER,
     max_client_connections: int = MAX_CLIENT_CONNECTIONS,
     data_sync: bool = True,
+    small_chunks: bool | None = None,
     advertise: tuple[str, int] | None = None,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -391,6 +402,8 @@ async def serve_storage(
             with BUSY at the handshake).
         data_sync: sync chunk writes before acknowledging them (``--data-sync full``);
             False acknowledges them from the page cache (``none``).
+        small_chunks: new chunks of at most 128 KiB go to the container logs (True) or to
+            chunk files (False); None: ``$STRIPEFS_SMALL_CHUNKS``, else the logs.
         advertise: the address registered with the metadata service, which clients and
             peers connect to (``host`` may be 0.0.0.0); port 0 stands for the bound port.
             By default the bound address itself.
@@ -400,7 +413,7 @@ async def serve_storage(
     """
     os.makedirs(root, exist_ok=True)
     await trio.to_thread.run_sync(claim_root, root, cluster_id)
-    store = await trio.to_thread.run_sync(ChunkStore, root, data_sync)
+    store = await trio.to_thread.run_sync(ChunkStore, root, data_sync, small_chunks)
     credential = role_credential(secret, "server")  # every call this server makes is as a server
     addresses = [metadata] if isinstance(metadata, tuple) else list(metadata)  # type: ignore[list-item]
     meta_conn = MetadataLink(addresses, credential, role="server")  # heartbeats find the leading metadata service
@@ -414,5 +427,6 @@ async def serve_storage(
         shown_host, shown_port = advertise or address  # what the metadata service and clients connect to
         nursery.start_soon(_register_and_heartbeat, service, meta_conn, shown_host, shown_port or address[1], store.root,
                            admitted, nursery)
+        nursery.start_soon(_compact_small, store)
         await admitted.wait()
         task_status.started(address)

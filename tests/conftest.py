@@ -50,6 +50,17 @@ def make_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
 
 
 @pytest.fixture
+def file_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunk stores made by this test (in this process or in the servers it starts) keep new
+    small chunks in chunk files: tests of the file engine's own layout and crash behaviour
+    (the container logs have theirs, tests/core/test_small_chunks.py)."""
+    from stripefs.storage import _chunks
+
+    monkeypatch.setattr(_chunks, "SMALL_CHUNKS", "files")
+    monkeypatch.setenv("STRIPEFS_SMALL_CHUNKS", "files")  # and the servers a test starts
+
+
+@pytest.fixture
 def client(cluster: LocalCluster) -> Iterator[Client]:
     c = cluster.client()
     yield c

@@ -23,6 +23,9 @@ from stripefs.storage import BLOCK, ChunkStore
 from stripefs.storage._chunks import BUCKET_GROUP, BUCKETS
 from stripefs.wire import StripefsError
 
+# The chunk-file engine's own layout (new small chunks in files, not container logs).
+pytestmark = pytest.mark.usefixtures("file_engine")
+
 CS = 4 << 20
 INO = 0x5EED
 

@@ -8,8 +8,12 @@ import os
 import threading
 
 import crc32c
+import pytest
 
 from stripefs.storage import HEADER_SIZE, ChunkStore
+
+# The chunk-file engine's own layout (new small chunks in files, not container logs).
+pytestmark = pytest.mark.usefixtures("file_engine")
 
 CS = 4 << 20
 

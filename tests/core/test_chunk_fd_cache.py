@@ -16,6 +16,9 @@ from stripefs.storage._chunks import FDS_PER_LOCK
 from stripefs.storage._server import SMALL_READ
 from stripefs.wire import ErrorCode, StripefsError
 
+# The chunk-file engine's own layout (new small chunks in files, not container logs).
+pytestmark = pytest.mark.usefixtures("file_engine")
+
 CS = 1 << 20
 
 

@@ -14,6 +14,9 @@ from stripefs.storage import BLOCK, HEADER_SIZE, ChunkStore
 from stripefs import wire
 from stripefs.wire import MAX_CHUNK, ErrorCode, StripefsError
 
+# The chunk-file engine's own layout (new small chunks in files, not container logs).
+pytestmark = pytest.mark.usefixtures("file_engine")
+
 CS = 4 << 20
 
 
