@@ -68,7 +68,7 @@ from stripefs.wire import CRC_BLOCK, ErrorCode, MAX_CHUNK, StripefsError, segmen
 from . import _stats
 from ._crc import payload_crcs
 from ._qos import BULK_WRITE, idle_io
-from ._small import SMALL_MAX, Record, SmallLog
+from ._small import SMALL_MAX, Record, SmallLog, locate
 
 HEADER_SIZE = 8192
 BUCKETS = 4096  # chunk directories: an inode's chunks live in bucket ``ino % BUCKETS``
@@ -194,6 +194,17 @@ def chunk_files(root: str, ino: int) -> list[str]:
         return []
     prefix = f"{ino:016x}."
     return sorted(os.path.join(bucket, n) for n in names if n.startswith(prefix) and _parse_chunk_name(n))
+
+
+def chunk_places(root: str, ino: int) -> list[tuple[int, str, int]]:
+    """Where inode ``ino``'s chunks lie under the storage target ``root``, in either engine:
+    ``[(index, file, offset of the chunk's first byte in it)]`` (a chunk file, or the
+    container log holding its latest record). For operators and tests that look at, or
+    damage, a target's bytes; reads the files and changes nothing."""
+    out = [(key[1], path, HEADER_SIZE) for path in chunk_files(root, ino)
+           if (key := _parse_chunk_name(os.path.basename(path))) is not None]
+    out += [(index, path, offset) for (i, index), (path, offset, _n) in locate(root).items() if i == ino]
+    return sorted(out)
 
 
 @dataclass(slots=True)
@@ -395,7 +406,9 @@ class ChunkStore:
         if meta is not None:
             return meta
         if self.small is not None and (rec := self.small.get(key)) is not None:
-            return self._small_meta(ino, index, rec)
+            meta = self._small_meta(ino, index, rec)
+            self._meta[key] = meta
+            return meta
         own = fd is None
         try:
             if own:
@@ -557,7 +570,8 @@ class ChunkStore:
         self.small.put((ino, index), old.version + 1, chain, buf, crcs)
         self.used += length - old.length
         self.chunks += rec is None
-        return ChunkMeta(old.version + 1, length, crcs, (1 << len(crcs)) - 1, chain=chain)
+        new = self._meta[(ino, index)] = ChunkMeta(old.version + 1, length, crcs, (1 << len(crcs)) - 1, chain=chain)
+        return new
 
     def _promote(self, ino: int, index: int, rec: Record) -> None:
         """Move a small chunk from its log to a chunk file (same version and bytes): the
@@ -587,21 +601,28 @@ class ChunkStore:
         self._sync_dir(self._dir(ino))
         self._meta[(ino, index)] = meta
 
-    def _read_small(self, ino: int, index: int, rec: Record, offset: int, length: int,
-                    inline: bool) -> tuple[int, int, int, bytes | None, int, list[int]]:
-        """The read of ``open_read_checked`` from a container log (caller holds the lock)."""
+    def _read_small(self, ino: int, index: int, rec: Record, offset: int,
+                    length: int) -> tuple[int, int, int, bytes | None, int, list[int]]:
+        """The read of ``open_read_checked`` from a container log (caller holds the lock):
+        always the bytes themselves (a small chunk's), with the blocks they cover checked
+        against their CRCs on every read (one pass of at most 128 KiB: the log changes at
+        every append, so no file time can say that its bytes did not change since)."""
         assert self.small is not None
         meta = self._small_meta(ino, index, rec)
         n = max(0, min(length, meta.length - offset))
         if n == 0:
             return -1, 0, 0, None, meta.length, []
-        if inline:
-            raw = self.small.read(rec, offset, n)
-            view = memoryview(raw)
-            crcs = self._segment_crcs(meta, offset, n, lambda s, e: view[s - offset : e - offset])
-            return -1, 0, n, raw, meta.length, crcs
-        crcs = self._segment_crcs(meta, offset, n, lambda s, e: self.small.read(rec, s, e - s))  # type: ignore[union-attr]
-        return self.small.fd(rec), rec.data + offset, n, None, meta.length, crcs
+        first, last = offset // BLOCK, (offset + n - 1) // BLOCK
+        bstart = first * BLOCK
+        raw = self.small.read(rec, bstart, min((last + 1) * BLOCK, meta.length) - bstart)
+        view = memoryview(raw)
+        for b in range(first, last + 1):
+            if _crc(view[b * BLOCK - bstart : min((b + 1) * BLOCK, meta.length) - bstart]) != meta.crcs[b]:
+                _stats.CHECKSUM_READ.inc()
+                raise StripefsError(ErrorCode.CHECKSUM, f"chunk {ino}:{index} block {b} fails its checksum")
+        crcs = self._segment_crcs(meta, offset, n, lambda s, e: view[s - bstart : e - bstart])
+        data = raw if bstart == offset and len(raw) == n else raw[offset - bstart : offset - bstart + n]
+        return -1, 0, n, data, meta.length, crcs
 
     def compact_small(self) -> int:
         """Reclaim container-log space when the sealed logs are mostly dead records: the
@@ -777,7 +798,7 @@ class ChunkStore:
             # meta for the new file (its CRCs then fail reads, and the next write builds on it).
             cached = length <= inline
             if self.small is not None and (rec := self.small.get(key)) is not None:
-                return self._read_small(ino, index, rec, offset, length, cached)
+                return self._read_small(ino, index, rec, offset, length)
             fds, fd_lock = self._fds[slot], self._fd_locks[slot]
             fd = -1
             if cached:
@@ -950,6 +971,7 @@ class ChunkStore:
             if chain and not rec.bad and rec.chain not in (0, chain):
                 return 0
             self.small.kill([(ino, index)], sync=sync)
+            self._meta.pop((ino, index), None)
             self.used -= rec.length
             self.chunks -= 1
             return 1
@@ -960,6 +982,7 @@ class ChunkStore:
         assert self.small is not None
         if rec.bad:  # damaged: cutting it off is what was asked (as a corrupt chunk file)
             self.small.kill([(ino, index)])
+            self._meta.pop((ino, index), None)
             self.chunks -= 1
             return
         if length >= rec.length:
@@ -970,6 +993,7 @@ class ChunkStore:
         if length % BLOCK:
             crcs[-1] = _crc(memoryview(data)[(nblocks - 1) * BLOCK :])
         self.small.put((ino, index), rec.version + 1, rec.chain, data, crcs)
+        self._meta[(ino, index)] = ChunkMeta(rec.version + 1, length, crcs, (1 << nblocks) - 1, chain=rec.chain)
         self.used -= rec.length - length
 
     def truncate(self, ino: int, index: int, length: int) -> None:
@@ -1054,6 +1078,7 @@ class ChunkStore:
             if len(view) <= self.small_max and (in_log or not os.path.exists(self.path(ino, index))):
                 assert self.small is not None
                 self.small.put(key, version, chain, view, crcs)
+                self._meta[key] = new
                 self.used += new.length - (cur.length if cur else 0)
                 self.chunks += cur is None
                 return new

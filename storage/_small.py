@@ -102,6 +102,112 @@ class _Log:
         self.live = 0  # bytes of live records
 
 
+def _parse(view: memoryview, pos: int, ident: bytes) -> tuple[Any, ...] | None:
+    """The record at ``pos`` as its header's fields and its block CRCs, if the whole record
+    checks (header CRC, every block's CRC, trailer); None otherwise."""
+    try:
+        h = _HDR.unpack_from(view, pos)
+    except struct.error:
+        return None
+    magic, lid, kind, hcrc, ino, index, version, chain, length, nblocks, durable = h
+    if magic != REC_MAGIC or lid != ident or kind not in (PUT, DEAD) or length > SMALL_MAX:
+        return None
+    if nblocks != -(-length // CRC_BLOCK):
+        return None
+    span = _span(length, nblocks)
+    if pos + span > len(view):
+        return None
+    crc_end = pos + _HDR.size + 4 * nblocks
+    zeroed = _HDR.pack(magic, lid, kind, 0, ino, index, version, chain, length, nblocks, durable)
+    if crc32c.crc32c(view[pos + _HDR.size : crc_end], crc32c.crc32c(zeroed)) != hcrc:
+        return None
+    crcs = list(struct.unpack_from(f"!{nblocks}I", view, pos + _HDR.size))
+    data = view[crc_end : crc_end + length]
+    for b, c in enumerate(crcs):
+        if _crc(data[b * CRC_BLOCK : (b + 1) * CRC_BLOCK]) != c:
+            return None
+    tail = _TAIL.unpack_from(view, pos + span - _TAIL.size)
+    if tail[0] != TAIL_MAGIC or tail[1] != ino or tail[2] != index:
+        return None
+    return (*h[:2], kind, hcrc, ino, index, version, chain, length, nblocks, durable, crcs)
+
+
+def _trailer_key(view: memoryview, start: int, stop: int, ident: bytes) -> tuple[int, int] | None:
+    """The chunk a damaged region held, from a trailer at one of its sector ends."""
+    for end in range(stop, start, -ALIGN):
+        magic, ino, index, crc = _TAIL.unpack_from(view, end - _TAIL.size)
+        if magic == TAIL_MAGIC and crc == _crc(ident + struct.pack("!QQ", ino, index)):
+            return ino, index
+    return None
+
+
+def read_log(raw: bytes, number: int, path: str = "") -> tuple[bytes, list[tuple[int, tuple[int, int], Record | None]], int, int]:
+    """Parse a whole log: ``(its id, [(offset, key, record or None for a removal)] in log
+    order, the end of its last good record, regions found damaged)``. Pure (no I/O)."""
+    head = raw[:_LOG_HEAD.size]
+    if len(head) < _LOG_HEAD.size or head[:8] != LOG_MAGIC:
+        raise StripefsError(ErrorCode.CHECKSUM, f"{path or 'log'} is not a stripefs container log")
+    ident = head[8:16]
+    view = memoryview(raw)
+    good: list[tuple[int, tuple[Any, ...], int]] = []  # (offset, header, span)
+    gaps: list[tuple[int, int]] = []  # [start, end) that did not parse, before a good record
+    pos, gap_start = ALIGN, None
+    while pos + _HDR.size <= len(raw):
+        h = _parse(view, pos, ident)
+        if h is None:
+            if gap_start is None:
+                gap_start = pos
+            pos += ALIGN
+            continue
+        if gap_start is not None:
+            gaps.append((gap_start, pos))
+            gap_start = None
+        good.append((pos, h, _span(h[8], h[9])))
+        pos += good[-1][2]
+    end = good[-1][0] + good[-1][2] if good else ALIGN
+    # A gap that lies before a later record's ``durable`` mark held acknowledged records:
+    # damage, not a torn append.
+    events: list[tuple[int, tuple[int, int], Record | None]] = []
+    damaged = latest_mark = 0
+    gaps.sort(reverse=True)
+    for off, h, span in reversed(good):
+        latest_mark = max(latest_mark, h[10])
+        while gaps and gaps[0][1] >= off:
+            start, stop = gaps.pop(0)
+            if latest_mark > start:
+                damaged += 1
+                key = _trailer_key(view, start, stop, ident)
+                if key is not None:
+                    events.append((start, key, Record(number, 0, 0, 0, 0, [], 0.0, 0, bad=True)))
+        kind, ino, index, version, chain, length, crcs = h[2], h[4], h[5], h[6], h[7], h[8], h[11]
+        rec = None if kind == DEAD else Record(number, off + _HDR.size + 4 * len(crcs), version, length,
+                                              chain, crcs, 0.0, span)
+        events.append((off, (ino, index), rec))
+    events.sort(key=lambda e: e[0])
+    return ident, events, end, damaged
+
+
+def locate(root: str) -> dict[tuple[int, int], tuple[str, int, int]]:
+    """Where each small chunk's bytes lie under a storage root: ``{(ino, index): (log path,
+    offset, length)}`` (reads the logs; changes nothing: for operators and tests)."""
+    d = os.path.join(root, "small")
+    out: dict[tuple[int, int], tuple[str, int, int]] = {}
+    try:
+        names = sorted(n for n in os.listdir(d) if n.endswith(".log"))
+    except FileNotFoundError:
+        return out
+    for name in names:
+        path = os.path.join(d, name)
+        with open(path, "rb") as f:
+            _ident, events, _end, _damaged = read_log(f.read(), int(name[:-4], 16), path)
+        for _off, key, rec in events:
+            if rec is None or rec.bad:
+                out.pop(key, None)
+            else:
+                out[key] = (path, rec.data, rec.length)
+    return out
+
+
 class SmallLog:
     """The container logs of one storage target. Thread-safe; methods block (disk I/O).
 
@@ -131,7 +237,11 @@ class SmallLog:
             os.unlink(os.path.join(root, name))  # a log whose header was not synced yet
         names = sorted(n for n in os.listdir(root) if n.endswith(".log"))
         for name in names:
-            self._replay(int(name[:-4], 16), removed)
+            self._replay(int(name[:-4], 16))
+        if removed is not None:  # records of removed inodes whose removal records were not synced
+            for ino in [i for i in self.by_ino if removed(i)]:
+                for index in list(self.by_ino.get(ino, ())):
+                    self._drop((ino, index))
         self._active = self._logs[max(self._logs)] if self._logs else self._new_log(1)
         self._written = self._synced = self._mark(self._active, self._active.size)
 
@@ -175,104 +285,28 @@ class SmallLog:
             pass
 
     # -- start: replay ---------------------------------------------------------------------
-    def _replay(self, number: int, removed: Callable[[int], bool] | None) -> None:
+    def _replay(self, number: int) -> None:
         path = os.path.join(self.root, f"{number:08x}.log")
         fd = os.open(path, os.O_RDWR)
-        with open(fd, "rb", closefd=False) as f:
-            raw = f.read()
-        head = raw[:_LOG_HEAD.size]
-        if len(head) < _LOG_HEAD.size or head[:8] != LOG_MAGIC:
+        try:
+            with open(fd, "rb", closefd=False) as f:
+                raw = f.read()
+            ident, events, end, damaged = read_log(raw, number, path)
+        except BaseException:
             os.close(fd)
-            raise StripefsError(ErrorCode.CHECKSUM, f"{path} is not a stripefs container log")
-        ident = head[8:16]
-        log = _Log(number, path, fd, ident, ALIGN)
+            raise
+        log = _Log(number, path, fd, ident, end)
         self._logs[number] = log
-        view = memoryview(raw)
-        good: list[tuple[int, tuple[Any, ...], int]] = []  # (offset, header, span)
-        gaps: list[tuple[int, int]] = []  # [start, end) that did not parse, before a good record
-        pos, gap_start = ALIGN, None
-        while pos + _HDR.size <= len(raw):
-            rec = self._parse(view, pos, ident)
-            if rec is None:
-                if gap_start is None:
-                    gap_start = pos
-                pos += ALIGN
-                continue
-            if gap_start is not None:
-                gaps.append((gap_start, pos))
-                gap_start = None
-            good.append((pos, rec, _span(rec[8], rec[9])))
-            pos += good[-1][2]
-        end = good[-1][0] + good[-1][2] if good else ALIGN
-        # A gap that lies before a later record's ``durable`` mark held acknowledged
-        # records: damage, not a torn append.
-        events: list[tuple[int, tuple[int, int], Record | None]] = []
-        latest_mark = 0
-        gaps.sort(reverse=True)
-        for off, h, span in reversed(good):
-            latest_mark = max(latest_mark, h[10])
-            while gaps and gaps[0][1] >= off:
-                start, stop = gaps.pop(0)
-                if latest_mark > start:
-                    self.damaged += 1
-                    key = self._trailer_key(view, start, stop, ident)
-                    if key is not None:
-                        events.append((start, key, Record(number, 0, 0, 0, 0, [], 0.0, 0, bad=True)))
-            kind, ino, index, version, chain, length, crcs = h[2], h[4], h[5], h[6], h[7], h[8], h[11]
-            rec = None if kind == DEAD else Record(number, off + _HDR.size + 4 * len(crcs), version, length,
-                                                  chain, crcs, 0.0, span)
-            events.append((off, (ino, index), rec))
-        for _off, key, rec in sorted(events, key=lambda e: e[0]):
+        self.damaged += damaged
+        for _off, key, rec in events:
             if rec is None:
                 self._drop(key)
             else:
                 self._set(key, rec)
-        if removed is not None:
-            for ino in [i for i in self.by_ino if removed(i)]:
-                for index in list(self.by_ino.get(ino, ())):
-                    self._drop((ino, index))
         if end < len(raw):  # a torn tail: cut it, so the next append does not sit after garbage
             os.ftruncate(fd, end)
             if self.sync:
                 os.fdatasync(fd)
-        log.size = end
-
-    @staticmethod
-    def _parse(view: memoryview, pos: int, ident: bytes) -> tuple[Any, ...] | None:
-        try:
-            h = _HDR.unpack_from(view, pos)
-        except struct.error:
-            return None
-        magic, lid, kind, hcrc, ino, index, version, chain, length, nblocks, durable = h
-        if magic != REC_MAGIC or lid != ident or kind not in (PUT, DEAD) or length > SMALL_MAX:
-            return None
-        if nblocks != -(-length // CRC_BLOCK):
-            return None
-        span = _span(length, nblocks)
-        if pos + span > len(view):
-            return None
-        crc_end = pos + _HDR.size + 4 * nblocks
-        zeroed = _HDR.pack(magic, lid, kind, 0, ino, index, version, chain, length, nblocks, durable)
-        if crc32c.crc32c(view[pos + _HDR.size : crc_end], crc32c.crc32c(zeroed)) != hcrc:
-            return None
-        crcs = list(struct.unpack_from(f"!{nblocks}I", view, pos + _HDR.size))
-        data = view[crc_end : crc_end + length]
-        for b, c in enumerate(crcs):
-            if _crc(data[b * CRC_BLOCK : (b + 1) * CRC_BLOCK]) != c:
-                return None
-        tail = _TAIL.unpack_from(view, pos + span - _TAIL.size)
-        if tail[0] != TAIL_MAGIC or tail[1] != ino or tail[2] != index:
-            return None
-        return (*h[:2], kind, hcrc, ino, index, version, chain, length, nblocks, durable, crcs)
-
-    @staticmethod
-    def _trailer_key(view: memoryview, start: int, stop: int, ident: bytes) -> tuple[int, int] | None:
-        """The chunk a damaged region held, from a trailer at one of its sector ends."""
-        for end in range(stop, start, -ALIGN):
-            magic, ino, index, crc = _TAIL.unpack_from(view, end - _TAIL.size)
-            if magic == TAIL_MAGIC and crc == _crc(ident + struct.pack("!QQ", ino, index)):
-                return ino, index
-        return None
 
     # -- the index -------------------------------------------------------------------------
     # The index, ``by_ino`` and the logs' live counts change under ``_ilock`` (writers of
@@ -397,10 +431,6 @@ class SmallLog:
         if len(raw) != n:
             raise StripefsError(ErrorCode.CHECKSUM, "a container log is shorter than its index says")
         return raw
-
-    def fd(self, rec: Record) -> int:
-        """A descriptor of the record's log (the caller closes it)."""
-        return os.dup(self._logs[rec.log].fd)
 
     # -- space -----------------------------------------------------------------------------
     def _maybe_unlink_empty(self) -> None:

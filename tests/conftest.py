@@ -49,6 +49,29 @@ def make_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
             pass
 
 
+def flip_byte(path: str, at: int) -> None:
+    """Damage one byte of a file on disk (every bit of it flipped)."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def flip_chunk_byte(roots: list[str], ino: int, at: int, index: int = 0) -> int:
+    """Damage byte ``at`` of chunk ``(ino, index)`` in every copy held under the storage
+    roots, wherever it lies (a chunk file or a container log). Returns the copies damaged."""
+    from stripefs.storage import chunk_places
+
+    done = 0
+    for root in roots:
+        for i, path, offset in chunk_places(root, ino):
+            if i == index:
+                flip_byte(path, offset + at)
+                done += 1
+    return done
+
+
 @pytest.fixture
 def file_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunk stores made by this test (in this process or in the servers it starts) keep new

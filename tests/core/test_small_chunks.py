@@ -18,9 +18,11 @@ from typing import Any
 import crc32c
 import pytest
 
-from stripefs.storage import BLOCK, ChunkStore, _small, chunk_files
+from stripefs.storage import BLOCK, ChunkStore, _small, chunk_files, chunk_places
 from stripefs.storage._small import ALIGN, SMALL_MAX
 from stripefs.wire import ErrorCode, StripefsError
+
+from ..conftest import flip_byte
 
 CS = 4 << 20
 
@@ -147,21 +149,13 @@ def test_replace_versions_and_expectations(tmp_path) -> None:
     assert again.chunks_by_chain()[7] == [(3, 0, 10, len(big), again.stat(3, 0).digest)]
 
 
-def _flip(path: str, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
 def test_damaged_bytes_fail_reads_scrub_and_changes(tmp_path) -> None:
     s = _store(tmp_path)
     data = os.urandom(BLOCK + 10)
     write(s, 21, 0, 0, data)
     write(s, 22, 0, 0, b"fine" * 100)
     rec = s.small.get((21, 0))  # type: ignore[union-attr]
-    _flip(_logs(tmp_path)[0], rec.data + BLOCK + 3)
+    flip_byte(_logs(tmp_path)[0], rec.data + BLOCK + 3)
     again = _store(tmp_path)  # the record no longer parses: damage before a durable mark
     for attempt in (lambda: read(again, 21, 0), lambda: write(again, 21, 0, 0, b"q"),
                     lambda: again.read_whole(21, 0)):
@@ -176,11 +170,15 @@ def test_damaged_bytes_fail_reads_scrub_and_changes(tmp_path) -> None:
     assert read(_store(tmp_path), 21, 0) == data
 
 
-def test_damage_after_a_start_is_found_by_scrub(tmp_path) -> None:
+def test_damage_after_a_start_fails_reads_and_is_found_by_scrub(tmp_path) -> None:
     s = _store(tmp_path)
     write(s, 23, 0, 0, b"k" * 5000)
-    rec = s.small.get((23, 0))  # type: ignore[union-attr]
-    _flip(_logs(tmp_path)[0], rec.data + 4000)
+    (_index, log, at), = chunk_places(str(tmp_path), 23)
+    flip_byte(log, at + 4000)
+    for inline in (0, 1 << 20):  # every read checks a small chunk's blocks
+        with pytest.raises(StripefsError) as err:
+            read(s, 23, 0, 4000, 10, inline=inline)
+        assert err.value.code == ErrorCode.CHECKSUM
     checked, bad = s.scrub()
     assert bad == [(23, 0, 0)]
     with pytest.raises(StripefsError):  # a change must not give the damaged bytes fresh CRCs

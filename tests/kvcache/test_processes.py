@@ -18,9 +18,9 @@ import pytest
 from stripefs.fsclient import Client
 from stripefs.fsclient.testing import LocalCluster
 from stripefs.kvcache import PageStore
-from stripefs.storage import HEADER_SIZE, chunk_path
 from stripefs.wire import StripefsError
 
+from ..conftest import flip_chunk_byte
 from .conftest import page_of
 
 PS = 64 * 1024
@@ -70,14 +70,6 @@ def test_a_writer_killed_mid_batch_leaves_no_half_page(cluster: LocalCluster, cl
                     assert all(hits), r  # a batch that returned is all there
 
 
-def _flip(path: str, at: int) -> None:
-    with open(path, "r+b") as fh:
-        fh.seek(at)
-        b = fh.read(1)
-        fh.seek(at)
-        fh.write(bytes([b[0] ^ 0xFF]))
-
-
 def _segment_path(client: Client, store: PageStore, key: bytes) -> str:
     target = client.stat(f"{store.ns.dir}/idx/{key.hex()}", follow=False).target
     assert target is not None
@@ -91,8 +83,7 @@ def test_a_corrupted_page_is_a_counted_miss(cluster: LocalCluster, client: Clien
             store.batch_put([k], [page_of(k, PS)])
         # 1. A byte of the page flipped in its chunk file on a storage server (below every checksum).
         ino = client.stat(_segment_path(client, store, b"on-disk")).ino
-        (path,) = [p for p in (chunk_path(s["root"], ino, 0) for s in cluster.data["servers"]) if os.path.exists(p)]
-        _flip(path, HEADER_SIZE + 100)
+        assert flip_chunk_byte([s["root"] for s in cluster.data["servers"]], ino, 100) == 1
         # 2. The page rewritten through the file system (the storage checksums agree with it),
         # 3. and a page's table entry (after the one page of its segment) likewise.
         for key, at in ((b"in-file", 100), (b"entry", PS + 30)):
