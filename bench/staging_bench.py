@@ -2,6 +2,7 @@
 
     python -m stripefs.bench.staging_bench [--size-gb 2] [--json FILE] [--cluster C] [--only durable,load]
     python -m stripefs.bench.staging_bench --only restore [--restore-size 2G] [--restore-tensors 16,1000]
+    python -m stripefs.bench.staging_bench --overlap [--overlap-size 256M] [--overlap-bandwidth 50e6] [--json F]
 
 Starts a private 4-server cluster unless ``--cluster`` is given. Every figure
 is a median of ``--repeat`` runs and is reported with the floor or peer
@@ -13,7 +14,11 @@ to globally durable with ``keep_local=0`` and with a local copy, against a nativ
 client write of the same bytes, interleaved so that each ratio compares
 neighbours), ``load`` (vs the loopback socket floor and ``torch.load``), ``restore``
 (a state of ``--restore-size`` bytes cut into equal tensors, loaded from the store and from
-the local staged copy, each round next to the socket floor), ``dcp`` and ``train``.
+the local staged copy, each round next to the socket floor), ``overlap`` (the blocking of a
+save made right after the previous one returned, while that one is still being written
+locally and uploaded, capped at ``--overlap-bandwidth`` and uncapped, against a plain copy of
+the same tensors into already-touched memory; ``--overlap`` runs this section alone), ``dcp``
+and ``train``.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from stripefs.bench._report import write_json
 from stripefs.bench.floors import parse_size
 from stripefs.fsclient import Client, testing
 
-SECTIONS = ("blocking", "durable", "load", "restore", "dcp", "train")
+SECTIONS = ("blocking", "durable", "load", "restore", "overlap", "dcp", "train")
 
 
 def make_state(total: int) -> dict[str, Any]:
@@ -83,8 +88,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="bytes of the restore section's state (512M; 2G on a machine with the memory)")
     ap.add_argument("--restore-tensors", default="16,1000", help="restore: tensor counts to cut the state into")
     ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections: " + " ".join(SECTIONS))
+    ap.add_argument("--overlap", action="store_true", help="run the overlap section alone (--only overlap)")
+    ap.add_argument("--overlap-size", type=parse_size, default=parse_size("256M"),
+                    help="overlap: bytes of the state saved twice in a row (256M)")
+    ap.add_argument("--overlap-bandwidth", type=float, default=50e6,
+                    help="overlap: the capped variant's upload cap in bytes/s (50e6; the uncapped one runs too)")
     args = ap.parse_args(argv)
-    only = set(args.only.split(","))
+    only = {"overlap"} if args.overlap else set(args.only.split(","))
     if only - set(SECTIONS):
         ap.error(f"unknown section(s): {', '.join(sorted(only - set(SECTIONS)))}")
     scratch = tempfile.mkdtemp(prefix="staging-bench-")
@@ -96,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     client = Client(args.cluster)
     sdir = os.path.join(scratch, "staging")
     results: list[dict[str, Any]] = []
-    sd = make_state(int(args.size_gb * (1 << 30))) if only - {"restore"} else {}
+    sd = make_state(int(args.size_gb * (1 << 30))) if only - {"restore", "overlap"} else {}
     size = nbytes(sd)
 
     def rec(workload: str, path: str, seconds: float, b: int = size) -> None:
@@ -125,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         if "restore" in only:
             for count in (int(c) for c in args.restore_tensors.split(",")):
                 restore_bench(args, sdir, scratch, url, count, results)
+        if "overlap" in only:
+            overlap_bench(args, sdir, url, results)
         if "dcp" in only:
             dcp_bench(sd, args, scratch, sdir, rec)
         if "train" in only:
@@ -144,6 +156,9 @@ def blocking_bench(sd: dict[str, Any], args: Any, client: Client, sdir: str, url
     """save()'s blocking time vs a plain copy of the tensors (the floor) and vs torch.save to the store."""
     tensors = [v for v in sd.values() if isinstance(v, torch.Tensor)]
     rec("save_blocking", "floor_memcpy", median(lambda: timed(lambda: [t.clone() for t in tensors]), args.repeat))
+    touched = TouchedCopy(tensors)
+    rec("save_blocking", "floor_touched_copy", median(touched, args.repeat))
+    del touched
     last = ""
 
     def one_save() -> float:
@@ -175,6 +190,93 @@ def blocking_bench(sd: dict[str, Any], args: Any, client: Client, sdir: str, url
         return time.perf_counter() - t
     rec("save_blocking", "torch_save_remote", median(torch_save_remote, args.repeat))
     return last
+
+
+class TouchedCopy:
+    """The floor of a snapshot: the tensors' bytes copied into one buffer made and touched beforehand,
+    each at its own offset (what ``save`` does into its pooled buffer). Calling it times one copy."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.srcs = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+        self.dst = torch.empty(max(1, sum(s.numel() for s in self.srcs)), dtype=torch.uint8)
+        self.dst.fill_(0)  # touched: every page faulted in before any copy is timed
+
+    def __call__(self) -> float:
+        t, off = time.perf_counter(), 0
+        for s in self.srcs:
+            self.dst[off : off + s.numel()].copy_(s)
+            off += s.numel()
+        return time.perf_counter() - t
+
+
+def overlap_bench(args: Any, sdir: str, url: Callable[[], str], results: list[dict[str, Any]]) -> None:
+    """The blocking of a save made while the previous save is still being written and uploaded.
+
+    Each round measures, at the same point — right after a save #1 returned, its serialize,
+    local write and upload all still ahead — once save #2 (timed), and, in a run of its own,
+    a plain copy of the same tensors into touched memory (the floor, :class:`TouchedCopy`);
+    and the floor with nothing in flight. Two variants: the upload capped at
+    ``--overlap-bandwidth`` bytes/s, and uncapped. Ratios are medians of per-round ratios.
+    Before the rounds one pair of back-to-back saves makes (and faults in) the second snapshot
+    buffer; its blocking is reported as ``first_overlap``. The output says in how many rounds
+    save #1 was indeed still uploading when save #2 returned.
+    """
+    sd = make_state(args.overlap_size)
+    size = nbytes(sd)
+    floor = TouchedCopy([v for v in sd.values() if isinstance(v, torch.Tensor)])
+    floor()  # warm: the copy's own first pass
+
+    def save(opts: staging.MoverOptions) -> tuple[staging.SaveHandle, float]:
+        t = time.perf_counter()
+        h = staging.save(sd, url(), staging_dir=sdir, cluster=args.cluster, keep_local=2, keep_remote=2,
+                         background_mover=False, options=opts)
+        return h, time.perf_counter() - t
+
+    def record(path: str, seconds: float, **extra: Any) -> None:
+        results.append({"workload": "save_overlap_blocking", "path": path, "clients": 1, "servers": 4, "bytes": size,
+                        "seconds": round(seconds, 4), "gbps": round(size / seconds / 1e9, 3), **extra})
+        more = "  ".join(f"{k} {v}" for k, v in extra.items())
+        print(f"{'save_overlap_blocking':24s} {path:36s} {seconds:8.3f} s  {size / seconds / 1e9:6.2f} GB/s  {more}",
+              flush=True)
+
+    opts = staging.MoverOptions(cluster=args.cluster)
+    h1, _ = save(opts)
+    h2, first = save(opts)  # the run's first overlap: makes the second buffer, unless it exists
+    h1.wait()
+    h2.wait()
+    record("first_overlap", first, extra_buffers=int(h2.extra_buffer), snapshot_wait_s=round(h2.snapshot_wait_s, 4))
+    for label, bandwidth in ((f"capped_{args.overlap_bandwidth / 1e6:g}MBps", args.overlap_bandwidth),
+                             ("uncapped", None)):
+        opts = staging.MoverOptions(cluster=args.cluster, bandwidth=bandwidth)
+        idle: list[float] = []
+        loaded: list[float] = []
+        second: list[float] = []
+        waited: list[float] = []
+        extra = overlapped = 0
+        for _ in range(args.repeat):
+            idle.append(floor())
+            h1, _ = save(opts)
+            loaded.append(floor())
+            h1.wait()
+            h1, _ = save(opts)
+            h2, b = save(opts)
+            overlapped += not h1.globally_durable
+            second.append(b)
+            waited.append(h2.snapshot_wait_s)
+            extra += h2.extra_buffer
+            h1.wait()
+            h2.wait()
+        ratio = statistics.median(s / f for s, f in zip(second, loaded))
+        ratio_idle = statistics.median(s / f for s, f in zip(second, idle))
+        rounds = f"{overlapped}/{args.repeat}"
+        record(f"{label}_floor_touched_idle", statistics.median(idle))
+        record(f"{label}_floor_touched_after_save", statistics.median(loaded))
+        record(f"{label}_second_save", statistics.median(second), ratio_to_floor=round(ratio, 3),
+               ratio_to_idle_floor=round(ratio_idle, 3), snapshot_wait_s=round(max(waited), 4),
+               extra_buffers=extra, first_still_uploading=rounds)
+        print(f"{'':24s} {label}: a save made while the previous one is written and uploaded blocks {ratio:.2f}x "
+              f"a copy into touched memory made at the same point ({ratio_idle:.2f}x one with nothing in flight; "
+              f"medians of per-round ratios; the previous save was still uploading in {rounds} rounds)", flush=True)
 
 
 def durable_bench(sd: dict[str, Any], args: Any, client: Client, sdir: str, url: Callable[[], str],

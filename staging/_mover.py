@@ -234,7 +234,9 @@ class SnapshotViews:
     once the local copy is durable) stops further loans and waits for the pieces in flight,
     after which the buffer may be reused by the next save and the upload reads the staged
     files instead. Holding the buffer for the whole upload would make the next save wait
-    for the upload — the stall asynchronous checkpointing exists to avoid.
+    for the upload — the stall asynchronous checkpointing exists to avoid. A piece's loan
+    ends as soon as its write is acknowledged or fails (:class:`_Loan`), not when the upload
+    loop gets to it: a revoke never waits out the bandwidth cap's pause between pieces.
     """
 
     def __init__(self, views: list[memoryview]):
@@ -262,6 +264,23 @@ class SnapshotViews:
             self._views = None
             while self._loans:
                 self._cond.wait()
+
+
+class _Loan:
+    """One borrowed piece: given back exactly once, by whichever sees its write end first (the
+    write's completion callback, or the upload loop)."""
+
+    __slots__ = ("_views", "_lock")
+
+    def __init__(self, views: SnapshotViews):
+        self._views: SnapshotViews | None = views
+        self._lock = threading.Lock()
+
+    def end(self, _fut: Any = None) -> None:
+        with self._lock:
+            views, self._views = self._views, None
+        if views is not None:
+            views.give_back()
 
 
 @dataclass
@@ -372,14 +391,14 @@ class Uploader:
             _apply_umask(client, path, 0o666)
             local = None  # the staged file, opened once a piece is not served from the snapshot
             spare: list[Any] = []
-            inflight: deque[tuple[int, int, Any, bool, Future]] = deque()
+            inflight: deque[tuple[int, int, Any, _Loan | None, Future]] = deque()
             try:
                 off = start_at
                 while off < f.size or inflight:
                     while off < f.size and len(inflight) < DEPTH:
                         n = min(piece, f.size - off)
                         view = self.buffers.borrow(index, off, n) if self.buffers is not None else None
-                        lent, buf = view is not None, None
+                        loan, buf = (_Loan(self.buffers) if view is not None else None), None  # type: ignore[arg-type]
                         if view is None:
                             if local is None:
                                 local = open(os.path.join(self.row.local_dir, f.name), "rb")
@@ -392,17 +411,21 @@ class Uploader:
                         try:
                             fut = client.submit_write(sf.ino, sf.layout, off, view)
                         except BaseException:
-                            if lent:
-                                self.buffers.give_back()  # type: ignore[union-attr]
+                            if loan is not None:
+                                loan.end()
                             raise
-                        inflight.append((off, n, buf, lent, fut))
+                        if loan is not None:
+                            # The sender reads the view until the write ends: the loan ends then,
+                            # even while this loop waits out the bandwidth cap (throttle below).
+                            fut.add_done_callback(loan.end)
+                        inflight.append((off, n, buf, loan, fut))
                         off += n
-                    start, n, buf, lent, fut = inflight.popleft()
+                    start, n, buf, loan, fut = inflight.popleft()
                     try:
                         fut.result()  # acknowledged: the bytes are on the servers' disks
                     finally:
-                        if lent:
-                            self.buffers.give_back()  # type: ignore[union-attr]
+                        if loan is not None:
+                            loan.end()
                     if buf is not None:
                         spare.append(buf)
                     fault_point("piece_written")
@@ -419,13 +442,13 @@ class Uploader:
                     throttle.account(n)
             finally:
                 while inflight:  # never free a buffer the sender may still read
-                    _, _, _, lent, fut = inflight.popleft()
+                    _, _, _, loan, fut = inflight.popleft()
                     try:
                         fut.result()
                     except BaseException:
                         pass
-                    if lent:
-                        self.buffers.give_back()  # type: ignore[union-attr]
+                    if loan is not None:
+                        loan.end()
                 if local is not None:
                     local.close()
 

@@ -6,12 +6,16 @@ pooled host buffer), ``serialize`` (checksums, optional zstd, the manifest),
 checkpoint is *locally durable*), ``upload`` (streamed from memory — the snapshot buffer, or
 the compressed bytes — while the local write runs, then from the local files)
 and ``commit`` (manifest, atomic rename: *globally durable*). The snapshot
-buffer goes back to the pool as soon as the checkpoint is locally durable, so
-the next save waits at most for this one's local write, never for its upload.
+buffer goes back to the pool as soon as the checkpoint is locally durable. The
+pool keeps two buffers (double buffering, ``_snapshot``), so the next save,
+made while this one is still writing its local copy or uploading, snapshots
+into the other buffer and waits for neither; only a save that finds both
+buffers still held (two saves in flight) waits, for the older one's local write.
 
 ``keep_local=0`` skips the local copy: the whole upload streams from memory and
-the buffer is held until the commit (the next save waits for it, or takes
-another buffer under ``snapshot_memory``); the step is *locally* and *globally*
+the buffer is held until the commit (the next save takes the other buffer; a
+third one waits for the commit, or takes another buffer under ``snapshot_memory``);
+the step is *locally* and *globally*
 durable at once, at the commit, and a crash before it loses the step.
 """
 
@@ -36,14 +40,15 @@ import crc32c
 
 from stripefs.fsclient import normpath
 
-from ._format import CHECK_CHUNK, DEFAULT_SHARD, FORMAT, MANIFEST, chunk_crcs, manifest_bytes, plan_state_dict, step_order
+from ._format import (CHECK_CHUNK, DEFAULT_SHARD, FORMAT, MANIFEST, chunk_crcs, crc_combine, manifest_bytes,
+                      plan_state_dict, step_order)
 from ._durable import publish_dir
 from ._journal import CkptRow, FileRow, Journal, fault_point
 from . import _ranks
 from ._mover import MoverOptions, SnapshotViews, Uploader, client_for, remote_paths, remove_tree
 from ._replicas import Durability
 from ._service import Mover, apply_retention
-from ._snapshot import POOL, snapshot
+from ._snapshot import POOL, snapshot, yield_to_snapshots
 
 __all__ = ["save", "SaveHandle", "default_staging_dir", "write_local_dir"]
 
@@ -59,8 +64,9 @@ class SaveHandle:
 
     ``timings`` maps phase -> seconds and ``gbps`` phase -> GB/s once each phase ends.
     ``snapshot_wait_s`` is how long the save waited for a snapshot buffer to come free
-    (part of ``timings["snapshot"]``); ``extra_buffer`` is True when it took another
-    buffer instead, because every buffer was busy and ``snapshot_memory`` allowed one.
+    (part of ``timings["snapshot"]``; 0 unless two earlier saves still held theirs);
+    ``extra_buffer`` is True when it took a buffer beyond the two of double buffering
+    instead, because every buffer was busy and ``snapshot_memory`` allowed one.
     ``durability`` (a :class:`Durability`, once globally durable) says how many replicas the
     store had serving at the commit: ``durability.full`` is False when some chain had fewer than
     the cluster's replica count (the commit also logs a warning); None when the cluster could
@@ -187,11 +193,17 @@ def save(state_dict: Any, url: str, *, staging_dir: str | None = None, compress:
         upload: False stages locally only (a standalone ``stripefs mover`` uploads it).
         background_mover: start an in-process mover thread that also resumes older leftovers.
         options: upload concurrency, bandwidth cap, retries.
-        snapshot_timeout: when every snapshot buffer is busy (an earlier save is still
-            writing its local copy), wait at most this many seconds for one (None: no limit).
+        snapshot_timeout: when every snapshot buffer is busy (two earlier saves still hold
+            theirs: writing their local copies, or streaming with ``keep_local=0``), wait at
+            most this many seconds for one (None: no limit).
         snapshot_memory: bytes all snapshot buffers of the process may take together; when
             every buffer is busy and another fits under it, the save takes another buffer
-            instead of waiting. None: one buffer (memory stays at one copy of the state).
+            instead of waiting (the first buffer is always allowed: 0 keeps memory at one
+            copy of the state, and a save then waits for the previous one's local write).
+            None: at most two buffers (double buffering: a save never waits for the previous
+            one's local write or upload; memory up to two copies of the state). The second is
+            made, off the caller's thread, by a save made while an earlier one is still in
+            flight (or else by the first save that finds the first buffer busy), then reused.
         rank, world_size: this process is rank ``rank`` of ``world_size`` ranks that each save
             their own keys of one step to the same ``url``: the step commits once, when every
             rank's files are in the store, with one manifest (see ``docs/checkpoint-format.md``).
@@ -244,7 +256,13 @@ def save(state_dict: Any, url: str, *, staging_dir: str | None = None, compress:
     h.snapshot_wait_s, h.extra_buffer = buf.wait_s, buf.extra
     h._snap.set()
     with _lock:
+        in_flight = any(not other.done() for other in _handles)
         _handles.append(h)
+    if in_flight:
+        # An earlier save is still being written or uploaded: saves come close enough to
+        # overlap, so the second buffer of double buffering is made now, off this thread,
+        # rather than by the save that first finds this one's buffer busy.
+        POOL.reserve_in_background(buf.used, snapshot_memory)
     # A rank other than 0 records its upload under an id of its own: ranks may share a journal.
     row_id = h.id if ranks is None or ranks.rank == 0 else uuid.uuid4().hex
     row = CkptRow(row_id, normpath(url), cluster_spec, journal.step_dir(row_id), "writing", _step_of(url, step), pin,
@@ -484,7 +502,7 @@ def _serialize_dict(plan: Any, buf: Any, compress: str | None, row: CkptRow,
             if e.base is not None:
                 continue  # a view: its bytes are those of the storage entry it names
             base = buf.file_offsets[e.file] + e.offset
-            e.crc = crc32c.crc32c(buf.view[base : base + e.nbytes])
+            e.crc = _yielding_crc(buf.view[base : base + e.nbytes])
         stored, records = [], []
         for i, (data, rec) in enumerate(encoded.result()):
             rec["name"] = prefix + _file_name(i)
@@ -639,7 +657,7 @@ def _upload(h: SaveHandle, journal: Journal, row: CkptRow, options: MoverOptions
 
 def _encode_file(view: memoryview, compress: str | None) -> tuple[Any, dict[str, Any]]:
     if compress is None:
-        total, crcs = chunk_crcs(view, CHECK_CHUNK)
+        total, crcs = _yielding_chunk_crcs(view)
         return view, {"size": len(view), "crc32c": total, "chunk": CHECK_CHUNK, "chunk_crc32c": crcs, "encoding": "raw"}
     import zstandard
 
@@ -654,6 +672,32 @@ def _encode_file(view: memoryview, compress: str | None) -> tuple[Any, dict[str,
     total, crcs = chunk_crcs(memoryview(data), CHECK_CHUNK)
     return memoryview(data), {"size": len(data), "crc32c": total, "chunk": CHECK_CHUNK, "chunk_crc32c": crcs,
                               "encoding": "zstd", "raw_size": len(view), "frames": frames}
+
+
+_YIELD_SPAN = 8 * CHECK_CHUNK  # checksummed between two looks at a later save's snapshot (a few ms)
+
+
+def _yielding_crc(view: memoryview) -> int:
+    """CRC32C of ``view``, in spans, yielding to any snapshot being copied between spans: a
+    later save's copy, its caller blocked, goes first (:func:`yield_to_snapshots`)."""
+    crc = 0
+    for off in range(0, len(view), _YIELD_SPAN):
+        yield_to_snapshots()
+        crc = crc32c.crc32c(view[off : off + _YIELD_SPAN], crc)
+    return crc
+
+
+def _yielding_chunk_crcs(view: memoryview) -> tuple[int, list[int]]:
+    """:func:`chunk_crcs` of ``view``, in spans of whole chunks, yielding to any snapshot being
+    copied between spans (:func:`yield_to_snapshots`): the same CRCs, combined."""
+    total, crcs = 0, []
+    for off in range(0, len(view), _YIELD_SPAN):
+        yield_to_snapshots()
+        part = view[off : off + _YIELD_SPAN]
+        crc, more = chunk_crcs(part, CHECK_CHUNK)
+        total = crc_combine(total, crc, len(part)) if off else crc
+        crcs += more
+    return total, crcs
 
 
 def write_local_dir(final: str, files: list[tuple[str, Any]], manifest: bytes) -> None:

@@ -78,7 +78,8 @@ def test_busy_buffer_timeout_or_extra_buffer(cluster, sdir):
     """No buffer free: wait at most ``snapshot_timeout``, or take another under ``snapshot_memory``."""
     POOL.clear()
     state = {"w": torch.randn(1 << 20)}  # 4 MiB: one 64 MiB pooled buffer
-    held = POOL.acquire(4 << 20)  # stands for a previous save still writing locally
+    # Both buffers of double buffering busy: stand for two previous saves still writing locally.
+    held = [POOL.acquire(4 << 20) for _ in range(POOL.max_buffers)]
     try:
         t = time.monotonic()
         with pytest.raises(TimeoutError):
@@ -92,7 +93,8 @@ def test_busy_buffer_timeout_or_extra_buffer(cluster, sdir):
         h._done.wait(60)
         assert torch.equal(staging.load(_local(sdir, h))["w"], state["w"])
     finally:
-        POOL.release(held)
+        for buf in held:
+            POOL.release(buf)
         POOL.clear()
 
 
