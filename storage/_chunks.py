@@ -1,4 +1,5 @@
-"""The chunk store of one storage target: chunk files in a local directory.
+"""The chunk store of one storage target: chunk files in a local directory, and chunks of at
+most 128 KiB as records in container logs (storage/_small.py, storage/_small_store.py).
 
 Layout: ``ROOT/chunks/<bucket as 3 hex>/<ino as 16 hex>.<index as 8 hex>``, the
 bucket being the inode's low 12 bits (4,096 directories, made as needed and never
@@ -56,28 +57,20 @@ import errno
 import functools
 import os
 import resource
-import struct
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
-import crc32c
-
-from stripefs.wire import CRC_BLOCK, ErrorCode, MAX_CHUNK, StripefsError, segments
+from stripefs.wire import ErrorCode, MAX_CHUNK, StripefsError, segments
 
 from . import _stats
 from ._crc import payload_crcs
 from ._qos import BULK_WRITE, idle_io
-from ._small import SMALL_MAX, Record, SmallLog, locate
+from ._header import BLOCK, HEADER_SIZE, ChunkMeta, _crc
+from ._small import SMALL_MAX, SmallLog, locate
+from ._small_store import SmallChunks
 
-HEADER_SIZE = 8192
 BUCKETS = 4096  # chunk directories: an inode's chunks live in bucket ``ino % BUCKETS``
 BUCKET_GROUP = 64  # buckets made (and their entries synced) together
-BLOCK = CRC_BLOCK  # 64 KiB: the unit of a stored CRC32C (shared with the read-reply checks)
-MAGIC = b"SFCHUNK1"
-_HDR = struct.Struct("!8sQQIIQ")
-_CRC_OFF = 64
-MAX_BLOCKS = (HEADER_SIZE - _CRC_OFF) // 4
 # Fault injection for tests (a slow disk): with ``STRIPEFS_SLOW_FSYNC_FILE`` set to a file
 # name, every data sync of a store whose root holds that file first sleeps the seconds the
 # file says (``fsclient.testing.faults``' "slow" fault). Unset (always, outside tests): nothing.
@@ -92,7 +85,6 @@ DIRECT_ALIGN = 4096  # file offsets, lengths and buffer addresses of a direct wr
 # Either way a root's existing chunks of both kinds are served.
 SMALL_CHUNKS = os.environ.get("STRIPEFS_SMALL_CHUNKS", "container")
 FDS_PER_LOCK = 4  # chunk files kept open for small reads, per slot of the descriptor cache (256), at most
-assert MAX_CHUNK // BLOCK <= MAX_BLOCKS
 
 
 class _ChunkLock:
@@ -156,10 +148,6 @@ class VersionGap(Exception):
         self.have, self.want = have, want
 
 
-def _crc(data: memoryview | bytes) -> int:
-    return crc32c.crc32c(data)
-
-
 def _bucket_name(ino: int) -> str:
     return f"{ino % BUCKETS:03x}"
 
@@ -207,41 +195,7 @@ def chunk_places(root: str, ino: int) -> list[tuple[int, str, int]]:
     return sorted(out)
 
 
-@dataclass(slots=True)
-class ChunkMeta:
-    version: int = 0
-    length: int = 0
-    crcs: list[int] = field(default_factory=list)
-    verified: int = 0  # bitmask of blocks verified since the file last changed
-    mtime_ns: int = 0  # file mtime when verified/written by us
-    chain: int = 0
-
-    @property
-    def digest(self) -> int:
-        """CRC32C over the length and the block CRCs: equal chunks have equal digests.
-
-        Versions alone cannot tell replicas apart: a head that applied a write and
-        died before forwarding it comes back with bytes at a version its successor
-        later reached with other bytes. Replication and resync compare this too.
-        """
-        return _crc(struct.pack(f"!Q{len(self.crcs)}I", self.length, *self.crcs))
-
-    def pack(self) -> bytes:
-        head = _HDR.pack(MAGIC, self.version, self.length, BLOCK, len(self.crcs), self.chain).ljust(_CRC_OFF, b"\0")
-        return head + struct.pack(f"!{len(self.crcs)}I", *self.crcs)
-
-    @classmethod
-    def unpack(cls, raw: bytes) -> "ChunkMeta":
-        if len(raw) < _CRC_OFF:
-            raise StripefsError(ErrorCode.CHECKSUM, "chunk header truncated")
-        magic, version, length, block, n, chain = _HDR.unpack_from(raw)
-        if magic != MAGIC or block != BLOCK or n > MAX_BLOCKS or n != -(-length // BLOCK):
-            raise StripefsError(ErrorCode.CHECKSUM, "chunk header is corrupt")
-        crcs = list(struct.unpack_from(f"!{n}I", raw, _CRC_OFF))
-        return cls(version, length, crcs, chain=chain)
-
-
-class ChunkStore:
+class ChunkStore(SmallChunks):
     """Chunk files of one target. Methods block (disk I/O): call them from worker threads."""
 
     def __init__(self, root: str, sync: bool = True, small: bool | None = None):
@@ -525,63 +479,6 @@ class ChunkStore:
         self._meta[(ino, index)] = new
         return new
 
-    # -- small chunks in container logs (storage/_small.py) --------------------------------
-    @staticmethod
-    def _small_meta(ino: int, index: int, rec: Record) -> ChunkMeta:
-        if rec.bad:
-            raise StripefsError(ErrorCode.CHECKSUM, f"chunk {ino}:{index} is damaged in its container log")
-        return ChunkMeta(rec.version, rec.length, rec.crcs, (1 << len(rec.crcs)) - 1, chain=rec.chain)
-
-    def _small_bytes(self, ino: int, index: int, rec: Record) -> bytes:
-        """A small chunk's whole bytes, checked against its CRCs (a change rewrites the whole
-        record: unchecked old bytes would get fresh CRCs and their damage would go unseen)."""
-        assert self.small is not None
-        meta = self._small_meta(ino, index, rec)
-        data = self.small.read(rec, 0, rec.length)
-        self._verify(ino, index, meta, data)
-        return data
-
-    def _write_small(self, ino: int, index: int, offset: int, data: memoryview, chain: int,
-                     rec: Record | None, segment_crcs: list[int]) -> ChunkMeta:
-        """A write to a small chunk: its whole new bytes appended as one record (caller holds
-        the chunk's lock). The blocks the write touches get new CRCs (the write's own for
-        blocks it covers whole); the others keep theirs, as in a chunk file."""
-        assert self.small is not None
-        end = offset + len(data)
-        if rec is None:
-            if self.is_removed(ino):  # a late write must not bring back chunks nobody collects
-                raise self._stale(ino)
-            old = ChunkMeta()
-            buf = bytearray(end)
-        else:
-            old = self._small_meta(ino, index, rec)
-            buf = bytearray(self._small_bytes(ino, index, rec))
-            if end > len(buf):
-                buf.extend(bytes(end - len(buf)))
-        buf[offset:end] = data
-        length = len(buf)
-        crcs = old.crcs[:] + [0] * (-(-length // BLOCK) - len(old.crcs))
-        for b in range(min(old.length, offset) // BLOCK, (end - 1) // BLOCK + 1):
-            bstart, bend = b * BLOCK, min((b + 1) * BLOCK, length)
-            if bstart >= offset and bend <= end:
-                crcs[b] = segment_crcs[b - offset // BLOCK]
-            else:
-                crcs[b] = _crc(memoryview(buf)[bstart:bend])
-        self.small.put((ino, index), old.version + 1, chain, buf, crcs)
-        self.used += length - old.length
-        self.chunks += rec is None
-        new = self._meta[(ino, index)] = ChunkMeta(old.version + 1, length, crcs, (1 << len(crcs)) - 1, chain=chain)
-        return new
-
-    def _promote(self, ino: int, index: int, rec: Record) -> None:
-        """Move a small chunk from its log to a chunk file (same version and bytes): the
-        file is made durable first, then the log records the chunk gone. A crash in
-        between leaves both; the next start keeps the file (see __init__)."""
-        assert self.small is not None
-        meta = self._small_meta(ino, index, rec)
-        self._install_file(ino, index, meta, self._small_bytes(ino, index, rec))
-        self.small.kill([(ino, index)])
-
     def _install_file(self, ino: int, index: int, meta: ChunkMeta, view: Any) -> None:
         """Write a whole chunk file (header, bytes), durably, under its final name."""
         self._bucket_ready(ino)
@@ -600,37 +497,6 @@ class ChunkStore:
         os.rename(tmp, path)
         self._sync_dir(self._dir(ino))
         self._meta[(ino, index)] = meta
-
-    def _read_small(self, ino: int, index: int, rec: Record, offset: int,
-                    length: int) -> tuple[int, int, int, bytes | None, int, list[int]]:
-        """The read of ``open_read_checked`` from a container log (caller holds the lock):
-        always the bytes themselves (a small chunk's), with the blocks they cover checked
-        against their CRCs on every read (one pass of at most 128 KiB: the log changes at
-        every append, so no file time can say that its bytes did not change since)."""
-        assert self.small is not None
-        meta = self._small_meta(ino, index, rec)
-        n = max(0, min(length, meta.length - offset))
-        if n == 0:
-            return -1, 0, 0, None, meta.length, []
-        first, last = offset // BLOCK, (offset + n - 1) // BLOCK
-        bstart = first * BLOCK
-        raw = self.small.read(rec, bstart, min((last + 1) * BLOCK, meta.length) - bstart)
-        view = memoryview(raw)
-        for b in range(first, last + 1):
-            if _crc(view[b * BLOCK - bstart : min((b + 1) * BLOCK, meta.length) - bstart]) != meta.crcs[b]:
-                _stats.CHECKSUM_READ.inc()
-                raise StripefsError(ErrorCode.CHECKSUM, f"chunk {ino}:{index} block {b} fails its checksum")
-        crcs = self._segment_crcs(meta, offset, n, lambda s, e: view[s - bstart : e - bstart])
-        data = raw if bstart == offset and len(raw) == n else raw[offset - bstart : offset - bstart + n]
-        return -1, 0, n, data, meta.length, crcs
-
-    def compact_small(self) -> int:
-        """Reclaim container-log space when the sealed logs are mostly dead records: the
-        oldest log's live records move forward and the log goes. Records moved."""
-        if self.small is None or (number := self.small.compactable()) is None:
-            return 0
-        with idle_io(BULK_WRITE):  # background work: the disk's idle time only
-            return self.small.compact(number, lambda key: self._lock(*key))
 
     def _write_cow(self, ino: int, index: int, offset: int, data: memoryview, meta: ChunkMeta,
                    segment_crcs: list[int]) -> ChunkMeta:
@@ -959,42 +825,6 @@ class ChunkStore:
             self.used -= meta.length if meta else 0
             self.chunks -= 1
             return 1
-
-    def _unlink_small(self, ino: int, index: int, chain: int = 0, older_than: float | None = None,
-                      sync: bool = True) -> int:
-        """:meth:`_unlink_chunk` of a chunk in a container log."""
-        assert self.small is not None
-        with self._lock(ino, index):
-            rec = self.small.get((ino, index))
-            if rec is None or (older_than is not None and rec.written >= older_than):
-                return 0
-            if chain and not rec.bad and rec.chain not in (0, chain):
-                return 0
-            self.small.kill([(ino, index)], sync=sync)
-            self._meta.pop((ino, index), None)
-            self.used -= rec.length
-            self.chunks -= 1
-            return 1
-
-    def _truncate_small(self, ino: int, index: int, length: int, rec: Record) -> None:
-        """:meth:`truncate` of a chunk in a container log: a record of the shorter bytes (the
-        kept whole blocks keep their CRCs; the cut block's is computed)."""
-        assert self.small is not None
-        if rec.bad:  # damaged: cutting it off is what was asked (as a corrupt chunk file)
-            self.small.kill([(ino, index)])
-            self._meta.pop((ino, index), None)
-            self.chunks -= 1
-            return
-        if length >= rec.length:
-            return
-        data = self.small.read(rec, 0, length)
-        nblocks = -(-length // BLOCK)
-        crcs = rec.crcs[:nblocks]
-        if length % BLOCK:
-            crcs[-1] = _crc(memoryview(data)[(nblocks - 1) * BLOCK :])
-        self.small.put((ino, index), rec.version + 1, rec.chain, data, crcs)
-        self._meta[(ino, index)] = ChunkMeta(rec.version + 1, length, crcs, (1 << nblocks) - 1, chain=rec.chain)
-        self.used -= rec.length - length
 
     def truncate(self, ino: int, index: int, length: int) -> None:
         """Cut one chunk to ``length`` bytes (the chunk holding a file's new end).
