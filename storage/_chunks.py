@@ -66,7 +66,7 @@ from . import _stats
 from ._crc import payload_crcs
 from ._qos import BULK_WRITE, idle_io
 from ._header import BLOCK, HEADER_SIZE, ChunkMeta, _crc
-from ._small import SMALL_MAX, SmallLog, locate
+from ._small import SMALL_MAX, SmallLog, block_crcs, locate
 from ._small_store import SmallChunks
 
 BUCKETS = 4096  # chunk directories: an inode's chunks live in bucket ``ino % BUCKETS``
@@ -901,7 +901,7 @@ class ChunkStore(SmallChunks):
             if self.is_removed(ino):  # a copy from a peer that has not collected it yet
                 raise self._stale(ino)
             view = memoryview(data)
-            crcs = [_crc(view[b : b + BLOCK]) for b in range(0, len(view), BLOCK)]
+            crcs = block_crcs(view)
             new = ChunkMeta(version, len(view), crcs, (1 << len(crcs)) - 1, chain=chain)
             key = (ino, index)
             in_log = self.small is not None and key in self.small.index
