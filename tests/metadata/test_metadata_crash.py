@@ -337,6 +337,18 @@ def _touches(a: Answer, before: State) -> set[tuple]:
     return set()
 
 
+def _claims(a: Answer) -> set[tuple]:
+    """What a refusal says of a name or an inode (``ENOENT``: absent; ``EEXIST``: present)."""
+    msg, code = a.msg, a.code
+    if code == ErrorCode.NOT_FOUND and isinstance(msg, (m.Unlink, m.Rmdir, m.Rename)):
+        return {("name", msg.parent, msg.name)}
+    if code == ErrorCode.EXISTS and isinstance(msg, (m.Mkdir, m.Create)):
+        return {("name", msg.parent, msg.name)}
+    if code == ErrorCode.NOT_FOUND and isinstance(msg, m.SetAttr):
+        return {("ino", msg.ino)}
+    return set()
+
+
 def _changed(key: tuple, before: State, after: State) -> bool:
     if key[0] == "ino":
         return before.attrs.get(key[1]) != after.attrs.get(key[1])
@@ -350,14 +362,17 @@ def folded(answers: list[Answer], i: int, states: list[State], lo: int, hi: int)
     mutation that a concurrent one undid within the same batch (two chmods of one file; a
     truncate of a file unlinked at once; a rename whose old name a racing ``mkdir`` took)
     shows in no committed state,
-    and no power loss can keep or lose one without the other. Such an answer is placed
-    at commit ``j`` when a mutation ``b`` concurrent with it (each issued before the other
-    was answered) touched the same name or inode, ``b`` first holds at ``j``, and commit
-    ``j`` changed what the answer claims.
+    and no power loss can keep or lose one without the other. A refusal too may rest on a
+    state inside one commit: a name unlinked and made again by two concurrent mutations
+    in one batch was absent, between them, to a third one's unlink (``ENOENT``), though
+    no committed state lacks it. Such an answer is placed at commit ``j`` when a mutation
+    ``b`` concurrent with it (each issued before the other was answered) touched the same
+    name or inode, ``b`` first holds at ``j``, and commit ``j`` changed what the answer
+    claims (a refusal: the name or inode it is about).
     """
     a = answers[i]
     for j in range(max(lo, 1), hi + 1):
-        keys = _touches(a, states[j - 1])
+        keys = _touches(a, states[j - 1]) if a.code is None else _claims(a)
         if not any(_changed(k, states[j - 1], states[j]) for k in keys):
             continue
         for n, b in enumerate(answers):
@@ -675,4 +690,30 @@ def test_a_mutation_folded_with_a_concurrent_one_is_placed_at_their_commit() -> 
     assert len(bad) == 1 and "holds in no state" in bad[0]
     early = Answer("a", first.msg, issued=0, durable=0, reply=first.reply)  # folded, but sent before the fsync
     bad, _ = judge([early, second], states, ends)
+    assert len(bad) == 1 and bad[0].startswith(str(early))
+
+
+def test_a_refusal_folded_with_concurrent_mutations_is_placed_at_their_commit() -> None:
+    """Group commit: one batch unlinks file ``n1`` (a's first writer), refuses a's second
+    writer's unlink of it (ENOENT) and makes ``n1`` again as b's directory. No committed
+    state lacks ``n1``; the refusal holds inside that commit when it overlapped the other
+    two in time, and is a violation when it was issued after b's mkdir was answered, or
+    sent before the commit was durable."""
+    def state(ino: int, is_dir: bool) -> State:
+        return State(entries={(1, "n1"): ino}, attrs={ino: (is_dir, 0, DIR if is_dir else FILE, 5)})
+
+    states, ends = [state(6, False), state(15, True)], [100]
+    dir_attr = m.Attr(ino=15, mode=DIR, nlink=2, uid=0, gid=0, size=0, atime_ns=0, mtime_ns=5, ctime_ns=5, layout=None)
+    unlink = Answer("a", m.Unlink(parent=1, name="n1"), issued=0, durable=100,
+                    reply=m.AttrReply(attr=m.Attr(ino=6, mode=FILE, nlink=0, uid=0, gid=0, size=0, atime_ns=0,
+                                                  mtime_ns=5, ctime_ns=5, layout=None)))
+    mkdir = Answer("b", m.Mkdir(parent=1, name="n1", mode=DIR, uid=0, gid=0), issued=0, durable=100,
+                   reply=m.AttrReply(attr=dir_attr))
+    refused = Answer("a", m.Unlink(parent=1, name="n1"), issued=0, durable=100, code=ErrorCode.NOT_FOUND)
+    assert judge([unlink, mkdir, refused], states, ends)[0] == []
+    late = Answer("a", refused.msg, issued=2, durable=100, code=ErrorCode.NOT_FOUND)  # after b's mkdir was answered
+    bad, _ = judge([unlink, mkdir, late], states, ends)
+    assert len(bad) == 1 and bad[0].startswith(str(late))
+    early = Answer("a", refused.msg, issued=0, durable=0, code=ErrorCode.NOT_FOUND)  # before the commit's fsync
+    bad, _ = judge([early, unlink, mkdir], states, ends)
     assert len(bad) == 1 and bad[0].startswith(str(early))
