@@ -467,7 +467,8 @@ class ReadlinkReply(ReplyMessage):
 class ReaddirReply(ReplyMessage):
     """``lease_id``/``lease_ms``: only in the answer to a ``Readdir`` that asked for a lease
     on a whole listing (the first page, and no more after it): as :class:`AttrReply`'s, on
-    the directory's attributes (every create, unlink or rename in it changes them)."""
+    the directory's attributes (every create, unlink or rename in it changes them), and,
+    for a listing with attributes and layouts, on its files' attributes too."""
 
     entries: list[DirEntry]  # on the wire by columns (see dir_columns), or [name, ino, mode, attr or None] each
     more: bool  # another page follows (ask again with after=<last name>)

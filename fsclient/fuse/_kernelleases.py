@@ -65,8 +65,9 @@ class KernelLeases:
         self.cache = cache
         self.forget = forget
         self._lock = threading.Lock()
-        # lease id -> (expiry (monotonic), parent (0: attributes only), name, ino)
-        self._told: dict[int, tuple[float, int, bytes, int]] = {}
+        # lease id -> what was told under it: (expiry (monotonic), parent (0: attributes
+        # only), name, ino) each -- one answer, or a listing's and the lookups answered from it
+        self._told: dict[int, list[tuple[float, int, bytes, int]]] = {}
         self._token: trio.lowlevel.TrioToken | None = None
         self._added = 0
         self._workers = _Workers(MAX_WORKERS)
@@ -100,11 +101,27 @@ class KernelLeases:
             self._added += 1
             if len(self._told) >= MAX_TOLD or self._added % PURGE_EVERY == 0:
                 now = time.monotonic()
-                for old in [k for k, v in self._told.items() if v[0] <= now]:
+                for old in [k for k, v in self._told.items() if v[0][0] <= now]:
                     del self._told[old]
                 if len(self._told) >= MAX_TOLD:
                     return 0.0
-            self._told[lease_id] = (expires, parent, name, ino)
+            self._told[lease_id] = [(expires, parent, name, ino)]
+        return left
+
+    def also(self, lease_id: int, parent: int, name: bytes, ino: int) -> float:
+        """The kernel is told of ``name`` in ``parent`` (inode ``ino``) under the lease
+        ``lease_id`` the daemon already holds (a listing's, ``_leaseddirs.py``): the seconds
+        it may keep it, or 0 when that lease is gone or ending (taken back, lost, expired):
+        then the answer gets no timeout."""
+        with self._lock:
+            told = self._told.get(lease_id)
+            if told is None or len(told) >= MAX_TOLD or not self.cache.leasing:
+                return 0.0
+            expires = told[0][0]
+            left = expires - time.monotonic()
+            if left <= 0:
+                return 0.0
+            told.append((expires, parent, name, ino))
         return left
 
     def renamed(self, parent: int, name: bytes) -> bool:
@@ -115,11 +132,18 @@ class KernelLeases:
         client renaming the new name away would then never take it back. So the leases of
         the old name are dropped here; True when there were any: the caller takes the
         entry back from the kernel (it is looked up again, with a lease on the new name)."""
+        found = False
         with self._lock:
-            gone = [lease_id for lease_id, (_, p, n, _) in self._told.items() if p == parent and n == name]
-            for lease_id in gone:
-                del self._told[lease_id]
-        return bool(gone)
+            for lease_id, told in list(self._told.items()):
+                kept = [t for t in told if t[1] != parent or t[2] != name]
+                if len(kept) == len(told):
+                    continue
+                found = True
+                if kept:  # a listing's lease: what else was told under it stays registered
+                    self._told[lease_id] = kept
+                else:
+                    del self._told[lease_id]
+        return found
 
     # -- on the watch thread ------------------------------------------------------------
     def invalidated(self, lease_ids: list[int], done: Callable[[list[int]], None]) -> None:
@@ -130,27 +154,43 @@ class KernelLeases:
         by_parent: dict[int, list[tuple[int, tuple[float, int, bytes, int]]]] = {}
         with self._lock:
             for lease_id in lease_ids:
-                told = self._told.pop(lease_id, None)
-                if told is not None and told[0] > now:  # else the kernel forgot it already
-                    by_parent.setdefault(told[1], []).append((lease_id, told))
-        live = {lease_id for group in by_parent.values() for lease_id, _ in group}
-        idle = [lease_id for lease_id in lease_ids if lease_id not in live]
+                for told in self._told.pop(lease_id, ()):
+                    if told[0] > now:  # else the kernel forgot it already
+                        by_parent.setdefault(told[1], []).append((lease_id, told))
+        # A lease is acknowledged once every job holding something told under it is done.
+        pending: dict[int, int] = {}
+        for group in by_parent.values():
+            for lease_id in {lease_id for lease_id, _ in group}:
+                pending[lease_id] = pending.get(lease_id, 0) + 1
+        idle = [lease_id for lease_id in lease_ids if lease_id not in pending]
         if idle:
             done(idle)
+        lock = threading.Lock()
+
+        def finished(ids: list[int]) -> None:
+            with lock:
+                ready = []
+                for lease_id in ids:
+                    pending[lease_id] -= 1
+                    if not pending[lease_id]:
+                        ready.append(lease_id)
+            if ready:
+                done(ready)
+
         for group in by_parent.values():  # parent 0 (attributes only) never waits for a lock
-            self._workers.submit(self._job, group, done)
+            self._workers.submit(self._job, group, finished)
 
     def _job(self, group: list[tuple[int, tuple[float, int, bytes, int]]],
              done: Callable[[list[int]], None]) -> None:
         try:
             self._take_back([told for _, told in group])
         finally:
-            done([lease_id for lease_id, _ in group])
+            done(list({lease_id: None for lease_id, _ in group}))
 
     def lost(self) -> None:
         """The watch is down (or the service forgot this client): take back every entry."""
         with self._lock:
-            gone = list(self._told.values())
+            gone = [told for group in self._told.values() for told in group]
             self._told.clear()
         self._take_back(gone)
 

@@ -79,6 +79,8 @@ from ..core._wholefiles import Reservation
 from ._dirattrs import DirAttrs
 from ._dirhandle import OFFSET_BITS, READDIR_PAGE, DirHandle
 from ._kernelleases import KernelLeases
+from ._leaseddirs import PAGE as LEASED_PAGE
+from ._leaseddirs import LeasedDirs
 from ._listings import Listings, Page
 from ._newfiles import NewFiles
 from ._openfile import OpenFile, Stamp, stamp_of
@@ -173,6 +175,7 @@ class StripeOperations(pyfuse3.Operations):
         self.dirs: dict[int, DirHandle] = {}
         self.dir_attrs = DirAttrs(self.config.attr_timeout)
         self.listings = Listings(min(self.config.attr_timeout, self.config.entry_timeout))
+        self.leased_dirs = LeasedDirs()  # files' attributes under a listing lease: lookups answered here
         self.orphans = Orphans(self.aio, self.dir_attrs, self.listings)
         self.mount_id = self.orphans.mount_id  # the daemon writes it into the mount record too
         self.lookups: dict[int, int] = {}
@@ -235,6 +238,7 @@ class StripeOperations(pyfuse3.Operations):
         daemon keeps of them goes (on the loop, before the kernel is told)."""
         for ino in inos:
             self._fresh.pop(ino, None)
+            self.leased_dirs.drop(ino)
             self.dir_attrs.drop(ino)
             self.listings.drop(ino)
             self.listings.forget_names(ino)
@@ -306,6 +310,9 @@ class StripeOperations(pyfuse3.Operations):
             missing.entry_timeout = 0.0 if self.listings.leased(parent_inode) else left
             self.new_files.said_missing(parent_inode, name)
             return missing
+        e = self._from_listing(parent_inode, name, text)
+        if e is not None:
+            return e
         try:
             attr, leased = await self._leased(m.Lookup(parent=parent_inode, name=text), parent=parent_inode, name=name)
         except StripefsError as exc:
@@ -320,7 +327,53 @@ class StripeOperations(pyfuse3.Operations):
             e.entry_timeout = leased
             if not stat.S_ISDIR(attr.mode):  # a directory's lease covers its entry only
                 e.attr_timeout = leased
+            if leased > 0 and self.leased_dirs.looked_up(parent_inode, attr):
+                await self._fetch_leased(parent_inode)
         return e
+
+    def _from_listing(self, parent: int, name: bytes, text: str) -> pyfuse3.EntryAttributes | None:
+        """The answer to a lookup of a file in a directory whose listing is leased (see
+        ``_leaseddirs.py``), told to the kernel under that lease; None: ask the service."""
+        kl = self.kernel_leases
+        if kl is None or not self.leased_dirs.dirs:
+            return None
+        hit = self.leased_dirs.get(parent, text, self._cache_state())
+        if hit is None:
+            return None
+        attr, lease_id = hit
+        left = kl.also(lease_id, parent, name, attr.ino)
+        if left <= 0:  # the lease is being taken back: ask the service
+            self.leased_dirs.drop(parent)
+            return None
+        e = self._looked_up(attr)
+        e.entry_timeout = e.attr_timeout = left
+        self._keep_fresh(attr, left)
+        return e
+
+    async def _fetch_leased(self, ino: int) -> None:
+        """Fetch the files' attributes of directory ``ino``, whose files are being looked
+        up one after another, under one lease (see ``_leaseddirs.py``). Nothing is kept
+        after an error, without a lease, for a listing of more than one page, or when
+        anything changed while it was asked (an invalidation, a mutation of this client)."""
+        kl = self.kernel_leases
+        if kl is None or not kl.asking:
+            return
+        self.leased_dirs.fetching(ino)
+        attrs: dict[str, Attr] | None = None
+        lease_id, left, more, state = 0, 0.0, False, self._cache_state()
+        try:
+            token, sent = kl.token(), time.monotonic()
+            reply = await self.aio.call(m.Readdir(ino=ino, limit=LEASED_PAGE, plus=True, layouts=True, lease=True))
+            more = reply.more
+            got = kl.timeout(token, reply.lease_id, reply.lease_ms, sent, ino)
+            if got and not more:
+                lease_id, left = reply.lease_id, got
+                attrs = {e.name: e.attr for e in reply.entries if e.attr is not None and e.attr.is_file}
+        except StripefsError:
+            pass  # the lookups go to the service, as before
+        finally:
+            self.leased_dirs.put(ino, attrs, lease_id, left, state if state == self._cache_state() else None,
+                                 more=more)
 
     async def _fetch_names(self, ino: int) -> None:
         """Every name of directory ``ino``, which this mount is filling, fetched under a

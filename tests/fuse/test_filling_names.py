@@ -11,23 +11,14 @@ from typing import Any
 
 import pytest
 
-from stripefs._cli_top import endpoints, scrape
-
 from .conftest import do_mount, do_umount
+from .fuse_helpers import metadata_requests
 
 FILES = 40
 
 
 def _lookups(cluster_file: str) -> float:
-    """``Lookup`` requests the metadata service has answered so far."""
-    found = [e for e in endpoints(cluster_file) if e.role == "metadata"]
-    assert found, "the metadata service serves no metrics"
-    total = 0.0
-    for e in found:
-        s = scrape(e)
-        assert not s.error, s.error
-        total += s.total("stripefs_rpc_requests_total", msg="Lookup")
-    return total
+    return metadata_requests(cluster_file, "Lookup")
 
 
 @pytest.fixture

@@ -1,0 +1,140 @@
+"""Directories whose files' attributes the daemon holds under one listing lease, so that
+the kernel's LOOKUP of a file there is answered without a round trip.
+
+A dataloader opens thousands of files of a few directories, each once per epoch, in
+random order: every open is a LOOKUP the kernel has not seen (nothing for its own cache
+to answer), and each was a leased ``Lookup`` round trip to the metadata service -- half
+of the requests a small file's read made, and most of the service's work for it.
+
+Once lookups in one directory found :data:`WANT_AFTER` existing names within
+:data:`WINDOW` seconds, the daemon asks for the whole directory at once: one ``Readdir``
+with attributes and layouts under a lease (the service leases the directory and every
+file's attributes it shows: ``metadata/_lease_grants.py``). While that lease lives, and
+nothing changed since as far as this client knows (no invalidation heard, no mutation of
+its own begun: the same test the OPEN after a leased LOOKUP makes), a lookup of a file
+named there is answered from it. The kernel keeps such an answer for what is left of the
+lease, registered under the listing's lease (``KernelLeases.also``): another client's
+change to the directory or to one of its files takes the lease back, which drops the
+listing here and every entry and attribute told from it in the kernel, before the change
+is acknowledged.
+
+Caveats:
+    * Files only: a subdirectory's attributes change with every name made in it, the
+      service does not lease them with the listing, and its lookups go to the service.
+    * Directories of more than :data:`PAGE` entries are not fetched whole (one page):
+      their lookups go to the service, as before.
+    * Any invalidation, or any mutation of this client, ends the use of every listing
+      (it is dropped at its next lookup and fetched again when lookups call for it): an
+      unrelated change costs one refetch, never a stale answer.
+"""
+
+from __future__ import annotations
+
+import time
+
+import trio
+
+from stripefs.wire import Attr
+
+__all__ = ["LeasedDirs", "PAGE"]
+
+PAGE = 4096  # entries at most in a listing fetched whole (the service caps a page at 10,000)
+WANT_AFTER = 2  # lookups of existing files in one directory within WINDOW seconds: fetch the listing
+WINDOW = 2.0
+MAX_ENTRIES = 200_000  # files' attributes kept in all (past it, everything is forgotten)
+TOO_BIG_AGAIN = 60.0  # seconds before a directory found larger than PAGE is tried again
+
+
+class _Dir:
+    __slots__ = ("attrs", "expires", "lease_id", "state")
+
+    def __init__(self, attrs: dict[str, Attr], lease_id: int, expires: float, state: tuple[int, int]):
+        self.attrs = attrs
+        self.lease_id = lease_id
+        self.expires = expires  # monotonic
+        self.state = state  # the client's (mutations, invalidations) when it was asked for
+
+
+class LeasedDirs:
+    """Directory ino -> its files' attributes under one lease (see the module docstring).
+    Used on the trio loop only."""
+
+    def __init__(self) -> None:
+        self.dirs: dict[int, _Dir] = {}
+        self.entries = 0
+        self.served = 0  # lookups answered from a listing (for tests and the access log)
+        self.fetches = 0
+        self._hits: dict[int, tuple[int, float]] = {}  # directory -> (round trips found a file, first's time)
+        self._inflight: set[int] = set()
+        self._big: dict[int, float] = {}  # directory -> trio time before which it is not fetched
+
+    def get(self, parent: int, name: str, state: tuple[int, int] | None) -> tuple[Attr, int] | None:
+        """``(attributes, lease id)`` of file ``name`` in ``parent`` while its listing is
+        leased and nothing changed since (``state``: the client's ``(mutations,
+        invalidations)`` now, None while a mutation of its own is unanswered)."""
+        d = self.dirs.get(parent)
+        if d is None or state is None:  # (a mutation of this client in flight: asked, not dropped)
+            return None
+        if state != d.state or d.expires <= time.monotonic():
+            self.drop(parent)
+            return None
+        attr = d.attrs.get(name)
+        if attr is None:
+            return None
+        self.served += 1
+        return attr, d.lease_id
+
+    def looked_up(self, parent: int, attr: Attr) -> bool:
+        """A lookup in ``parent`` went to the service and found ``attr``: should the
+        directory's listing be fetched now (:meth:`fetching`)?"""
+        if attr.is_dir or parent in self._inflight or parent in self.dirs:
+            return False
+        now = trio.current_time()
+        if self._big.get(parent, 0.0) > now:
+            return False
+        count, first = self._hits.get(parent, (0, now))
+        if now - first > WINDOW:
+            count, first = 0, now
+        count += 1
+        if count < WANT_AFTER:
+            if len(self._hits) >= 4096:
+                self._hits.clear()
+            self._hits[parent] = (count, first)
+            return False
+        self._hits.pop(parent, None)
+        return True
+
+    def fetching(self, parent: int) -> None:
+        self._inflight.add(parent)
+        self.fetches += 1
+
+    def put(self, parent: int, attrs: dict[str, Attr] | None, lease_id: int, left: float,
+            state: tuple[int, int] | None, *, more: bool = False) -> None:
+        """The listing of ``parent`` asked for in :meth:`fetching` came back: keep its
+        files' ``attrs`` for ``left`` seconds under ``lease_id`` (None or ``left`` 0:
+        nothing kept -- an error, no lease, a change meanwhile). ``state``: the client's
+        as it was when the listing was asked for (None: a mutation of its own was in
+        flight, nothing is kept)."""
+        self._inflight.discard(parent)
+        if more:
+            if len(self._big) >= 4096:
+                self._big.clear()
+            self._big[parent] = trio.current_time() + TOO_BIG_AGAIN
+            return
+        if attrs is None or left <= 0 or state is None or not lease_id:
+            return
+        if self.entries + len(attrs) > MAX_ENTRIES:
+            self.clear()
+        self.drop(parent)
+        self.dirs[parent] = _Dir(attrs, lease_id, time.monotonic() + left, state)
+        self.entries += len(attrs)
+
+    def drop(self, ino: int) -> None:
+        """Forget the listing of directory ``ino`` (its lease was taken back, or it aged)."""
+        d = self.dirs.pop(ino, None)
+        if d is not None:
+            self.entries -= len(d.attrs)
+
+    def clear(self) -> None:
+        self.dirs.clear()
+        self.entries = 0

@@ -1,0 +1,130 @@
+"""Lookups answered from a leased listing (``fsclient/fuse/_leaseddirs.py``): files read
+one after another from one directory cost the metadata service a listing, not a lookup
+each; and whatever another client changes there -- a file's bytes (same size, mtime put
+back, as ``cp -p`` does), its length, a removal, a rename, a new name -- is seen through
+the mount at once all the same (the change takes the listing's lease back first)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from .conftest import do_mount, do_umount
+from .fuse_helpers import metadata_requests as _requests
+
+FILES = 60
+
+
+def _body(i: int, n: int = 3000) -> bytes:
+    return (b"file-%04d-" % i * (n // 10 + 1))[:n]
+
+
+@pytest.fixture
+def dataset(make_cluster: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
+    """A metered one-server cluster with ``/data/f0..`` made by a native client, mounted."""
+    monkeypatch.setenv("STRIPEFS_METRICS", "127.0.0.1:0")
+    cluster = make_cluster(servers=1)
+    monkeypatch.delenv("STRIPEFS_METRICS")
+    with cluster.client() as c:
+        c.makedirs("/data")
+        c.makedirs("/data/sub")
+        for i in range(FILES):
+            c.write_bytes(f"/data/f{i}", _body(i))
+    mp = str(tmp_path / "mnt")
+    do_mount(mp, cluster.file)
+    try:
+        yield cluster, mp
+    finally:
+        do_umount(mp)
+
+
+def _change_files(cluster: Any, k: int) -> None:
+    """Another client rewrites ``f{k}`` in place (same size, the old mtime put back, as
+    ``cp -p`` leaves it), appends to ``f{k+1}`` and chmods ``f{k+4}``."""
+    with cluster.client() as c:
+        before = c.stat(f"/data/f{k}")
+        with c.open(f"/data/f{k}", "r+b") as f:
+            f.write(_body(k).upper())
+        c.utime(f"/data/f{k}", (before.atime_ns, before.mtime_ns))
+        with c.open(f"/data/f{k + 1}", "ab") as f:
+            f.write(b"longer")
+        c.chmod(f"/data/f{k + 4}", 0o600)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def test_reading_a_directory_file_by_file_costs_one_listing(dataset: Any) -> None:
+    cluster, mp = dataset
+    lookups, listings = _requests(cluster.file, "Lookup"), _requests(cluster.file, "Readdir")
+    for i in range(FILES):
+        assert _read(f"{mp}/data/f{i}") == _body(i)
+    looked_up = _requests(cluster.file, "Lookup") - lookups
+    listed = _requests(cluster.file, "Readdir") - listings
+    # Two lookups find files; the third fetches the directory's listing under a lease and
+    # every other file's lookup is answered from it (a refetch if the 5 s lease ran out).
+    assert looked_up <= 6, f"{looked_up:.0f} lookups for {FILES} files"
+    assert 1 <= listed <= 3, listed
+    assert os.path.isdir(f"{mp}/data/sub")  # a directory's lookup still asks the service
+
+
+def test_another_clients_changes_show_at_once_through_a_leased_listing(dataset: Any) -> None:
+    cluster, mp = dataset
+    half = FILES // 2
+    for i in range(half):  # the listing is leased; these entries are told to the kernel from it
+        assert _read(f"{mp}/data/f{i}") == _body(i)
+    lookups = _requests(cluster.file, "Lookup")
+    for i in range(half):  # served again: the kernel's cache
+        assert _read(f"{mp}/data/f{i}") == _body(i)
+    assert _requests(cluster.file, "Lookup") - lookups <= 2
+
+    # Files the kernel was not told of, whose lookups the daemon would answer from its
+    # listing (half+3, ...), then files it was told of (3, ...): each change must show at
+    # once. Changes to files only first (no name in the directory changes: the directory's
+    # own key stays, the files' keys alone take the listing's lease back).
+    for k in (half + 3, 3):
+        _change_files(cluster, k)
+        assert _read(f"{mp}/data/f{k}") == _body(k).upper()
+        assert os.stat(f"{mp}/data/f{k + 1}").st_size == len(_body(k + 1)) + 6
+        assert _read(f"{mp}/data/f{k + 1}") == _body(k + 1) + b"longer"
+        assert os.stat(f"{mp}/data/f{k + 4}").st_mode & 0o777 == 0o600
+
+    for i in range(half, FILES):  # the listing leased again
+        if i != half + 3 and i != half + 4:
+            _read(f"{mp}/data/f{i}")
+    with cluster.client() as c:  # then names
+        for k in (5, half + 5):
+            c.remove(f"/data/f{k}")
+        for k in (6, half + 6):
+            c.rename(f"/data/f{k}", f"/data/f{k}b")
+        c.write_bytes("/data/new", b"new")
+    for k in (5, half + 5):
+        assert not os.path.exists(f"{mp}/data/f{k}")
+    for k in (6, half + 6):
+        assert not os.path.exists(f"{mp}/data/f{k}")
+        assert _read(f"{mp}/data/f{k}b") == _body(k)
+    assert _read(f"{mp}/data/new") == b"new"
+    for i in range(FILES):  # the others, unchanged
+        if i % half not in (3, 4, 5, 6, 7):
+            assert _read(f"{mp}/data/f{i}") == _body(i)
+
+
+def test_the_mounts_own_changes_show_at_once(dataset: Any) -> None:
+    cluster, mp = dataset
+    for i in range(FILES):
+        assert _read(f"{mp}/data/f{i}") == _body(i)
+    with open(f"{mp}/data/f10", "wb") as f:
+        f.write(b"rewritten here")
+    os.rename(f"{mp}/data/f11", f"{mp}/data/f11b")
+    os.unlink(f"{mp}/data/f12")
+    assert _read(f"{mp}/data/f10") == b"rewritten here"
+    assert not os.path.exists(f"{mp}/data/f11") and _read(f"{mp}/data/f11b") == _body(11)
+    assert not os.path.exists(f"{mp}/data/f12")
+    with cluster.client() as c:  # and another client sees them too
+        assert c.read_bytes("/data/f10") == b"rewritten here"
+        c.write_bytes("/data/f11b", b"changed elsewhere")  # the renamed entry is taken back as well
+    assert _read(f"{mp}/data/f11b") == b"changed elsewhere"
