@@ -97,3 +97,37 @@ def testdir(client: Client, request: pytest.FixtureRequest) -> str:
     path = f"/t/{name}-{next(_counter)}-{os.getpid()}"
     client.makedirs(path)
     return path
+
+
+def metadata_requests(cluster_file: str, msg: str) -> float:
+    """``msg`` requests the metadata service has answered so far (from its metrics: the
+    cluster must have been started with ``STRIPEFS_METRICS`` set)."""
+    from stripefs._cli_top import endpoints, scrape
+
+    found = [e for e in endpoints(cluster_file) if e.role == "metadata"]
+    assert found, "the metadata service serves no metrics"
+    total = 0.0
+    for e in found:
+        s = scrape(e)
+        assert not s.error, s.error
+        total += s.total("stripefs_rpc_requests_total", msg=msg)
+    return total
+
+
+def listing_body(i: int, n: int = 3000) -> bytes:
+    """File ``/data/f{i}``'s bytes in the leased-listing tests."""
+    return (b"file-%04d-" % i * (n // 10 + 1))[:n]
+
+
+def change_files_elsewhere(cluster: Any, k: int) -> None:
+    """Another client changes files of ``/data`` without changing a name there: rewrites
+    ``f{k}`` in place (same size, the old mtime put back, as ``cp -p`` leaves it), appends
+    ``longer`` to ``f{k+1}``, chmods ``f{k+4}`` to 0600."""
+    with cluster.client() as c:
+        before = c.stat(f"/data/f{k}")
+        with c.open(f"/data/f{k}", "r+b") as f:
+            f.write(listing_body(k).upper())
+        c.utime(f"/data/f{k}", (before.atime_ns, before.mtime_ns))
+        with c.open(f"/data/f{k + 1}", "ab") as f:
+            f.write(b"longer")
+        c.chmod(f"/data/f{k + 4}", 0o600)

@@ -75,6 +75,56 @@ _LOOKUPS = ("Counter", "stripefs_client_attr_cache_lookups",
 CACHE_HITS = Lazy(*_LOOKUPS, values=("hit",))
 CACHE_MISSES = Lazy(*_LOOKUPS, values=("miss",))
 
+STREAK = 2  # lookups of files in one directory within STREAK_WINDOW s that make it due for its listing
+STREAK_WINDOW = 2.0
+LISTING_PAGE = 4096  # entries at most in a listing fetched whole for its files (one page)
+TOO_BIG_AGAIN = 60.0  # seconds before a directory found larger than LISTING_PAGE is tried again
+
+
+class DirStreaks:
+    """Which directories are being read file by file, so that fetching a whole listing
+    (its files' attributes under one lease) pays: :meth:`hit` says a directory is due
+    once :data:`STREAK` lookups of its files went to the service within
+    :data:`STREAK_WINDOW` seconds, and no fetch of it is in flight or failed for size
+    lately. Thread-safe; used by the native client and the FUSE daemon alike."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hits: dict[Any, tuple[int, float]] = {}  # directory -> (lookups, the first's time)
+        self._inflight: set[Any] = set()
+        self._big: dict[Any, float] = {}  # directory -> monotonic time before which it is not fetched
+        self.fetches = 0
+
+    def hit(self, key: Any) -> bool:
+        """A lookup of a file in ``key`` went to the service: True when its listing should
+        be fetched now (the caller then calls :meth:`done` once it came back)."""
+        now = time.monotonic()
+        with self._lock:
+            if key in self._inflight or self._big.get(key, 0.0) > now:
+                return False
+            count, first = self._hits.get(key, (0, now))
+            if now - first > STREAK_WINDOW:
+                count, first = 0, now
+            if count + 1 < STREAK:
+                if len(self._hits) >= 4096:
+                    self._hits.clear()
+                self._hits[key] = (count + 1, first)
+                return False
+            self._hits.pop(key, None)
+            self._inflight.add(key)
+            self.fetches += 1
+            return True
+
+    def done(self, key: Any, *, too_big: bool = False) -> None:
+        """The fetch of ``key``'s listing came back (``too_big``: more than one page)."""
+        with self._lock:
+            self._inflight.discard(key)
+            if too_big:
+                if len(self._big) >= 4096:
+                    self._big.clear()
+                self._big[key] = time.monotonic() + TOO_BIG_AGAIN
+
+
 class AttrCache:
     """Path -> attributes, leased or for ``timeout`` seconds (thread-safe).
 
@@ -94,7 +144,7 @@ class AttrCache:
         # path -> (expiry, attr, lease id (0: a timed entry), when its request was sent)
         self._by_path: dict[str, tuple[float, Attr, int, float]] = {}
         self._by_ino: dict[int, set[str]] = {}
-        self._by_lease: dict[int, str] = {}
+        self._by_lease: dict[int, set[str]] = {}  # lease id -> the paths it covers (a listing's: many)
         self._dirs: set[str] = set()  # the cached paths that are directories
         # directory path -> (expiry, its names, lease id): whole listings, leased only
         self._lists: dict[str, tuple[float, list[str], int]] = {}
@@ -239,12 +289,27 @@ class AttrCache:
                 return
             self._store(path, attr, expires, lease_id, sent)
 
+    def put_files(self, directory: str, entries: list[tuple[str, Attr]], token: tuple[int, int], lease_id: int,
+                  lease_ms: int, sent: float) -> None:
+        """Remember the files of a whole listing of ``directory`` (``(name, attributes)``
+        each), all under the listing's one lease (the service leases a listing with
+        attributes and layouts on each file it shows), unless something that could make
+        them stale happened since ``token`` (as :meth:`put`). Leased only."""
+        with self._lock:
+            if (self.inflight or (self.mutations, self.invalidations) != token
+                    or not (lease_ms > 0 and lease_id and self.leasing)):
+                return
+            expires, base = sent + lease_ms / 1000, directory.rstrip("/")
+            for name, attr in entries:
+                if attr.is_file:
+                    self._store(f"{base}/{name}", attr, expires, lease_id, sent)
+
     def _store(self, path: str, attr: Attr, expires: float, lease_id: int, sent: float = 0.0) -> None:
         self._drop(path)
         self._by_path[path] = (expires, attr, lease_id, sent)
         self._by_ino.setdefault(attr.ino, set()).add(path)
         if lease_id:
-            self._by_lease[lease_id] = path
+            self._by_lease.setdefault(lease_id, set()).add(path)
         if attr.is_dir:
             self._dirs.add(path)
         size = ENTRY_BYTES + sys.getsizeof(path)
@@ -263,7 +328,11 @@ class AttrCache:
                 if not paths:
                     del self._by_ino[entry[1].ino]
             if entry[2]:
-                self._by_lease.pop(entry[2], None)
+                covered = self._by_lease.get(entry[2])
+                if covered is not None:
+                    covered.discard(path)
+                    if not covered:
+                        del self._by_lease[entry[2]]
             self._dirs.discard(path)
             self.nbytes -= self._sizes.pop(("a", path))
 
@@ -328,8 +397,7 @@ class AttrCache:
         with self._lock:
             self.invalidations += 1
             for lease_id in lease_ids:
-                path = self._by_lease.get(lease_id)
-                if path is not None:
+                for path in list(self._by_lease.get(lease_id, ())):
                     self._drop(path)
                 path = self._list_by_lease.get(lease_id)
                 if path is not None:

@@ -31,7 +31,7 @@ from stripefs.wire import MAX_PATH, Attr, DirEntry, ErrorCode, Layout, Message, 
 
 from ._config import ClusterConfig, find_cluster
 from ._acall import acall, aread_into
-from ._attrcache import AttrCache
+from ._attrcache import LISTING_PAGE, AttrCache, DirStreaks
 from ._core import ClientCore, seconds_setting
 from . import _lease
 from ._file import StripeFile, mode_flags
@@ -179,6 +179,7 @@ class Client:
         self._session = os.urandom(16)  # owner of this client's leases
         self._leases: weakref.WeakSet[Lease] = self._core.locks  # released by close, at exit or once collected
         self._reservations = Reservations()  # inode numbers reserved ahead for whole files
+        self._streaks = DirStreaks()  # directories read file by file: their files leased by listing
         # Dropped without close(): its watch thread, sockets and leases go when it is
         # collected (nothing of the client's own is kept by them: the finalizer holds the core);
         # at interpreter exit _core's hook gives back the leases of every client still open.
@@ -254,7 +255,32 @@ class Client:
         except StripefsError as exc:
             raise StripefsError(exc.code, exc.message, p) from None
         cache.put(p, reply.attr, token, reply.lease_id, reply.lease_ms, sent)
+        if reply.lease_id and reply.attr.is_file:
+            directory = posixpath.dirname(p)
+            if self._streaks.hit(directory):
+                self._lease_files(cache, directory)
         return reply.attr
+
+    def _lease_files(self, cache: AttrCache, directory: str) -> None:
+        """Remember the files of ``directory``, whose files are being opened one after
+        another, from one listing with attributes and layouts under one lease (the
+        service leases it on the directory and each file it shows): the opens of the
+        others then ask nothing. Nothing is kept after an error, for a listing of more than
+        one page, or when anything changed while it was asked (``AttrCache.put_files``)."""
+        more = False
+        try:
+            d = self.stat(directory)
+            token, sent = cache.token(), time.monotonic()
+            reply = self._core.call(m.Readdir(ino=d.ino, limit=LISTING_PAGE, plus=True, layouts=True,
+                                              lease=cache.leasing))
+            more = reply.more
+            if not more:
+                cache.put_files(directory, [(e.name, e.attr) for e in reply.entries if e.attr is not None],
+                                token, reply.lease_id, reply.lease_ms, sent)
+        except StripefsError:
+            pass  # the opens ask for their files one by one, as before
+        finally:
+            self._streaks.done(directory, too_big=more)
 
     def stat_many(self, paths: "Sequence[str]", *, follow: bool = True) -> list[Attr | StripefsError]:
         """Attributes of many paths in few round trips (200 paths per request).

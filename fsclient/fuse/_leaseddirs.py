@@ -6,8 +6,8 @@ random order: every open is a LOOKUP the kernel has not seen (nothing for its ow
 to answer), and each was a leased ``Lookup`` round trip to the metadata service -- half
 of the requests a small file's read made, and most of the service's work for it.
 
-Once lookups in one directory found :data:`WANT_AFTER` existing names within
-:data:`WINDOW` seconds, the daemon asks for the whole directory at once: one ``Readdir``
+Once lookups in one directory found files there in a row (``core._attrcache.DirStreaks``:
+two round trips within two seconds), the daemon asks for the whole directory at once: one ``Readdir``
 with attributes and layouts under a lease (the service leases the directory and every
 file's attributes it shows: ``metadata/_lease_grants.py``). While that lease lives, and
 nothing changed since as far as this client knows (no invalidation heard, no mutation of
@@ -32,17 +32,13 @@ from __future__ import annotations
 
 import time
 
-import trio
-
+from stripefs.fsclient.core._attrcache import LISTING_PAGE as PAGE
+from stripefs.fsclient.core._attrcache import DirStreaks
 from stripefs.wire import Attr
 
 __all__ = ["LeasedDirs", "PAGE"]
 
-PAGE = 4096  # entries at most in a listing fetched whole (the service caps a page at 10,000)
-WANT_AFTER = 2  # lookups of existing files in one directory within WINDOW seconds: fetch the listing
-WINDOW = 2.0
 MAX_ENTRIES = 200_000  # files' attributes kept in all (past it, everything is forgotten)
-TOO_BIG_AGAIN = 60.0  # seconds before a directory found larger than PAGE is tried again
 
 
 class _Dir:
@@ -62,11 +58,8 @@ class LeasedDirs:
     def __init__(self) -> None:
         self.dirs: dict[int, _Dir] = {}
         self.entries = 0
-        self.served = 0  # lookups answered from a listing (for tests and the access log)
-        self.fetches = 0
-        self._hits: dict[int, tuple[int, float]] = {}  # directory -> (round trips found a file, first's time)
-        self._inflight: set[int] = set()
-        self._big: dict[int, float] = {}  # directory -> trio time before which it is not fetched
+        self.served = 0  # lookups answered from a listing
+        self.streaks = DirStreaks()
 
     def get(self, parent: int, name: str, state: tuple[int, int] | None) -> tuple[Attr, int] | None:
         """``(attributes, lease id)`` of file ``name`` in ``parent`` while its listing is
@@ -86,41 +79,17 @@ class LeasedDirs:
 
     def looked_up(self, parent: int, attr: Attr) -> bool:
         """A lookup in ``parent`` went to the service and found ``attr``: should the
-        directory's listing be fetched now (:meth:`fetching`)?"""
-        if attr.is_dir or parent in self._inflight or parent in self.dirs:
-            return False
-        now = trio.current_time()
-        if self._big.get(parent, 0.0) > now:
-            return False
-        count, first = self._hits.get(parent, (0, now))
-        if now - first > WINDOW:
-            count, first = 0, now
-        count += 1
-        if count < WANT_AFTER:
-            if len(self._hits) >= 4096:
-                self._hits.clear()
-            self._hits[parent] = (count, first)
-            return False
-        self._hits.pop(parent, None)
-        return True
-
-    def fetching(self, parent: int) -> None:
-        self._inflight.add(parent)
-        self.fetches += 1
+        directory's listing be fetched now (then :meth:`put` follows, whatever happens)?"""
+        return attr.is_file and parent not in self.dirs and self.streaks.hit(parent)
 
     def put(self, parent: int, attrs: dict[str, Attr] | None, lease_id: int, left: float,
             state: tuple[int, int] | None, *, more: bool = False) -> None:
-        """The listing of ``parent`` asked for in :meth:`fetching` came back: keep its
+        """The listing of ``parent`` that :meth:`looked_up` called for came back: keep its
         files' ``attrs`` for ``left`` seconds under ``lease_id`` (None or ``left`` 0:
         nothing kept -- an error, no lease, a change meanwhile). ``state``: the client's
         as it was when the listing was asked for (None: a mutation of its own was in
         flight, nothing is kept)."""
-        self._inflight.discard(parent)
-        if more:
-            if len(self._big) >= 4096:
-                self._big.clear()
-            self._big[parent] = trio.current_time() + TOO_BIG_AGAIN
-            return
+        self.streaks.done(parent, too_big=more)
         if attrs is None or left <= 0 or state is None or not lease_id:
             return
         if self.entries + len(attrs) > MAX_ENTRIES:

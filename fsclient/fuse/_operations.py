@@ -356,12 +356,11 @@ class StripeOperations(pyfuse3.Operations):
         after an error, without a lease, for a listing of more than one page, or when
         anything changed while it was asked (an invalidation, a mutation of this client)."""
         kl = self.kernel_leases
-        if kl is None or not kl.asking:
-            return
-        self.leased_dirs.fetching(ino)
         attrs: dict[str, Attr] | None = None
         lease_id, left, more, state = 0, 0.0, False, self._cache_state()
         try:
+            if kl is None or not kl.asking:
+                return
             token, sent = kl.token(), time.monotonic()
             reply = await self.aio.call(m.Readdir(ino=ino, limit=LEASED_PAGE, plus=True, layouts=True, lease=True))
             more = reply.more

@@ -10,21 +10,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Callable
 
-from stripefs._cli_top import endpoints, scrape
 from stripefs.storage import chunk_path
-
-
-def metadata_requests(cluster_file: str, msg: str) -> float:
-    """``msg`` requests the metadata service has answered so far (from its metrics: the
-    cluster must have been started with ``STRIPEFS_METRICS`` set)."""
-    found = [e for e in endpoints(cluster_file) if e.role == "metadata"]
-    assert found, "the metadata service serves no metrics"
-    total = 0.0
-    for e in found:
-        s = scrape(e)
-        assert not s.error, s.error
-        total += s.total("stripefs_rpc_requests_total", msg=msg)
-    return total
 
 
 def sh(cmd: str, cwd: str, timeout: float = 120) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from .conftest import do_mount, do_umount
-from .fuse_helpers import metadata_requests
+from ..conftest import metadata_requests
 
 FILES = 40
 

@@ -12,13 +12,9 @@ from typing import Any
 import pytest
 
 from .conftest import do_mount, do_umount
-from .fuse_helpers import metadata_requests as _requests
+from ..conftest import metadata_requests as _requests, change_files_elsewhere as _change_files, listing_body as _body
 
 FILES = 60
-
-
-def _body(i: int, n: int = 3000) -> bytes:
-    return (b"file-%04d-" % i * (n // 10 + 1))[:n]
 
 
 @pytest.fixture
@@ -38,19 +34,6 @@ def dataset(make_cluster: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -
         yield cluster, mp
     finally:
         do_umount(mp)
-
-
-def _change_files(cluster: Any, k: int) -> None:
-    """Another client rewrites ``f{k}`` in place (same size, the old mtime put back, as
-    ``cp -p`` leaves it), appends to ``f{k+1}`` and chmods ``f{k+4}``."""
-    with cluster.client() as c:
-        before = c.stat(f"/data/f{k}")
-        with c.open(f"/data/f{k}", "r+b") as f:
-            f.write(_body(k).upper())
-        c.utime(f"/data/f{k}", (before.atime_ns, before.mtime_ns))
-        with c.open(f"/data/f{k + 1}", "ab") as f:
-            f.write(b"longer")
-        c.chmod(f"/data/f{k + 4}", 0o600)
 
 
 def _read(path: str) -> bytes:

@@ -1,0 +1,101 @@
+"""The native client's opens of files read one after another from one directory: after
+two, the directory's listing is fetched once with its files' attributes under one lease
+(``Client._lease_files``, ``AttrCache.put_files``) and the other opens ask the metadata
+service nothing; whatever another client changes there -- a file's bytes in place (same
+size, the old mtime put back), its length, its mode, a removal, a rename, a new name -- is
+seen by the next ``stat``/``open`` all the same (the change takes the lease back first)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from stripefs.wire import ErrorCode, StripefsError
+
+from ..conftest import metadata_requests, change_files_elsewhere as _change_files, listing_body as _body
+
+FILES = 60
+
+
+@pytest.fixture
+def dataset(make_cluster: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("STRIPEFS_METRICS", "127.0.0.1:0")
+    cluster = make_cluster(servers=1)
+    monkeypatch.delenv("STRIPEFS_METRICS")
+    with cluster.client() as c:
+        c.makedirs("/data")
+        for i in range(FILES):
+            c.write_bytes(f"/data/f{i}", _body(i))
+    return cluster
+
+
+def _read(c: Any, path: str) -> bytes:
+    with c.open(path, "rb") as f:
+        return f.read()
+
+
+def test_opening_a_directory_file_by_file_costs_one_listing(dataset: Any) -> None:
+    with dataset.client() as reader:
+        resolves, listings = metadata_requests(dataset.file, "Resolve"), metadata_requests(dataset.file, "Readdir")
+        for i in range(FILES):
+            assert _read(reader, f"/data/f{i}") == _body(i)
+        resolved = metadata_requests(dataset.file, "Resolve") - resolves
+        listed = metadata_requests(dataset.file, "Readdir") - listings
+    # Two opens resolve their files; the second fetches the listing (after a Resolve of
+    # the directory), and the others are answered from it (a refetch if the 5 s lease ended).
+    assert resolved <= 8, f"{resolved:.0f} Resolve requests for {FILES} files"
+    assert 1 <= listed <= 3, listed
+
+
+def test_another_clients_changes_show_at_once(dataset: Any) -> None:
+    half = FILES // 2
+    with dataset.client() as reader:
+        for i in range(half):  # the listing is leased: the other half is known, never opened
+            assert _read(reader, f"/data/f{i}") == _body(i)
+        resolves = metadata_requests(dataset.file, "Resolve")
+        assert reader.stat(f"/data/f{half + 3}").size == len(_body(half + 3))
+        assert metadata_requests(dataset.file, "Resolve") == resolves  # answered from the listing
+
+        # Files changed in place (no name changes: the files' keys alone take it back).
+        for k in (half + 3, 3):
+            _change_files(dataset, k)
+            assert _read(reader, f"/data/f{k}") == _body(k).upper()
+            assert reader.stat(f"/data/f{k + 1}").size == len(_body(k + 1)) + 6
+            assert _read(reader, f"/data/f{k + 1}") == _body(k + 1) + b"longer"
+            assert reader.stat(f"/data/f{k + 4}").mode & 0o777 == 0o600
+
+        for i in range(FILES):  # the listing leased again
+            reader.stat(f"/data/f{i}")
+        with dataset.client() as c:  # then names
+            c.remove("/data/f5")
+            c.rename("/data/f6", "/data/f6b")
+            c.write_bytes("/data/new", b"new")
+        for path in ("/data/f5", "/data/f6"):
+            with pytest.raises(StripefsError) as e:
+                reader.stat(path)
+            assert e.value.code == ErrorCode.NOT_FOUND
+        assert _read(reader, "/data/f6b") == _body(6)
+        assert _read(reader, "/data/new") == b"new"
+        for i in range(FILES):  # the others, unchanged
+            if i % half not in (3, 4, 5, 6, 7):
+                assert _read(reader, f"/data/f{i}") == _body(i)
+
+
+def test_the_clients_own_changes_show_at_once(dataset: Any) -> None:
+    with dataset.client() as c:
+        for i in range(FILES):
+            assert _read(c, f"/data/f{i}") == _body(i)
+        with c.open("/data/f10", "r+b") as f:
+            f.write(b"REWRITTEN")
+        c.rename("/data/f11", "/data/f11b")
+        c.remove("/data/f12")
+        assert _read(c, "/data/f10") == b"REWRITTEN" + _body(10)[9:]
+        assert not c.exists("/data/f11") and _read(c, "/data/f11b") == _body(11)
+        assert not c.exists("/data/f12")
+        for i in range(FILES):  # leased again
+            if i not in (10, 11, 12):
+                c.stat(f"/data/f{i}")
+        with dataset.client() as other:
+            other.write_bytes("/data/f13", b"changed elsewhere")
+        assert _read(c, "/data/f13") == b"changed elsewhere"
