@@ -358,7 +358,7 @@ class SmallLog:
         span = _span(len(data), len(crcs))
         tail = _TAIL.pack(TAIL_MAGIC, ino, index, _crc(log.ident + struct.pack("!QQ", ino, index)))
         pad = span - _HDR.size - len(packed_crcs) - len(data) - _TAIL.size
-        return b"".join((head, packed_crcs, bytes(data), b"\0" * pad, tail))
+        return b"".join((head, packed_crcs, data, b"\0" * pad, tail))  # (join takes a memoryview as is)
 
     def _append_records(self, items: Iterable[tuple[int, tuple[int, int], int, int, Any, list[int]]],
                         sync: bool = True) -> list[tuple[_Log, int, int]]:
