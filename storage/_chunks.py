@@ -427,9 +427,11 @@ class ChunkStore(SmallChunks):
         if segment_crcs is None:  # a caller that has not checked the payload yet
             segment_crcs = payload_crcs(data, offset)[0]
         path = self.path(ino, index)
-        fresh = not os.path.exists(path)
+        rec = self.small.get((ino, index)) if self.small is not None else None
+        # A chunk in the logs has no file (a move to a file ends with its removal from them,
+        # under the chunk's lock): only a chunk not there may be one.
+        fresh = rec is not None or not os.path.exists(path)
         if self.small is not None and fresh:
-            rec = self.small.get((ino, index))
             if rec is not None or offset + len(data) <= self.small_max:
                 if rec is None or max(rec.length, offset + len(data)) <= self.small_max:
                     return self._write_small(ino, index, offset, data, chain, rec, segment_crcs)
