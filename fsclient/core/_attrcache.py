@@ -79,20 +79,26 @@ STREAK = 2  # lookups of files in one directory within STREAK_WINDOW s that make
 STREAK_WINDOW = 2.0
 LISTING_PAGE = 4096  # entries at most in a listing fetched whole for its files (one page)
 TOO_BIG_AGAIN = 60.0  # seconds before a directory found larger than LISTING_PAGE is tried again
+# Seconds between two fetches of one directory's listing at least (a lease lives 5 s): a
+# directory whose files another client keeps changing (each change takes the lease back,
+# or the service leases them no more) costs a listing per REFETCH_AFTER, not per 2 opens.
+REFETCH_AFTER = 5.0
 
 
 class DirStreaks:
     """Which directories are being read file by file, so that fetching a whole listing
     (its files' attributes under one lease) pays: :meth:`hit` says a directory is due
     once :data:`STREAK` lookups of its files went to the service within
-    :data:`STREAK_WINDOW` seconds, and no fetch of it is in flight or failed for size
-    lately. Thread-safe; used by the native client and the FUSE daemon alike."""
+    :data:`STREAK_WINDOW` seconds, no fetch of it is in flight, none began in the last
+    :data:`REFETCH_AFTER` seconds, and none failed for size lately. Thread-safe; used by
+    the native client and the FUSE daemon alike."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._hits: dict[Any, tuple[int, float]] = {}  # directory -> (lookups, the first's time)
         self._inflight: set[Any] = set()
         self._big: dict[Any, float] = {}  # directory -> monotonic time before which it is not fetched
+        self._last: dict[Any, float] = {}  # directory -> when its last fetch began
         self.fetches = 0
 
     def hit(self, key: Any) -> bool:
@@ -100,7 +106,8 @@ class DirStreaks:
         be fetched now (the caller then calls :meth:`done` once it came back)."""
         now = time.monotonic()
         with self._lock:
-            if key in self._inflight or self._big.get(key, 0.0) > now:
+            if (key in self._inflight or self._big.get(key, 0.0) > now
+                    or now - self._last.get(key, -REFETCH_AFTER) < REFETCH_AFTER):
                 return False
             count, first = self._hits.get(key, (0, now))
             if now - first > STREAK_WINDOW:
@@ -112,6 +119,9 @@ class DirStreaks:
                 return False
             self._hits.pop(key, None)
             self._inflight.add(key)
+            if len(self._last) >= 4096:
+                self._last = {k: t for k, t in self._last.items() if now - t < REFETCH_AFTER}
+            self._last[key] = now
             self.fetches += 1
             return True
 

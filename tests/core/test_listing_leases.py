@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from stripefs.fsclient.core import _attrcache
 from stripefs.wire import ErrorCode, StripefsError
 
 from ..conftest import metadata_requests, change_files_elsewhere as _change_files, listing_body as _body
@@ -99,3 +100,21 @@ def test_the_clients_own_changes_show_at_once(dataset: Any) -> None:
         with dataset.client() as other:
             other.write_bytes("/data/f13", b"changed elsewhere")
         assert _read(c, "/data/f13") == b"changed elsewhere"
+
+
+def test_a_directory_is_listed_again_no_sooner_than_its_lease_could_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory whose files keep changing elsewhere loses its listing's lease at once
+    (or gets none): it is fetched again at most once per REFETCH_AFTER, not every 2 opens."""
+    now = [1000.0]
+    monkeypatch.setattr(_attrcache.time, "monotonic", lambda: now[0])
+    streaks = _attrcache.DirStreaks()
+    assert [streaks.hit("/d") for _ in range(2)] == [False, True]
+    assert not streaks.hit("/d")  # in flight
+    streaks.done("/d")
+    assert [streaks.hit("/d") for _ in range(4)] == [False] * 4  # too soon
+    now[0] += _attrcache.REFETCH_AFTER
+    assert [streaks.hit("/d") for _ in range(2)] == [False, True]
+    streaks.done("/d", too_big=True)
+    now[0] += _attrcache.REFETCH_AFTER
+    assert [streaks.hit("/d") for _ in range(3)] == [False] * 3  # more than a page: left alone longer
+    assert [streaks.hit("/e") for _ in range(2)] == [False, True]  # each directory on its own
