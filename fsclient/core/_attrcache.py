@@ -155,6 +155,9 @@ class AttrCache:
         self._by_path: dict[str, tuple[float, Attr, int, float]] = {}
         self._by_ino: dict[int, set[str]] = {}
         self._by_lease: dict[int, set[str]] = {}  # lease id -> the paths it covers (a listing's: many)
+        # A listing's file path -> the lease of its directory's own entry, which also covers it
+        # (the listing's lease is on inodes; the directory's entry's on the walk to it).
+        self._also: dict[str, int] = {}
         self._dirs: set[str] = set()  # the cached paths that are directories
         # directory path -> (expiry, its names, lease id): whole listings, leased only
         self._lists: dict[str, tuple[float, list[str], int]] = {}
@@ -303,16 +306,28 @@ class AttrCache:
                   lease_ms: int, sent: float) -> None:
         """Remember the files of a whole listing of ``directory`` (``(name, attributes)``
         each), all under the listing's one lease (the service leases a listing with
-        attributes and layouts on each file it shows), unless something that could make
-        them stale happened since ``token`` (as :meth:`put`). Leased only."""
+        attributes and layouts on the directory's inode and each file's), unless something
+        that could make them stale happened since ``token`` (as :meth:`put`). Leased only,
+        and only while ``directory``'s own entry is leased: a path is stale when any name
+        on the way to it changes (a parent renamed), which only the walk's keys -- that
+        entry's lease -- cover; its invalidation drops the files too, and they expire with
+        it at the latest."""
         with self._lock:
             if (self.inflight or (self.mutations, self.invalidations) != token
                     or not (lease_ms > 0 and lease_id and self.leasing)):
                 return
-            expires, base = sent + lease_ms / 1000, directory.rstrip("/")
+            base = directory.rstrip("/")
+            walk = self._by_path.get(base or "/")
+            if walk is None or not walk[2] or not walk[1].is_dir:
+                return
+            expires, dir_lease = min(sent + lease_ms / 1000, walk[0]), walk[2]
+            also = self._by_lease.setdefault(dir_lease, set())
             for name, attr in entries:
                 if attr.is_file:
-                    self._store(f"{base}/{name}", attr, expires, lease_id, sent)
+                    path = f"{base}/{name}"
+                    self._store(path, attr, expires, lease_id, sent)
+                    also.add(path)
+                    self._also[path] = dir_lease
 
     def _store(self, path: str, attr: Attr, expires: float, lease_id: int, sent: float = 0.0) -> None:
         self._drop(path)
@@ -338,13 +353,19 @@ class AttrCache:
                 if not paths:
                     del self._by_ino[entry[1].ino]
             if entry[2]:
-                covered = self._by_lease.get(entry[2])
-                if covered is not None:
-                    covered.discard(path)
-                    if not covered:
-                        del self._by_lease[entry[2]]
+                self._uncover(entry[2], path)
+            also = self._also.pop(path, 0)
+            if also:
+                self._uncover(also, path)
             self._dirs.discard(path)
             self.nbytes -= self._sizes.pop(("a", path))
+
+    def _uncover(self, lease_id: int, path: str) -> None:
+        covered = self._by_lease.get(lease_id)
+        if covered is not None:
+            covered.discard(path)
+            if not covered:
+                del self._by_lease[lease_id]
 
     def _drop_ino(self, ino: int) -> None:
         for path in list(self._by_ino.get(ino, ())):
@@ -354,6 +375,7 @@ class AttrCache:
         self._by_path.clear()
         self._by_ino.clear()
         self._by_lease.clear()
+        self._also.clear()
         self._dirs.clear()
         self._lists.clear()
         self._lists_sent.clear()

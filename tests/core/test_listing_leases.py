@@ -118,3 +118,25 @@ def test_a_directory_is_listed_again_no_sooner_than_its_lease_could_end(monkeypa
     now[0] += _attrcache.REFETCH_AFTER
     assert [streaks.hit("/d") for _ in range(3)] == [False] * 3  # more than a page: left alone longer
     assert [streaks.hit("/e") for _ in range(2)] == [False, True]  # each directory on its own
+
+
+def test_a_parent_renamed_elsewhere_takes_the_files_of_a_listing_back(dataset: Any) -> None:
+    """The listing's lease is on inodes; the paths its files are kept under also rest on
+    every name on the way to the directory (the directory's own entry's lease)."""
+    with dataset.client() as c:
+        c.makedirs("/top/data")
+        for i in range(8):
+            c.write_bytes(f"/top/data/g{i}", _body(i))
+    with dataset.client() as reader:
+        for i in range(4):  # the listing is leased: g4..g7 are known, never opened
+            assert _read(reader, f"/top/data/g{i}") == _body(i)
+        resolves = metadata_requests(dataset.file, "Resolve")
+        assert reader.stat("/top/data/g5").size == len(_body(5))
+        assert metadata_requests(dataset.file, "Resolve") == resolves  # from the listing
+        with dataset.client() as c:
+            c.rename("/top", "/moved")
+        for path in ("/top/data/g5", "/top/data/g6", "/top/data/g1"):
+            with pytest.raises(StripefsError) as e:
+                reader.stat(path)
+            assert e.value.code == ErrorCode.NOT_FOUND, path
+        assert _read(reader, "/moved/data/g6") == _body(6)
