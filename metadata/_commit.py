@@ -147,6 +147,10 @@ class CommitPath:
         # Short reads run on the loop itself (``INLINE_COST``), on a third connection.
         now_reader = ns.store.reader(busy_timeout_s=INLINE_BUSY_TIMEOUT) if reader is not None else None
         self._lns = ns.reading(now_reader, remember_dirs=True) if now_reader is not None else None
+        # The same connection without remembered directories, for the loop's reads while a
+        # batch that may rename or remove a directory is on the writer thread (_moving_dirs).
+        self._lns_plain = ns.reading(now_reader) if now_reader is not None else None
+        self._moving_dirs = 0
         if isinstance(store, SqliteStore):
             # The one writer's path walks remember directories too (a create in a known
             # directory reads no entry of its path); a batch rolled back forgets them (_run_batch).
@@ -162,15 +166,17 @@ class CommitPath:
         is durable, either way: the writer thread's batch fsyncs before it answers, a
         commit on the loop waits in :meth:`_made_durable`. ``_committed``: called as soon as
         the operation committed on the loop, before anything else runs there (a rename's
-        remembered directories go before any read can walk them).
+        remembered directories go before any read can walk them); on the writer thread,
+        once its job ran (the loop's reads walk without them meanwhile: _store_call_moving).
         """
         if self._log_sync is not None and self._log_sync.failed is not None:
             raise StripefsError(ErrorCode.IO, f"metadata log could not be made durable: {self._log_sync.failed}; "
                                 "restart the metadata service")
+        call = self.store_call if _committed is None else functools.partial(self._store_call_moving, _committed)
         key = REQUEST.get()
         if key is not None and self.shared:
             REQUEST.set(None)  # later calls of the same request are not the mutation itself
-            return await self.store_call(apply_once, self.ns.store, key, functools.partial(fn, *args, **kwargs))
+            return await call(apply_once, self.ns.store, key, functools.partial(fn, *args, **kwargs))
         touched = TOUCHED.get()
         if touched is not None:
             fn, args, kwargs = self._recorded, (touched, functools.partial(fn, *args, **kwargs)), {}
@@ -181,7 +187,7 @@ class CommitPath:
                     _committed()
                 await self._made_durable()
                 return result
-        return await self.store_call(fn, *args, **kwargs)  # durable when it returns
+        return await call(fn, *args, **kwargs)  # durable when it returns
 
     async def _made_durable(self) -> None:
         """Return once the commits made on the loop so far are durable (``full``: the group
@@ -231,6 +237,26 @@ class CommitPath:
 
     def _written(self) -> None:
         self._writing -= 1
+
+    async def _store_call_moving(self, committed: Callable[[], None], fn: Callable[..., Any], *args: Any,
+                                 **kwargs: Any) -> Any:
+        """:meth:`store_call` for a mutation that may rename or remove a directory.
+
+        The writer thread's commit shows to the loop's read connection at once, but the
+        loop hears of it only later: until then its path walks must not follow the
+        directory entries they remember (a renamed directory would still be found under
+        its old name, though a read already saw the same commit's other changes). They walk
+        without them until the job ran; then ``committed()`` (it forgets them) runs on the
+        loop before anything else there."""
+        self._writing += 1
+        self._moving_dirs += 1
+
+        def done() -> None:
+            self._written()
+            self._moving_dirs -= 1
+            committed()
+
+        return await self._stored(self._writer, lambda: fn(*args, **kwargs), done)
 
     @property
     def settled(self) -> bool:
@@ -286,8 +312,9 @@ class CommitPath:
         """
         if cost > INLINE_COST or self._lns is None:
             return False, None
+        lns = self._lns if not self._moving_dirs else self._lns_plain
         try:
-            return True, fn(self._lns, *args)
+            return True, fn(lns, *args)
         except StripefsError:
             raise
         except Exception:  # noqa: BLE001 -- e.g. SQLITE_BUSY during a log recovery: the thread waits it out

@@ -23,11 +23,12 @@ every answer sent before this request was issued needed (real-time order); a mut
 that group commit folded into one transaction with a concurrent one that undid it (two
 chmods of one file) is placed at their shared commit (``folded``). A
 mutation's answer holds where its effect is (the fresh name with its inode, the new
-mode and mtime, the new size); a read's where the state shows exactly what it said
-(``EEXIST`` and ``ENOENT`` included). Finally the survivors themselves -- copies of the
-database and the log cut at the durable lengths -- are opened as a restarted service
-opens them (``SqliteStore``, SQLite's own recovery) and must equal the replayed states,
-and hand out no inode or garbage number again.
+mode and mtime, the new size, a rename's new name with its old name's inode); a read's
+where the state shows exactly what it said (``EEXIST`` and ``ENOENT`` included).
+Finally the survivors themselves -- copies of the database and the log cut at the
+durable lengths -- are opened as a restarted service opens them (``SqliteStore``,
+SQLite's own recovery) and must equal the replayed states, and hand out no inode or
+garbage number again.
 
 Short in ``make test`` (one seeded round); ``STRIPEFS_META_CRASH_ROUNDS=50`` (and
 ``STRIPEFS_META_CRASH_OPS``, operations per client and round, at most ~60 so that no
@@ -251,7 +252,7 @@ class Answer:
     durable: int  # log bytes durable when the answer was sent
     reply: Any = None  # the decoded reply, or None with ``code``
     code: ErrorCode | None = None
-    expect_ino: int | None = None  # a rename's: the inode the old name had
+    expect_ino: int | None = None  # a rename's: the inode A last knew under the old name (may be stale: `holds`)
 
     def __str__(self) -> str:
         said = f"error {self.code.name}" if self.code is not None else _short(self.reply)
@@ -267,8 +268,17 @@ def _short(obj: Any) -> str:
     return text[text.index("("):][:160] if "(" in text else text[:160]
 
 
-def holds(a: Answer, st: State) -> bool:
-    """Whether state ``st`` shows what answer ``a`` told its client."""
+def holds(a: Answer, st: State, before: State | None = None) -> bool:
+    """Whether state ``st`` shows what answer ``a`` told its client (``before``: the state
+    of the commit before ``st``, if any).
+
+    A rename's answer names no inode: it holds where the new name has the inode A last knew
+    under the old name, or the inode the old name had in ``before`` (the commit that made
+    ``st`` moved it). A's belief goes stale when its writers race on one name: two of them
+    rename (or remove) the inode they both knew there, and b's ``mkdir`` makes the name
+    again in between, so the second acts on b's inode; A then knows each inode under the
+    other's name, and its later renames of them move inodes it did not expect.
+    """
     msg, code = a.msg, a.code
     if isinstance(msg, (m.Mkdir, m.Create)):
         here = st.entries.get((msg.parent, msg.name))
@@ -289,7 +299,10 @@ def holds(a: Answer, st: State) -> bool:
         return True
     if isinstance(msg, m.Rename):
         if code is None:
-            return st.entries.get((msg.new_parent, msg.new_name)) == a.expect_ino and (msg.parent, msg.name) not in st.entries
+            moved = st.entries.get((msg.new_parent, msg.new_name))
+            if moved is None or (msg.parent, msg.name) in st.entries:
+                return False
+            return moved == a.expect_ino or (before is not None and before.entries.get((msg.parent, msg.name)) == moved)
         if code == ErrorCode.NOT_FOUND:
             return ((msg.parent, msg.name) not in st.entries or msg.new_parent not in st.children)
         return True
@@ -318,6 +331,11 @@ def holds(a: Answer, st: State) -> bool:
     if isinstance(msg, m.ReserveFiles):
         return True  # numbers set aside, no name: what it must not do shows in the survivors' counters
     raise AssertionError(f"no claim known for {type(msg).__name__}")
+
+
+def holds_at(a: Answer, states: list[State], j: int) -> bool:
+    """Whether commit ``j`` (state ``states[j]``, the commit before it beside) shows answer ``a``."""
+    return holds(a, states[j], states[j - 1] if j else None)
 
 
 def _touches(a: Answer, before: State) -> set[tuple]:
@@ -355,7 +373,8 @@ def _changed(key: tuple, before: State, after: State) -> bool:
     return before.entries.get(key[1:]) != after.entries.get(key[1:])
 
 
-def folded(answers: list[Answer], i: int, states: list[State], lo: int, hi: int) -> int | None:
+def folded(answers: list[Answer], i: int, states: list[State], lo: int, hi: int,
+           _outer: frozenset[int] = frozenset()) -> int | None:
     """The commit in ``lo..hi`` that holds answer ``i`` overwritten within it, if any.
 
     Group commit runs the mutations that queued together as one SQLite transaction, so a
@@ -367,17 +386,21 @@ def folded(answers: list[Answer], i: int, states: list[State], lo: int, hi: int)
     in one batch was absent, between them, to a third one's unlink (``ENOENT``), though
     no committed state lacks it. Such an answer is placed at commit ``j`` when a mutation
     ``b`` concurrent with it (each issued before the other was answered) touched the same
-    name or inode, ``b`` first holds at ``j``, and commit ``j`` changed what the answer
-    claims (a refusal: the name or inode it is about).
+    name or inode, ``b`` first holds at ``j`` -- or is itself folded into ``j`` (a chain in
+    one batch: a truncate of a file, its unlink, a racing ``mkdir`` of its name) --, and
+    commit ``j`` changed what the answer claims (a refusal: the name or inode it is about).
+    ``_outer``: the answers a chain already leans on (none of them may justify another).
     """
     a = answers[i]
+    outer = _outer | {i}
     for j in range(max(lo, 1), hi + 1):
         keys = _touches(a, states[j - 1]) if a.code is None else _claims(a)
         if not any(_changed(k, states[j - 1], states[j]) for k in keys):
             continue
         for n, b in enumerate(answers):
-            if (n != i and b.issued <= i and a.issued <= n and keys & _touches(b, states[j - 1])
-                    and holds(b, states[j]) and not holds(b, states[j - 1])):
+            if (n not in outer and b.issued <= i and a.issued <= n and keys & _touches(b, states[j - 1])
+                    and not holds_at(b, states, j - 1)
+                    and (holds_at(b, states, j) or folded(answers, n, states, j, j, outer) == j)):
                 return j
     return None
 
@@ -395,11 +418,11 @@ def judge(answers: list[Answer], states: list[State], ends: list[int]) -> tuple[
     for i, a in enumerate(answers):
         lo = prefix_max[a.issued]
         hi = bisect.bisect_right(ends, a.durable)
-        j = next((j for j in range(lo, hi + 1) if holds(a, states[j])), None)
+        j = next((j for j in range(lo, hi + 1) if holds_at(a, states, j)), None)
         if j is None:
             j = folded(answers, i, states, lo, hi)
         if j is None:
-            later = next((j for j in range(max(lo, hi + 1), len(states)) if holds(a, states[j])), None)
+            later = next((j for j in range(max(lo, hi + 1), len(states)) if holds_at(a, states, j)), None)
             if later is not None:
                 bad.append(f"{a} was sent when only {hi} commits were durable; it rests on commit {later} "
                            "(a power loss then would undo what the client was told)")
@@ -715,5 +738,67 @@ def test_a_refusal_folded_with_concurrent_mutations_is_placed_at_their_commit() 
     bad, _ = judge([unlink, mkdir, late], states, ends)
     assert len(bad) == 1 and bad[0].startswith(str(late))
     early = Answer("a", refused.msg, issued=0, durable=0, code=ErrorCode.NOT_FOUND)  # before the commit's fsync
+    bad, _ = judge([early, unlink, mkdir], states, ends)
+    assert len(bad) == 1 and bad[0].startswith(str(early))
+
+
+def test_a_rename_of_a_name_remade_by_a_race_holds_where_it_moved_that_inode() -> None:
+    """A's belief of which inode a name holds goes stale: two of its writers rename the
+    file ``n0`` (inode 9) at once; the first moves it to ``n5``, b's ``mkdir`` makes ``n0``
+    again (inode 15), the second moves that directory to ``8/n7``. A now knows inode 9 as
+    ``8/n7``; its later rename of ``8/n7`` moves inode 15, and holds at the commit that
+    moved it. A rename whose new name shows an inode the old name did not have in the
+    commit before is a violation, and so is one sent before that commit was durable."""
+    def state(entries: dict[tuple[int, str], int]) -> State:
+        dirs = {15}
+        return State(entries=dict(entries), attrs={i: (i in dirs, 0, DIR if i in dirs else FILE, 5)
+                                                   for i in entries.values()})
+
+    states = [state({(1, "n0"): 9}), state({(1, "n5"): 9}), state({(1, "n5"): 9, (1, "n0"): 15}),
+              state({(1, "n5"): 9, (8, "n7"): 15}), state({(1, "n5"): 9, (31, "n36"): 15})]
+    ends = [100, 200, 300, 400]
+    dir_attr = m.Attr(ino=15, mode=DIR, nlink=2, uid=0, gid=0, size=0, atime_ns=0, mtime_ns=5, ctime_ns=5, layout=None)
+    racing = [Answer("a", m.Rename(parent=1, name="n0", new_parent=1, new_name="n5", flags=0), issued=0, durable=100,
+                     reply=m.EmptyReply(), expect_ino=9),
+              Answer("b", m.Mkdir(parent=1, name="n0", mode=DIR, uid=0, gid=0), issued=0, durable=200,
+                     reply=m.AttrReply(attr=dir_attr)),
+              Answer("a", m.Rename(parent=1, name="n0", new_parent=8, new_name="n7", flags=0), issued=0, durable=300,
+                     reply=m.EmptyReply(), expect_ino=9)]
+    move = m.Rename(parent=8, name="n7", new_parent=31, new_name="n36", flags=0)
+    later = Answer("a", move, issued=3, durable=400, reply=m.EmptyReply(), expect_ino=9)  # A thinks 8/n7 is inode 9
+    assert judge([*racing, later], states, ends)[0] == []
+    wrong = [*states[:4], state({(1, "n5"): 9, (31, "n36"): 20})]  # the new name holds an inode nobody moved
+    bad, _ = judge([*racing, later], wrong, ends)
+    assert len(bad) == 1 and bad[0].startswith(str(later)) and "holds in no state" in bad[0]
+    early = Answer("a", move, issued=3, durable=300, reply=m.EmptyReply(), expect_ino=9)  # before the commit's fsync
+    bad, _ = judge([*racing, early], states, ends)
+    assert len(bad) == 1 and bad[0].startswith(str(early)) and "a power loss then would undo" in bad[0]
+
+
+def test_a_chain_of_mutations_folded_into_one_commit_is_placed_there() -> None:
+    """Group commit: one batch grows file ``n1`` (inode 6, a's truncate), unlinks it (a's
+    other writer) and makes ``n1`` again as b's directory (inode 12). Neither a's truncate
+    nor its unlink shows in a committed state: the unlink is folded with b's ``mkdir``,
+    the truncate with the unlink. Both hold at that commit when the three overlapped in
+    time, in either order of their answers; a truncate issued after b's ``mkdir`` was
+    answered (so after the unlink too), or sent before the commit was durable, is a
+    violation."""
+    def attr(ino: int, mode: int, size: int, nlink: int = 1) -> m.AttrReply:
+        return m.AttrReply(attr=m.Attr(ino=ino, mode=mode, nlink=nlink, uid=0, gid=0, size=size, atime_ns=0,
+                                       mtime_ns=5, ctime_ns=5, layout=None))
+
+    states = [State(entries={(1, "n1"): 6}, attrs={6: (False, 0, FILE, 5)}),
+              State(entries={(1, "n1"): 12}, attrs={12: (True, 0, DIR, 5)})]
+    ends = [100]
+    unlink = Answer("a", m.Unlink(parent=1, name="n1"), issued=0, durable=100, reply=attr(6, FILE, 752483, nlink=0))
+    mkdir = Answer("b", m.Mkdir(parent=1, name="n1", mode=DIR, uid=0, gid=0), issued=0, durable=100,
+                   reply=attr(12, DIR, 0, nlink=2))
+    grow = Answer("a", m.SetAttr(ino=6, size=752483), issued=0, durable=100, reply=attr(6, FILE, 752483))
+    assert judge([unlink, mkdir, grow], states, ends)[0] == []
+    assert judge([grow, unlink, mkdir], states, ends)[0] == []
+    late = Answer("a", grow.msg, issued=2, durable=100, reply=grow.reply)  # after b's mkdir was answered
+    bad, _ = judge([unlink, mkdir, late], states, ends)
+    assert len(bad) == 1 and bad[0].startswith(str(late))
+    early = Answer("a", grow.msg, issued=0, durable=0, reply=grow.reply)  # before the commit's fsync
     bad, _ = judge([early, unlink, mkdir], states, ends)
     assert len(bad) == 1 and bad[0].startswith(str(early))
