@@ -131,3 +131,12 @@ def change_files_elsewhere(cluster: Any, k: int) -> None:
         with c.open(f"/data/f{k + 1}", "ab") as f:
             f.write(b"longer")
         c.chmod(f"/data/f{k + 4}", 0o600)
+
+
+@pytest.fixture
+def metered_cluster(make_cluster: Callable[..., LocalCluster], monkeypatch: pytest.MonkeyPatch) -> LocalCluster:
+    """A private one-server cluster whose services serve metrics (``metadata_requests``)."""
+    monkeypatch.setenv("STRIPEFS_METRICS", "127.0.0.1:0")
+    cluster = make_cluster(servers=1)
+    monkeypatch.delenv("STRIPEFS_METRICS")
+    return cluster

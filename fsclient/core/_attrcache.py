@@ -99,7 +99,6 @@ class DirStreaks:
         self._inflight: set[Any] = set()
         self._big: dict[Any, float] = {}  # directory -> monotonic time before which it is not fetched
         self._last: dict[Any, float] = {}  # directory -> when its last fetch began
-        self.fetches = 0
 
     def hit(self, key: Any) -> bool:
         """A lookup of a file in ``key`` went to the service: True when its listing should
@@ -122,7 +121,6 @@ class DirStreaks:
             if len(self._last) >= 4096:
                 self._last = {k: t for k, t in self._last.items() if now - t < REFETCH_AFTER}
             self._last[key] = now
-            self.fetches += 1
             return True
 
     def done(self, key: Any, *, too_big: bool = False) -> None:

@@ -58,7 +58,6 @@ class LeasedDirs:
     def __init__(self) -> None:
         self.dirs: dict[int, _Dir] = {}
         self.entries = 0
-        self.served = 0  # lookups answered from a listing
         self.streaks = DirStreaks()
 
     def get(self, parent: int, name: str, state: tuple[int, int] | None) -> tuple[Attr, int] | None:
@@ -74,7 +73,6 @@ class LeasedDirs:
         attr = d.attrs.get(name)
         if attr is None:
             return None
-        self.served += 1
         return attr, d.lease_id
 
     def looked_up(self, parent: int, attr: Attr) -> bool:

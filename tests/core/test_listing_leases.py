@@ -20,15 +20,12 @@ FILES = 60
 
 
 @pytest.fixture
-def dataset(make_cluster: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setenv("STRIPEFS_METRICS", "127.0.0.1:0")
-    cluster = make_cluster(servers=1)
-    monkeypatch.delenv("STRIPEFS_METRICS")
-    with cluster.client() as c:
+def dataset(metered_cluster: Any) -> Any:
+    with metered_cluster.client() as c:
         c.makedirs("/data")
         for i in range(FILES):
             c.write_bytes(f"/data/f{i}", _body(i))
-    return cluster
+    return metered_cluster
 
 
 def _read(c: Any, path: str) -> bytes:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -44,3 +44,14 @@ def mnt(cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def mdir(mnt: str, testdir: str) -> str:
     """A fresh directory for one test, seen through the mount."""
     return mnt + testdir
+
+
+@pytest.fixture
+def metered_mount(metered_cluster: Any, tmp_path: Any) -> Iterator[tuple[Any, str]]:
+    """``metered_cluster``, mounted: yields (cluster, mount point)."""
+    mp = str(tmp_path / "mnt")
+    do_mount(mp, metered_cluster.file)
+    try:
+        yield metered_cluster, mp
+    finally:
+        do_umount(mp)

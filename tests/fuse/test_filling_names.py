@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from .conftest import do_mount, do_umount
 from ..conftest import metadata_requests
 
 FILES = 40
@@ -19,19 +18,6 @@ FILES = 40
 
 def _lookups(cluster_file: str) -> float:
     return metadata_requests(cluster_file, "Lookup")
-
-
-@pytest.fixture
-def metered_mount(make_cluster: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
-    monkeypatch.setenv("STRIPEFS_METRICS", "127.0.0.1:0")
-    cluster = make_cluster(servers=1)
-    monkeypatch.delenv("STRIPEFS_METRICS")
-    mp = str(tmp_path / "mnt")
-    do_mount(mp, cluster.file)
-    try:
-        yield cluster, mp
-    finally:
-        do_umount(mp)
 
 
 def test_filling_a_directory_costs_no_lookup_per_new_name(metered_mount: Any) -> None:

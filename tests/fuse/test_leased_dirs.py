@@ -11,29 +11,21 @@ from typing import Any
 
 import pytest
 
-from .conftest import do_mount, do_umount
 from ..conftest import metadata_requests as _requests, change_files_elsewhere as _change_files, listing_body as _body
 
 FILES = 60
 
 
 @pytest.fixture
-def dataset(make_cluster: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
-    """A metered one-server cluster with ``/data/f0..`` made by a native client, mounted."""
-    monkeypatch.setenv("STRIPEFS_METRICS", "127.0.0.1:0")
-    cluster = make_cluster(servers=1)
-    monkeypatch.delenv("STRIPEFS_METRICS")
+def dataset(metered_mount: Any) -> Any:
+    """A metered one-server cluster, mounted, with ``/data/f0..`` made by a native client."""
+    cluster, mp = metered_mount
     with cluster.client() as c:
         c.makedirs("/data")
         c.makedirs("/data/sub")
         for i in range(FILES):
             c.write_bytes(f"/data/f{i}", _body(i))
-    mp = str(tmp_path / "mnt")
-    do_mount(mp, cluster.file)
-    try:
-        yield cluster, mp
-    finally:
-        do_umount(mp)
+    return cluster, mp
 
 
 def _read(path: str) -> bytes:
