@@ -404,6 +404,11 @@ def down(root: str, timeout: float = 10.0) -> int:
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    # Killed is not yet gone: a process holds its files (the metadata store's lock) until
+    # the kernel has torn it down, and the caller may open them next.
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
+        time.sleep(0.02)
     cluster["pids"] = []
     _write_cluster(os.path.abspath(root), cluster)
     if cluster.get("private_postgres"):
