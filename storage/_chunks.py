@@ -64,7 +64,7 @@ from stripefs.wire import ErrorCode, MAX_CHUNK, StripefsError, segments
 
 from . import _stats
 from ._crc import payload_crcs
-from ._qos import BULK_WRITE, idle_io
+from ._qos import BULK_PIECE, BULK_WRITE, idle_io
 from ._header import BLOCK, HEADER_SIZE, ChunkMeta, _crc
 from ._small import SMALL_MAX, SmallLog, block_crcs, locate
 from ._small_store import SmallChunks
@@ -489,8 +489,8 @@ class ChunkStore(SmallChunks):
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.pwrite(fd, meta.pack(), 0)
-            os.pwrite(fd, view, HEADER_SIZE)
             with idle_io(len(view)):  # a resync's copy is background work
+                self._write_pieces(fd, memoryview(view).cast("B"), HEADER_SIZE)
                 self._datasync(fd)
             meta.mtime_ns = os.fstat(fd).st_mtime_ns
         finally:
@@ -539,9 +539,16 @@ class ChunkStore(SmallChunks):
         payload received into a pooled page-aligned buffer is; any other buffer is
         refused by the kernel (EINVAL, nothing written) and goes through the page cache.
         Coherent with buffered reads of the same file: the kernel writes back and drops
-        the cached pages of the range first (none, past the header's length)."""
+        the cached pages of the range first (none, past the header's length).
+
+        A bulk write goes in pieces of :data:`~stripefs.storage._qos.BULK_PIECE` bytes, each
+        flushed before the next is written (all but the last: the caller's sync covers it),
+        so that a read of the same disk never waits behind more than one piece's flush
+        (storage/_qos.py). A kill between pieces leaves bytes past the header's length,
+        which are not data (see :meth:`_write_locked`)."""
         done = 0
         whole = len(data) - len(data) % DIRECT_ALIGN
+        piece = self._piece(len(data))
         if self.direct and len(data) >= BULK_WRITE and pos % DIRECT_ALIGN == 0:
             try:
                 dfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
@@ -552,10 +559,12 @@ class ChunkStore(SmallChunks):
             else:
                 try:
                     while done < whole:
-                        n = os.pwrite(dfd, data[done:whole], pos + done)
+                        n = os.pwrite(dfd, data[done:min(whole, done + piece)], pos + done)
                         if n <= 0:
                             break
                         done += n
+                        if done < len(data) and piece < len(data):
+                            self._datasync(dfd)
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
@@ -563,8 +572,22 @@ class ChunkStore(SmallChunks):
                     os.close(dfd)
                 with self._mlock:
                     self.direct_bytes += done
+        self._write_pieces(fd, data, pos, done)
+
+    def _piece(self, nbytes: int) -> int:
+        """How many bytes of a write of ``nbytes`` go to the disk between two flushes."""
+        if nbytes >= BULK_WRITE and self.sync and BULK_PIECE > 0:
+            return max(DIRECT_ALIGN, BULK_PIECE - BULK_PIECE % DIRECT_ALIGN)
+        return max(nbytes, 1)
+
+    def _write_pieces(self, fd: int, data: Any, pos: int, done: int = 0) -> None:
+        """``pwrite`` ``data[done:]`` at byte ``pos + done`` of ``fd`` through the page cache;
+        a bulk write in pieces, each flushed before the next (see :meth:`_write_data`)."""
+        piece = self._piece(len(data))
         while done < len(data):
-            done += os.pwrite(fd, data[done:], pos + done)
+            done += os.pwrite(fd, data[done:done + piece], pos + done)
+            if done < len(data) and piece < len(data):
+                self._datasync(fd)
 
     def _commit_meta(self, fd: int, meta: ChunkMeta, offset: int, n: int, segment_crcs: list[int]) -> ChunkMeta:
         """The CRCs of the blocks a write touched (those it covers whole: its segments'

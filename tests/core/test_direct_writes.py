@@ -15,7 +15,7 @@ import pytest
 
 from stripefs.rpc import aligned
 from stripefs.storage import HEADER_SIZE, ChunkStore
-from stripefs.storage import _chunks
+from stripefs.storage import _chunks, _qos
 
 CS = 4 << 20
 MIB = 1 << 20
@@ -101,6 +101,49 @@ def test_a_bulk_write_bypasses_the_page_cache_and_reads_back_verified(store: Chu
     meta, back = store.read_whole(11, 0)  # type: ignore[misc]
     expect = bytes(data) + small + bytes(8192 - 5000) + bytes(more)
     assert meta.length == len(expect) and back == expect
+
+
+def _flush_units(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Bytes written between two flushes, in order, from here on (``os.pwrite`` and
+    ``os.fdatasync`` watched; the last entry: bytes written since the last flush)."""
+    units = [0]
+    real_pwrite, real_sync = os.pwrite, os.fdatasync
+
+    def pwrite(fd: int, data: object, offset: int) -> int:
+        n = real_pwrite(fd, data, offset)
+        units[-1] += n
+        return n
+
+    def fdatasync(fd: int) -> None:
+        real_sync(fd)
+        units.append(0)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    return units
+
+
+@pytest.mark.parametrize("how", ["direct", "page cache", "resync copy"])
+def test_a_bulk_write_reaches_the_disk_one_flushed_piece_at_a_time(store: ChunkStore, monkeypatch, how: str) -> None:
+    # A flush holds every read of the disk for as long as what it covers takes to land:
+    # a bulk write never leaves more than one piece (and the header) unflushed.
+    units = _flush_units(monkeypatch)
+    data = _payload(4 * MIB, 5)
+    if how == "direct":
+        _write(store, 15, 0, data)
+        assert store.direct_bytes == 4 * MIB
+    elif how == "page cache":  # a buffer off a page: refused by O_DIRECT
+        raw = bytearray(4 * MIB + 1)
+        raw[1:] = data
+        _write(store, 15, 0, memoryview(raw)[1:])
+        assert store.direct_bytes == 0
+    else:
+        store.replace(15, 0, 0, 1, bytes(data))
+    assert max(units) <= _qos.BULK_PIECE + HEADER_SIZE
+    assert len(units) > 4 * MIB // _qos.BULK_PIECE
+    monkeypatch.undo()
+    _drop_cache(store.path(15, 0))
+    assert store.read_whole(15, 0)[1] == bytes(data)  # type: ignore[index]
 
 
 def test_what_direct_io_cannot_take_goes_through_the_page_cache(store: ChunkStore) -> None:
