@@ -81,6 +81,7 @@ class BenchConfig:
     metadata_sync: str | None = None  # the local cluster's --metadata-sync (None: full)
     data_sync: str | None = None  # the local cluster's --data-sync (None: full)
     attr_timeout: float | None = None  # native-library clients' attribute cache (None: theirs)
+    burst_writers: int | None = None  # burst_interference: clients that write (None: half, rounded down)
     kv_page: int = 1 << 20  # kvcache: bytes per page (bench._kvcache_workload)
     kv_batch: int = 64  # kvcache: keys per batch
     kv_keys: int = 1000  # kvcache: the key space
@@ -226,7 +227,7 @@ def _run_route(route: Route, spec: dict[str, Any], clients: int, servers: int,
             seq[0] += 1
             task = {"workload": w, "size": cfg.size, "block": cfg.block,
                     "duration": cfg.duration, "files": cfg.files, "shards": cfg.shards,
-                    "dl_files": cfg.dl_files, "sw_files": cfg.sw_files,
+                    "dl_files": cfg.dl_files, "sw_files": cfg.sw_files, "burst_writers": cfg.burst_writers,
                     "rand_size": cfg.rand_size or max(cfg.size, RAND_MIN),
                     "tag": f"{w}-{clients}c-{seq[0]}", "route": route.name,
                     **{k: v for k, v in cfg.__dict__.items() if k.startswith("kv_")}}

@@ -15,7 +15,8 @@ small_writes         every client creates ``sw_files`` files of 4-64 KiB: create
 small_writes_one_dir the same, every client's files in ONE directory (a checkpoint of many
                      small files written by all ranks at once: 8 clients x 1,250 files
                      make the 10,000-file checkpoint of docs/benchmarks.md)
-burst_interference   the first half of the clients (rounded up) read the dataset alone for
+burst_interference   the first half of the clients (rounded up; all but
+                     ``--burst-writers`` of them) read the dataset alone for
                      ``duration`` s (``burst_alone``), then go on reading while the other
                      clients write a checkpoint burst of ``size`` bytes each
                      (``burst_interference``, with the p99 ratio during/alone, and
@@ -212,7 +213,7 @@ def burst_interference(s: Session, task: dict[str, Any],
     """Readers: dataset reads alone, then during the writers' burst. Writers: the burst."""
     if ctx.clients < 2:
         raise NotImplementedError("burst_interference needs at least 2 clients")
-    writers = ctx.clients // 2
+    writers = task.get("burst_writers") or ctx.clients // 2
     readers = ctx.clients - writers
     if ctx.index >= readers:
         return _burst_writer(s, task, ctx, writers)

@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
                          "sweep 2000)")
     ap.add_argument("--small-files", type=int, dest="sw_files",
                     help="files per client in small_writes (default 1000, quick 60, sweep 200)")
+    ap.add_argument("--burst-writers", type=int, metavar="N",
+                    help="burst_interference: clients that write the burst, the others read "
+                         "(default: half of them, rounded down)")
     ap.add_argument("--kv-page", type=_size, help="kvcache: page size, 256K..2M (default 1M)")
     ap.add_argument("--kv-batch", type=int, metavar="N", help="kvcache: keys per batch, 32..256 (default 64)")
     ap.add_argument("--kv-keys", type=int, metavar="N", help="kvcache: the key space (default 1000)")
@@ -117,7 +120,7 @@ def build_config(a: argparse.Namespace) -> BenchConfig:
     cfg.servers = a.servers or cfg.servers
     cfg.workloads = a.workloads or cfg.workloads or list(WORKLOADS)
     cfg.routes = a.routes or (cfg.routes + (PEERS if a.peers else []))
-    for name in ("size", "block", "duration", "files", "dl_files", "sw_files", "kv_page", "kv_batch", "kv_keys",
+    for name in ("size", "block", "duration", "files", "dl_files", "sw_files", "burst_writers", "kv_page", "kv_batch", "kv_keys",
                  "kv_capacity", "kv_rounds", "kv_warmup"):
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))
@@ -138,6 +141,8 @@ def build_config(a: argparse.Namespace) -> BenchConfig:
     if cfg.block < 4096 or cfg.block % 4096 or cfg.size < 4096 or cfg.size % 4096:
         raise ValueError("--size and --block must be positive multiples of 4 KiB")
     cfg.block = min(cfg.block, cfg.size)
+    if cfg.burst_writers is not None and not 1 <= cfg.burst_writers < min(cfg.clients):
+        raise ValueError("--burst-writers must leave at least one reader: 1 <= N < --clients")
     if cfg.duration <= 0 or cfg.files < 1 or cfg.dl_files < 1 or cfg.sw_files < 1:
         raise ValueError("--duration must be > 0, --files, --dataset-files and --small-files >= 1")
     if "kvcache" in cfg.workloads:

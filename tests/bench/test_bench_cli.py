@@ -163,6 +163,28 @@ def test_burst_interference_reports_the_latency_ratio(report: dict[str, Any]) ->
         assert during["burst_gbps"] == burst["gbps"]
 
 
+def test_burst_writers_sets_how_many_clients_write_the_burst(cluster: Any, tmp_path: Path) -> None:
+    cfg = BenchConfig(clients=[4], routes=["native"], workloads=["burst_interference"], size=SIZE,
+                      block=BLOCK, duration=0.2, cluster=cluster.file, workdir=str(tmp_path), floors=False,
+                      timeout=120, dl_files=DL_FILES, drop_caches=False, burst_writers=1)
+    run = run_bench(cfg)
+    assert run["errors"] == []
+    [alone] = records(run, "native", "burst_alone")
+    [during] = records(run, "native", "burst_interference")
+    [burst] = records(run, "native", "burst_write")
+    assert alone["clients"] == during["clients"] == 3 and burst["clients"] == 1
+    assert burst["bytes"] == SIZE
+
+
+def test_burst_writers_must_leave_a_reader() -> None:
+    from stripefs.bench.cli import _parser, build_config
+
+    assert build_config(_parser().parse_args(["--clients", "4", "--burst-writers", "1"])).burst_writers == 1
+    for bad in (["--clients", "2", "--burst-writers", "2"], ["--burst-writers", "0"]):
+        with pytest.raises(ValueError, match="burst-writers"):
+            build_config(_parser().parse_args(bad))
+
+
 def test_fsspec_offset_writes_are_skipped_with_reason(report: dict[str, Any]) -> None:
     if "fsspec" not in ran_routes(report):
         pytest.skip("fsspec route not available")
