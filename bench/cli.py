@@ -120,8 +120,8 @@ def build_config(a: argparse.Namespace) -> BenchConfig:
     cfg.servers = a.servers or cfg.servers
     cfg.workloads = a.workloads or cfg.workloads or list(WORKLOADS)
     cfg.routes = a.routes or (cfg.routes + (PEERS if a.peers else []))
-    for name in ("size", "block", "duration", "files", "dl_files", "sw_files", "burst_writers", "kv_page", "kv_batch", "kv_keys",
-                 "kv_capacity", "kv_rounds", "kv_warmup"):
+    for name in ("size", "block", "duration", "files", "dl_files", "sw_files", "burst_writers", "kv_page",
+                 "kv_batch", "kv_keys", "kv_capacity", "kv_rounds", "kv_warmup"):
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))
     cfg.chunk_size, cfg.cluster, cfg.workdir = a.chunk_size, a.cluster, a.workdir

@@ -547,8 +547,6 @@ class ChunkStore(SmallChunks):
         (storage/_qos.py). A kill between pieces leaves bytes past the header's length,
         which are not data (see :meth:`_write_locked`)."""
         done = 0
-        whole = len(data) - len(data) % DIRECT_ALIGN
-        piece = self._piece(len(data))
         if self.direct and len(data) >= BULK_WRITE and pos % DIRECT_ALIGN == 0:
             try:
                 dfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
@@ -557,14 +555,8 @@ class ChunkStore(SmallChunks):
                     raise
                 self.direct = False  # the file system takes no direct I/O
             else:
-                try:
-                    while done < whole:
-                        n = os.pwrite(dfd, data[done:min(whole, done + piece)], pos + done)
-                        if n <= 0:
-                            break
-                        done += n
-                        if done < len(data) and piece < len(data):
-                            self._datasync(dfd)
+                try:  # refused at the first piece if at all (every piece is aligned alike)
+                    done = self._write_pieces(dfd, data[:len(data) - len(data) % DIRECT_ALIGN], pos)
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
@@ -580,14 +572,16 @@ class ChunkStore(SmallChunks):
             return max(DIRECT_ALIGN, BULK_PIECE - BULK_PIECE % DIRECT_ALIGN)
         return max(nbytes, 1)
 
-    def _write_pieces(self, fd: int, data: Any, pos: int, done: int = 0) -> None:
-        """``pwrite`` ``data[done:]`` at byte ``pos + done`` of ``fd`` through the page cache;
-        a bulk write in pieces, each flushed before the next (see :meth:`_write_data`)."""
+    def _write_pieces(self, fd: int, data: Any, pos: int, done: int = 0) -> int:
+        """``pwrite`` ``data[done:]`` at byte ``pos + done`` of ``fd``; a bulk write in
+        pieces, each flushed before the next but the last (see :meth:`_write_data`).
+        Returns ``len(data)``."""
         piece = self._piece(len(data))
         while done < len(data):
             done += os.pwrite(fd, data[done:done + piece], pos + done)
             if done < len(data) and piece < len(data):
                 self._datasync(fd)
+        return done
 
     def _commit_meta(self, fd: int, meta: ChunkMeta, offset: int, n: int, segment_crcs: list[int]) -> ChunkMeta:
         """The CRCs of the blocks a write touched (those it covers whole: its segments'

@@ -23,7 +23,7 @@ read. Left alone, the burst fills the disk's queue and the reads wait behind it
   bytes take to reach the medium. A whole 4 MiB chunk flushed at once held every read
   of the disk for that long (docs/benchmarks.md, "A checkpoint burst, flushed piece by
   piece": readers' p99 28 ms during the burst, 2 ms alone); 512 KiB pieces cut that to
-  9 ms at ~0.9x the burst's throughput. ``STRIPEFS_BULK_PIECE`` (bytes, 0: one flush per
+  9 ms at ~0.8x the burst's throughput. ``STRIPEFS_BULK_PIECE`` (bytes, 0: one flush per
   write, as before) sets it.
 
 Small writes (a dataloader's outputs, metadata-sized files) and every read keep the
