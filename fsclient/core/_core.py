@@ -452,6 +452,22 @@ class ClientCore:
         pieces = [(*p, layout.chain_of(p[0])) for p in split(layout, offset, n)]
 
         lone = len(pieces) == 1
+        if lone:
+            # One chunk (a dataloader's sample): one blocking call, whose thread receives
+            # the answer itself when the connection is idle -- no hand-off from the reader
+            # thread, no future. A failure the retry loop retries goes to it below.
+            index, coff, k, pos, chain = pieces[0]
+            msg, check = _read_request(ino, index, coff, k, chain, self.routing().version)
+            t0 = time.monotonic()
+            try:
+                conn = self.data_conn(self._replica(chain, ino + index, 0))
+                _landed(conn.call(msg, dest=dest[pos : pos + k], timeout=REQUEST_TIMEOUT, check=check), dest[pos : pos + k], k)
+                return n
+            except StripefsError as exc:
+                if exc.code not in _RETRIED:
+                    raise
+                if exc.code == ErrorCode.TIMEOUT and time.monotonic() - t0 >= REQUEST_TIMEOUT:
+                    raise StripefsError(ErrorCode.TIMEOUT, "storage request timed out") from exc  # as the loop's
 
         def submit(p: tuple[int, int, int, int, int], attempt: int) -> Future:
             index, coff, k, pos, chain = p
@@ -459,9 +475,8 @@ class ClientCore:
             msg, check = _read_request(ino, index, coff, k, chain, self.routing().version)
             if not lone:
                 return conn.submit(msg, dest=dest[pos : pos + k], check=check)
-            # One chunk (a dataloader's sample): a blocking call, whose thread receives the
-            # answer itself when the connection is idle -- no hand-off from the reader
-            # thread. Its outcome goes through the same retry loop as a future's.
+            # One chunk again, after the call above failed: its outcome goes through the
+            # retry loop as a future's would.
             done: Future = Future()
             t0 = time.monotonic()
             try:

@@ -225,9 +225,11 @@ class StripeFile(io.RawIOBase):
             return 0
         sequential = offset == self._seq_end
         self._seq_end = offset + want
-        if want >= self.window // 2 or (not sequential and not self._in_window(offset)):
+        if want >= self.window // 2 or ((not sequential or offset + want == length) and not self._in_window(offset)):
             # Big reads go straight into the caller's buffer; small random reads fetch
-            # exactly what was asked (no window of readahead for a dataloader's 4 KiB sample).
+            # exactly what was asked (no window of readahead for a dataloader's 4 KiB sample),
+            # and so does a read to the end of the file (a small file read whole: nothing
+            # follows to read ahead, and a window would only cost a copy).
             return self._client.read_into(self._ino, self._layout, length, offset, dest[:want])
         done = 0
         while done < want:
