@@ -3,9 +3,10 @@
 A restore is bound by what each byte costs on its way into memory the process has never
 touched, so every byte is moved once and checked while it is still in cache:
 
-* A tensor of at least ``DIRECT`` bytes is read straight into its own memory in *pieces* cut at
-  the file's chunk boundaries (``src.piece`` bytes: one storage chunk, which one request fetches
-  and the reading thread receives itself), spread over all reader threads. Each piece's CRC32C
+* A tensor of at least ``DIRECT`` bytes and one piece is read straight into its own memory in
+  *pieces* cut at the file's chunk boundaries (``src.piece`` bytes: one storage chunk, which one
+  request fetches and the reading thread receives itself), spread over all reader threads. (A
+  smaller one would cost a request of its own all the same: it goes in a run, below.) Each piece's CRC32C
   is computed as soon as it lands; the tensor's is combined from them (:func:`crc_combine`):
   no second pass over the tensor. The thread that lands a tensor's last piece checks it.
 * A run of small tensors is one read. From a local file it is a single ``preadv`` scattered
@@ -144,6 +145,10 @@ def raw_jobs(src: Reader, rec: dict[str, Any], index: list[dict[str, Any]], mine
     name = rec["name"]
     jobs: list[Callable[[], None]] = []
     run: list[int] = []
+    # A tensor smaller than a piece would still cost a request of its own: such tensors go in
+    # runs too, whose reads are piece-sized (a 1,000-layer model of ~1 MiB tensors on 4 MiB
+    # chunks: 1.4x faster from the store here), capped so that a run stays within its budget.
+    direct = min(max(DIRECT, src.piece(name)), RUN_BYTES // 2) if mine else DIRECT
 
     def flush() -> None:
         if run:
@@ -152,7 +157,7 @@ def raw_jobs(src: Reader, rec: dict[str, Any], index: list[dict[str, Any]], mine
 
     for i in mine:
         e = index[i]
-        if e["nbytes"] >= DIRECT:
+        if e["nbytes"] >= direct:
             flush()
             big = _Big(src, name, e, i, verify)
             out[i] = big.tensor  # filled by the jobs; load() returns nothing unless all of them finish

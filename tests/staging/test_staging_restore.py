@@ -129,3 +129,30 @@ def test_a_short_local_file_is_an_error(cluster, testdir, sdir):
     os.truncate(path, os.path.getsize(path) // 2)
     with pytest.raises(ChecksumError, match="shorter than its manifest"):
         staging.load(local, verify=False)
+
+
+@pytest.mark.parametrize("piece", [1 << 20, 4 << 20])
+def test_tensors_smaller_than_a_piece_are_read_in_runs(cluster, testdir, sdir, monkeypatch, piece):
+    """A tensor below one piece would cost a request of its own: with 4 MiB pieces, twelve
+    1.5 MiB tensors are read in runs of at most ``RUN_BYTES`` (a few reads), with 1 MiB pieces
+    each is read straight into its own memory, piece by piece. Either way they come back exact."""
+    from stripefs.staging._fill import RUN_BYTES, raw_jobs
+
+    monkeypatch.setattr(_load, "LOCAL_PIECE", piece)
+    state = {f"layer{i}": torch.randn(3 << 17) for i in range(12)}  # 1.5 MiB each
+    local = _save(state, f"stripefs:/{testdir}/step-1", sdir, cluster)
+    with open(os.path.join(local, MANIFEST), "rb") as f:
+        man = parse_manifest(f.read(), local)
+    [rec] = man["files"]
+    mine = sorted(range(len(man["tensors"])), key=lambda i: man["tensors"][i]["offset"])
+    out: list = [None] * len(mine)
+    src = _load._Source(local, None)
+    jobs = raw_jobs(src, rec, man["tensors"], mine, out, True, __import__("threading").local())
+    if piece == 4 << 20:
+        assert len(jobs) == -(-12 * (3 << 19) // RUN_BYTES)  # runs: 18 MiB in 8 MiB reads
+    else:
+        assert len(jobs) >= 24  # two pieces or more per tensor
+    for job in jobs:
+        job()
+    assert all(torch.equal(t, state[f"layer{i}"]) for i, t in enumerate(out))
+    assert all(_same(v, staging.load(local)[k]) for k, v in state.items())
