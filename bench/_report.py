@@ -128,7 +128,7 @@ def write_json(report: dict[str, Any], path: str) -> None:
 
 
 RATIO_WORKLOADS = ["dataloader", "dataloader_batched", "small_writes", "small_writes_one_dir", "burst_interference", "seq_read", "seq_write",
-                   "rand_read_64k", "rand_read_1m", "checkpoint"]
+                   "rand_read_64k", "rand_read_1m", "checkpoint", "restore_16", "restore_1000"]
 
 
 def _ratio_bars(ax: Any, res: list[dict[str, Any]], key: str, title: str) -> None:

@@ -21,6 +21,12 @@ burst_interference   the first half of the clients (rounded up; all but
                      clients write a checkpoint burst of ``size`` bytes each
                      (``burst_interference``, with the p99 ratio during/alone, and
                      ``burst_write``, the burst's throughput)
+restore              every client restores a model state of ``size`` bytes saved by the route's
+                     own way (untimed, then the caches dropped): ``staging.save``/``load``
+                     from the store on native and zerocopy, ``torch.save``/``torch.load``
+                     of one file on POSIX routes, peers and fsspec; once cut into 16
+                     tensors (``restore_16``) and once into 1,000 (``restore_1000``);
+                     GB/s per load into fresh memory, every tensor compared afterwards
 kvcache              an inference server's KV-cache tier: Zipf batches of fixed-size pages
                      got from and put back into a store smaller than the key space (the
                      page store on native, one file per page on POSIX routes); records
@@ -243,6 +249,66 @@ def burst_interference(s: Session, task: dict[str, Any],
     return {"burst_alone": alone, "burst_interference": during}
 
 
+RESTORE_TENSORS = (16, 1000)  # a state of few large tensors, and one of a model's many layers
+
+
+def restore_tensors(total: int, count: int) -> Any:
+    """``(name, tensor)`` of a state of ``count`` float32 tensors of equal size, about
+    ``total`` bytes in all, one after another (random from a fixed seed: incompressible, and
+    made again tensor by tensor to check a load without holding two states at once)."""
+    import torch
+
+    g = torch.Generator().manual_seed(count)
+    n = max(1, total // count // 4)
+    for i in range(count):
+        yield f"layer{i:04d}.weight", torch.rand(n, generator=g)
+
+
+def _restore_path(task: dict[str, Any], ctx: ClientContext, count: int) -> str:
+    return f"restore/{task['tag']}/c{ctx.index}-t{count}"
+
+
+def prepare_restore(s: Session, task: dict[str, Any], ctx: ClientContext) -> None:
+    """Save this client's states (each of ``size`` bytes), the route's own way."""
+    s.makedirs(f"restore/{task['tag']}")
+    paths = [_restore_path(task, ctx, count) for count in RESTORE_TENSORS]
+    for path, count in zip(paths, RESTORE_TENSORS):
+        s.save_state(path, dict(restore_tensors(task["size"], count)))
+    evict(s, paths, task)
+
+
+def restore(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, PartResult]:
+    """Load each state whole into fresh memory, all clients at once (timed); then compare
+    every tensor with the state that was saved (untimed)."""
+    import torch
+
+    parts = {}
+    for count in RESTORE_TENSORS:
+        part = parts[f"restore_{count}"] = PartResult()
+        path = _restore_path(task, ctx, count)
+        ctx.wait()
+        part.t0 = clock()
+        state = s.load_state(path)
+        part.t1 = clock()
+        part.lat.append(part.t1 - part.t0)
+        part.ops = 1
+        for name, want in restore_tensors(task["size"], count):
+            got = state.pop(name, None)
+            if not isinstance(got, torch.Tensor) or not torch.equal(got, want):
+                raise VerifyError(f"{path}: tensor {name} is not the one saved")
+            part.nbytes += got.numel() * got.element_size()
+        if state:
+            raise VerifyError(f"{path}: keys that were not saved: {sorted(state)[:3]}")
+        part.verified = part.nbytes
+        del state
+    return parts
+
+
+def _restore_cleanup(s: Session, task: dict[str, Any], ctx: ClientContext) -> None:
+    for count in RESTORE_TENSORS:
+        s.remove_state(_restore_path(task, ctx, count))
+
+
 def _burst_writer(s: Session, task: dict[str, Any], ctx: ClientContext,
                   writers: int) -> dict[str, PartResult]:
     tag, part = task["tag"], PartResult()
@@ -255,11 +321,12 @@ def _burst_writer(s: Session, task: dict[str, Any], ctx: ClientContext,
 
 SEED = {"dataloader": dataloader, "dataloader_batched": dataloader_batched, "small_writes": small_writes,
         "small_writes_one_dir": small_writes_one_dir, "burst_interference": burst_interference,
-        "kvcache": kvcache}
+        "restore": restore, "kvcache": kvcache}
 SEED_PREPARE = {"dataloader": prepare_dataset, "dataloader_batched": prepare_dataset,
-                "burst_interference": prepare_dataset}
+                "burst_interference": prepare_dataset, "restore": prepare_restore}
 SEED_CLEANUP = {"small_writes": _small_writes_cleanup,
                 "small_writes_one_dir": lambda s, task, ctx: _small_writes_cleanup(s, task, ctx, one_dir=True),
-                "kvcache": kvcache_cleanup}
-SEED_PARTS = {"kvcache": KVCACHE_PARTS}  # records not named like their workload
+                "restore": _restore_cleanup, "kvcache": kvcache_cleanup}
+# records not named like their workload
+SEED_PARTS = {"kvcache": KVCACHE_PARTS, "restore": [f"restore_{n}" for n in RESTORE_TENSORS]}
 SEED_FINISH = {"kvcache": kvcache_finish}  # fields computed from a task's aggregated records

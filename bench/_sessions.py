@@ -58,6 +58,13 @@ class Session(Protocol):
         """Read each whole file ``paths[i]`` into ``views[i]`` (its exact size), by the
         route's best way to read many files at once; bytes read per file."""
         ...
+    def save_state(self, path: str, state: dict[str, Any]) -> None:
+        """Save a model state (tensors) durably at ``path``, the route's own way."""
+        ...
+    def load_state(self, path: str) -> dict[str, Any]:
+        """The state saved at ``path``, loaded whole into fresh memory."""
+        ...
+    def remove_state(self, path: str) -> None: ...
     def close(self) -> None: ...
 
 
@@ -121,6 +128,7 @@ class NativeSession(_Threads):
         from stripefs.fsclient import Client
 
         self.client = Client(cluster)
+        self.cluster = cluster
         self.root = root
         self.client.makedirs(root)
 
@@ -156,6 +164,34 @@ class NativeSession(_Threads):
 
     def rename(self, src: str, dst: str) -> None:
         self.client.rename(self._p(src), self._p(dst))
+
+    def _url(self, path: str) -> str:
+        return "stripefs://" + self._p(path).lstrip("/")
+
+    def save_state(self, path: str, state: dict[str, Any]) -> None:
+        """``staging.save`` streamed from memory to the store (no local copy: a load can
+        only come from the store)."""
+        import shutil
+        import tempfile
+
+        from stripefs import staging
+
+        sdir = tempfile.mkdtemp(prefix="stripefs-bench-staging-")
+        try:
+            staging.save(state, self._url(path), staging_dir=sdir, cluster=self.cluster, keep_local=0,
+                         background_mover=False).wait()
+        finally:
+            shutil.rmtree(sdir, ignore_errors=True)
+
+    def load_state(self, path: str) -> dict[str, Any]:
+        from stripefs import staging
+
+        return staging.load(self._url(path), cluster=self.cluster, prefer_local=False)  # type: ignore[no-any-return]
+
+    def remove_state(self, path: str) -> None:
+        from stripefs.staging._mover import remove_tree
+
+        remove_tree(self.client, self._p(path))
 
     def create_many(self, paths: list[str]) -> None:
         _all_done(self.client.create_many([self._p(p) for p in paths]))
@@ -200,6 +236,9 @@ class ZerocopySession(NativeSession):
 
     def open_read(self, path: str, direct: bool = False) -> Reader:
         return _RingReader(self.ring, self.ring.open(self._p(path)))
+
+    def save_state(self, path: str, state: dict[str, Any]) -> None:
+        raise NotImplementedError("restore: the ring has no state loader of its own (staging.load is the native route's)")
 
     def read_batch(self, paths: list[str], views: list[memoryview]) -> list[int]:
         """The USRBIO-style batch: register the files in one ``StatMany`` (``open_many``),
@@ -308,6 +347,23 @@ class PosixSession(_Threads):
     def rename(self, src: str, dst: str) -> None:
         os.rename(self._p(src), self._p(dst))
 
+    def save_state(self, path: str, state: dict[str, Any]) -> None:
+        """``torch.save`` into one file, then ``fsync``."""
+        import torch
+
+        with open(self._p(path), "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def load_state(self, path: str) -> dict[str, Any]:
+        import torch
+
+        return torch.load(self._p(path), weights_only=True)  # type: ignore[no-any-return]
+
+    def remove_state(self, path: str) -> None:
+        os.unlink(self._p(path))
+
     def close(self) -> None:
         self._close_threads()
 
@@ -405,6 +461,22 @@ class FsspecSession:
 
     def rename(self, src: str, dst: str) -> None:
         self.fs.mv(self._p(src), self._p(dst))
+
+    def save_state(self, path: str, state: dict[str, Any]) -> None:
+        """``torch.save`` into one file of the filesystem."""
+        import torch
+
+        with self.fs.open(self._p(path), "wb") as f:
+            torch.save(state, f)
+
+    def load_state(self, path: str) -> dict[str, Any]:
+        import torch
+
+        with self.fs.open(self._p(path), "rb") as f:
+            return torch.load(f, weights_only=True)  # type: ignore[no-any-return]
+
+    def remove_state(self, path: str) -> None:
+        self.fs.rm_file(self._p(path))
 
     def read_batch(self, paths: list[str], views: list[memoryview]) -> list[int]:
         """fsspec's batch call: ``cat`` of every path (ours: one StatMany, reads in flight

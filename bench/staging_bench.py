@@ -367,10 +367,11 @@ def load_bench(sd: dict[str, Any], args: Any, client: Client, sdir: str, scratch
 
 
 def restore_state(total: int, count: int) -> dict[str, torch.Tensor]:
-    """``count`` float32 tensors of equal size, about ``total`` bytes in all (random: incompressible)."""
-    g = torch.Generator().manual_seed(count)
-    n = max(1, total // count // 4)
-    return {f"layer{i:04d}.weight": torch.rand(n, generator=g) for i in range(count)}
+    """``count`` float32 tensors of equal size, about ``total`` bytes in all (random: incompressible;
+    the state of ``stripefs bench``'s ``restore`` workload)."""
+    from stripefs.bench._seed import restore_tensors
+
+    return dict(restore_tensors(total, count))
 
 
 def restore_bench(args: Any, sdir: str, scratch: str, url: Callable[[], str], count: int,

@@ -163,6 +163,45 @@ def test_burst_interference_reports_the_latency_ratio(report: dict[str, Any]) ->
         assert during["burst_gbps"] == burst["gbps"]
 
 
+def test_restore_loads_every_state_whole_and_checks_it(report: dict[str, Any]) -> None:
+    from stripefs.bench._seed import RESTORE_TENSORS
+
+    skipped = {(s["path"], s.get("workload")): s["reason"] for s in report["skipped"]}
+    assert "state loader" in skipped[("zerocopy", "restore")]  # the same staging.load as native
+    for path in ran_routes(report):
+        if path == "zerocopy":
+            continue
+        for count in RESTORE_TENSORS:
+            [rec] = records(report, path, f"restore_{count}")
+            per_tensor = max(1, SIZE // count // 4) * 4
+            assert rec["ops"] == CLIENTS  # one load per client, all at once
+            assert rec["bytes"] == rec["verified_bytes"] == CLIENTS * count * per_tensor
+
+
+def test_restore_finds_a_state_that_is_not_the_one_saved(tmp_path: Path) -> None:
+    from stripefs.bench._seed import prepare_restore, restore, restore_tensors
+    from stripefs.bench._sessions import PosixSession
+    from stripefs.bench._workloads import ClientContext
+
+    import torch
+
+    s = PosixSession(str(tmp_path))
+    task = {"tag": "t", "size": 64 * KiB, "evict": False}
+    ctx: Any = ClientContext(0, 1, type("B", (), {"wait": lambda self, t=None: 0})(), [0], None, Pattern(BLOCK))
+    prepare_restore(s, task, ctx)
+    assert restore(s, task, ctx)["restore_16"].verified == 64 * KiB
+    state = dict(restore_tensors(64 * KiB, 1000))
+    state["layer0999.weight"][7] += 1  # one float of the last tensor
+    s.save_state("restore/t/c0-t1000", state)
+    with pytest.raises(VerifyError, match="layer0999"):
+        restore(s, task, ctx)
+    state = dict(restore_tensors(64 * KiB, 1000))
+    state["extra"] = torch.zeros(1)
+    s.save_state("restore/t/c0-t1000", state)
+    with pytest.raises(VerifyError, match="extra"):
+        restore(s, task, ctx)
+
+
 def test_burst_writers_sets_how_many_clients_write_the_burst(cluster: Any, tmp_path: Path) -> None:
     cfg = BenchConfig(clients=[4], routes=["native"], workloads=["burst_interference"], size=SIZE,
                       block=BLOCK, duration=0.2, cluster=cluster.file, workdir=str(tmp_path), floors=False,
