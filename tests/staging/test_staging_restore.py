@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from stripefs import staging
-from stripefs.staging import ChecksumError, _load
+from stripefs.staging import ChecksumError, _fill, _load
 from stripefs.staging._format import MANIFEST, parse_manifest
 
 
@@ -156,3 +156,48 @@ def test_tensors_smaller_than_a_piece_are_read_in_runs(cluster, testdir, sdir, m
         job()
     assert all(torch.equal(t, state[f"layer{i}"]) for i, t in enumerate(out))
     assert all(_same(v, staging.load(local)[k]) for k, v in state.items())
+
+
+def _advised_huge(t: torch.Tensor) -> bool:
+    """Whether the mapping holding ``t``'s first 2 MiB-aligned byte carries ``madvise(MADV_HUGEPAGE)``
+    (``hg`` in its ``VmFlags``)."""
+    p = -(-t.data_ptr() // (2 << 20)) * (2 << 20)
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= p < hi
+            elif inside and head == "VmFlags:":
+                return "hg" in line.split()[1:]
+    raise AssertionError("the tensor's memory is in no mapping of /proc/self/smaps")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux's smaps shows the advice")
+@pytest.mark.parametrize("choice", ["1", "0"])
+def test_huge_page_advice_follows_the_setting(monkeypatch, choice):
+    monkeypatch.setenv("STRIPEFS_LOAD_HUGEPAGES", choice)
+    _fill.advise_huge.cache_clear()
+    try:
+        t = _fill.fresh({"shape": [4 << 20], "dtype": "float32", "nbytes": 16 << 20})
+        assert _advised_huge(t) == (choice == "1" and _fill._LIBC is not None)
+        monkeypatch.setenv("STRIPEFS_LOAD_HUGEPAGES", "yes")
+        _fill.advise_huge.cache_clear()
+        with pytest.raises(ValueError, match="STRIPEFS_LOAD_HUGEPAGES"):
+            _fill.advise_huge()
+    finally:
+        _fill.advise_huge.cache_clear()
+
+
+@pytest.mark.parametrize("bits, reports", [
+    ("01100101" + "0" * 24 + "1", True),  # a Firecracker guest's balloon: bit 5 among others
+    ("01100001" + "0" * 24 + "1", False),  # statistics and deflate-on-OOM, no reporting
+    ("0110", False),  # too few bits to hold bit 5
+])
+def test_a_balloon_that_reports_free_pages_is_recognised(tmp_path, bits, reports):
+    dev = tmp_path / "virtio3"
+    dev.mkdir()
+    (dev / "features").write_text(bits + "\n")
+    assert _fill.host_takes_free_pages(str(tmp_path / "virtio*" / "features")) is reports
+    assert _fill.host_takes_free_pages(str(tmp_path / "none*" / "features")) is False
