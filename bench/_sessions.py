@@ -170,7 +170,9 @@ class NativeSession(_Threads):
 
     def save_state(self, path: str, state: dict[str, Any]) -> None:
         """``staging.save`` streamed from memory to the store (no local copy: a load can
-        only come from the store)."""
+        only come from the store). The save's snapshot buffers are given back after it, as
+        a restore runs in a process that holds none (a restart), not beside a pooled copy of
+        the state's size."""
         import shutil
         import tempfile
 
@@ -180,6 +182,7 @@ class NativeSession(_Threads):
         try:
             staging.save(state, self._url(path), staging_dir=sdir, cluster=self.cluster, keep_local=0,
                          background_mover=False).wait()
+            staging.release_buffers()
         finally:
             shutil.rmtree(sdir, ignore_errors=True)
 

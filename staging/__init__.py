@@ -13,12 +13,13 @@ from ._load import latest, load, read_manifest, verify
 from ._mover import MoverOptions
 from ._ranks import CheckpointAborted
 from ._replicas import Durability
-from ._save import SaveHandle, default_staging_dir, save
+from ._save import SaveHandle, default_staging_dir, release_buffers, save
 from ._service import Mover
 
 __all__ = [
     "save", "load", "latest", "verify", "read_manifest", "SaveHandle", "Durability", "Mover", "MoverOptions",
     "ChecksumError", "CheckpointConflict", "CheckpointAborted", "StagedStorageWriter", "StagedStorageReader", "default_staging_dir",
+    "release_buffers",
 ]
 
 

@@ -50,9 +50,20 @@ from ._replicas import Durability
 from ._service import Mover, apply_retention
 from ._snapshot import POOL, snapshot, yield_to_snapshots
 
-__all__ = ["save", "SaveHandle", "default_staging_dir", "write_local_dir"]
+__all__ = ["save", "SaveHandle", "default_staging_dir", "release_buffers", "write_local_dir"]
 
 log = logging.getLogger("stripefs.staging")
+
+
+def release_buffers() -> int:
+    """Give back the memory of the snapshot buffers no save is using; returns their bytes.
+
+    Saves keep up to two buffers of the state's size pooled, warm, for the next save. A
+    process done saving for a while (before an evaluation, or a load into fresh memory that
+    would otherwise sit beside them) can return that memory; a save in flight keeps its own
+    buffer, and the next save makes one again, paying for fresh memory once.
+    """
+    return POOL.clear()
 
 
 def default_staging_dir() -> str:

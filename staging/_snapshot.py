@@ -210,12 +210,18 @@ class BufferPool:
         threading.Thread(target=self.reserve, args=(size, max_bytes), daemon=True,
                          name="stripefs-snapshot-reserve").start()
 
-    def clear(self) -> None:
-        """Drop idle buffers (their memory returns to the OS once no tensor views remain)."""
+    def clear(self) -> int:
+        """Drop every idle buffer (a save in flight keeps its own); returns the bytes dropped.
+
+        Their memory returns to the OS once no tensor views remain (pinned buffers go back to
+        torch's pinned-memory cache); the next save makes a buffer again.
+        """
         with self._cond:
-            self._count -= len(self._free)
-            self._bytes -= sum(b.size for b in self._free)
-            self._free.clear()
+            dropped, self._free = self._free, []
+            freed = sum(b.size for b in dropped)
+            self._count -= len(dropped)
+            self._bytes -= freed
+        return freed
 
 
 POOL = BufferPool()

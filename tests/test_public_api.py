@@ -24,7 +24,7 @@ PUBLIC: dict[str, set[str]] = {
     'stripefs.fsclient.batchread.dataset': {'Batch', 'collate_batch', 'IndexDataset', 'loader', 'RecordDataset'},
     'stripefs.fsclient.testing': {'LocalPostgres', 'postgres_bin', 'add_server', 'down', 'LocalCluster', 'mark_removed', 'read_cluster', 'up'},
     'stripefs.fsclient.testing.differential': {'Divergence', 'LocalRoute', 'MountRoute', 'NativeRoute', 'parse_seeds', 'replay', 'Route', 'run_seed'},
-    'stripefs.staging': {'CheckpointAborted', 'CheckpointConflict', 'ChecksumError', 'default_staging_dir', 'Durability', 'latest', 'load', 'Mover', 'MoverOptions', 'read_manifest', 'save', 'SaveHandle', 'StagedStorageReader', 'StagedStorageWriter', 'verify'},
+    'stripefs.staging': {'CheckpointAborted', 'CheckpointConflict', 'ChecksumError', 'default_staging_dir', 'Durability', 'latest', 'load', 'Mover', 'MoverOptions', 'read_manifest', 'release_buffers', 'save', 'SaveHandle', 'StagedStorageReader', 'StagedStorageWriter', 'verify'},
     'stripefs.bench': {'aggregate', 'BenchConfig', 'run_bench'},
 }
 

@@ -70,6 +70,27 @@ def test_roundtrip_remote_and_local(cluster, testdir, sdir):
     assert man["step"] == 10 and all(f["name"].endswith(".bin") for f in man["files"])
 
 
+def _resident() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or not os.path.exists("/proc/self/statm"),
+                    reason="CPU snapshot buffers, resident memory from /proc")
+def test_release_buffers_gives_the_snapshot_memory_back(cluster, testdir, sdir):
+    staging.release_buffers()  # whatever earlier tests left pooled
+    ref = {"w": torch.randn(16 << 20 >> 2)}  # 16 MiB
+    url = f"stripefs:/{testdir}/step-000001"
+    assert staging.save(ref, url, staging_dir=sdir, cluster=cluster.file, background_mover=False).wait(60)
+    before = _resident()
+    assert staging.release_buffers() >= 16 << 20
+    assert before - _resident() >= 15 << 20  # the buffer's pages, not only its bookkeeping
+    assert staging.release_buffers() == 0
+    url2 = f"stripefs:/{testdir}/step-000002"  # the next save makes a buffer again
+    assert staging.save(ref, url2, staging_dir=sdir, cluster=cluster.file, background_mover=False).wait(60)
+    assert torch.equal(staging.load(url2, cluster=cluster.file, prefer_local=False)["w"], ref["w"])
+
+
 def test_snapshot_is_isolated_from_later_updates(cluster, testdir, sdir):
     t = torch.zeros(1000)
     h = staging.save({"t": t}, f"{testdir}/s-1", staging_dir=sdir, cluster=cluster.file, background_mover=False)
