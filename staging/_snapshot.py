@@ -93,6 +93,7 @@ class BufferPool:
         self._count = 0   # buffers in existence, busy or free
         self._bytes = 0   # their sizes together
         self._reserving = False  # a buffer is being made ahead of need (``reserve``)
+        self._clears = 0  # ``clear`` calls so far: a buffer reserved across one is not pooled
         self._cond = threading.Condition()
 
     def acquire(self, size: int, timeout: float | None = None, max_bytes: int | None = None) -> HostBuffer:
@@ -174,7 +175,7 @@ class BufferPool:
         meanwhile counts the buffer being made as busy and takes it once it is pooled.
 
         Returns:
-            whether a buffer was made.
+            whether a buffer was made and pooled.
         """
         need = buffer_size(size)
         with self._cond:
@@ -185,6 +186,7 @@ class BufferPool:
             self._reserving = True
             self._count += 1
             self._bytes += need
+            clears = self._clears
         try:
             buf = HostBuffer(size)
         except BaseException as exc:
@@ -198,9 +200,14 @@ class BufferPool:
             return False
         with self._cond:
             self._reserving = False
-            self._free.append(buf)
+            kept = clears == self._clears  # a clear meanwhile asked for the memory back
+            if kept:
+                self._free.append(buf)
+            else:
+                self._count -= 1
+                self._bytes -= need
             self._cond.notify_all()
-        return True
+        return kept
 
     def reserve_in_background(self, size: int, max_bytes: int | None = None) -> None:
         """:meth:`reserve` on a thread of its own (faulting in fresh memory takes a while)."""
@@ -214,9 +221,11 @@ class BufferPool:
         """Drop every idle buffer (a save in flight keeps its own); returns the bytes dropped.
 
         Their memory returns to the OS once no tensor views remain (pinned buffers go back to
-        torch's pinned-memory cache); the next save makes a buffer again.
+        torch's pinned-memory cache); the next save makes a buffer again. A buffer being
+        reserved meanwhile is dropped when made, not pooled.
         """
         with self._cond:
+            self._clears += 1
             dropped, self._free = self._free, []
             freed = sum(b.size for b in dropped)
             self._count -= len(dropped)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import pickle
 import signal
 import time
 import subprocess
+import threading
+import weakref
 from collections import OrderedDict
 
 import numpy as np
@@ -70,25 +73,54 @@ def test_roundtrip_remote_and_local(cluster, testdir, sdir):
     assert man["step"] == 10 and all(f["name"].endswith(".bin") for f in man["files"])
 
 
-def _resident() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-@pytest.mark.skipif(torch.cuda.is_available() or not os.path.exists("/proc/self/statm"),
-                    reason="CPU snapshot buffers, resident memory from /proc")
 def test_release_buffers_gives_the_snapshot_memory_back(cluster, testdir, sdir):
+    from stripefs.staging._snapshot import POOL
+
     staging.release_buffers()  # whatever earlier tests left pooled
     ref = {"w": torch.randn(16 << 20 >> 2)}  # 16 MiB
     url = f"stripefs:/{testdir}/step-000001"
     assert staging.save(ref, url, staging_dir=sdir, cluster=cluster.file, background_mover=False).wait(60)
-    before = _resident()
+    pooled = [weakref.ref(b) for b in POOL._free]
+    assert pooled
     assert staging.release_buffers() >= 16 << 20
-    assert before - _resident() >= 15 << 20  # the buffer's pages, not only its bookkeeping
+    # Nothing of ours holds the buffers any more (the save's thread, which gave its buffer
+    # back before it finished, lets go of it too): each is unmapped as it goes.
+    deadline = time.monotonic() + 30
+    while any(r() is not None for r in pooled):
+        assert time.monotonic() < deadline, "a released snapshot buffer is still referenced"
+        gc.collect()
+        time.sleep(0.05)
     assert staging.release_buffers() == 0
     url2 = f"stripefs:/{testdir}/step-000002"  # the next save makes a buffer again
     assert staging.save(ref, url2, staging_dir=sdir, cluster=cluster.file, background_mover=False).wait(60)
     assert torch.equal(staging.load(url2, cluster=cluster.file, prefer_local=False)["w"], ref["w"])
+
+
+def test_a_buffer_reserved_across_release_buffers_is_not_pooled(monkeypatch):
+    """A save that overlaps an earlier one reserves a second buffer on a thread of its own; a
+    release made while that buffer is being faulted in must not find it pooled afterwards."""
+    from stripefs.staging import _snapshot
+
+    pool = _snapshot.BufferPool()
+    making, go = threading.Event(), threading.Event()
+    made = _snapshot.HostBuffer
+
+    def slow_buffer(size):
+        making.set()
+        assert go.wait(30)
+        return made(size)
+
+    monkeypatch.setattr(_snapshot, "HostBuffer", slow_buffer)
+    result = []
+    t = threading.Thread(target=lambda: result.append(pool.reserve(1 << 20)))
+    t.start()
+    assert making.wait(30)
+    assert pool.clear() == 0  # nothing pooled yet
+    go.set()
+    t.join(30)
+    assert result == [False] and pool._free == [] and pool._count == 0 and pool._bytes == 0
+    assert pool.reserve(1 << 20) and len(pool._free) == 1  # a reserve after the release pools
+    assert pool.clear() == _snapshot.buffer_size(1 << 20)
 
 
 def test_snapshot_is_isolated_from_later_updates(cluster, testdir, sdir):

@@ -180,7 +180,9 @@ def test_huge_page_advice_follows_the_setting(monkeypatch, choice):
     monkeypatch.setenv("STRIPEFS_LOAD_HUGEPAGES", choice)
     _fill.advise_huge.cache_clear()
     try:
-        t = _fill.fresh({"shape": [4 << 20], "dtype": "float32", "nbytes": 16 << 20})
+        # 64 MiB: above glibc's largest mmap threshold (32 MiB), so a mapping of its own, which
+        # no earlier advice on a reused heap can have marked (never touched: costs no memory).
+        t = _fill.fresh({"shape": [16 << 20], "dtype": "float32", "nbytes": 64 << 20})
         assert _advised_huge(t) == (choice == "1" and _fill._LIBC is not None)
         monkeypatch.setenv("STRIPEFS_LOAD_HUGEPAGES", "yes")
         _fill.advise_huge.cache_clear()
