@@ -110,7 +110,6 @@ def advise_huge() -> bool:
     return _LIBC is not None and not host_takes_free_pages()
 
 
-
 def fresh(e: dict[str, Any]) -> torch.Tensor:
     """An uninitialised tensor for index entry ``e``, advised into huge pages when large
     (where :func:`advise_huge`)."""
