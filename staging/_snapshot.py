@@ -130,9 +130,7 @@ class BufferPool:
                     if busy == 0 or (room and not no_room):
                         # Every free buffer is too small for this state: drop them rather than
                         # keep memory that no save of this size can use.
-                        self._count -= len(self._free)
-                        self._bytes -= sum(b.size for b in self._free)
-                        self._free.clear()
+                        self._drop_free()
                         self._count += 1
                         self._bytes += need
                         break
@@ -226,10 +224,14 @@ class BufferPool:
         """
         with self._cond:
             self._clears += 1
-            dropped, self._free = self._free, []
-            freed = sum(b.size for b in dropped)
-            self._count -= len(dropped)
-            self._bytes -= freed
+            return self._drop_free()
+
+    def _drop_free(self) -> int:
+        """Forget the free buffers (the caller holds ``_cond``); returns their bytes."""
+        freed = sum(b.size for b in self._free)
+        self._count -= len(self._free)
+        self._bytes -= freed
+        self._free = []
         return freed
 
 
