@@ -14,7 +14,8 @@ to globally durable with ``keep_local=0`` and with a local copy, against a nativ
 client write of the same bytes, interleaved so that each ratio compares
 neighbours), ``load`` (vs the loopback socket floor and ``torch.load``), ``restore``
 (a state of ``--restore-size`` bytes cut into equal tensors, loaded from the store and from
-the local staged copy, each round next to the socket floor), ``overlap`` (the blocking of a
+the local staged copy into fresh tensors and, ``store_into``/``local_into``, into a state held
+in memory as a restarted job's model is, each round next to the socket floor), ``overlap`` (the blocking of a
 save made right after the previous one returned, while that one is still being written
 locally and uploaded, capped at ``--overlap-bandwidth`` and uncapped, against a plain copy of
 the same tensors into already-touched memory; ``--overlap`` runs this section alone), ``dcp``
@@ -381,7 +382,8 @@ def restore_bench(args: Any, sdir: str, scratch: str, url: Callable[[], str], co
     Each round measures the floor, then a load from the store (``prefer_local=False``), then a
     load from the staged copy (the same call, ``staging_dir`` given): the ratios are medians of
     per-round ratios, neighbours in time seeing the same machine load. Each loaded state is
-    dropped before the next load, so every load writes into fresh memory as a restore does.
+    dropped before the next load, so every such load writes into fresh memory; the ``_into``
+    loads (``load(into=...)``) fill a state held all along, as a restarted job's model is.
     """
     from stripefs.bench.floors import floor_socket
 
@@ -390,8 +392,12 @@ def restore_bench(args: Any, sdir: str, scratch: str, url: Callable[[], str], co
     where = url()
     staging.save(sd, where, staging_dir=sdir, cluster=args.cluster, keep_local=1, keep_remote=1,
                  background_mover=False).wait()
+    # A restarted job's state, built (and so touched) before it loads, as a model is: the
+    # ``_into`` loads fill it in place (``load(into=...)``), the others make fresh tensors.
+    held = {k: v.clone() for k, v in sd.items()}
     del sd
-    loads = {"store": dict(prefer_local=False), "local": dict(staging_dir=sdir)}
+    loads = {"store": dict(prefer_local=False), "local": dict(staging_dir=sdir),
+             "store_into": dict(prefer_local=False, into=held), "local_into": dict(staging_dir=sdir, into=held)}
     times: dict[str, list[float]] = {"floor_socket": [], **{k: [] for k in loads}}
     for label, kw in loads.items():  # warm-up: connections, the local copy in the page cache
         staging.load(where, cluster=args.cluster, **kw)

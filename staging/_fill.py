@@ -47,7 +47,7 @@ import torch
 
 from ._format import ChecksumError, crc_combine, dtype_from_name
 
-__all__ = ["DIRECT", "RUN_BYTES", "Reader", "raw_jobs", "fresh", "bytes_of", "read_exact"]
+__all__ = ["DIRECT", "RUN_BYTES", "Reader", "raw_jobs", "fresh", "dest_of", "bytes_of", "read_exact"]
 
 DIRECT = 1 << 20  # tensors this large are read into their own memory; smaller ones in runs
 RUN_BYTES = 8 << 20  # the most one run of small tensors reads at once (the thread's scratch)
@@ -122,6 +122,13 @@ def fresh(e: dict[str, Any]) -> torch.Tensor:
     return t
 
 
+def dest_of(out: list[Any], i: int, e: dict[str, Any]) -> torch.Tensor:
+    """Where tensor ``i`` lands: ``out[i]`` when the caller gave memory of its own for it
+    (``load(into=...)``: contiguous, host, the stored dtype and shape), else :func:`fresh`."""
+    t = out[i]
+    return fresh(e) if t is None else t
+
+
 def bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
@@ -142,10 +149,10 @@ def _bad(src: Reader, i: int) -> ChecksumError:
 class _Big:
     """One large tensor being filled piece by piece: the pieces' CRCs, and who finishes it."""
 
-    def __init__(self, src: Reader, name: str, e: dict[str, Any], i: int, verify: bool):
+    def __init__(self, src: Reader, name: str, e: dict[str, Any], i: int, verify: bool, tensor: torch.Tensor):
         self.src, self.name, self.i, self.verify = src, name, i, verify
         self.want, self.offset = e["crc32c"], e["offset"]
-        self.tensor = fresh(e)
+        self.tensor = tensor
         self.view = bytes_of(self.tensor)
         step = src.piece(name)
         cuts = list(range(self.offset // step * step + step, self.offset + len(self.view), step))
@@ -180,7 +187,8 @@ class _Big:
 
 def raw_jobs(src: Reader, rec: dict[str, Any], index: list[dict[str, Any]], mine: list[int], out: list[Any],
              verify: bool, scratch: threading.local) -> list[Callable[[], None]]:
-    """The jobs that fill ``out[i]`` for each ``i`` of ``mine`` (sorted by offset) from raw file ``rec``."""
+    """The jobs that fill ``out[i]`` for each ``i`` of ``mine`` (sorted by offset) from raw file ``rec``:
+    into the tensor ``out[i]`` holds already, or a fresh one."""
     name = rec["name"]
     jobs: list[Callable[[], None]] = []
     run: list[int] = []
@@ -198,7 +206,7 @@ def raw_jobs(src: Reader, rec: dict[str, Any], index: list[dict[str, Any]], mine
         e = index[i]
         if e["nbytes"] >= direct:
             flush()
-            big = _Big(src, name, e, i, verify)
+            big = _Big(src, name, e, i, verify, dest_of(out, i, e))
             out[i] = big.tensor  # filled by the jobs; load() returns nothing unless all of them finish
             jobs.extend(functools.partial(big.fill, k) for k in range(len(big.spans)))
             continue
@@ -215,7 +223,7 @@ def _load_run(src: Reader, name: str, index: list[dict[str, Any]], run: list[int
               scratch: threading.local) -> None:
     start = index[run[0]]["offset"]
     end = max(index[i]["offset"] + index[i]["nbytes"] for i in run)
-    tensors = [fresh(index[i]) for i in run]
+    tensors = [dest_of(out, i, index[i]) for i in run]
     ends = [index[i]["offset"] + index[i]["nbytes"] for i in run]
     if src.local and all(index[i]["offset"] >= e for i, e in zip(run[1:], ends)):  # disjoint, in order
         _scatter(src, name, index, run, tensors, start, end)

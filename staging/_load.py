@@ -27,8 +27,9 @@ import crc32c
 import torch
 
 # DIRECT and RUN_BYTES are imported for those who read the load's knobs here (the memory tests).
-from ._fill import DIRECT, RUN_BYTES, bytes_of, fresh, raw_jobs, read_exact  # noqa: F401
+from ._fill import DIRECT, RUN_BYTES, bytes_of, dest_of, raw_jobs, read_exact  # noqa: F401
 from ._format import MANIFEST, ChecksumError, decode_tree, dtype_from_name, parse_manifest, step_order
+from ._into import Targets, pair
 from ._journal import Journal
 from ._ranks import rank_slice
 from ._mover import checkpoint_path, client_for
@@ -96,11 +97,15 @@ class _Source:
         self._files.clear()
 
 
-def _load_from(src: _Source, man: dict[str, Any], verify: bool, only: range | None = None) -> list[torch.Tensor]:
-    """Every stored tensor of ``man`` (``only``: those of these files; the others stay None)."""
+def _load_from(src: _Source, man: dict[str, Any], verify: bool, only: range | None = None,
+               targets: Targets | None = None) -> list[torch.Tensor]:
+    """Every stored tensor of ``man`` (``only``: those of these files; the others stay None),
+    each in fresh memory or in the memory ``targets`` gives for it."""
     files = man["files"]
     index = man["tensors"]
     out: list[torch.Tensor | None] = [None] * len(index)
+    if targets is not None:
+        targets.prefill(out)
     jobs: list[Callable[[], None]] = []
 
     def check(i: int, t: torch.Tensor) -> None:
@@ -140,7 +145,7 @@ def _load_zstd(src: _Source, rec: dict[str, Any], index: list[dict[str, Any]], m
     """
     import zstandard
 
-    tensors = {i: fresh(index[i]) for i in mine}
+    tensors = {i: dest_of(out, i, index[i]) for i in mine}
     spans = [(index[i]["offset"], index[i]["offset"] + index[i]["nbytes"], bytes_of(tensors[i])) for i in mine]
     frames, size, raw_size = rec["frames"], rec["size"], rec["raw_size"]
     dec = zstandard.ZstdDecompressor()
@@ -186,7 +191,8 @@ def _load_zstd(src: _Source, rec: dict[str, Any], index: list[dict[str, Any]], m
         out[i] = tensors[i]
 
 
-def _materialize(src: _Source, man: dict[str, Any], verify: bool, map_location: Any, rank: int | None = None) -> Any:
+def _materialize(src: _Source, man: dict[str, Any], verify: bool, map_location: Any, rank: int | None = None,
+                 into: Any = None) -> Any:
     if man.get("kind") == "dcp":
         raise ValueError(f"{man.get('url')} is a torch DCP checkpoint: load it with torch.distributed.checkpoint.load "
                          "and staging.StagedStorageReader(url)")
@@ -194,12 +200,14 @@ def _materialize(src: _Source, man: dict[str, Any], verify: bool, map_location: 
     if rank is not None and (rank != 0 or "ranks" in man):
         files, mine, keys = rank_slice(man, rank)
         tree = {"d": tree["d"][keys.start : keys.stop]}
-    tensors: list[Any] = _load_from(src, man, verify, files)
     index = man["tensors"]
+    targets = pair(tree, into, index, mine) if into is not None else Targets()
+    tensors: list[Any] = _load_from(src, man, verify, files, targets)
     if map_location is not None:
         device = torch.device(map_location)
-        # numpy arrays stay numpy (host memory): only tensors move.
-        tensors = [t if t is None or e.get("numpy") else t.to(device) for t, e in zip(tensors, index)]
+        # numpy arrays stay numpy (host memory): only tensors move, and a target stays where it is.
+        tensors = [t if t is None or e.get("numpy") or i in targets.direct else t.to(device)
+                   for i, (t, e) in enumerate(zip(tensors, index))]
     for i, e in enumerate(index):
         if i not in mine:
             continue  # another rank's tensor (load(rank=...))
@@ -208,14 +216,17 @@ def _materialize(src: _Source, man: dict[str, Any], verify: bool, map_location: 
             dt = dtype_from_name(e["dtype"])
             tensors[i] = torch.empty(0, dtype=dt, device=base.device).set_(
                 base.untyped_storage(), e["byte_offset"] // dt.itemsize, e["shape"], e["stride"])
+    targets.finish(tensors)
     for i, e in enumerate(index):  # version 4: parameters and tensors that required grad come back so
-        if i not in mine:
+        if i not in mine or i in targets.given:  # a target keeps its own autograd state
             continue
         if e.get("param"):
             tensors[i] = torch.nn.Parameter(tensors[i], requires_grad=bool(e.get("requires_grad")))
         elif e.get("requires_grad"):
             tensors[i].requires_grad_(True)
     values: list[Any] = [t.numpy() if e.get("numpy") and t is not None else t for t, e in zip(tensors, index)]
+    for i, obj in targets.given.items():
+        values[i] = obj
     return decode_tree(tree, values)
 
 
@@ -227,7 +238,7 @@ def read_manifest(url: str, *, cluster: str | None = None) -> dict[str, Any]:
 
 
 def load(url: str | None, *, map_location: Any = None, verify: bool = True, staging_dir: str | None = None,
-         cluster: str | None = None, prefer_local: bool = True, rank: int | None = None) -> Any:
+         cluster: str | None = None, prefer_local: bool = True, rank: int | None = None, into: Any = None) -> Any:
     """Load a checkpoint saved by :func:`staging.save`.
 
     A step saved by several ranks (``save(..., rank=r, world_size=n)``) loads as one dict
@@ -241,18 +252,25 @@ def load(url: str | None, *, map_location: Any = None, verify: bool = True, stag
             numpy arrays are always returned as numpy arrays, in host memory.
         verify: check every tensor's CRC32C (fail closed on mismatch).
         prefer_local: use the staging directory's copy when it is the committed one and verifies.
+        into: a state already in memory to restore into (``model.state_dict()``, or a dict of
+            several): each stored tensor whose place (same keys, same list positions) holds a
+            tensor or numpy array of the stored dtype and shape is filled in place, host
+            contiguous ones straight by the readers, and is what the returned state holds
+            there. Saves faulting in fresh memory and the copy of ``load_state_dict``. A
+            failed check leaves the targets partly written.
 
     Raises:
         FileNotFoundError: nothing committed at ``url``. ChecksumError: corrupt bytes.
         pickle.UnpicklingError: a non-JSON value needs a type the restricted loader refuses.
-        ValueError: ``rank`` is not a rank of the step; the step is a DCP checkpoint.
+        ValueError: ``rank`` is not a rank of the step; the step is a DCP checkpoint; a tensor
+            in ``into`` has another dtype or shape than the stored one (raised before any read).
     """
     if url is None:  # load(latest(prefix)) on a first run
         raise FileNotFoundError(errno.ENOENT, "no checkpoint to load (latest() found none: a first run?)")
     if isinstance(url, str) and not url.startswith("stripefs://") and os.path.isfile(os.path.join(url, MANIFEST)):
         src = _Source(url, None)
         try:
-            return _materialize(src, parse_manifest(src.manifest(), url), verify, map_location, rank)
+            return _materialize(src, parse_manifest(src.manifest(), url), verify, map_location, rank, into)
         finally:
             src.close()
     final = checkpoint_path(url)
@@ -265,7 +283,7 @@ def load(url: str | None, *, map_location: Any = None, verify: bool = True, stag
             if local is not None:
                 src = _Source(local, None)
                 try:
-                    return _materialize(src, man, verify, map_location, rank)
+                    return _materialize(src, man, verify, map_location, rank, into)
                 except (ChecksumError, OSError) as exc:
                     log.warning("local copy %s unusable (%s); reading %s", local, exc, url)
                 finally:
@@ -275,7 +293,7 @@ def load(url: str | None, *, map_location: Any = None, verify: bool = True, stag
         problems = file_problems(client, final, rows_of(man["files"]), checksums=False)
         if problems:
             raise ChecksumError("; ".join(f"{n}: {r}" for n, r in sorted(problems.items())), final)
-        return _materialize(remote, man, verify, map_location, rank)
+        return _materialize(remote, man, verify, map_location, rank, into)
     finally:
         remote.close()
 
