@@ -6,10 +6,10 @@ wrote, records them in the journal, makes the copy locally durable and hands
 it to the same uploader as :func:`staging.save` (atomic rename, manifest
 last). ``dcp.async_save`` uses its ``stage`` (torch's ``BlockingAsyncStager``
 with ``cache_staged_state_dict=True``: the CPU copy is made into buffers that
-are reused by every later save). ``StagedStorageReader`` verifies the files
-against the manifest — using the local staged copy when there is one,
-otherwise downloading into the staging area's cache — and lets torch's
-``FileSystemReader`` read them.
+are reused by every later save). ``StagedStorageReader`` lets torch's
+``FileSystemReader`` read the files where they lie — the local staged copy when
+there is one, else the store — through :mod:`._checked`, which checks every
+checksum chunk against the manifest as it is first read.
 
 A save by several ranks (a process group of more than one) is one checkpoint:
 
@@ -34,7 +34,9 @@ save is saved again by the resumed job); ``upload=False`` is refused there.
 Caveats:
     * DCP's own ``.metadata`` file is a pickle that torch loads itself; the
       manifest's checksum guarantees it is the file the writer produced.
-    * The reader downloads the checkpoint to local disk before DCP reads it.
+    * The reader reads only the byte ranges of the load plan, where they lie (the local staged
+      copy, else the store), checking each 4 MiB checksum chunk as it is first read: a damaged
+      byte fails ``dcp.load``, not the reader's construction.
 """
 
 from __future__ import annotations
@@ -60,11 +62,12 @@ from stripefs.fsclient import Client, normpath
 
 from . import _ranks
 from ._durable import publish_dir
-from ._format import BASE_VERSION, FORMAT, MANIFEST, ChecksumError, chunk_crcs, crc_combine, manifest_bytes, parse_manifest
+from ._format import BASE_VERSION, FORMAT, MANIFEST, ChecksumError, crc_combine, manifest_bytes, parse_manifest
 from ._journal import CkptRow, FileRow, Journal
 from ._replicas import Durability
 from ._mover import MoverOptions, Uploader, client_for, remote_paths, with_retries
-from ._verify import file_problems
+from ._checked import CheckedFiles
+from ._verify import file_problems, rows_of
 from ._save import _step_of, default_staging_dir
 from ._service import apply_retention
 
@@ -285,48 +288,52 @@ class StagedStorageWriter(FileSystemWriter):
 class StagedStorageReader(FileSystemReader):
     """A DCP ``StorageReader`` for checkpoints written by :class:`StagedStorageWriter`.
 
-    Raises (at construction / reset):
-        FileNotFoundError: nothing committed at ``url``. ChecksumError: a file fails its CRC32C.
+    Raises:
+        FileNotFoundError: nothing committed at ``url`` (construction / reset).
+        ChecksumError: a file is missing or of another size than committed (construction /
+            reset); a checksum chunk fails its CRC32C (``dcp.load``).
     """
 
     def __init__(self, url: str, *, staging_dir: str | None = None, cluster: str | None = None) -> None:
         self.staging_dir = os.path.abspath(staging_dir or default_staging_dir())
         self.cluster = cluster
-        super().__init__(self._resolve(url))
+        path, files = self._resolve(url)
+        super().__init__(path)
+        self.fs, self.path = files, path  # torch's reader opens every file through self.fs
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return _is_url(checkpoint_id)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        super().reset(self._resolve(str(checkpoint_id)) if checkpoint_id is not None else None)
+        super().reset(None)
+        if checkpoint_id is not None:
+            self.path, self.fs = self._resolve(str(checkpoint_id))
 
-    def _resolve(self, url: str) -> str:
+    def _resolve(self, url: str) -> tuple[str, CheckedFiles]:
+        """Where torch's reader reads the committed step ``url`` from: the local staged copy
+        when this staging area holds all of its files (a bad chunk there is read again from
+        the store), else the store. Either way each file is read through a
+        :class:`~._checked.CheckedFile` (every 4 MiB checksum chunk checked as it is first
+        read), and only the byte ranges the load plan names are read."""
         client = client_for(self.cluster)
         final = normpath(url)
         man = parse_manifest(client.read_bytes(posixpath.join(final, MANIFEST)), final)
-        journal = Journal(self.staging_dir)
-        local = journal.step_dir(man["id"])
-        if os.path.isdir(local):
-            try:
-                _verify_dir(local, man, lambda name: open(os.path.join(local, name), "rb").read())
-                return local
-            except (ChecksumError, OSError):
-                pass  # fall through to a fresh verified download
-        cache = os.path.join(self.staging_dir, "cache", man["id"])
-        if not os.path.isfile(os.path.join(cache, MANIFEST)):
-            tmp = cache + f".tmp-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-            for rec in man["files"]:  # names validated by parse_manifest: plain, relative, unique
-                data = client.read_bytes(posixpath.join(final, rec["name"]))
-                _verify_dir(tmp, {"files": [rec]}, lambda _n, d=data: d)
-                _write_synced(os.path.join(tmp, rec["name"]), data)
-            # The cache is trusted without another check once its manifest exists: durable first.
-            _write_synced(os.path.join(tmp, MANIFEST), manifest_bytes(man))
-            shutil.rmtree(cache, ignore_errors=True)
-            publish_dir(tmp, cache)
-        return cache
+        local = Journal(self.staging_dir).step_dir(man["id"])
+        if all(_local_size(local, rec["name"]) == rec["size"] for rec in man["files"]):
+            return local, CheckedFiles(final, man, client, local=local)
+        # One stat per file first: a step cut short fails here, naming every bad file.
+        problems = file_problems(client, final, rows_of(man["files"]), checksums=False)
+        if problems:
+            raise ChecksumError("; ".join(f"{n}: {r}" for n, r in sorted(problems.items())), final)
+        return final, CheckedFiles(final, man, client)
+
+
+def _local_size(where: str, name: str) -> int | None:
+    try:
+        return os.stat(os.path.join(where, name)).st_size
+    except OSError:
+        return None
 
 
 def _records(where: str, names: list[str]) -> tuple[list[dict[str, Any]], list[FileRow]]:
@@ -375,18 +382,3 @@ def _put_files(client: Client, partial: str, where: str, records: list[dict[str,
     if problems:
         name, why = next(iter(problems.items()))
         raise ChecksumError(f"uploaded file {name} fails its checks: {why}", partial)
-
-
-def _write_synced(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _verify_dir(where: str, man: dict[str, Any], read: Any) -> None:
-    for rec in man["files"]:
-        data = read(rec["name"])
-        total, _ = chunk_crcs(memoryview(data))
-        if len(data) != rec["size"] or total != rec["crc32c"]:
-            raise ChecksumError(f"{rec['name']} fails its CRC32C check", where)

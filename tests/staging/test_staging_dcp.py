@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from stripefs import staging
 from stripefs.staging import ChecksumError
@@ -13,13 +15,15 @@ from stripefs.staging import ChecksumError
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 
+# "w" (9 MiB) spans checksum chunks (4 MiB) from an offset that is not a chunk boundary: the
+# reader's reads cross chunks inside a tensor.
 def _sd(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(256, 256, generator=g), "b": torch.arange(7), "n": {"v": torch.ones(3) * seed}}
+    return {"w": torch.randn(1536, 1536, generator=g), "b": torch.arange(7), "n": {"v": torch.ones(3) * seed}}
 
 
 def _zeros() -> dict:
-    return {"w": torch.zeros(256, 256), "b": torch.zeros(7, dtype=torch.int64), "n": {"v": torch.zeros(3)}}
+    return {"w": torch.zeros(1536, 1536), "b": torch.zeros(7, dtype=torch.int64), "n": {"v": torch.zeros(3)}}
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -55,14 +59,50 @@ def test_dcp_async_save_reuses_writer(cluster, testdir, tmp_path):
     assert _same(out, _sd(2))
 
 
+def _flip_store(client, path: str, at: int) -> None:
+    with client.open(path, "r+b") as f:
+        b = f.pread(1, at)
+        f.pwrite(bytes([b[0] ^ 0x20]), at)
+
+
 def test_dcp_reader_fails_closed(cluster, client, testdir, tmp_path):
+    """A damaged byte in the store fails the load (the chunk holding it is checked before any
+    of its bytes reach torch); a file of another size fails the reader at once."""
     url = f"stripefs:/{testdir}/step-1"
     dcp.save(_sd(1), storage_writer=staging.StagedStorageWriter(url, staging_dir=str(tmp_path / "s"), cluster=cluster.file))
     name = next(n for n in client.listdir(f"{testdir}/step-1") if n.endswith(".distcp"))
+    _flip_store(client, f"{testdir}/step-1/{name}", 100)
+    reader = staging.StagedStorageReader(url, staging_dir=str(tmp_path / "other"), cluster=cluster.file)
+    out = _zeros()
+    with pytest.raises((ChecksumError, CheckpointException)) as err:  # torch wraps a rank's error
+        dcp.load(out, storage_reader=reader)
+    failed = [e for e, _ in err.value.failures.values()] if isinstance(err.value, CheckpointException) else [err.value]
+    assert failed and all(isinstance(e, ChecksumError) and "CRC32C" in str(e) for e in failed), failed
+    assert not torch.equal(out["w"], _sd(1)["w"])  # nothing of the damaged chunk was loaded
     with client.open(f"{testdir}/step-1/{name}", "r+b") as f:
-        f.pwrite(b"\x00" * 8, 100)
-    with pytest.raises(ChecksumError):
+        f.truncate(f.seek(0, 2) - 1)
+    with pytest.raises(ChecksumError, match=name):
         staging.StagedStorageReader(url, staging_dir=str(tmp_path / "other"), cluster=cluster.file)
+
+
+def test_a_bad_chunk_of_the_local_copy_is_read_from_the_store(cluster, testdir, tmp_path, caplog):
+    sdir = str(tmp_path / "s")
+    url = f"stripefs:/{testdir}/step-1"
+    dcp.save(_sd(1), storage_writer=staging.StagedStorageWriter(url, staging_dir=sdir, cluster=cluster.file))
+    man = staging.read_manifest(url, cluster=cluster.file)
+    local = staging.Mover(sdir).journal.step_dir(man["id"])
+    name = next(f["name"] for f in man["files"] if f["name"].endswith(".distcp"))
+    with open(os.path.join(local, name), "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0x20]))
+    out = _zeros()
+    with caplog.at_level("WARNING", logger="stripefs.staging"):
+        dcp.load(out, storage_reader=staging.StagedStorageReader(url, staging_dir=sdir, cluster=cluster.file))
+    assert _same(out, _sd(1))
+    assert any("reading it from the store" in r.getMessage() for r in caplog.records)
+    assert not os.path.exists(os.path.join(sdir, "cache"))  # nothing downloaded to local disk
 
 
 def test_dcp_save_says_how_many_replicas_it_had(cluster, testdir, tmp_path):
