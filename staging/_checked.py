@@ -14,6 +14,7 @@ import io
 import logging
 import os
 import posixpath
+from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
 import crc32c
@@ -23,6 +24,8 @@ from ._format import ChecksumError
 log = logging.getLogger("stripefs.staging")
 
 __all__ = ["CheckedFile", "CheckedFiles"]
+
+HELD_CHUNKS = 4  # per open file: 16 MiB of 4 MiB chunks
 
 
 class CheckedFile(io.RawIOBase):
@@ -39,8 +42,9 @@ class CheckedFile(io.RawIOBase):
         self.size, self.chunk, self.crcs = rec["size"], rec["chunk"], rec["chunk_crc32c"]
         self._pread_into, self._close, self._fallback = pread_into, close, fallback
         self._pos = 0
-        self._held = -1  # the chunk in self._buf (checked)
-        self._buf = bytearray()
+        # Chunks read for reads inside a chunk, checked, the last used last: a torch.save
+        # record is parsed from its start and its end before its bytes are read.
+        self._held: OrderedDict[int, bytearray] = OrderedDict()
 
     def readable(self) -> bool:
         return True
@@ -78,14 +82,13 @@ class CheckedFile(io.RawIOBase):
             self._checked(dest[:n], pos)
         else:  # inside one chunk: from the chunk held, read and checked once
             start, end = k * self.chunk, min((k + 1) * self.chunk, self.size)
-            if self._held != k:
-                if len(self._buf) < end - start:
-                    self._buf = bytearray(self.chunk)
-                self._held = -1
-                self._checked(memoryview(self._buf)[: end - start], start)
-                self._held = k
+            buf = self._held.pop(k, None)
+            if buf is None:
+                buf = self._held.popitem(last=False)[1] if len(self._held) >= HELD_CHUNKS else bytearray(self.chunk)
+                self._checked(memoryview(buf)[: end - start], start)
+            self._held[k] = buf
             n = min(want, end - pos)
-            dest[:n] = memoryview(self._buf)[pos - start : pos - start + n]
+            dest[:n] = memoryview(buf)[pos - start : pos - start + n]
         self._pos += n
         return n
 
@@ -109,7 +112,7 @@ class CheckedFile(io.RawIOBase):
     def close(self) -> None:
         if not self.closed:
             self._close()
-            self._buf = bytearray()
+            self._held.clear()
         super().close()
 
 

@@ -42,6 +42,7 @@ Caveats:
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import posixpath
 import shutil
@@ -54,7 +55,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -67,6 +68,8 @@ from ._journal import CkptRow, FileRow, Journal
 from ._replicas import Durability
 from ._mover import MoverOptions, Uploader, client_for, remote_paths, with_retries
 from ._checked import CheckedFiles
+from ._dcp_direct import stored_tensor
+from ._fill import bytes_of
 from ._verify import file_problems, rows_of
 from ._save import _step_of, default_staging_dir
 from ._service import apply_retention
@@ -309,6 +312,47 @@ class StagedStorageReader(FileSystemReader):
         super().reset(None)
         if checkpoint_id is not None:
             self.path, self.fs = self._resolve(str(checkpoint_id))
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Each stored tensor the plan loads whole into a contiguous CPU tensor of its dtype
+        is read straight into that tensor (:mod:`._dcp_direct`); torch's reader loads the
+        rest (into fresh memory, then copied)."""
+        per_file: dict[str, list[ReadItem]] = {}
+        for req in plan.items:
+            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        rest: list[ReadItem] = []
+        for relative_path, reqs in per_file.items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
+                for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                    if not self._read_in_place(stream, req, planner):
+                        rest.append(req)
+        if rest:
+            return super().read_data(dataclasses.replace(plan, items=rest), planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_in_place(self, stream: Any, req: ReadItem, planner: LoadPlanner) -> bool:
+        info = self.storage_data[req.storage_index]
+        if req.type != LoadItemType.TENSOR or info.transform_descriptors or any(req.storage_offsets):
+            return False
+        stored = stored_tensor(stream, info.offset, info.length)
+        if stored is None or tuple(req.lengths) != stored.shape:
+            return False
+        target = planner.resolve_tensor(req).detach()
+        if tuple(target.shape) != stored.shape:
+            raise ValueError(f"{req.dest_index.fqn}: the target's shape is {tuple(target.shape)}, "
+                             f"the checkpoint's {stored.shape}")
+        if target.device.type == "cpu" and target.dtype == stored.dtype and target.is_contiguous():
+            if stored.nbytes:
+                stream.seek(info.offset + stored.data_offset)
+                if stream.readinto(bytes_of(target)) != stored.nbytes:
+                    raise ChecksumError(f"{info.relative_path} ends inside a tensor's bytes", info.relative_path)
+        else:  # another dtype, device or layout: loaded as torch's reader does, then copied
+            stream.seek(info.offset)
+            target.copy_(torch.load(io.BytesIO(stream.read(info.length)), map_location="cpu", weights_only=True))
+        planner.commit_tensor(req, target)
+        return True
 
     def _resolve(self, url: str) -> tuple[str, CheckedFiles]:
         """Where torch's reader reads the committed step ``url`` from: the local staged copy

@@ -98,3 +98,13 @@ def test_a_short_file_is_an_error():
     f.seek(CHUNK)
     with pytest.raises(ChecksumError, match="shorter"):
         f.read(10)
+
+
+def test_reads_that_come_back_to_a_recent_chunk_do_not_read_it_again():
+    """torch's loader parses a record from its start and its end before reading its bytes."""
+    data = random.Random(5).randbytes(10 * CHUNK)
+    f, reads = _file(data)
+    for pos in (10, 9 * CHUNK + 5, 20, 9 * CHUNK + 50, 3 * CHUNK + 1, 30):
+        f.seek(pos)
+        assert f.read(7) == data[pos : pos + 7]
+    assert reads == [(0, CHUNK), (9 * CHUNK, CHUNK), (3 * CHUNK, CHUNK)]

@@ -119,3 +119,48 @@ def test_dcp_save_says_how_many_replicas_it_had(cluster, testdir, tmp_path):
     man = staging.read_manifest(url, cluster=cluster.file)
     assert Durability.from_record(man["durability"]) == w.durability
     assert Durability.from_record(staging.Mover(sdir).journal.get(man["id"]).durability) == w.durability
+
+
+def _odd_state() -> dict:
+    g = torch.Generator().manual_seed(5)
+    return {
+        "bf16": torch.randn(300, 7, generator=g).to(torch.bfloat16),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 4),
+        "column": torch.arange(12, dtype=torch.int32).reshape(12, 1),
+        "t": torch.randn(64, 48, generator=g).t(),  # saved as is: strides (1, 64)
+        "big": torch.randn(3 << 20, generator=g),  # 12 MiB: spans checksum chunks
+    }
+
+
+def test_dcp_tensors_are_read_straight_into_their_targets(cluster, testdir, tmp_path, monkeypatch):
+    """A tensor loaded whole into a contiguous CPU target of its dtype is read into the target
+    (no torch.load of it); a target of another dtype or layout is filled as torch's reader would."""
+    url = f"stripefs:/{testdir}/step-1"
+    saved = _odd_state()
+    dcp.save(saved, storage_writer=staging.StagedStorageWriter(url, staging_dir=str(tmp_path / "s"), cluster=cluster.file))
+    loads: list = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(1) or real_load(*a, **k))
+
+    def load(out: dict) -> dict:
+        dcp.load(out, storage_reader=staging.StagedStorageReader(url, staging_dir=str(tmp_path / "fresh"),
+                                                                 cluster=cluster.file))
+        return out
+
+    same_kind = {k: torch.full_like(v.contiguous(), 7) for k, v in saved.items()}
+    kept = {k: v.data_ptr() for k, v in same_kind.items()}
+    out = load(same_kind)
+    for k, v in saved.items():
+        assert torch.equal(out[k], v) and out[k].data_ptr() == kept[k], k
+    # The transposed tensor was saved with its strides: torch's path; every other one in place.
+    assert len(loads) == 1
+
+    loads.clear()
+    other = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in saved.items()}
+    other["t"] = torch.zeros(64, 48, dtype=torch.float64).t()  # a non-contiguous target
+    out = load(other)
+    for k, v in saved.items():
+        assert torch.equal(out[k], v.to(out[k].dtype)), k
+    assert len(loads) == len(saved) - 2  # "scalar" is float64 already: in place; "empty" has nothing to read
+
