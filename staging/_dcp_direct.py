@@ -5,7 +5,7 @@ copies it into the tensor the load plan names: two passes over the state and a p
 fresh page. A tensor that ``StagedStorageWriter`` wrote is one ``torch.save`` of one
 contiguous tensor (DCP clones any tensor whose storage is larger than itself): a small zip whose
 ``data.pkl`` says the dtype, shape and strides and whose ``data/0`` record holds the raw bytes,
-stored uncompressed. :func:`stored_tensor` reads that description (a pickle read by an
+stored uncompressed. :func:`stored_tensor` reads the zip's directory and that description (a pickle read by an
 unpickler that knows only what a tensor's description holds), and the reader reads the record
 straight into the target when the target is the whole stored tensor, contiguous, on the CPU
 and of the same dtype. Anything else (a resharded load, a dtype the planner converts, a
@@ -19,7 +19,6 @@ import pickle
 import struct
 import sys
 import warnings
-import zipfile
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -29,6 +28,8 @@ import torch
 __all__ = ["StoredTensor", "stored_tensor", "is_contiguous"]
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, (skipped), file name length, extra length
+_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
+_END = struct.Struct("<4sHHHHIIH")
 
 
 @dataclass(frozen=True)
@@ -37,35 +38,6 @@ class StoredTensor:
     shape: tuple[int, ...]
     data_offset: int  # of the raw bytes, from the start of the torch.save record
     nbytes: int
-
-
-class _Slice(io.RawIOBase):
-    """The bytes ``[offset, offset + length)`` of a seekable binary file."""
-
-    def __init__(self, f: Any, offset: int, length: int):
-        super().__init__()
-        self.f, self.offset, self.length, self.pos = f, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
-
-    def readinto(self, b: Any) -> int:
-        dest = memoryview(b).cast("B")[: max(0, self.length - self.pos)]
-        self.f.seek(self.offset + self.pos)
-        n = self.f.readinto(dest)
-        self.pos += n
-        return n
 
 
 @lru_cache(maxsize=None)
@@ -111,41 +83,75 @@ def is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return len(shape) == len(stride)
 
 
+def _read(f: Any, offset: int, n: int) -> bytes:
+    f.seek(offset)
+    data = f.read(n)
+    if len(data) != n:
+        raise ValueError("a torch.save record ends early")
+    return data
+
+
+def _directory(f: Any, offset: int, length: int) -> dict[str, tuple[int, int, int]]:
+    """``{name after the archive's folder: (compression, size, local header offset)}`` of the
+    zip at ``[offset, offset + length)``, from its central directory (no zip64: a record of
+    4 GiB or more is left to torch)."""
+    if length < _END.size:
+        raise ValueError("too short for a zip")
+    sig, disk, _cd_disk, count, total, cd_size, cd_offset, _comment = _END.unpack(
+        _read(f, offset + length - _END.size, _END.size))
+    if sig != b"PK\x05\x06" or disk != 0 or count != total or 0xFFFFFFFF in (cd_size, cd_offset) or \
+            cd_offset + cd_size > length - _END.size:
+        raise ValueError("no plain zip end record")
+    cd, at, out = _read(f, offset + cd_offset, cd_size), 0, {}
+    for _ in range(count):
+        (sig, _made, _need, _flags, method, _t, _d, _crc, _csize, size, name_len, extra_len, comment_len,
+         _disk, _iattr, _eattr, local) = _CENTRAL.unpack_from(cd, at)
+        if sig != b"PK\x01\x02":
+            raise ValueError("bad central directory entry")
+        name = cd[at + _CENTRAL.size : at + _CENTRAL.size + name_len].decode()
+        out[name.split("/", 1)[-1]] = (method, size, local)
+        at += _CENTRAL.size + name_len + extra_len + comment_len
+    return out
+
+
+def _member(f: Any, offset: int, entry: tuple[int, int, int]) -> int:
+    """The offset of a stored member's bytes from the start of the record."""
+    method, _size, local = entry
+    sig, name_len, extra_len = _LOCAL_HEADER.unpack(_read(f, offset + local, _LOCAL_HEADER.size))
+    if sig != b"PK\x03\x04" or method != 0:  # 0: stored, not compressed
+        raise ValueError("not a stored zip member")
+    return local + _LOCAL_HEADER.size + name_len + extra_len
+
+
 def stored_tensor(f: Any, offset: int, length: int) -> StoredTensor | None:
     """Where the raw bytes of the tensor ``torch.save``d at ``[offset, offset + length)`` of
     ``f`` lie, or ``None`` when the record is anything but one contiguous tensor stored
     uncompressed, in this machine's byte order, whose storage is exactly the tensor."""
     try:
-        z = zipfile.ZipFile(_Slice(f, offset, length))
-        names = {info.filename.split("/", 1)[-1]: info for info in z.infolist()}
-        if "data.pkl" not in names or names.keys() & {"byteorder"} and z.read(names["byteorder"]).decode() != sys.byteorder:
-            return None
-        desc = _Description(io.BytesIO(z.read(names["data.pkl"]))).load()
-        records = [info for key, info in names.items() if key.startswith("data/")]
+        names = _directory(f, offset, length)
+        if "byteorder" in names:
+            at = _member(f, offset, names["byteorder"])
+            if _read(f, offset + at, names["byteorder"][1]).decode() != sys.byteorder:
+                return None
+        at = _member(f, offset, names["data.pkl"])
+        desc = _Description(io.BytesIO(_read(f, offset + at, names["data.pkl"][1]))).load()
+        records = [key for key in names if key.startswith("data/")]
         if not (isinstance(desc, tuple) and len(desc) == 5 and desc[0] == "tensor") or len(records) != 1:
             return None
         _, pid, storage_offset, shape, stride = desc
         kind, dtype_of, key, _location, numel = pid
-        record = records[0]
-        if (kind != "storage" or not isinstance(dtype_of, tuple) or record.filename.split("/")[-1] != str(key)
-                or record.compress_type != zipfile.ZIP_STORED or storage_offset != 0):
+        if kind != "storage" or not isinstance(dtype_of, tuple) or records[0] != f"data/{key}" or storage_offset != 0:
             return None
         dtype = dtype_of[1]
         count = 1
         for n in shape:
             count *= n
         nbytes = count * dtype.itemsize
-        if count != numel or not is_contiguous(shape, stride) or record.file_size != nbytes:
+        if count != numel or not is_contiguous(shape, stride) or names[records[0]][1] != nbytes:
             return None
-        raw = _Slice(f, offset, length)
-        raw.seek(record.header_offset)
-        head = raw.read(_LOCAL_HEADER.size)
-        sig, name_len, extra_len = _LOCAL_HEADER.unpack(head)
-        if sig != b"PK\x03\x04":
-            return None
-        data_offset = record.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        data_offset = _member(f, offset, names[records[0]])
         if data_offset + nbytes > length:
             return None
         return StoredTensor(dtype, tuple(shape), data_offset, nbytes)
-    except (zipfile.BadZipFile, pickle.UnpicklingError, ValueError, TypeError, KeyError, struct.error, EOFError):
+    except (pickle.UnpicklingError, ValueError, TypeError, KeyError, struct.error, EOFError, UnicodeDecodeError):
         return None
