@@ -15,7 +15,9 @@ client write of the same bytes, interleaved so that each ratio compares
 neighbours), ``load`` (vs the loopback socket floor and ``torch.load``), ``restore``
 (a state of ``--restore-size`` bytes cut into equal tensors, loaded from the store and from
 the local staged copy into fresh tensors and, ``store_into``/``local_into``, into a state held
-in memory as a restarted job's model is, each round next to the socket floor), ``overlap`` (the blocking of a
+in memory as a restarted job's model is, and, ``dcp_store``/``dcp_local``, ``dcp.load`` of the
+same state saved through ``StagedStorageWriter`` into that held state, each round next to the
+socket floor), ``overlap`` (the blocking of a
 save made right after the previous one returned, while that one is still being written
 locally and uploaded, capped at ``--overlap-bandwidth`` and uncapped, against a plain copy of
 the same tensors into already-touched memory; ``--overlap`` runs this section alone), ``dcp``
@@ -31,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -377,7 +380,8 @@ def restore_state(total: int, count: int) -> dict[str, torch.Tensor]:
 
 def restore_bench(args: Any, sdir: str, scratch: str, url: Callable[[], str], count: int,
                   results: list[dict[str, Any]]) -> None:
-    """``staging.load`` of one state from the store and from the local staged copy, vs the socket floor.
+    """``staging.load`` (and ``dcp.load`` through ``StagedStorageReader``) of one state from the
+    store and from the local staged copy, vs the socket floor.
 
     Each round measures the floor, then a load from the store (``prefer_local=False``), then a
     load from the staged copy (the same call, ``staging_dir`` given): the ratios are medians of
@@ -396,15 +400,38 @@ def restore_bench(args: Any, sdir: str, scratch: str, url: Callable[[], str], co
     # ``_into`` loads fill it in place (``load(into=...)``), the others make fresh tensors.
     held = {k: v.clone() for k, v in sd.items()}
     del sd
-    loads = {"store": dict(prefer_local=False), "local": dict(staging_dir=sdir),
-             "store_into": dict(prefer_local=False, into=held), "local_into": dict(staging_dir=sdir, into=held)}
+    # The same state through torch DCP (StagedStorageWriter / StagedStorageReader): a DCP
+    # load always fills the state it is given. A staging area without the step reads it
+    # from the store.
+    import torch.distributed.checkpoint as dcp
+
+    # Its own series: retention (keep_local/keep_remote) counts the steps of one series.
+    dcp_where = f"stripefs://bench/dcp-restore/{os.path.basename(where)}-t{count}"
+    no_copy = tempfile.mkdtemp(prefix="no-copy-", dir=scratch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(held, storage_writer=staging.StagedStorageWriter(dcp_where, staging_dir=sdir, cluster=args.cluster,
+                                                                  keep_local=1, keep_remote=1))
+
+    def dcp_load(staging_dir: str) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(held, storage_reader=staging.StagedStorageReader(dcp_where, staging_dir=staging_dir,
+                                                                      cluster=args.cluster))
+
+    def load(**kw: Any) -> Callable[[], Any]:
+        return lambda: staging.load(where, cluster=args.cluster, **kw)
+
+    loads = {"store": load(prefer_local=False), "local": load(staging_dir=sdir),
+             "store_into": load(prefer_local=False, into=held), "local_into": load(staging_dir=sdir, into=held),
+             "dcp_store": lambda: dcp_load(no_copy), "dcp_local": lambda: dcp_load(sdir)}
     times: dict[str, list[float]] = {"floor_socket": [], **{k: [] for k in loads}}
-    for label, kw in loads.items():  # warm-up: connections, the local copy in the page cache
-        staging.load(where, cluster=args.cluster, **kw)
+    for fn in loads.values():  # warm-up: connections, the local copy in the page cache
+        fn()
     for _ in range(args.repeat):
         times["floor_socket"].append(floor_socket(size, streams=4, directory=scratch)["seconds"])
-        for label, kw in loads.items():
-            times[label].append(timed(lambda: staging.load(where, cluster=args.cluster, **kw)))
+        for label, fn in loads.items():
+            times[label].append(timed(fn))
     workload = f"restore_{count}"
     for label, runs in times.items():
         s = statistics.median(runs)

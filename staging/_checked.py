@@ -14,6 +14,7 @@ import io
 import logging
 import os
 import posixpath
+import threading
 from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
@@ -31,16 +32,20 @@ HELD_CHUNKS = 4  # per open file: 16 MiB of 4 MiB chunks
 class CheckedFile(io.RawIOBase):
     """A read-only, seekable view of one manifest file; :class:`ChecksumError` on a bad chunk.
 
-    ``pread_into(dest, offset)`` reads the stored bytes (the store's ``StripeFile.pread_into``
-    or ``os.preadv`` of a local file)."""
+    ``pread_into(dest, offset)`` reads the stored bytes (the store's ``StripeFile.pread_into``,
+    with its readahead, or ``os.preadv`` of a local file); ``shared`` is a read that may run on
+    several threads at once (:meth:`read_checked`; ``pread_into`` when not given); ``fallback``
+    gives a thread-safe read of a good copy (the store, for a local one)."""
 
     def __init__(self, name: str, rec: dict[str, Any], pread_into: Callable[[memoryview, int], int],
                  close: Callable[[], None] = lambda: None,
-                 fallback: Callable[[], Callable[[memoryview, int], int]] | None = None):
+                 fallback: Callable[[], Callable[[memoryview, int], int]] | None = None,
+                 shared: Callable[[memoryview, int], int] | None = None):
         super().__init__()
         self.name_in_step = name
         self.size, self.chunk, self.crcs = rec["size"], rec["chunk"], rec["chunk_crc32c"]
         self._pread_into, self._close, self._fallback = pread_into, close, fallback
+        self._shared = shared or pread_into  # the thread-safe read (pread_into may keep a readahead)
         self._pos = 0
         # Chunks read for reads inside a chunk, checked, the last used last: a torch.save
         # record is parsed from its start and its end before its bytes are read.
@@ -92,10 +97,38 @@ class CheckedFile(io.RawIOBase):
         self._pos += n
         return n
 
-    def _checked(self, view: memoryview, offset: int) -> None:
+    def read_split(self, dest: memoryview, offset: int, most: int) -> list[tuple[memoryview, int]]:
+        """Read ``[offset, offset + len(dest))`` into ``dest``: the parts in a partial chunk at
+        either end now, and return the whole chunks between as ``(view, offset)`` pieces of at
+        most ``most`` bytes (whole chunks), for :meth:`read_checked` -- which, unlike the rest
+        of this class, may run on several threads at once."""
+        end = offset + len(dest)
+        if end > self.size:
+            raise ChecksumError(f"{self.name_in_step} is shorter than its manifest says", self.name_in_step)
+        first = -(-offset // self.chunk) * self.chunk
+        last = max(first, end // self.chunk * self.chunk if end != self.size else end)
+        if first >= end or last <= first:  # no whole chunk inside: one read through the held chunks
+            self.seek(offset)
+            self.readinto(dest)
+            return []
+        if first > offset:
+            self.seek(offset)
+            self.readinto(dest[: first - offset])
+        if end > last:
+            self.seek(last)
+            self.readinto(dest[last - offset :])
+        step = max(self.chunk, most // self.chunk * self.chunk)
+        return [(dest[a - offset : min(a + step, last) - offset], a) for a in range(first, last, step)]
+
+    def read_checked(self, view: memoryview, offset: int) -> None:
+        """Fill ``view`` with whole chunks from ``offset`` (a chunk boundary; the file's short
+        last chunk may end it), each checked. Thread-safe."""
+        self._checked(view, offset, self._shared)
+
+    def _checked(self, view: memoryview, offset: int, reader: Callable[[memoryview, int], int] | None = None) -> None:
         """Fill ``view`` (whole chunks from ``offset``, a chunk boundary) and check every chunk;
         a chunk that fails is read again from the fallback (the store, for a local copy)."""
-        _fill(self._pread_into, view, offset, self.name_in_step)
+        _fill(reader or self._pread_into, view, offset, self.name_in_step)
         for a in range(0, len(view), self.chunk):
             piece, k = view[a : a + self.chunk], (offset + a) // self.chunk
             if crc32c.crc32c(piece) == self.crcs[k]:
@@ -153,11 +186,18 @@ class CheckedFiles:
         if rec is None:
             raise FileNotFoundError(f"{name} is not a file of the checkpoint at {self.root}")
         opened: list[Any] = []
+        lock = threading.Lock()
 
-        def store() -> Callable[[memoryview, int], int]:
-            if not opened:
-                opened.append(self.client.open(posixpath.join(self.root, name), "rb"))
-            return opened[0].pread_into
+        def store_file() -> Any:
+            with lock:
+                if not opened:
+                    opened.append(self.client.open(posixpath.join(self.root, name), "rb"))
+            return opened[0]
+
+        def shared() -> Callable[[memoryview, int], int]:
+            """The store's stateless, thread-safe read of the file."""
+            f = store_file()
+            return lambda dest, off: self.client.read_into(f.ino, f.layout, f.size, off, dest)
 
         def close() -> None:
             for x in opened:
@@ -170,8 +210,8 @@ class CheckedFiles:
                 os.close(fd)
                 close()
 
-            f = CheckedFile(name, rec, lambda dest, off: os.preadv(fd, [dest], off), close_local, fallback=store)
+            f = CheckedFile(name, rec, lambda dest, off: os.preadv(fd, [dest], off), close_local, fallback=shared)
         else:
-            f = CheckedFile(name, rec, store(), close)
+            f = CheckedFile(name, rec, store_file().pread_into, close, shared=shared())
         with f:
             yield f

@@ -48,6 +48,7 @@ import posixpath
 import shutil
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor, wait as futures_wait
 from typing import Any
 
 import crc32c
@@ -79,6 +80,8 @@ __all__ = ["StagedStorageWriter", "StagedStorageReader"]
 
 PIECE = 8 << 20  # bytes of a rank's file read and sent at a time
 CHECK_CHUNK = 4 << 20  # the checksum chunk of DCP's files
+READERS = 4  # threads of a load reading its tensors' whole checksum chunks
+READ_PIECE = 16 << 20  # bytes such a thread reads at a time
 
 
 def _is_url(checkpoint_id: Any) -> bool:
@@ -315,44 +318,59 @@ class StagedStorageReader(FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Each stored tensor the plan loads whole into a contiguous CPU tensor of its dtype
-        is read straight into that tensor (:mod:`._dcp_direct`); torch's reader loads the
-        rest (into fresh memory, then copied)."""
+        is read straight into that tensor (:mod:`._dcp_direct`), its whole checksum chunks on
+        :data:`READERS` threads while the next tensors' records are parsed; torch's reader
+        loads the rest (into fresh memory, then copied)."""
         per_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
         rest: list[ReadItem] = []
-        for relative_path, reqs in per_file.items():
-            with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
-                for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
-                    if not self._read_in_place(stream, req, planner):
-                        rest.append(req)
+        with ThreadPoolExecutor(READERS, thread_name_prefix="stripefs-dcp-read") as pool:
+            for relative_path, reqs in per_file.items():
+                with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
+                    reading: list[Any] = []
+                    done: list[tuple[ReadItem, torch.Tensor]] = []
+                    try:
+                        for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                            target = self._read_in_place(stream, req, planner, pool, reading)
+                            if target is None:
+                                rest.append(req)
+                            else:
+                                done.append((req, target))
+                    finally:
+                        futures_wait(reading)  # no read into a target outlives this call
+                    for fut in reading:
+                        fut.result()  # a bad chunk's ChecksumError
+                    for req, target in done:
+                        planner.commit_tensor(req, target)
         if rest:
             return super().read_data(dataclasses.replace(plan, items=rest), planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _read_in_place(self, stream: Any, req: ReadItem, planner: LoadPlanner) -> bool:
+    def _read_in_place(self, stream: Any, req: ReadItem, planner: LoadPlanner, pool: ThreadPoolExecutor,
+                       reading: list[Any]) -> torch.Tensor | None:
+        """The target of ``req`` once its bytes are read or being read (whole chunks on
+        ``pool``, their futures in ``reading``), or ``None`` for torch's reader."""
         info = self.storage_data[req.storage_index]
         if req.type != LoadItemType.TENSOR or info.transform_descriptors or any(req.storage_offsets):
-            return False
+            return None
         stored = stored_tensor(stream, info.offset, info.length)
         if stored is None or tuple(req.lengths) != stored.shape:
-            return False
+            return None
         target = planner.resolve_tensor(req).detach()
         if tuple(target.shape) != stored.shape:
             raise ValueError(f"{req.dest_index.fqn}: the target's shape is {tuple(target.shape)}, "
                              f"the checkpoint's {stored.shape}")
         if target.device.type == "cpu" and target.dtype == stored.dtype and target.is_contiguous():
             if stored.nbytes:
-                stream.seek(info.offset + stored.data_offset)
-                if stream.readinto(bytes_of(target)) != stored.nbytes:
-                    raise ChecksumError(f"{info.relative_path} ends inside a tensor's bytes", info.relative_path)
+                for view, at in stream.read_split(bytes_of(target), info.offset + stored.data_offset, READ_PIECE):
+                    reading.append(pool.submit(stream.read_checked, view, at))
         else:  # another dtype, device or layout: loaded as torch's reader does, then copied
             stream.seek(info.offset)
             target.copy_(torch.load(io.BytesIO(stream.read(info.length)), map_location="cpu", weights_only=True))
-        planner.commit_tensor(req, target)
-        return True
+        return target
 
     def _resolve(self, url: str) -> tuple[str, CheckedFiles]:
         """Where torch's reader reads the committed step ``url`` from: the local staged copy

@@ -108,3 +108,48 @@ def test_reads_that_come_back_to_a_recent_chunk_do_not_read_it_again():
         f.seek(pos)
         assert f.read(7) == data[pos : pos + 7]
     assert reads == [(0, CHUNK), (9 * CHUNK, CHUNK), (3 * CHUNK, CHUNK)]
+
+
+@pytest.mark.parametrize("start,n", [(0, 10 * CHUNK), (5, 10 * CHUNK - 5), (CHUNK - 1, 2), (CHUNK + 7, 7 * CHUNK),
+                                     (3 * CHUNK, 4 * CHUNK), (2 * CHUNK + 1, CHUNK - 2), (9 * CHUNK + 3, CHUNK - 3)])
+def test_a_split_read_returns_whole_chunks_for_other_threads(start, n):
+    """read_split reads the partial chunks at either end and hands the whole chunks between
+    out in pieces; read_checked fills them (in any order) and checks them."""
+    data = random.Random(6).randbytes(10 * CHUNK)
+    f, reads = _file(data)
+    dest = bytearray(n)
+    pieces = f.read_split(memoryview(dest), start, 2 * CHUNK)
+    for view, at in reversed(pieces):
+        assert at % CHUNK == 0 and len(view) <= 2 * CHUNK and (len(view) % CHUNK == 0 or at + len(view) == len(data))
+        f.read_checked(view, at)
+    assert bytes(dest) == data[start : start + n]
+    assert sum(len(v) for v, _ in pieces) == len(range(-(-start // CHUNK) * CHUNK, (start + n) // CHUNK * CHUNK, 1))
+
+
+def test_a_bad_chunk_in_a_split_read_fails_its_piece():
+    data = random.Random(7).randbytes(8 * CHUNK)
+    bad = bytearray(data)
+    bad[4 * CHUNK + 9] ^= 1
+    f, _ = _file(data, bad=bytes(bad))
+    dest = bytearray(6 * CHUNK)
+    pieces = f.read_split(memoryview(dest), CHUNK + 100, CHUNK)
+    outcomes = []
+    for view, at in pieces:
+        try:
+            f.read_checked(view, at)
+            outcomes.append("ok")
+        except ChecksumError as exc:
+            outcomes.append(str(exc))
+    assert [o == "ok" for o in outcomes] == [True, True, False, True, True] and "chunk 4" in outcomes[2]
+    with pytest.raises(ChecksumError, match="shorter"):
+        f.read_split(memoryview(bytearray(10)), 8 * CHUNK - 5, CHUNK)
+
+
+def test_a_split_read_to_the_end_takes_the_short_last_chunk_whole():
+    data = random.Random(8).randbytes(3 * CHUNK + 50)
+    f, reads = _file(data)
+    dest = bytearray(2 * CHUNK + 50)
+    pieces = f.read_split(memoryview(dest), CHUNK, 4 * CHUNK)
+    assert [(len(v), at) for v, at in pieces] == [(2 * CHUNK + 50, CHUNK)] and reads == []
+    f.read_checked(*pieces[0])
+    assert bytes(dest) == data[CHUNK:]
