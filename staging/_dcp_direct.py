@@ -47,9 +47,9 @@ def _storage_dtypes() -> dict[str, torch.dtype]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TypedStorage is deprecated; its names are what is stored
         for name in dir(torch):
-            cls = getattr(torch, name)
-            if name.endswith("Storage") and isinstance(cls, type) and issubclass(cls, torch.storage._LegacyStorage):
-                out[name] = cls.dtype
+            dtype = getattr(getattr(torch, name), "dtype", None) if name.endswith("Storage") else None
+            if isinstance(dtype, torch.dtype):  # torch.FloatStorage.dtype; no private class named
+                out[name] = dtype
     return out
 
 
