@@ -99,8 +99,8 @@ def testdir(client: Client, request: pytest.FixtureRequest) -> str:
     return path
 
 
-def metadata_requests(cluster_file: str, msg: str) -> float:
-    """``msg`` requests the metadata service has answered so far (from its metrics: the
+def metadata_metric(cluster_file: str, name: str, **match: str) -> float:
+    """The metadata services' metric ``name`` (its samples matching ``match``, summed; the
     cluster must have been started with ``STRIPEFS_METRICS`` set)."""
     from stripefs._cli_top import endpoints, scrape
 
@@ -110,8 +110,13 @@ def metadata_requests(cluster_file: str, msg: str) -> float:
     for e in found:
         s = scrape(e)
         assert not s.error, s.error
-        total += s.total("stripefs_rpc_requests_total", msg=msg)
+        total += s.total(name, **match)
     return total
+
+
+def metadata_requests(cluster_file: str, msg: str) -> float:
+    """``msg`` requests the metadata service has answered so far."""
+    return metadata_metric(cluster_file, "stripefs_rpc_requests_total", msg=msg)
 
 
 def listing_body(i: int, n: int = 3000) -> bytes:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Iterator
 
 import pytest
 
 from stripefs.fsclient.fuse import main as fuse_main, mounted_fstype
 
+from ..conftest import metadata_metric
 from .fuse_helpers import fuse_unusable
 
 
@@ -44,6 +46,20 @@ def mnt(cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def mdir(mnt: str, testdir: str) -> str:
     """A fresh directory for one test, seen through the mount."""
     return mnt + testdir
+
+
+def until_mount_leases(cluster_file: str, path: str, timeout: float = 30.0) -> None:
+    """Until a lookup of ``path`` through a mount of the metered cluster ``cluster_file``
+    is granted a lease (the daemon's lease watch is live: until then its answers carry the
+    mount's plain timeouts). ``path``'s entry must not be in the kernel's cache already."""
+    deadline = time.monotonic() + timeout
+    while True:
+        before = metadata_metric(cluster_file, "stripefs_metadata_lease_grants_total")
+        os.stat(path)
+        if metadata_metric(cluster_file, "stripefs_metadata_lease_grants_total") > before:
+            return
+        assert time.monotonic() < deadline, "the mount's lease watch did not start"
+        time.sleep(0.05)
 
 
 @pytest.fixture

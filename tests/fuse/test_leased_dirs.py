@@ -7,25 +7,38 @@ the mount at once all the same (the change takes the listing's lease back first)
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from ..conftest import metadata_requests as _requests, change_files_elsewhere as _change_files, listing_body as _body
+from .conftest import do_mount, do_umount, until_mount_leases
 
 FILES = 60
 
 
 @pytest.fixture
-def dataset(metered_mount: Any) -> Any:
-    """A metered one-server cluster, mounted, with ``/data/f0..`` made by a native client."""
-    cluster, mp = metered_mount
+def dataset(metered_cluster: Any, tmp_path: Any) -> Iterator[tuple[Any, str]]:
+    """A metered one-server cluster with ``/data/f0..`` made by a native client, mounted
+    with no kernel caching of unleased answers (``attr_timeout=0,entry_timeout=0``), once
+    the mount's lease watch is live: whatever the kernel answers by itself here, it holds
+    under a lease, so "seen at once" checks the leases and nothing else (with the default
+    1 s timeouts, an answer given before the watch was live, under a loaded machine, may
+    be kept stale for that second by design)."""
+    cluster = metered_cluster
     with cluster.client() as c:
         c.makedirs("/data")
         c.makedirs("/data/sub")
         for i in range(FILES):
             c.write_bytes(f"/data/f{i}", _body(i))
-    return cluster, mp
+    mp = str(tmp_path / "mnt")
+    do_mount(mp, cluster.file, "attr_timeout=0", "entry_timeout=0")
+    try:
+        until_mount_leases(cluster.file, f"{mp}/data/sub")
+        yield cluster, mp
+    finally:
+        do_umount(mp)
 
 
 def _read(path: str) -> bytes:
