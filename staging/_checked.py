@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 
 import crc32c
 
+from ._fill import fill_exact
 from ._format import ChecksumError
 
 log = logging.getLogger("stripefs.staging")
@@ -128,7 +129,7 @@ class CheckedFile(io.RawIOBase):
     def _checked(self, view: memoryview, offset: int, reader: Callable[[memoryview, int], int] | None = None) -> None:
         """Fill ``view`` (whole chunks from ``offset``, a chunk boundary) and check every chunk;
         a chunk that fails is read again from the fallback (the store, for a local copy)."""
-        _fill(reader or self._pread_into, view, offset, self.name_in_step)
+        fill_exact(reader or self._pread_into, view, offset, self.name_in_step)
         for a in range(0, len(view), self.chunk):
             piece, k = view[a : a + self.chunk], (offset + a) // self.chunk
             if crc32c.crc32c(piece) == self.crcs[k]:
@@ -136,7 +137,7 @@ class CheckedFile(io.RawIOBase):
             if self._fallback is not None:
                 log.warning("%s: checksum chunk %d of the local copy is bad; reading it from the store",
                             self.name_in_step, k)
-                _fill(self._fallback(), piece, offset + a, self.name_in_step)
+                fill_exact(self._fallback(), piece, offset + a, self.name_in_step)
                 if crc32c.crc32c(piece) == self.crcs[k]:
                     continue
             raise ChecksumError(f"{self.name_in_step}: checksum chunk {k} (bytes from {k * self.chunk}) "
@@ -147,15 +148,6 @@ class CheckedFile(io.RawIOBase):
             self._close()
             self._held.clear()
         super().close()
-
-
-def _fill(pread_into: Callable[[memoryview, int], int], view: memoryview, offset: int, name: str) -> None:
-    done = 0
-    while done < len(view):
-        got = pread_into(view[done:], offset + done)
-        if got <= 0:
-            raise ChecksumError(f"{name} is shorter than its manifest says", name)
-        done += got
 
 
 class CheckedFiles:

@@ -47,7 +47,7 @@ import torch
 
 from ._format import ChecksumError, crc_combine, dtype_from_name
 
-__all__ = ["DIRECT", "RUN_BYTES", "Reader", "raw_jobs", "fresh", "dest_of", "bytes_of", "read_exact"]
+__all__ = ["DIRECT", "RUN_BYTES", "Reader", "raw_jobs", "fresh", "dest_of", "bytes_of", "fill_exact", "read_exact"]
 
 DIRECT = 1 << 20  # tensors this large are read into their own memory; smaller ones in runs
 RUN_BYTES = 8 << 20  # the most one run of small tensors reads at once (the thread's scratch)
@@ -134,9 +134,16 @@ def bytes_of(t: torch.Tensor) -> memoryview:
 
 
 def read_exact(src: Reader, name: str, dest: memoryview, offset: int) -> None:
+    """Fill ``dest`` from byte ``offset`` of ``src``'s file ``name``."""
+    fill_exact(functools.partial(src.pread_into, name), dest, offset, name)
+
+
+def fill_exact(pread_into: Callable[[memoryview, int], int], dest: memoryview, offset: int, name: str) -> None:
+    """Fill ``dest`` with ``pread_into(view, offset)`` calls until full; a read that
+    returns nothing means file ``name`` is shorter than its manifest says."""
     done = 0
     while done < len(dest):
-        n = src.pread_into(name, dest[done:], offset + done)
+        n = pread_into(dest[done:], offset + done)
         if n <= 0:
             raise ChecksumError(f"{name} is shorter than its manifest says", name)
         done += n
