@@ -90,7 +90,7 @@ def add_service_options(p: argparse.ArgumentParser) -> None:
                         "none: once in the page cache (survives a kill -9, not a power loss)")
     p.add_argument("--small-chunks", choices=["container", "files"],
                    default=env.get("STRIPEFS_SMALL_CHUNKS") or "container",
-                   help="where new chunks of at most 128 KiB go: container (records appended to shared logs "
+                   help="where new small chunks (up to 256 KiB written whole, 128 KiB grown by appends) go: container (records appended to shared logs "
                         "under ROOT/small, one shared fdatasync for the writes that arrive together) or files "
                         "(a chunk file each); a root's chunks of either kind are always served "
                         "($STRIPEFS_SMALL_CHUNKS, else container)")

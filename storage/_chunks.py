@@ -1,5 +1,5 @@
-"""The chunk store of one storage target: chunk files in a local directory, and chunks of at
-most 128 KiB as records in container logs (storage/_small.py, storage/_small_store.py).
+"""The chunk store of one storage target: chunk files in a local directory, and small chunks
+(up to 256 KiB) as records in container logs (storage/_small.py, storage/_small_store.py).
 
 Layout: ``ROOT/chunks/<bucket as 3 hex>/<ino as 16 hex>.<index as 8 hex>``, the
 bucket being the inode's low 12 bits (4,096 directories, made as needed and never
@@ -66,7 +66,7 @@ from . import _stats
 from ._crc import payload_crcs
 from ._qos import BULK_PIECE, BULK_WRITE, idle_io
 from ._header import BLOCK, HEADER_SIZE, ChunkMeta, _crc
-from ._small import SMALL_MAX, SmallLog, block_crcs, locate
+from ._small import GROW_MAX, SMALL_MAX, SmallLog, block_crcs, locate
 from ._small_store import SmallChunks
 
 BUCKETS = 4096  # chunk directories: an inode's chunks live in bucket ``ino % BUCKETS``
@@ -416,14 +416,14 @@ class ChunkStore(SmallChunks):
                     raise VersionGap(cur.version, version)
             try:
                 with idle_io(len(data), qos):
-                    return self._write_locked(ino, index, offset, data, chain, segment_crcs)
+                    return self._write_locked(ino, index, offset, data, chain, segment_crcs, chunk_size)
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:
                     raise StripefsError(ErrorCode.NO_SPACE, "storage target is full") from exc
                 raise
 
     def _write_locked(self, ino: int, index: int, offset: int, data: memoryview, chain: int,
-                      segment_crcs: list[int] | None = None) -> ChunkMeta:
+                      segment_crcs: list[int] | None = None, chunk_size: int = 0) -> ChunkMeta:
         if segment_crcs is None:  # a caller that has not checked the payload yet
             segment_crcs = payload_crcs(data, offset)[0]
         path = self.path(ino, index)
@@ -432,10 +432,20 @@ class ChunkStore(SmallChunks):
         # under the chunk's lock): only a chunk not there may be one.
         fresh = rec is not None or not os.path.exists(path)
         if self.small is not None and fresh:
-            if rec is not None or offset + len(data) <= self.small_max:
-                if rec is None or max(rec.length, offset + len(data)) <= self.small_max:
+            end = offset + len(data)
+            # A whole chunk of a striped file (``chunk_size`` bytes) is bulk data: a file.
+            most = self.small_max if end < chunk_size or not chunk_size else min(self.small_max, GROW_MAX)
+            if rec is None:
+                if end <= most:
                     return self._write_small(ino, index, offset, data, chain, rec, segment_crcs)
-                self._promote(ino, index, rec)  # outgrew the logs: a chunk file from now on
+            else:
+                # A record grows in the logs up to GROW_MAX only (each change rewrites it
+                # whole: appends must not cost O(size^2)); one rewritten from byte 0, up to
+                # small_max. Past that, a chunk file from now on.
+                length = max(rec.length, end)
+                if length <= most and (length <= max(rec.length, GROW_MAX) or offset == 0):
+                    return self._write_small(ino, index, offset, data, chain, rec, segment_crcs)
+                self._promote(ino, index, rec)
                 fresh = False
         target = path + ".tmp" if fresh else path
         if fresh:
@@ -924,7 +934,10 @@ class ChunkStore(SmallChunks):
             new = ChunkMeta(version, len(view), crcs, (1 << len(crcs)) - 1, chain=chain)
             key = (ino, index)
             in_log = self.small is not None and key in self.small.index
-            if len(view) <= self.small_max and (in_log or not os.path.exists(self.path(ino, index))):
+            # (The chunk size is not known here: a copy of more than GROW_MAX goes to the logs
+            # only when the chunk is there already.)
+            if len(view) <= (self.small_max if in_log else min(self.small_max, GROW_MAX)) and (
+                    in_log or not os.path.exists(self.path(ino, index))):
                 assert self.small is not None
                 self.small.put(key, version, chain, view, crcs)
                 self._meta[key] = new

@@ -402,7 +402,7 @@ async def serve_storage(
             with BUSY at the handshake).
         data_sync: sync chunk writes before acknowledging them (``--data-sync full``);
             False acknowledges them from the page cache (``none``).
-        small_chunks: new chunks of at most 128 KiB go to the container logs (True) or to
+        small_chunks: new small chunks (up to 256 KiB) go to the container logs (True) or to
             chunk files (False); None: ``$STRIPEFS_SMALL_CHUNKS``, else the logs.
         advertise: the address registered with the metadata service, which clients and
             peers connect to (``host`` may be 0.0.0.0); port 0 stands for the bound port.

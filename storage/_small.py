@@ -1,13 +1,14 @@
 """Small chunks in container logs: one append and one shared ``fdatasync`` per new chunk.
 
 A chunk file costs a small chunk an inode, a ``.tmp`` create, an ``fdatasync``, a rename
-and a sync of its bucket directory. Here a small chunk (at most ``SMALL_MAX`` bytes) is a
+and a sync of its bucket directory. Here a small chunk (at most ``SMALL_MAX`` bytes written whole, ``GROW_MAX`` grown by
+appends, never a whole chunk of a striped file) is a
 *record* appended to the active log of ``ROOT/small/``; every change of it (a rewrite, an
 append, a cut, a replica's copy) appends a whole new record, so the old one stays valid
 until the new one is durable (copy-on-write by construction). The writes that arrive
 together share one ``fdatasync`` (group commit, :meth:`SmallLog._sync_to`). The index
 (key -> where its latest record lies) lives in memory and is rebuilt at start by reading
-the logs in order, later records winning. A chunk that grows past ``SMALL_MAX`` moves to a
+the logs in order, later records winning. A chunk that grows past those moves to a
 chunk file (:class:`~stripefs.storage._chunks.ChunkStore` does the move).
 
 Record (at an offset that is a multiple of ``ALIGN``)::
@@ -55,10 +56,19 @@ from stripefs.wire import CRC_BLOCK, ErrorCode, StripefsError
 
 from . import _stats
 
-SMALL_MAX = 128 << 10  # chunks up to this size live in container logs
+SMALL_MAX = 256 << 10  # chunks up to this size, written whole, live in container logs
+# ... and a record that grows (a write past its end, not from byte 0) stays there only up to
+# this size: every change rewrites the whole record, so a chunk grown by small appends costs
+# O(size^2) bytes written; past this it moves to a chunk file.
+GROW_MAX = 128 << 10
 ALIGN = 512  # records start at multiples of this (a sector: a torn append spares its neighbours)
 LOG_MAX = 64 << 20  # the active log is sealed past this size
-LOG_MAGIC = b"SFSLOG01"
+LOG_MAGIC = b"SFSLOG02"  # new logs' format: records of up to 256 KiB
+# A log's format -> the largest record it may hold. Version 1 held records of up to 128 KiB;
+# a server that knows only version 1 refuses a version 2 log at start (not a log, it says)
+# instead of reading its larger records as damage. The active log of version 1 found at
+# start is left for a new one (its records stay readable where they are).
+LOG_FORMATS = {b"SFSLOG01": 128 << 10, LOG_MAGIC: SMALL_MAX}
 REC_MAGIC = b"SFSMALL1"
 TAIL_MAGIC = b"SFSTAIL1"
 PUT, DEAD = 1, 2
@@ -97,20 +107,22 @@ class Record:
 
 
 class _Log:
-    def __init__(self, number: int, path: str, fd: int, ident: bytes, size: int):
+    def __init__(self, number: int, path: str, fd: int, ident: bytes, size: int, current: bool = True):
         self.number, self.path, self.fd, self.ident, self.size = number, path, fd, ident, size
+        self.current = current  # of this version's format (LOG_MAGIC): new records may go here
         self.live = 0  # bytes of live records
 
 
-def _parse(view: memoryview, pos: int, ident: bytes) -> tuple[Any, ...] | None:
+def _parse(view: memoryview, pos: int, ident: bytes, most: int) -> tuple[Any, ...] | None:
     """The record at ``pos`` as its header's fields and its block CRCs, if the whole record
-    checks (header CRC, every block's CRC, trailer); None otherwise."""
+    checks (header CRC, every block's CRC, trailer, at most ``most`` bytes of data: its
+    log format's limit); None otherwise."""
     try:
         h = _HDR.unpack_from(view, pos)
     except struct.error:
         return None
     magic, lid, kind, hcrc, ino, index, version, chain, length, nblocks, durable = h
-    if magic != REC_MAGIC or lid != ident or kind not in (PUT, DEAD) or length > SMALL_MAX:
+    if magic != REC_MAGIC or lid != ident or kind not in (PUT, DEAD) or length > most:
         return None
     if nblocks != -(-length // CRC_BLOCK):
         return None
@@ -145,15 +157,17 @@ def read_log(raw: bytes, number: int, path: str = "") -> tuple[bytes, list[tuple
     """Parse a whole log: ``(its id, [(offset, key, record or None for a removal)] in log
     order, the end of its last good record, regions found damaged)``. Pure (no I/O)."""
     head = raw[:_LOG_HEAD.size]
-    if len(head) < _LOG_HEAD.size or head[:8] != LOG_MAGIC:
-        raise StripefsError(ErrorCode.CHECKSUM, f"{path or 'log'} is not a stripefs container log")
+    most = LOG_FORMATS.get(head[:8]) if len(head) == _LOG_HEAD.size else None
+    if most is None:
+        raise StripefsError(ErrorCode.CHECKSUM, f"{path or 'log'} is not a stripefs container log "
+                            "(or one of a newer format)")
     ident = head[8:16]
     view = memoryview(raw)
     good: list[tuple[int, tuple[Any, ...], int]] = []  # (offset, header, span)
     gaps: list[tuple[int, int]] = []  # [start, end) that did not parse, before a good record
     pos, gap_start = ALIGN, None
     while pos + _HDR.size <= len(raw):
-        h = _parse(view, pos, ident)
+        h = _parse(view, pos, ident, most)
         if h is None:
             if gap_start is None:
                 gap_start = pos
@@ -242,7 +256,11 @@ class SmallLog:
             for ino in [i for i in self.by_ino if removed(i)]:
                 for index in list(self.by_ino.get(ino, ())):
                     self._drop((ino, index))
-        self._active = self._logs[max(self._logs)] if self._logs else self._new_log(1)
+        newest = self._logs[max(self._logs)] if self._logs else None
+        if newest is not None and newest.current:
+            self._active = newest
+        else:  # none yet, or the newest is of an older format (it keeps its records, sealed)
+            self._active = self._new_log(newest.number + 1 if newest is not None else 1)
         self._written = self._synced = self._mark(self._active, self._active.size)
 
     # -- logs ------------------------------------------------------------------------------
@@ -295,7 +313,7 @@ class SmallLog:
         except BaseException:
             os.close(fd)
             raise
-        log = _Log(number, path, fd, ident, end)
+        log = _Log(number, path, fd, ident, end, current=raw[:8] == LOG_MAGIC)
         self._logs[number] = log
         self.damaged += damaged
         for _off, key, rec in events:

@@ -81,7 +81,7 @@ class SmallChunks:
                     length: int) -> tuple[int, int, int, bytes | None, int, list[int]]:
         """The read of ``open_read_checked`` from a container log (caller holds the lock):
         always the bytes themselves (a small chunk's), with the blocks they cover checked
-        against their CRCs on every read (one pass of at most 128 KiB: the log changes at
+        against their CRCs on every read (one pass of at most 256 KiB: the log changes at
         every append, so no file time can say that its bytes did not change since)."""
         assert self.small is not None
         meta = self._small_meta(ino, index, rec)

@@ -19,7 +19,7 @@ import crc32c
 import pytest
 
 from stripefs.storage import BLOCK, ChunkStore, _small, chunk_files, chunk_places
-from stripefs.storage._small import ALIGN, SMALL_MAX
+from stripefs.storage._small import ALIGN, GROW_MAX, SMALL_MAX
 from stripefs.wire import ErrorCode, StripefsError
 
 from ..conftest import flip_byte
@@ -98,6 +98,67 @@ def test_a_chunk_that_outgrows_the_logs_moves_to_a_file(tmp_path) -> None:
     assert read(s, 5, 0) == head + tail
     again = _store(tmp_path)  # the log's removal record keeps the old copy from coming back
     assert read(again, 5, 0) == head + tail and again.stat(5, 0).version == 2 and again.chunks == 1
+
+
+def test_a_chunk_written_whole_stays_a_record_up_to_small_max(tmp_path) -> None:
+    """A dataset's file of 64-256 KiB written in one piece (or rewritten from byte 0) is a
+    record: read back with no chunk file to open."""
+    s = _store(tmp_path)
+    data = os.urandom(SMALL_MAX - 1000)
+    write(s, 6, 0, 0, data)
+    assert chunk_files(str(tmp_path), 6) == [] and read(s, 6, 0) == data
+    longer = os.urandom(SMALL_MAX)
+    assert write(s, 6, 0, 0, longer).length == SMALL_MAX  # rewritten from byte 0, longer
+    assert chunk_files(str(tmp_path), 6) == []
+    assert read(_store(tmp_path), 6, 0) == longer
+    # A whole chunk of a file striped in chunks of that size is bulk data: a chunk file.
+    whole = os.urandom(SMALL_MAX)
+    s.write(6, 1, 0, memoryview(whole), crc32c.crc32c(whole), SMALL_MAX)
+    assert len(chunk_files(str(tmp_path), 6)) == 1 and read(s, 6, 1) == whole
+
+
+def test_a_chunk_grown_by_appends_moves_to_a_file_past_grow_max(tmp_path) -> None:
+    """Each change rewrites a record whole: appends keep a chunk in the logs only up to
+    GROW_MAX, so a chunk grown 4 KiB at a time costs the logs at most ~GROW_MAX^2 / 8 KiB."""
+    s = _store(tmp_path)
+    model = b""
+    while len(model) <= GROW_MAX:
+        in_logs = chunk_files(str(tmp_path), 8) == []
+        assert in_logs, f"moved to a file at {len(model)} bytes"
+        piece = os.urandom(4096)
+        write(s, 8, 0, len(model), piece)
+        model += piece
+    assert len(chunk_files(str(tmp_path), 8)) == 1  # the append past GROW_MAX moved it
+    logged = sum(os.path.getsize(p) for p in _logs(tmp_path))
+    assert logged < GROW_MAX * GROW_MAX // 8192 + 64 * ALIGN * (GROW_MAX // 4096 + 2)
+    assert read(s, 8, 0) == model and read(_store(tmp_path), 8, 0) == model
+
+
+def test_logs_of_the_previous_format_are_read_and_left_for_a_new_one(tmp_path) -> None:
+    """A version 1 log (records of at most 128 KiB) still reads; new records go to a new
+    log of this version's format; a log of an unknown format stops the store at start."""
+    s = _store(tmp_path)
+    write(s, 4, 0, 0, b"one" * 1000)
+    s.close()
+    (old,) = _logs(tmp_path)
+    with open(old, "r+b") as f:
+        assert f.read(8) == _small.LOG_MAGIC
+        f.seek(0)
+        f.write(b"SFSLOG01")
+    again = _store(tmp_path)
+    assert read(again, 4, 0) == b"one" * 1000
+    big = os.urandom(SMALL_MAX - 10)
+    write(again, 4, 1, 0, big)
+    logs = _logs(tmp_path)
+    assert len(logs) == 2 and logs[0] == old
+    with open(logs[1], "rb") as f:
+        assert f.read(8) == _small.LOG_MAGIC
+    third = _store(tmp_path)
+    assert read(third, 4, 0) == b"one" * 1000 and read(third, 4, 1) == big
+    with open(logs[1], "r+b") as f:
+        f.write(b"SFSLOG09")
+    with pytest.raises(StripefsError, match="not a stripefs container log"):
+        _store(tmp_path)
 
 
 def test_the_file_wins_when_a_move_was_cut_before_the_log_said_so(tmp_path, monkeypatch) -> None:
