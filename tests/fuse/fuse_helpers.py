@@ -60,7 +60,8 @@ def fuse_unusable() -> str | None:
 def chunk_writes_fail(servers: list[dict[str, Any]], ino: int, chunks: int = 64) -> Iterator[None]:
     """Every new chunk file of inode ``ino`` (the first ``chunks``) fails to be created on
     every storage server: a directory sits where the chunk's ``.tmp`` would be made. Chunk
-    files only: a new chunk of at most 128 KiB goes to a container log, so a test writes more."""
+    files only: a file's small chunks go to a container log (up to 256 KiB written whole, but
+    never a whole chunk of the file), so a test writes at least a whole chunk."""
     blockers = [chunk_path(s["root"], ino, i) + ".tmp" for s in servers for i in range(chunks)]
     for b in blockers:
         os.makedirs(b)

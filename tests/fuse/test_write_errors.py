@@ -21,8 +21,9 @@ def test_release_commits_nothing_after_close_failed(cluster, mdir: str, client: 
     ino = client.stat(path).ino
     with chunk_writes_fail(cluster.data["servers"], ino):
         fd = os.open(f"{mdir}/lost", os.O_WRONLY)
-        # Past 128 KiB: a chunk file (smaller chunks go to the container logs, not blocked here).
-        assert os.write(fd, b"x" * 200_000) == 200_000  # buffered in the daemon: acknowledged
+        # A whole first chunk (the tests' 256 KiB): a chunk file, blocked here (a file's small
+        # chunks go to the container logs, and only its whole chunks to chunk files).
+        assert os.write(fd, b"x" * 300_000) == 300_000  # buffered in the daemon: acknowledged
         with pytest.raises(OSError):
             os.close(fd)  # FUSE flush: the background write failed
     # release() follows close() asynchronously: give it time to (wrongly) commit.
