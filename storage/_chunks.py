@@ -66,7 +66,7 @@ from . import _stats
 from ._crc import payload_crcs
 from ._qos import BULK_PIECE, BULK_WRITE, idle_io
 from ._header import BLOCK, HEADER_SIZE, ChunkMeta, _crc
-from ._small import GROW_MAX, SMALL_MAX, SmallLog, block_crcs, locate
+from ._small import SMALL_MAX, SmallLog, block_crcs, locate, logs_hold
 from ._small_store import SmallChunks
 
 BUCKETS = 4096  # chunk directories: an inode's chunks live in bucket ``ino % BUCKETS``
@@ -433,18 +433,13 @@ class ChunkStore(SmallChunks):
         fresh = rec is not None or not os.path.exists(path)
         if self.small is not None and fresh:
             end = offset + len(data)
-            # A whole chunk of a striped file (``chunk_size`` bytes) is bulk data: a file.
-            most = self.small_max if end < chunk_size or not chunk_size else min(self.small_max, GROW_MAX)
-            if rec is None:
-                if end <= most:
-                    return self._write_small(ino, index, offset, data, chain, rec, segment_crcs)
-            else:
-                # A record grows in the logs up to GROW_MAX only (each change rewrites it
-                # whole: appends must not cost O(size^2)); one rewritten from byte 0, up to
-                # small_max. Past that, a chunk file from now on.
-                length = max(rec.length, end)
-                if length <= most and (length <= max(rec.length, GROW_MAX) or offset == 0):
-                    return self._write_small(ino, index, offset, data, chain, rec, segment_crcs)
+            length = max(rec.length, end) if rec is not None else end
+            # Capped (logs_hold): a whole chunk of a striped file (``chunk_size`` bytes), a
+            # record grown by a write past its end; one written from byte 0 is written whole.
+            capped = (0 < chunk_size <= end) or (rec is not None and length > rec.length and offset > 0)
+            if logs_hold(length, self.small_max, capped=capped):
+                return self._write_small(ino, index, offset, data, chain, rec, segment_crcs)
+            if rec is not None:  # outgrown: a chunk file from now on
                 self._promote(ino, index, rec)
                 fresh = False
         target = path + ".tmp" if fresh else path
@@ -907,13 +902,15 @@ class ChunkStore(SmallChunks):
 
     # -- replication support ---------------------------------------------------------------
     def replace(self, ino: int, index: int, chain: int, version: int, data: bytes | bytearray | memoryview, *, force: bool = False,
-                expect: tuple[int, int] | None = None) -> ChunkMeta | None:
+                expect: tuple[int, int] | None = None, logged: bool | None = None) -> ChunkMeta | None:
         """Install a whole chunk copied from a replica.
 
         Installed if newer than ours (a replica catching up), with ``force`` (repair, a
         diverged copy) or, with ``expect`` = ``(version, digest)``, only while our copy
         is still exactly that (``(-1, 0)``: none): a resync decided to replace what it
         saw, and a write forwarded meanwhile must not be overwritten by an older copy.
+        ``logged``: whether the source holds it in its container logs (None: a source that
+        does not say); the copy lives where the source's does, as far as this store can.
         Returns the chunk's meta now (None: no chunk, left so because ``expect`` failed).
         """
         with self._lock(ino, index):
@@ -934,10 +931,12 @@ class ChunkStore(SmallChunks):
             new = ChunkMeta(version, len(view), crcs, (1 << len(crcs)) - 1, chain=chain)
             key = (ino, index)
             in_log = self.small is not None and key in self.small.index
-            # (The chunk size is not known here: a copy of more than GROW_MAX goes to the logs
-            # only when the chunk is there already.)
-            if len(view) <= (self.small_max if in_log else min(self.small_max, GROW_MAX)) and (
-                    in_log or not os.path.exists(self.path(ino, index))):
+            # Where the source holds it; from a source that does not say, a copy of more than
+            # GROW_MAX goes to the logs only when the chunk is there already (the chunk size,
+            # which tells a sample from a striped file's whole chunk, is not known here).
+            goes = logs_hold(len(view), self.small_max, capped=not in_log) if logged is None else (
+                logged and logs_hold(len(view), self.small_max))
+            if goes and (in_log or not os.path.exists(self.path(ino, index))):
                 assert self.small is not None
                 self.small.put(key, version, chain, view, crcs)
                 self._meta[key] = new
@@ -964,6 +963,11 @@ class ChunkStore(SmallChunks):
         for ino, index, *_rest in items:
             self.remove_one(ino, index)
         return len(items)
+
+    def logged(self, ino: int, index: int) -> bool:
+        """Whether the chunk is a record of the container logs now (a hint for where a copy
+        goes: it may move to a file a moment later)."""
+        return self.small is not None and (ino, index) in self.small.index
 
     def read_whole(self, ino: int, index: int) -> tuple[ChunkMeta, bytes] | None:
         """A whole chunk, verified against its CRCs (for copying to a replica)."""

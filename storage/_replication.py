@@ -456,7 +456,8 @@ class Replicator:
         """Copy a whole chunk from ``source`` (see :meth:`ChunkStore.replace` for ``force``/``expect``)."""
         reply, data = await self.call_peer(source, m.FetchChunk(ino=ino, index=index))
         return await trio.to_thread.run_sync(
-            lambda: self.store.replace(ino, index, reply.chain, reply.version, data, force=force, expect=expect),
+            lambda: self.store.replace(ino, index, reply.chain, reply.version, data, force=force, expect=expect,
+                                       logged=reply.logged),
             limiter=self.limiter_for(len(data)),
         )
 

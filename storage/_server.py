@@ -184,7 +184,8 @@ class StorageService(Service):
             if found is None:
                 raise StripefsError(ErrorCode.NOT_FOUND, "no such chunk")
             meta, data = found
-            await conn.send(head, m.FetchChunkReply(version=meta.version, chain=meta.chain, length=meta.length).to_header(),
+            await conn.send(head, m.FetchChunkReply(version=meta.version, chain=meta.chain, length=meta.length,
+                                                    logged=store.logged(msg.ino, msg.index)).to_header(),
                             payload=data)
         elif isinstance(msg, m.DropChain):
             routing = await self.repl.refresh(-1)

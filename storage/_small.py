@@ -77,6 +77,15 @@ _TAIL = struct.Struct("!8sQQI4x")  # 32 bytes
 _LOG_HEAD = struct.Struct("!8s8sQ")  # magic, id, created (ns); padded to ALIGN
 
 
+def logs_hold(length: int, small_max: int, *, capped: bool = False) -> bool:
+    """The one rule for where a chunk of ``length`` bytes lives: a record in the container
+    logs (True) or a chunk file. Up to ``small_max`` (the store's ``SMALL_MAX``, 0 with the
+    logs off); ``capped``: up to ``GROW_MAX`` only -- a record grown by a write past its end
+    (each change rewrites it whole, so appends must not cost O(size^2)), a whole chunk of a
+    file striped in chunks this small (bulk data), a copy whose place is not known."""
+    return length <= (min(small_max, GROW_MAX) if capped else small_max)
+
+
 def _crc(data: Any) -> int:
     return crc32c.crc32c(data)
 

@@ -606,6 +606,9 @@ class FetchChunkReply(ReplyMessage):
     version: int
     chain: int
     length: int
+    # Whether the source holds the chunk as a record of its container logs (the copy goes
+    # where the source's is); None from older servers.
+    logged: bool | None = None
 
 
 @reply

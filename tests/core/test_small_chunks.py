@@ -210,6 +210,22 @@ def test_replace_versions_and_expectations(tmp_path) -> None:
     assert again.chunks_by_chain()[7] == [(3, 0, 10, len(big), again.stat(3, 0).digest)]
 
 
+def test_a_copy_lives_where_the_sources_does(tmp_path) -> None:
+    """A resync's copy goes to the logs when its source holds it there (``logged``), to a
+    file when the source holds a file; from a source that does not say, to the logs up to
+    GROW_MAX only (a whole chunk of a striped file must not land there)."""
+    s = _store(tmp_path)
+    sample, small = os.urandom(SMALL_MAX - 10), os.urandom(1000)
+    copies = {30: (sample, True), 31: (small, False), 32: (sample, None), 33: (small, None),
+              34: (os.urandom(SMALL_MAX + 1), True)}
+    for ino, (data, logged) in copies.items():
+        assert s.replace(ino, 0, 7, 1, data, logged=logged).length == len(data)
+    assert [len(chunk_files(str(tmp_path), ino)) for ino in copies] == [0, 1, 1, 0, 1]
+    assert [s.logged(ino, 0) for ino in copies] == [True, False, False, True, False]
+    again = _store(tmp_path)
+    assert all(read(again, ino, 0) == data for ino, (data, _l) in copies.items())
+
+
 def test_damaged_bytes_fail_reads_scrub_and_changes(tmp_path) -> None:
     s = _store(tmp_path)
     data = os.urandom(BLOCK + 10)
@@ -437,6 +453,8 @@ def test_crash_at_any_point_keeps_every_acknowledged_chunk(tmp_path, monkeypatch
         ("remove", 3),
         ("replace", 4, blob(2000)),
         ("write", 1, 5000, blob(10)),  # past a hole
+        ("write", 5, 0, rng.randbytes(SMALL_MAX - 3000)),  # a sample written whole: the largest records
+        ("replace", 6, rng.randbytes(GROW_MAX + 5000)),  # a copy of one the source holds in its logs
     ]
     rec = LogRecorder(str(root), monkeypatch)
     model: dict[int, bytes] = {}
@@ -458,7 +476,7 @@ def test_crash_at_any_point_keeps_every_acknowledged_chunk(tmp_path, monkeypatch
             s.remove(ino, from_index=0)
             model.pop(ino)
         else:
-            s.replace(ino, 0, 0, 1, op[2])
+            s.replace(ino, 0, 0, 1, op[2], logged=True)
             model[ino] = op[2]
         rec.mark(len(states))
         states.append(dict(model))
@@ -472,7 +490,7 @@ def test_crash_at_any_point_keeps_every_acknowledged_chunk(tmp_path, monkeypatch
             target = str(tmp_path / f"crash-{cut}-{n}")
             _rebuild(base, target, [w for w in writes if w[0] != "ack"])
             fresh = _store(target)
-            for ino in {1, 2, 3, 4}:
+            for ino in range(1, 7):
                 got = read(fresh, ino, 0)
                 options = {st.get(ino, b"") for st in allowed}
                 assert got in options, f"crash after call {cut} of {len(log)} (outcome {n}): chunk {ino} wrong"

@@ -26,7 +26,7 @@ import trio
 from stripefs.fsclient import Client
 from stripefs.fsclient.testing.procs import pause
 from stripefs.metadata._membership import Membership
-from stripefs.storage import ChunkStore
+from stripefs.storage import ChunkStore, chunk_files
 from stripefs.storage import _replication
 from stripefs.storage._replication import Replicator
 from tests.conftest import TEST_CHUNK
@@ -168,16 +168,28 @@ def test_truncate_and_remove_skip_an_offline_replica_which_catches_up(make_clust
         c.write_bytes("/gone", old)
         ino_t, ino_gone = c.stat("/t").ino, c.stat("/gone").ino
         victim = c.status().servers[0].server_id
-    os.kill(server_pid(h, victim), signal.SIGKILL)
+    pid = server_pid(h, victim)
+    root = next(s["root"] for s in h.data["servers"] if s["pid"] == pid)
+    os.kill(pid, signal.SIGKILL)
     new = os.urandom(TEST_CHUNK // 2)
+    sample, bulk = os.urandom(TEST_CHUNK - 50_000), os.urandom(TEST_CHUNK)
     with h.client() as c:
         _wait_state(c, victim, "offline")
         c.write_bytes("/t", new)  # truncates the existing file first: the offline replica is skipped
         c.unlink("/gone")
         assert c.read_bytes("/t") == new
+        # Written while it was away, copied by its resync: a sample the serving replica holds
+        # in its container logs, a whole chunk it holds as a file.
+        c.write_bytes("/sample", sample)
+        c.write_bytes("/bulk", bulk)
+        ino_sample, ino_bulk = c.stat("/sample").ino, c.stat("/bulk").ino
     h.up()
     with h.client() as c:
         wait_all_serving(c, 2)
+        # The copies live where the source's do: the sample a log record, the chunk a file.
+        for ino, data, files in [(ino_sample, sample, 0), (ino_bulk, bulk, 1)]:
+            assert c.call_storage(victim, m.StatChunk(ino=ino, index=0)).crcs == _block_crcs(data)
+            assert len(chunk_files(root, ino)) == files, ino
         # The returned replica dropped what was cut or removed while it was away.
         st = c.call_storage(victim, m.StatChunk(ino=ino_t, index=0))
         assert st.crcs == _block_crcs(new)

@@ -154,7 +154,9 @@ SAMPLES: list[tuple[m.ReplyMessage, dict]] = [
      {"server_id": None, "capacity": 10, "free": 5, "used": 5, "chunks": 1, "root": "/r", "syncing": False, "sync_progress": {}}),
     (m.ListChunksReply(chunks=[[7, 0, 1, 100]], digests=[9], more=True),
      {"chunks": [[7, 0, 1, 100]], "digests": [9], "more": True}),
-    (m.FetchChunkReply(version=1, chain=2, length=100), {"version": 1, "chain": 2, "length": 100}),
+    (m.FetchChunkReply(version=1, chain=2, length=100), {"version": 1, "chain": 2, "length": 100, "logged": None}),
+    (m.FetchChunkReply(version=1, chain=2, length=100, logged=True),
+     {"version": 1, "chain": 2, "length": 100, "logged": True}),
     (m.ScrubReply(checked=4, bad=[[7, 0, 1]], repaired=1), {"checked": 4, "bad": [[7, 0, 1]], "repaired": 1}),
     (m.XattrReply(value=b"\x00v"), {"value": b"\x00v"}),
     (m.XattrNamesReply(names=[b"user.a", b"user.b"]), {"names": [b"user.a", b"user.b"]}),
@@ -259,7 +261,8 @@ _ROUTING = st.builds(
 )
 _SCALAR = st.none() | _INT | _TEXT | st.booleans()
 _FIELD: dict[object, st.SearchStrategy] = {
-    int: _INT, str: _TEXT, bool: st.booleans(), bytes: st.binary(max_size=8), int | None: st.none() | _INT,
+    int: _INT, str: _TEXT, bool: st.booleans(), bool | None: st.none() | st.booleans(), bytes: st.binary(max_size=8),
+    int | None: st.none() | _INT,
     wire.Attr: _ATTR, list[wire.Attr]: st.lists(_ATTR, max_size=3), wire.Routing: _ROUTING, list[wire.ServerInfo]: st.lists(_SERVER, max_size=3),
     list[wire.DirEntry]: st.lists(st.builds(wire.DirEntry, _TEXT, _INT, _INT, st.none() | _ATTR), max_size=3),
     list[int]: st.lists(_INT, max_size=4), list[str]: st.lists(_TEXT, max_size=3), list[int] | None: st.none() | st.lists(_INT, max_size=4), list[bytes]: st.lists(st.binary(max_size=8), max_size=3), list[list[int]]: st.lists(st.lists(_INT, max_size=4), max_size=3),
