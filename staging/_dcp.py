@@ -319,8 +319,9 @@ class StagedStorageReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Each stored tensor the plan loads whole into a contiguous CPU tensor of its dtype
         is read straight into that tensor (:mod:`._dcp_direct`), its whole checksum chunks on
-        :data:`READERS` threads while the next tensors' records are parsed; torch's reader
-        loads the rest (into fresh memory, then copied)."""
+        :data:`READERS` threads while the next tensors' records are parsed; other objects
+        (bytes items) are read from the same open file; torch's reader loads the rest
+        (narrowed or transformed items: into fresh memory, then copied)."""
         per_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
@@ -332,6 +333,11 @@ class StagedStorageReader(FileSystemReader):
                     done: list[tuple[ReadItem, torch.Tensor]] = []
                     try:
                         for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                            info = self.storage_data[req.storage_index]
+                            if req.type == LoadItemType.BYTE_IO and not info.transform_descriptors:
+                                stream.seek(info.offset)  # an object torch.save'd: its bytes as they are
+                                planner.load_bytes(req, io.BytesIO(stream.read(info.length)))
+                                continue
                             target = self._read_in_place(stream, req, planner, pool, reading)
                             if target is None:
                                 rest.append(req)

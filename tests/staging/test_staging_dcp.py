@@ -164,3 +164,37 @@ def test_dcp_tensors_are_read_straight_into_their_targets(cluster, testdir, tmp_
         assert torch.equal(out[k], v.to(out[k].dtype)), k
     assert len(loads) == len(saved) - 2  # "scalar" is float64 already: in place; "empty" has nothing to read
 
+
+
+def test_a_plan_of_tensors_and_objects_opens_each_file_once(cluster, testdir, tmp_path, monkeypatch):
+    """Objects (DCP's bytes items) are read from the file the tensors are read from: one
+    open per file of the plan, and every value comes back."""
+    from stripefs.staging._checked import CheckedFiles
+
+    url = f"stripefs:/{testdir}/step-1"
+    saved = {**_sd(3), "step": 17, "meta": {"name": "run", "lr": [0.1, 0.01]}}
+    dcp.save(saved, storage_writer=staging.StagedStorageWriter(url, staging_dir=str(tmp_path / "s"), cluster=cluster.file))
+    opens: list[str] = []
+    real = CheckedFiles.create_stream
+    monkeypatch.setattr(CheckedFiles, "create_stream", lambda self, path, mode: opens.append(str(path)) or real(self, path, mode))
+    out = {**_zeros(), "step": 0, "meta": {"name": "", "lr": []}}
+    dcp.load(out, storage_reader=staging.StagedStorageReader(url, staging_dir=str(tmp_path / "fresh"), cluster=cluster.file))
+    assert _same(out, saved) and out["step"] == 17 and out["meta"] == {"name": "run", "lr": [0.1, 0.01]}
+    assert opens and len(opens) == len(set(opens)), opens
+
+
+def test_a_target_of_another_shape_is_refused(cluster, testdir, tmp_path):
+    """A planner that resolves a request to a tensor of another shape than stored gets an
+    error naming it, not the bytes poured into the wrong shape."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class Reshaping(DefaultLoadPlanner):
+        def resolve_tensor(self, read_item):
+            t = super().resolve_tensor(read_item)
+            return t.view(-1) if read_item.dest_index.fqn == "w" else t
+
+    url = f"stripefs:/{testdir}/step-1"
+    dcp.save(_sd(4), storage_writer=staging.StagedStorageWriter(url, staging_dir=str(tmp_path / "s"), cluster=cluster.file))
+    with pytest.raises(CheckpointException, match="target's shape"):
+        dcp.load(_zeros(), planner=Reshaping(),
+                 storage_reader=staging.StagedStorageReader(url, staging_dir=str(tmp_path / "fresh"), cluster=cluster.file))
