@@ -24,12 +24,12 @@ import argparse
 import multiprocessing as mp
 import os
 import statistics
-import tempfile
 import time
 from typing import Any
 
 from stripefs.fsclient import Client
-from stripefs.fsclient.testing import LocalCluster
+
+from ._local import cluster_and_pids
 
 MODES = ("open", "bytes", "batch")
 
@@ -101,23 +101,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--files", type=int, default=300, help="files per client process")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     a = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="file-cost-") as root:
-        cluster = LocalCluster.start(root, servers=a.servers) if a.cluster is None else None
-        path = a.cluster or os.path.join(root, "cluster.json")
-        try:
-            with Client(path) as c:
-                status = c.status()
-            pids = {"metadata": int(status.metadata["pid"])}
-            pids.update({f"storage {s.server_id}": s.pid for s in status.servers})
-            print(f"{a.clients} writers x {a.files} files of 4-64 KiB, {len(status.servers)} storage servers")
-            for mode in a.modes:
-                r = measure(path, mode, a.files, a.clients, pids)
-                cpu = ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_ms_per_file"].items())
-                print(f"{mode:6s} {r['files_per_s']:7.0f} files/s  p50 {r['p50_ms']:5.2f} ms  CPU ms/file: {cpu}")
-        finally:
-            if cluster is not None:
-                cluster.down()
-
+    with cluster_and_pids(a.cluster, a.servers, "file-cost-") as (path, pids):
+        servers = sum(name.startswith("storage") for name in pids)
+        print(f"{a.clients} writers x {a.files} files of 4-64 KiB, {servers} storage servers")
+        for mode in a.modes:
+            r = measure(path, mode, a.files, a.clients, pids)
+            cpu = ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_ms_per_file"].items())
+            print(f"{mode:6s} {r['files_per_s']:7.0f} files/s  p50 {r['p50_ms']:5.2f} ms  CPU ms/file: {cpu}")
 
 if __name__ == "__main__":
     main()

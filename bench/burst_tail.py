@@ -1,0 +1,204 @@
+"""Where a reader's tail goes during a checkpoint burst: ``python -m stripefs.bench.burst_tail``.
+
+Starts a local cluster (or uses ``--cluster``), writes a dataset of ``--files`` files of
+64-256 KiB and reads it once (the page cache stays warm: the disk is out of the picture),
+then ``--readers`` processes read random files of it one at a time while one writer
+process writes a ``--size`` MiB file in 4 MiB pieces (``--rate``: paced to that many GB/s)
+and syncs it. It prints, for the readers' files before the burst and during it: the
+latency p50/p99, how many took longer than ``--slow`` ms and how their time splits between
+open, read and close; and, for every process of ours, the CPU it ran and the time its
+threads waited in the kernel's run queue for a CPU during the burst (``/proc/<pid>/task/
+<tid>/schedstat``), with the number of times they were put on a CPU.
+
+Example::
+
+    python -m stripefs.bench.burst_tail --size 1024 --readers 1 --json out.json
+
+A hand tool to explain the ``burst_interference`` workload of ``stripefs bench``
+(docs/benchmarks.md), not a benchmark with floors and peers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import random
+import time
+from typing import Any
+
+import numpy as np
+
+from stripefs.fsclient import Client
+
+from ._local import cluster_and_pids
+
+PIECE = 4 << 20  # bytes per write(2) of the burst
+SETTLE = 3.0  # seconds the readers read alone before the burst
+MARGIN = 0.2  # seconds before the burst whose reads are not "alone" (the writer starting)
+
+
+def schedstat(pid: int) -> tuple[int, int, int]:
+    """Nanoseconds on a CPU and waiting in the run queue, and times put on a CPU, of all
+    threads of ``pid`` alive now (threads that ended meanwhile are not counted)."""
+    run = wait = slices = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                r, w, n = (int(x) for x in f.read().split())
+        except (OSError, ValueError):  # the thread ended
+            continue
+        run, wait, slices = run + r, wait + w, slices + n
+    return run, wait, slices
+
+
+def _reader(cluster: str, names: list[str], stop: Any, out: Any) -> None:
+    rows: list[tuple[float, float, float, float]] = []  # start, open, read, close
+    rng = random.Random(os.getpid())
+    with Client(cluster) as c:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            f = c.open(rng.choice(names), "rb")
+            t1 = time.perf_counter()
+            try:
+                f.read()
+            finally:
+                t2 = time.perf_counter()
+                f.close()
+            rows.append((t0, t1 - t0, t2 - t1, time.perf_counter() - t2))
+    out.put(rows)
+
+
+def _writer(cluster: str, size: int, rate: float, out: Any) -> None:
+    piece = memoryview(os.urandom(PIECE))
+    with Client(cluster) as c:
+        t0 = time.perf_counter()
+        with c.open("/burst_tail/ckpt", "wb") as f:
+            for done in range(PIECE, size + PIECE, PIECE):
+                f.write(piece[: PIECE - max(0, done - size)])
+                if rate:
+                    ahead = t0 + done / rate - time.perf_counter()
+                    if ahead > 0:
+                        time.sleep(ahead)
+            f.fsync()
+        out.put((t0, time.perf_counter()))
+        c.unlink("/burst_tail/ckpt")
+
+
+def _phase(rows: list[tuple[float, ...]], slow: float) -> dict[str, Any]:
+    if not rows:
+        return {"files": 0}
+    lat = np.array([sum(r[1:]) for r in rows])
+    late = [r for r in rows if sum(r[1:]) > slow]
+    out = {"files": len(rows), "p50_ms": 1e3 * float(np.percentile(lat, 50)),
+           "p99_ms": 1e3 * float(np.percentile(lat, 99)), "slow": len(late)}
+    if late:
+        out["slow_mean_ms"] = {part: 1e3 * float(np.mean([r[k] for r in late]))
+                               for k, part in enumerate(("open", "read", "close"), start=1)}
+    return out
+
+
+def measure(cluster: str, names: list[str], pids: dict[str, int], *, size: int, readers: int,
+            rate: float, slow: float) -> dict[str, Any]:
+    """One burst beside ``readers`` reading processes; see the module docstring."""
+    ctx = mp.get_context("spawn")
+    stop, rq, wq = ctx.Event(), ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_reader, args=(cluster, names, stop, rq)) for _ in range(readers)]
+    for p in procs:
+        p.start()
+    try:
+        time.sleep(SETTLE)
+        watched = {**pids, **{f"reader {k}": p.pid for k, p in enumerate(procs)}}
+        writer = ctx.Process(target=_writer, args=(cluster, size, rate, wq))
+        w0 = time.perf_counter()
+        before = {name: schedstat(pid) for name, pid in watched.items()}
+        writer.start()
+        watched["writer"] = writer.pid
+        before["writer"] = schedstat(writer.pid)  # its imports and connecting count too
+        t0, t1 = wq.get(timeout=600)
+        after = {name: schedstat(pid) for name, pid in watched.items()}
+        window = time.perf_counter() - w0
+        writer.join(60)
+    finally:
+        stop.set()
+        rows = [row for _ in procs for row in rq.get(timeout=120)]
+        for p in procs:
+            p.join(60)
+    alone = [r for r in rows if t0 - SETTLE + 0.5 < r[0] and r[0] + sum(r[1:]) < t0 - MARGIN]
+    during = [r for r in rows if r[0] >= t0 and r[0] + sum(r[1:]) <= t1]
+    return {
+        "burst": {"bytes": size, "seconds": t1 - t0, "gb_per_s": size / (t1 - t0) / 1e9},
+        "alone": _phase(alone, slow), "during": _phase(during, slow),
+        "sched_window_s": window,  # the burst, and the writer's start (imports, connecting) before it
+        "sched_during_ms": {name: {"cpu": (after[name][0] - before[name][0]) / 1e6,
+                                   "run_queue": (after[name][1] - before[name][1]) / 1e6,
+                                   "on_cpu_times": after[name][2] - before[name][2]}
+                            for name in watched},
+    }
+
+
+def _dataset(cluster: str, files: int) -> list[str]:
+    rng = random.Random(1)
+    names = [f"/burst_tail/ds/f{k}" for k in range(files)]
+    with Client(cluster) as c:
+        c.makedirs("/burst_tail/ds", exist_ok=True)
+        for name in names:
+            c.write_bytes(name, rng.randbytes(rng.randrange(64 << 10, 256 << 10)))
+        for name in names:  # warm: the page cache holds every byte the readers ask for
+            c.read_bytes(name)
+    return names
+
+
+def _report(r: dict[str, Any]) -> None:
+    b = r["burst"]
+    print(f"burst: {b['bytes'] >> 20} MiB in {b['seconds']:.2f} s ({b['gb_per_s']:.3f} GB/s)")
+    for phase in ("alone", "during"):
+        x = r[phase]
+        if not x["files"]:
+            print(f"  {phase}: no file read")
+            continue
+        split = ", ".join(f"{k} {v:.2f}" for k, v in x.get("slow_mean_ms", {}).items())
+        print(f"  {phase:6s} {x['files']:6d} files  p50 {x['p50_ms']:.2f} ms  p99 {x['p99_ms']:.2f} ms  "
+              f"slow {x['slow']}" + (f" (mean ms: {split})" if split else ""))
+    print(f"  from the writer's start to the burst's end ({r['sched_window_s']:.2f} s), ms:")
+    for name, s in r["sched_during_ms"].items():
+        print(f"    {name:12s} CPU {s['cpu']:7.0f}  run queue {s['run_queue']:7.0f}  on a CPU {s['on_cpu_times']} times")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m stripefs.bench.burst_tail", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cluster", help="a running cluster's cluster.json (default: start one)")
+    ap.add_argument("--servers", type=int, default=2)
+    ap.add_argument("--files", type=int, default=2000, help="dataset files (64-256 KiB)")
+    ap.add_argument("--readers", type=int, default=1, help="reading processes")
+    ap.add_argument("--size", type=int, default=1024, help="MiB the burst writes")
+    ap.add_argument("--rate", type=float, default=0.0, help="GB/s the burst is paced to (0: as fast as it goes)")
+    ap.add_argument("--slow", type=float, default=3.0, help="ms past which a file read counts as slow")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--json", help="write the results there")
+    a = ap.parse_args(argv)
+    if a.size <= 0 or a.readers <= 0 or a.files <= 0 or a.rate < 0:
+        ap.error("--size, --readers and --files must be positive, --rate at least 0")
+    with cluster_and_pids(a.cluster, a.servers, "burst-tail-") as (path, pids):
+        try:
+            names = _dataset(path, a.files)
+            runs = []
+            for _ in range(a.repeat):
+                runs.append(measure(path, names, pids, size=a.size << 20, readers=a.readers,
+                                    rate=a.rate * 1e9, slow=a.slow / 1e3))
+                _report(runs[-1])
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump({"args": vars(a), "runs": runs}, f, indent=1)
+        finally:
+            if a.cluster is not None:  # someone else's cluster: the dataset goes
+                with Client(path) as c, contextlib.suppress(FileNotFoundError):
+                    for name in c.listdir("/burst_tail/ds"):
+                        c.remove(f"/burst_tail/ds/{name}")
+                    c.rmdir("/burst_tail/ds")
+                    c.rmdir("/burst_tail")
+
+if __name__ == "__main__":
+    main()

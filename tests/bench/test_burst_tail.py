@@ -1,0 +1,44 @@
+"""The burst-tail hand tool (bench/burst_tail.py) on the shared cluster, small."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stripefs.bench import burst_tail
+from stripefs.fsclient import Client
+
+
+def test_a_small_burst_beside_a_reader_is_measured_and_cleaned_up(cluster: Any, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bt.json"
+    burst_tail.main(["--cluster", cluster.file, "--files", "20", "--size", "24", "--rate", "0.05",
+                     "--json", str(out)])
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["burst"]["bytes"] == 24 << 20 and run["burst"]["gb_per_s"] <= 0.06  # paced
+    assert run["alone"]["files"] > 0 and run["during"]["files"] > 0
+    assert run["alone"]["p50_ms"] <= run["alone"]["p99_ms"]
+    sched = run["sched_during_ms"]
+    with Client(cluster.file) as c:
+        servers = len(c.status().servers)
+    assert {"metadata", "reader 0", "writer"} <= set(sched) and sum(k.startswith("storage") for k in sched) == servers
+    assert sched["writer"]["cpu"] > 0 and all(v["run_queue"] >= 0 for v in sched.values())
+    assert "during" in capsys.readouterr().out
+    with Client(cluster.file) as c:
+        assert not c.exists("/burst_tail")  # the dataset and the burst's file are gone
+
+
+def test_schedstat_counts_this_process() -> None:
+    run, _wait, slices = burst_tail.schedstat(os.getpid())
+    assert run > 0 and slices > 0
+
+
+@pytest.mark.parametrize("args", [["--size", "0"], ["--readers", "0"], ["--rate", "-1"]])
+def test_bad_arguments_exit_2(args: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        burst_tail.main(args)
+    assert exc.value.code == 2
