@@ -936,8 +936,7 @@ class ChunkStore(SmallChunks):
             # which tells a sample from a striped file's whole chunk, is not known here).
             goes = logs_hold(len(view), self.small_max, capped=not in_log) if logged is None else (
                 logged and logs_hold(len(view), self.small_max))
-            if goes and (in_log or not os.path.exists(self.path(ino, index))):
-                assert self.small is not None
+            if self.small is not None and goes and (in_log or not os.path.exists(self.path(ino, index))):
                 self.small.put(key, version, chain, view, crcs)
                 self._meta[key] = new
                 self.used += new.length - (cur.length if cur else 0)

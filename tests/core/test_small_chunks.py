@@ -224,6 +224,10 @@ def test_a_copy_lives_where_the_sources_does(tmp_path) -> None:
     assert [s.logged(ino, 0) for ino in copies] == [True, False, False, True, False]
     again = _store(tmp_path)
     assert all(read(again, ino, 0) == data for ino, (data, _l) in copies.items())
+    files = ChunkStore(str(tmp_path / "files"), small=False)  # no logs at all: every copy is a file
+    for ino, data in [(35, b""), (36, b"abc")]:
+        assert files.replace(ino, 0, 7, 1, data, logged=True).length == len(data)
+        assert read(files, ino, 0) == data
 
 
 def test_damaged_bytes_fail_reads_scrub_and_changes(tmp_path) -> None:
