@@ -15,8 +15,9 @@ it exits, so a file held open (a log) keeps everything written to it.
 
 Options (``-o``): ours are ``attr_timeout=S``, ``entry_timeout=S``,
 ``direct_io``, ``readahead_kb=N``, ``write_buffer_mb=N``, ``qos=interactive|bulk|background``
-(the class of the mount's chunk writes at the storage servers); anything else (``allow_other``, ``ro``,
-...) goes to libfuse. ``default_permissions`` is always on.
+(the class of the mount's chunk writes at the storage servers), ``ro`` (a read-only mount:
+the kernel refuses every change, and the daemon tells it a close needs no FLUSH); anything
+else (``allow_other``, ...) goes to libfuse. ``default_permissions`` is always on.
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ def parse_options(opts: list[str]) -> tuple[Any, set[str]]:
                 cfg.qos = value
             elif key == "noallow_other":
                 fuse_opts.discard("allow_other")
+            elif key in ("ro", "rw"):
+                cfg.read_only = key == "ro"  # the last one given counts, as for mount(8)
+                fuse_opts.discard("rw" if key == "ro" else "ro")
+                fuse_opts.add(key)
             elif opt:
                 fuse_opts.add(opt)
         except ValueError:

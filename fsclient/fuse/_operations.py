@@ -118,17 +118,20 @@ class FuseConfig:
         write_buffer_mb: write-behind bytes the mount keeps in flight to the storage
             servers, all files together, before a write waits (on the loop) for room.
         qos: the traffic class of the mount's chunk writes (``Client(qos=...)``).
+        read_only: mounted ``ro``: the kernel refuses every change, so a close has nothing
+            to flush (the first FLUSH is answered ENOSYS: the kernel sends none after it).
     """
 
     def __init__(self, attr_timeout: float = 1.0, entry_timeout: float = 1.0,
                  direct_io: bool = False, readahead_kb: int = 16384, write_buffer_mb: int = 256,
-                 qos: str = "interactive"):
+                 qos: str = "interactive", read_only: bool = False):
         self.attr_timeout = attr_timeout
         self.entry_timeout = entry_timeout
         self.direct_io = direct_io
         self.readahead_kb = readahead_kb
         self.write_buffer_mb = write_buffer_mb
         self.qos = qos
+        self.read_only = read_only
 
 
 def _errors(fn: F) -> F:
@@ -147,6 +150,30 @@ def _errors(fn: F) -> F:
             raise pyfuse3.FUSEError(errno.EIO) from exc
 
     return wrapper  # type: ignore[return-value]
+
+
+# What changes the file system; a read-only mount refuses them itself too (the kernel does
+# first; this holds if it was remounted read-write, which would also leave it without FLUSH).
+CHANGES = ("setattr", "mkdir", "rmdir", "symlink", "link", "unlink", "rename", "create", "mknod", "write",
+           "setxattr", "removexattr")
+
+
+def _refuse_changes(ops: "StripeOperations") -> None:
+    """Make ``ops`` answer every change with EROFS, and every open for writing."""
+
+    async def refuse(*_args: Any, **_kwargs: Any) -> Any:
+        raise pyfuse3.FUSEError(errno.EROFS)
+
+    for op in CHANGES:
+        setattr(ops, op, refuse)
+    opener = ops.open
+
+    async def open_read_only(inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if flags & (os.O_ACCMODE | os.O_TRUNC) != os.O_RDONLY:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        return await opener(inode, flags, ctx)
+
+    ops.open = open_read_only  # type: ignore[method-assign]
 
 
 def _name(raw: bytes) -> str:
@@ -198,6 +225,8 @@ class StripeOperations(pyfuse3.Operations):
         # ino -> (attributes, lease expiry, cache state) of a leased LOOKUP or GETATTR answer:
         # the OPEN that follows a lookup takes them instead of asking again (_open_attr).
         self._fresh: dict[int, tuple[Attr, float, tuple[int, int]]] = {}
+        if self.config.read_only:
+            _refuse_changes(self)
 
     # -- helpers ------------------------------------------------------------------------
     def _entry(self, attr: Attr, age: float = 0.0) -> pyfuse3.EntryAttributes:
@@ -958,6 +987,11 @@ class StripeOperations(pyfuse3.Operations):
 
     @_errors
     async def flush(self, fh: int) -> None:
+        if self.config.read_only:
+            # Nothing was written through a read-only mount: ENOSYS tells the kernel that
+            # this file system needs no FLUSH, and it sends none for the rest of the mount
+            # (one request fewer per file a dataloader opens).
+            raise pyfuse3.FUSEError(errno.ENOSYS)
         state = self._state(fh)
         if state.settled:
             return  # nothing to send or commit (the close after an fsync): no thread hop

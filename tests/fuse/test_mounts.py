@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -144,3 +145,88 @@ def test_batch_reads_of_files_under_the_mount(mnt: str, mdir: str, cluster) -> N
             n = got[i]
             assert bytes(buf.view[i * 4096 : i * 4096 + n]) == data[off : off + n]
         buf.close()
+
+
+def test_a_read_only_mount_reads_refuses_changes_and_needs_no_flush(cluster, testdir: str, tmp_path) -> None:
+    """``-o ro``: files read as in any mount; every change fails with EROFS; after the first
+    close the kernel sends the daemon no FLUSH (it was told the mount needs none), so a
+    dataloader's file costs one request fewer -- and the access log shows it."""
+    import errno
+
+    from stripefs.fsclient.core._accesslog import parse_line
+
+    with cluster.client() as c:
+        made = {f"f{k}": os.urandom(1000 + k) for k in range(5)}
+        for name, data in made.items():
+            c.write_bytes(f"{testdir}/{name}", data)
+    mp, log = str(tmp_path / "ro"), str(tmp_path / "access.log")
+    os.makedirs(mp)
+    assert fuse_main(["mount", mp, "--cluster", cluster.file, "-o", "ro", "--access-log", log]) == 0
+    try:
+        for _ in range(3):
+            for name, data in made.items():
+                with open(f"{mp}{testdir}/{name}", "rb") as f:
+                    assert f.read() == data
+        for change in (lambda: open(f"{mp}{testdir}/new", "wb"), lambda: open(f"{mp}{testdir}/f0", "r+b"),
+                       lambda: os.unlink(f"{mp}{testdir}/f1"), lambda: os.mkdir(f"{mp}{testdir}/d")):
+            with pytest.raises(OSError) as exc:
+                change()
+            assert exc.value.errno == errno.EROFS
+    finally:
+        do_umount(mp)
+    with open(log) as f:
+        ops = [a.op for line in f if (a := parse_line(line)) is not None]
+    assert ops.count("open") == 15 and ops.count("read") >= 5  # later opens: the kept pages
+    assert ops.count("flush") <= 1  # the first close's, answered ENOSYS
+    with cluster.client() as c:  # nothing changed
+        assert sorted(c.listdir(testdir)) == sorted(made)
+
+
+def test_ro_and_rw_options() -> None:
+    from stripefs.fsclient.fuse._daemon import parse_options
+
+    cfg, opts = parse_options(["ro"])
+    assert cfg.read_only and "ro" in opts
+    cfg, opts = parse_options(["ro,attr_timeout=2", "rw"])  # the last one counts, as for mount(8)
+    assert not cfg.read_only and "rw" in opts and "ro" not in opts
+    assert not parse_options([])[0].read_only
+
+
+def test_a_read_only_daemon_refuses_changes_itself(cluster, testdir: str) -> None:
+    """Even if the kernel let one through (a remount read-write), a daemon mounted ``ro``
+    answers every change and every open for writing with EROFS; reads still work."""
+    import errno
+
+    import pyfuse3
+    import trio
+
+    from stripefs.fsclient.fuse._operations import CHANGES, FuseConfig, StripeOperations
+
+    client = cluster.client()
+    try:
+        client.write_bytes(f"{testdir}/f", b"data")
+        ino = client.stat(f"{testdir}/f").ino
+        ops = StripeOperations(client, FuseConfig(read_only=True))
+        ctx = pyfuse3.RequestContext()
+
+        async def errno_of(call: Any) -> int:
+            try:
+                await call
+            except pyfuse3.FUSEError as exc:
+                return exc.errno
+            return 0
+
+        async def main() -> None:
+            for op in CHANGES:  # whatever the arguments: nothing reaches the cluster
+                assert await errno_of(getattr(ops, op)(ino, b"x", 0o644, ctx)) == errno.EROFS, op
+            for flags in (os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_TRUNC):
+                assert await errno_of(ops.open(ino, flags, ctx)) == errno.EROFS
+            fi = await ops.open(ino, os.O_RDONLY, ctx)
+            assert bytes(await ops.read(fi.fh, 0, 100)) == b"data"
+            assert await errno_of(ops.flush(fi.fh)) == errno.ENOSYS
+            await ops.release(fi.fh)
+
+        trio.run(main)
+        assert client.read_bytes(f"{testdir}/f") == b"data"
+    finally:
+        client.close()
