@@ -25,6 +25,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import queue
 import random
 import time
 from typing import Any
@@ -36,8 +37,7 @@ from stripefs.fsclient import Client
 from ._local import cluster_and_pids
 
 PIECE = 4 << 20  # bytes per write(2) of the burst
-SETTLE = 3.0  # seconds the readers read alone before the burst
-MARGIN = 0.2  # seconds before the burst whose reads are not "alone" (the writer starting)
+SETTLE = 3.0  # seconds the readers read alone before the writer starts (the first half second is not counted)
 
 
 def schedstat(pid: int) -> tuple[int, int, int]:
@@ -117,7 +117,13 @@ def measure(cluster: str, names: list[str], pids: dict[str, int], *, size: int, 
         writer.start()
         watched["writer"] = writer.pid
         before["writer"] = schedstat(writer.pid)  # its imports and connecting count too
-        t0, t1 = wq.get(timeout=600)
+        while True:
+            try:
+                t0, t1 = wq.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not writer.is_alive():
+                    raise RuntimeError(f"the burst's writer died (exit code {writer.exitcode})") from None
         after = {name: schedstat(pid) for name, pid in watched.items()}
         window = time.perf_counter() - w0
         writer.join(60)
@@ -126,7 +132,9 @@ def measure(cluster: str, names: list[str], pids: dict[str, int], *, size: int, 
         rows = [row for _ in procs for row in rq.get(timeout=120)]
         for p in procs:
             p.join(60)
-    alone = [r for r in rows if t0 - SETTLE + 0.5 < r[0] and r[0] + sum(r[1:]) < t0 - MARGIN]
+    # Alone: read while nothing else ran (before the writer's process started: its imports
+    # and connecting take CPU too). perf_counter is CLOCK_MONOTONIC: one clock for all processes.
+    alone = [r for r in rows if w0 - SETTLE + 0.5 < r[0] and r[0] + sum(r[1:]) < w0]
     during = [r for r in rows if r[0] >= t0 and r[0] + sum(r[1:]) <= t1]
     return {
         "burst": {"bytes": size, "seconds": t1 - t0, "gb_per_s": size / (t1 - t0) / 1e9},
