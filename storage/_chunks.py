@@ -930,12 +930,11 @@ class ChunkStore(SmallChunks):
             crcs = block_crcs(view)
             new = ChunkMeta(version, len(view), crcs, (1 << len(crcs)) - 1, chain=chain)
             key = (ino, index)
-            in_log = self.small is not None and key in self.small.index
+            in_log = self.logged(ino, index)
             # Where the source holds it; from a source that does not say, a copy of more than
             # GROW_MAX goes to the logs only when the chunk is there already (the chunk size,
             # which tells a sample from a striped file's whole chunk, is not known here).
-            goes = logs_hold(len(view), self.small_max, capped=not in_log) if logged is None else (
-                logged and logs_hold(len(view), self.small_max))
+            goes = logged is not False and logs_hold(len(view), self.small_max, capped=logged is None and not in_log)
             if self.small is not None and goes and (in_log or not os.path.exists(self.path(ino, index))):
                 self.small.put(key, version, chain, view, crcs)
                 self._meta[key] = new

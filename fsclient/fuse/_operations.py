@@ -158,6 +158,11 @@ CHANGES = ("setattr", "mkdir", "rmdir", "symlink", "link", "unlink", "rename", "
            "setxattr", "removexattr")
 
 
+def _reads_only(flags: int) -> bool:
+    """An open with ``flags`` neither writes nor truncates."""
+    return flags & (os.O_ACCMODE | os.O_TRUNC) == os.O_RDONLY
+
+
 def _refuse_changes(ops: "StripeOperations") -> None:
     """Make ``ops`` answer every change with EROFS, and every open for writing."""
 
@@ -169,7 +174,7 @@ def _refuse_changes(ops: "StripeOperations") -> None:
     opener = ops.open
 
     async def open_read_only(inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        if flags & (os.O_ACCMODE | os.O_TRUNC) != os.O_RDONLY:
+        if not _reads_only(flags):
             raise pyfuse3.FUSEError(errno.EROFS)
         return await opener(inode, flags, ctx)
 
@@ -312,7 +317,7 @@ class StripeOperations(pyfuse3.Operations):
         them since -- another client's change would have invalidated the lease first, and
         this client changed nothing meanwhile -- and asks the service for otherwise."""
         hit = self._fresh.pop(ino, None)
-        if (hit is not None and flags & os.O_ACCMODE == os.O_RDONLY and not flags & os.O_TRUNC
+        if (hit is not None and _reads_only(flags)
                 and hit[1] > time.monotonic() and hit[2] == self._cache_state()):
             return hit[0]
         return await self._attr(ino)
@@ -788,7 +793,7 @@ class StripeOperations(pyfuse3.Operations):
         fi = await self._open_state(await self._open_attr(inode, flags), flags, ctx.uid)
         state = self.files.get(inode)
         if (state is not None and not (fi.keep_cache or fi.direct_io)
-                and flags & (os.O_ACCMODE | os.O_TRUNC) == os.O_RDONLY):
+                and _reads_only(flags)):
             self._read_ahead(state)  # the kernel dropped the file's pages: its READ follows
         return fi
 
