@@ -40,18 +40,28 @@ PIECE = 4 << 20  # bytes per write(2) of the burst
 SETTLE = 3.0  # seconds the readers read alone before the writer starts (the first half second is not counted)
 
 
-def schedstat(pid: int) -> tuple[int, int, int]:
-    """Nanoseconds on a CPU and waiting in the run queue, and times put on a CPU, of all
-    threads of ``pid`` alive now (threads that ended meanwhile are not counted)."""
-    run = wait = slices = 0
+def schedstat(pid: int) -> dict[str, tuple[int, int, int]]:
+    """Per thread of ``pid`` alive now: nanoseconds on a CPU and waiting in the run queue,
+    and times put on a CPU, so far."""
+    out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                 r, w, n = (int(x) for x in f.read().split())
         except (OSError, ValueError):  # the thread ended
             continue
-        run, wait, slices = run + r, wait + w, slices + n
-    return run, wait, slices
+        out[tid] = (r, w, n)
+    return out
+
+
+def sched_delta(before: dict[str, tuple[int, int, int]],
+                after: dict[str, tuple[int, int, int]]) -> dict[str, float]:
+    """What the threads alive at ``after`` did since ``before`` (a thread that started
+    meanwhile: all of it; one that ended meanwhile is not counted, its time then lost):
+    CPU and run-queue ms, times put on a CPU."""
+    d = [tuple(x - y for x, y in zip(now, before.get(tid, (0, 0, 0)))) for tid, now in after.items()]
+    return {"cpu": sum(x[0] for x in d) / 1e6, "run_queue": sum(x[1] for x in d) / 1e6,
+            "on_cpu_times": sum(x[2] for x in d)}
 
 
 def _reader(cluster: str, names: list[str], stop: Any, out: Any) -> None:
@@ -140,10 +150,7 @@ def measure(cluster: str, names: list[str], pids: dict[str, int], *, size: int, 
         "burst": {"bytes": size, "seconds": t1 - t0, "gb_per_s": size / (t1 - t0) / 1e9},
         "alone": _phase(alone, slow), "during": _phase(during, slow),
         "sched_window_s": window,  # the burst, and the writer's start (imports, connecting) before it
-        "sched_during_ms": {name: {"cpu": (after[name][0] - before[name][0]) / 1e6,
-                                   "run_queue": (after[name][1] - before[name][1]) / 1e6,
-                                   "on_cpu_times": after[name][2] - before[name][2]}
-                            for name in watched},
+        "sched_during_ms": {name: sched_delta(before[name], after[name]) for name in watched},
     }
 
 

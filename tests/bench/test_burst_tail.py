@@ -33,8 +33,14 @@ def test_a_small_burst_beside_a_reader_is_measured_and_cleaned_up(cluster: Any, 
 
 
 def test_schedstat_counts_this_process() -> None:
-    run, _wait, slices = burst_tail.schedstat(os.getpid())
-    assert run > 0 and slices > 0
+    threads = burst_tail.schedstat(os.getpid())
+    assert threads and sum(r for r, _w, _n in threads.values()) > 0
+
+
+def test_a_thread_that_ended_does_not_make_the_delta_negative() -> None:
+    before = {"1": (100, 50, 3), "2": (900, 900, 9)}  # thread 2 ends, thread 3 starts
+    after = {"1": (150, 70, 5), "3": (10, 5, 1)}
+    assert burst_tail.sched_delta(before, after) == {"cpu": 60 / 1e6, "run_queue": 25 / 1e6, "on_cpu_times": 3}
 
 
 @pytest.mark.parametrize("args", [["--size", "0"], ["--readers", "0"], ["--rate", "-1"]])
