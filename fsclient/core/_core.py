@@ -168,6 +168,21 @@ def _landed(reply: Reply, dest: memoryview, k: int) -> None:
         dest[got:k] = bytes(k - got)
 
 
+class PlannedRead:
+    """One request that answers a read (:meth:`ClientCore.plan_read`)."""
+
+    __slots__ = ("server_id", "address", "msg", "check", "dest")
+
+    def __init__(self, server_id: int, address: tuple[str, int], msg: m.ReadChunk,
+                 check: Callable[[dict[str, Any], memoryview], None], dest: memoryview):
+        self.server_id, self.address, self.msg, self.check, self.dest = server_id, address, msg, check, dest
+
+    def finish(self, reply: Reply) -> int:
+        """Check ``reply`` (received into ``dest``), zero-fill a hole: the bytes read."""
+        _landed(reply, self.dest, len(self.dest))
+        return len(self.dest)
+
+
 def _settle(inflight: "deque[tuple[int, Future]]") -> None:
     """Before failing a call, let its other requests finish: none may write into the
     caller's buffer after we return. Requests that do not finish in time are abandoned."""
@@ -493,19 +508,13 @@ class ClientCore:
         self._run_pieces(pieces, submit, finish)
         return n
 
-    def start_read(self, ino: int, layout: Layout, file_size: int, offset: int,
-                   dest: memoryview) -> tuple[Future, Callable[[Reply], int]] | None:
-        """One attempt at a read that one request answers, for callers that must not block.
-
-        A read within one chunk, on a connection already open, under routing already
-        known: the request frame goes out from the calling thread (a small frame, the
-        socket's send buffer takes it) and the answer lands in ``dest`` on the
-        connection's reader thread. Returns its future and ``finish(reply)``, which
-        checks the answer, zero-fills a hole and returns the bytes read -- or None
-        when the read takes more (several chunks, nothing to read, a connection or the
-        routing to fetch): :meth:`read_into` then. A failed attempt is not retried
-        here; :meth:`read_into`, which has the whole retry loop, takes over.
-        """
+    def plan_read(self, ino: int, layout: Layout, file_size: int, offset: int,
+                  dest: memoryview) -> PlannedRead | None:
+        """Where a read that one request answers goes, or None when it takes more (several
+        chunks, nothing to read, the routing to fetch, a forked child's first call): the
+        server (the replica this client reads the chunk from), the request, the check of
+        its answer and the bytes it lands in. :meth:`start_read` sends it on this
+        client's connection; the FUSE daemon may send it on its loop's own."""
         routing = self._routing
         n = max(0, min(len(dest), file_size - offset))
         if n == 0 or routing is None or my_pid() != self.pid:
@@ -516,18 +525,34 @@ class ClientCore:
         chain = layout.chain_of(index)
         targets = routing.chains.get(chain)
         info = routing.servers.get(targets[(ino + index) % len(targets)]) if targets else None
-        conn = self._data.live_one(info.server_id, (info.host, info.port)) if info is not None else None
-        if conn is None:
+        if info is None:
             return None
         dest = (dest.cast("B") if dest.format != "B" or dest.ndim != 1 else dest)[:n]
         msg, check = _read_request(ino, index, coff, n, chain, routing.version)
-        fut = conn.submit(msg, dest=dest, check=check)
+        return PlannedRead(info.server_id, (info.host, info.port), msg, check, dest)
 
-        def finish(reply: Reply) -> int:
-            _landed(reply, dest, n)
-            return n
+    def start_read(self, ino: int, layout: Layout, file_size: int, offset: int,
+                   dest: memoryview) -> tuple[Future, Callable[[Reply], int]] | None:
+        """One attempt at a read that one request answers, for callers that must not block.
 
-        return fut, finish
+        A read within one chunk, on a connection already open, under routing already
+        known (:meth:`plan_read`): the request frame goes out from the calling thread (a
+        small frame, the socket's send buffer takes it) and the answer lands in ``dest``
+        on the connection's reader thread. Returns its future and ``finish(reply)``, which
+        checks the answer, zero-fills a hole and returns the bytes read -- or None when
+        the read takes more (several chunks, nothing to read, a connection or the routing
+        to fetch): :meth:`read_into` then. A failed attempt is not retried here;
+        :meth:`read_into`, which has the whole retry loop, takes over.
+        """
+        plan = self.plan_read(ino, layout, file_size, offset, dest)
+        return self.submit_planned(plan) if plan is not None else None
+
+    def submit_planned(self, plan: PlannedRead) -> tuple[Future, Callable[[Reply], int]] | None:
+        """:meth:`start_read` of a read already planned: None without an open connection."""
+        conn = self._data.live_one(plan.server_id, plan.address)
+        if conn is None:
+            return None
+        return conn.submit(plan.msg, dest=plan.dest, check=plan.check), plan.finish
 
     def write_from(self, ino: int, layout: Layout, offset: int, data: memoryview) -> None:
         """Write ``data`` at ``offset``, all chunks in parallel; returns once every piece is acked.

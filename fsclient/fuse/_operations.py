@@ -82,6 +82,7 @@ from ._kernelleases import KernelLeases
 from ._leaseddirs import PAGE as LEASED_PAGE
 from ._leaseddirs import LeasedDirs
 from ._listings import Listings, Page
+from ._loopreads import LoopRead, LoopReads
 from ._newfiles import NewFiles
 from ._openfile import OpenFile, Stamp, stamp_of
 from ._orphans import ORPHAN_DIR, Orphans
@@ -92,6 +93,16 @@ _PAGE_CACHE = ("Counter", "stripefs_fuse_page_cache_opens",
                "Opens that kept the kernel's cached pages of the file (decision=keep) or dropped them", ("decision",))
 PAGE_CACHE_KEPT = Lazy(*_PAGE_CACHE, values=("keep",))
 PAGE_CACHE_DROPPED = Lazy(*_PAGE_CACHE, values=("drop",))
+
+# Small files read whole (asked for at a read-only OPEN, or at the first READ), by the
+# connection the request took: the loop's own (_loopreads), the client's, or none that
+# answered (read again the plain way).
+_WHOLE_READS = ("Counter", "stripefs_fuse_whole_reads",
+                "Small files read whole, by connection (path=loop, client) or read again after that failed "
+                "(path=reread)", ("path",))
+WHOLE_READS_LOOP = Lazy(*_WHOLE_READS, values=("loop",))
+WHOLE_READS_CLIENT = Lazy(*_WHOLE_READS, values=("client",))
+WHOLE_READS_REREAD = Lazy(*_WHOLE_READS, values=("reread",))
 
 __all__ = ["StripeOperations", "FuseConfig"]
 
@@ -199,6 +210,9 @@ class StripeOperations(pyfuse3.Operations):
         super().__init__()
         self.client = client
         self.aio = AsyncClient(client, limiter=trio.CapacityLimiter(64))
+        core = client._core
+        # Whole small files read at OPEN, on connections of the loop (the daemon attaches it).
+        self.loop_reads = LoopReads(core.config.secret, core.client_id, core.config.role)
         self.config = config or FuseConfig()
         self.files: dict[int, OpenFile] = {}  # ino -> open state
         self.handles: dict[int, int] = {}  # fh -> ino
@@ -800,8 +814,10 @@ class StripeOperations(pyfuse3.Operations):
     def _read_ahead(self, state: OpenFile) -> None:
         """Send a small file's whole read now, at its read-only OPEN, from the loop; the
         first READ takes it (``_take_ahead``). The storage server answers while the reader
-        gets its descriptor back and asks to read, and the answer lands with nobody
-        waiting: no wake-up of the loop, and the READ is answered without awaiting.
+        gets its descriptor back and asks to read. The request goes on the loop's own
+        connection to the server (``_loopreads``: the answer is received by a task of the
+        loop, no thread), or, until that one is connected, on the client's (the answer
+        lands on its reader thread with nobody waiting).
 
         Only a state opened just now (one handle) that nothing was read from or written
         through, of at most ``SMALL_FILE`` bytes in one chunk on an open connection."""
@@ -814,11 +830,18 @@ class StripeOperations(pyfuse3.Operations):
             return
         buf = self._wbufs.pop() if self._wbufs else mmap.mmap(-1, SMALL_FILE)
         dest = memoryview(buf)[:length]
-        started = self.client._core.start_read(f.ino, f.layout, length, 0, dest)
+        core = self.client._core
+        plan = core.plan_read(f.ino, f.layout, length, 0, dest)
+        started: tuple[Any, Any] | None = None
+        read: LoopRead | None = None
+        if plan is not None:
+            read = self.loop_reads.start(plan)  # on the loop's own connection (_loopreads)
+            started = (read, plan.finish) if read is not None else core.submit_planned(plan)
         if started is None:  # more than one request (several chunks, a connection to open)
             if len(self._wbufs) < 64:
                 self._wbufs.append(buf)
             return
+        (WHOLE_READS_LOOP if read is not None else WHOLE_READS_CLIENT).inc()
         state.whole_buf = buf  # a fresh state has none yet
         state.ahead = (started[0], started[1], f, dest)
 
@@ -829,7 +852,9 @@ class StripeOperations(pyfuse3.Operations):
         assert ahead is not None
         fut, finish, f, dest = ahead
         try:
-            if not fut.done():  # else: answered already, nothing to wait for
+            if isinstance(fut, LoopRead):
+                await fut.wait(REQUEST_TIMEOUT)
+            elif not fut.done():  # else: answered already, nothing to wait for
                 await _result(fut, REQUEST_TIMEOUT)
             n = finish(fut.result())
         except BaseException as exc:
@@ -839,6 +864,7 @@ class StripeOperations(pyfuse3.Operations):
             if state.ahead is ahead:
                 state.ahead = state.whole_buf = None
             if isinstance(exc, (StripefsError, OSError)):
+                WHOLE_READS_REREAD.inc()
                 return None
             raise
         if state.ahead is not ahead:  # another READ took it meanwhile
@@ -940,6 +966,27 @@ class StripeOperations(pyfuse3.Operations):
                 self._rbufs.append(buf)
         return memoryview(buf)[:n]
 
+    async def _loop_read(self, state: OpenFile, f: Any, length: int, dest: memoryview) -> int | None:
+        """``f``'s first ``length`` bytes into ``dest`` (the state's ``whole_buf``) over the
+        loop's connection (``_loopreads``): the bytes read, or None when it cannot or it
+        failed (the caller reads the plain way)."""
+        plan = self.client._core.plan_read(f.ino, f.layout, length, 0, dest)
+        read = self.loop_reads.start(plan) if plan is not None else None
+        if read is None:
+            WHOLE_READS_CLIENT.inc()
+            return None
+        assert plan is not None
+        WHOLE_READS_LOOP.inc()
+        try:
+            await read.wait(REQUEST_TIMEOUT)
+            return plan.finish(read.result())
+        except (StripefsError, OSError):
+            WHOLE_READS_REREAD.inc()
+            return None  # nothing of it lands later: an error answer has no bytes, a timeout closed it
+        except BaseException:
+            state.whole_buf = None  # cancelled in flight: its answer may land yet, the buffer is left to it
+            raise
+
     async def _read_whole(self, state: OpenFile) -> memoryview:
         """Read a small file whole, on the loop (one request to one server when it is one
         chunk, and no worker thread), into the state's buffer; the kernel's next reads of
@@ -952,7 +999,9 @@ class StripeOperations(pyfuse3.Operations):
             # and one of them may be read into that one meanwhile.
             state.whole_buf = self._wbufs.pop() if self._wbufs else mmap.mmap(-1, SMALL_FILE)
         dest = memoryview(state.whole_buf)[:length]
-        n = await self.aio.read_into(f.ino, f.layout, length, 0, dest)
+        n = await self._loop_read(state, f, length, dest)
+        if n is None:  # not on the loop's connection: the client's, with its retries
+            n = await self.aio.read_into(f.ino, f.layout, length, 0, dest)
         if state.dirty or state.written or state.file is not f:  # changed while we read
             return dest[:n]
         state.whole = dest[:n]

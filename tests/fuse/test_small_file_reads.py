@@ -14,12 +14,13 @@ import os
 import stat
 import time
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import pyfuse3
 import pytest
 import trio
 
+from stripefs.fsclient.fuse._loopreads import LoopRead
 from stripefs.fsclient.fuse._operations import StripeOperations
 from stripefs.wire import ErrorCode, StripefsError
 
@@ -33,23 +34,69 @@ SIZE = 100_000  # one chunk of the test cluster (256 KiB chunks)
 
 class Reads:
     """Storage reads of a :class:`StripeOperations`: those sent from the loop as one request
-    (``start_read``, at OPEN or READ) and those the plain path sends (``aio.read_into``)."""
+    at OPEN (``started``: on the loop's own connection, ``loop`` of them, or on the
+    client's, ``submit_planned``) and those the plain path sends (``aio.read_into``)."""
 
     def __init__(self, ops: StripeOperations) -> None:
-        self.started = 0
-        self.plain = 0
-        core, aio = ops.client._core, ops.aio
-        start_read, read_into = core.start_read, aio.read_into
+        self.started = self.loop = self.plain = 0
+        core, aio, loop = ops.client._core, ops.aio, ops.loop_reads
+        submit, start, read_into = core.submit_planned, loop.start, aio.read_into
+
+        def counted_submit(*args: Any, **kw: Any) -> Any:
+            self.started += 1
+            return submit(*args, **kw)
 
         def counted_start(*args: Any, **kw: Any) -> Any:
-            self.started += 1
-            return start_read(*args, **kw)
+            read = start(*args, **kw)
+            if read is not None:
+                self.started += 1
+                self.loop += 1
+            return read
 
         async def counted_read_into(*args: Any, **kw: Any) -> Any:
             self.plain += 1
             return await read_into(*args, **kw)
 
-        core.start_read, aio.read_into = counted_start, counted_read_into  # type: ignore[method-assign]
+        core.submit_planned, aio.read_into = counted_submit, counted_read_into  # type: ignore[method-assign]
+        loop.start = counted_start  # type: ignore[method-assign]
+
+
+async def connected(ops: StripeOperations) -> None:
+    """Every storage server's loop connection open (else the first read of each goes the
+    client's way while it connects)."""
+    for info in ops.client.routing().servers.values():
+        ops.loop_reads.connection(info.server_id, (info.host, info.port))
+    with trio.fail_after(10):
+        while not all(c.ready for c in ops.loop_reads.conns.values()):
+            await trio.sleep(0.01)
+
+
+def run_ops(ops: StripeOperations, fn: Callable[[], Awaitable[None]], loop: bool) -> None:
+    """``fn`` on a trio loop, as the daemon runs the operations: with the loop's own
+    storage connections (``loop``), or without (every read on the client's connections)."""
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            if loop:
+                ops.loop_reads.attach(nursery)
+                await connected(ops)
+            await fn()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def failing_on_loop(plan: Any) -> LoopRead:
+    """``LoopReads.start`` whose read failed (a connection lost under it)."""
+    read = LoopRead(None, plan.dest, plan.check)  # type: ignore[arg-type]
+    read._settle(None, StripefsError(ErrorCode.UNAVAILABLE, "injected"))
+    return read
+
+
+@pytest.fixture(params=["loop", "client"])
+def loop(request: pytest.FixtureRequest) -> bool:
+    """Reads at OPEN on the loop's own connections, or on the client's."""
+    return request.param == "loop"
 
 
 @pytest.fixture
@@ -79,7 +126,8 @@ def _wait_leasing(ops: StripeOperations) -> None:
     assert kl.asking
 
 
-def test_a_small_file_costs_one_metadata_and_one_storage_request(ops: StripeOperations, testdir: str) -> None:
+def test_a_small_file_costs_one_metadata_and_one_storage_request(ops: StripeOperations, testdir: str,
+                                                                 loop: bool) -> None:
     """lookup, open (read-only), read, flush, release of files never seen: per file one
     ``Lookup`` (leased; the OPEN takes its attributes) -- after the second, the
     directory's listing under a lease, and no metadata request at all for the files after
@@ -93,7 +141,7 @@ def test_a_small_file_costs_one_metadata_and_one_storage_request(ops: StripeOper
     async def run() -> None:
         for k, (name, data) in enumerate(made.items()):
             counted.reset()
-            reads.started = reads.plain = 0
+            reads.started = reads.plain = reads.loop = 0
             entry = await ops.lookup(parent, name, CTX)
             fi = await ops.open(entry.st_ino, os.O_RDONLY, CTX)
             assert not fi.keep_cache
@@ -106,12 +154,13 @@ def test_a_small_file_costs_one_metadata_and_one_storage_request(ops: StripeOper
             await ops.release(fi.fh)
             want = ["Lookup"] if k == 0 else ["Lookup", "Readdir"] if k == 1 else []
             assert counted.calls == want and counted.sync_calls == [] and counted.hops == 0
-            assert (reads.started, reads.plain) == (1, 0)
+            assert (reads.started, reads.plain, reads.loop) == (1, 0, int(loop))
 
-    trio.run(run)
+    run_ops(ops, run, loop)
 
 
-def test_a_write_through_another_handle_before_the_read_is_seen(ops: StripeOperations, testdir: str) -> None:
+def test_a_write_through_another_handle_before_the_read_is_seen(ops: StripeOperations, testdir: str,
+                                                                 loop: bool) -> None:
     """The read sent at a read-only OPEN is of the bytes before a write through another
     handle of this mount; the READ after that write returns the written bytes."""
     data = _files(ops, testdir, 1)[b"f0"]
@@ -130,11 +179,12 @@ def test_a_write_through_another_handle_before_the_read_is_seen(ops: StripeOpera
         await ops.flush(reader.fh)
         await ops.release(reader.fh)
 
-    trio.run(run)
+    run_ops(ops, run, loop)
     assert ops.client.read_bytes(f"{testdir}/f0") == data[:10] + b"WRITTEN" + data[17:]
 
 
-def test_an_open_without_a_read_and_a_failed_read_ahead(ops: StripeOperations, testdir: str, monkeypatch) -> None:
+def test_an_open_without_a_read_and_a_failed_read_ahead(ops: StripeOperations, testdir: str, monkeypatch,
+                                                        loop: bool) -> None:
     """An OPEN closed without a READ (its read may still be in flight) leaves nothing behind
     that a later open reads; a read sent at OPEN that fails is read again the plain way."""
     data = _files(ops, testdir, 1)[b"f0"]
@@ -158,17 +208,45 @@ def test_an_open_without_a_read_and_a_failed_read_ahead(ops: StripeOperations, t
             fut.set_exception(StripefsError(ErrorCode.UNAVAILABLE, "injected"))
             return fut, lambda reply: SIZE
 
-        monkeypatch.setattr(core, "start_read", failing)
+        if loop:
+            monkeypatch.setattr(ops.loop_reads, "start", failing_on_loop)
+        else:
+            monkeypatch.setattr(core, "submit_planned", failing)
         ops.cached.pop(ino, None)
         fi = await ops.open(ino, os.O_RDONLY, CTX)
         assert ops.files[ino].ahead is not None
         assert bytes(await ops.read(fi.fh, 0, 1 << 20)) == data
         await ops.release(fi.fh)
 
-    trio.run(run)
+    run_ops(ops, run, loop)
 
 
-def test_a_rewrite_elsewhere_is_read_at_the_next_open(ops: StripeOperations, testdir: str) -> None:
+def test_a_first_read_without_a_read_at_open_reads_the_file_whole(ops: StripeOperations, testdir: str,
+                                                                  monkeypatch, loop: bool) -> None:
+    """A file opened for reading and writing (nothing sent at its OPEN): its first READ reads
+    it whole, on the loop's connection when the loop has one, and the next READ is answered
+    from memory; one that fails on the loop's connection is read the plain way."""
+    made = _files(ops, testdir, 2)
+    reads = Reads(ops)
+
+    async def run() -> None:
+        for k, (name, data) in enumerate(made.items()):
+            ino = ops.client.stat(f"{testdir}/{name.decode()}").ino
+            if k == 1 and loop:
+                monkeypatch.setattr(ops.loop_reads, "start", failing_on_loop)
+            reads.started = reads.plain = reads.loop = 0
+            fi = await ops.open(ino, os.O_RDWR, CTX)
+            assert ops.files[ino].ahead is None
+            assert bytes(await ops.read(fi.fh, 0, 1 << 20)) == data
+            assert bytes(await ops.read(fi.fh, 100, 50)) == data[100:150]
+            await ops.flush(fi.fh)
+            await ops.release(fi.fh)
+            assert (reads.loop, reads.plain) == ((1, 0) if loop and k == 0 else (0, 1))
+
+    run_ops(ops, run, loop)
+
+
+def test_a_rewrite_elsewhere_is_read_at_the_next_open(ops: StripeOperations, testdir: str, loop: bool) -> None:
     """Another client rewrites the file at the same size and sets the mtime back after this
     mount read it: the next open drops the kernel's pages and its read sent at OPEN
     returns the new bytes (a rewrite while it is open here: the open after it does)."""
@@ -195,7 +273,7 @@ def test_a_rewrite_elsewhere_is_read_at_the_next_open(ops: StripeOperations, tes
             if held is not None:
                 await ops.release(held.fh)
 
-    trio.run(run)
+    run_ops(ops, run, loop)
 
 
 def test_through_the_mount_a_rewrite_at_the_same_size_and_mtime_is_seen(mdir: str, client, testdir: str) -> None:
