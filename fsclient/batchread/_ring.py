@@ -244,14 +244,20 @@ class ReadRing:
         """
         self._prepare(dest, file, offset, length, userdata, None)
 
-    def _prepare(self, dest: Any, file: RegisteredFile, offset: int, length: int, userdata: Any,
-                 owner: object | None) -> None:
-        self._check_pid()
+    @staticmethod
+    def _dest(dest: Any, file: RegisteredFile, offset: int, length: int) -> memoryview:
+        """``dest`` as a writable byte view, checked against the read of ``length`` at ``offset``."""
         view = dest if isinstance(dest, memoryview) and dest.format == "B" and dest.ndim == 1 and not dest.readonly else as_dest(dest)
         if offset < 0 or length < 0:
             raise StripefsError(ErrorCode.INVALID, f"negative offset or length ({offset}, {length})", file.path)
         if len(view) < length:
             raise StripefsError(ErrorCode.INVALID, f"destination holds {len(view)} bytes, read wants {length}", file.path)
+        return view
+
+    def _prepare(self, dest: Any, file: RegisteredFile, offset: int, length: int, userdata: Any,
+                 owner: object | None) -> None:
+        self._check_pid()
+        view = self._dest(dest, file, offset, length)
         if not self._free:
             raise StripefsError(ErrorCode.BUSY, f"ring full: {self.entries} reads prepared or in flight")
         i = self._free.popleft()
@@ -330,6 +336,11 @@ class ReadRing:
             StripefsError: the first failed read's error (after all have finished);
                 TIMEOUT when ``timeout`` passes with reads in flight.
         """
+        if (len(reads) == 1 and timeout is None and not (self.forbid_holes or self.retries is not None)
+                and not (self._prepared or self._outstanding or self._stash)):
+            n = self._read_one(*reads[0])
+            if n is not None:
+                return [n]
         out = [0] * len(reads)
         first: StripefsError | None = None
         nxt = 0
@@ -359,6 +370,19 @@ class ReadRing:
         if first is not None:
             raise first
         return out
+
+    def _read_one(self, dest: Any, file: RegisteredFile, offset: int, length: int) -> int | None:
+        """A batch of one read within one chunk, with the ring idle and its reads as the
+        client's (holes read as zeros, the client's retry budget): the client's blocking read
+        (``Client.read_into``: straight into ``dest``, the calling thread receives its
+        answer, no completion to hand over from a reader thread). None: the ring's way."""
+        self._check_pid()
+        view = self._dest(dest, file, offset, length)
+        n = max(0, min(length, file.size - offset))
+        cs = file.layout.chunk_size
+        if n == 0 or offset // cs != (offset + n - 1) // cs:
+            return None
+        return self.client.read_into(file.ino, file.layout, file.size, offset, view[:n])
 
     def cancel(self) -> int:
         """Give up on every read submitted and not yet reaped.

@@ -210,3 +210,39 @@ def test_a_failure_accounting_a_piece_fails_its_read_and_never_hangs_wait(client
     assert [c.userdata for c in got] == ["hole"], "wait() hangs when accounting a piece raises"
     assert got[0].error is not None and got[0].result == -errno.EIO and "zero fill failed" in str(got[0].error)
     assert ring.in_flight == 0
+
+
+def test_a_batch_of_one_is_the_clients_blocking_read(client: Client, files: dict[str, bytes],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``read`` of one read within one chunk, with the ring idle, is ``Client.read_into``
+    (the calling thread receives the answer); anything else goes the ring's way, and both
+    give the same bytes and the same errors."""
+    ring = ReadRing(client, entries=4)
+    direct: list[int] = []
+    read_into = client.read_into
+
+    def counted(*args: object) -> int:
+        direct.append(1)
+        return read_into(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(client, "read_into", counted)
+    small = next(p for p, d in files.items() if 0 < len(d) <= CHUNK)
+    big = next(p for p, d in files.items() if len(d) > 2 * CHUNK)
+    f, g = ring.open(small), ring.open(big)
+    buf = bytearray(CHUNK + 10)
+    assert ring.read([(buf, f, 0, len(files[small]) + 10)]) == [len(files[small])]  # short count past the end
+    assert bytes(buf[:len(files[small])]) == files[small] and len(direct) == 1
+    assert ring.read([(buf, g, CHUNK + 5, 1000)]) == [1000] and bytes(buf[:1000]) == expected(files, big, CHUNK + 5, 1000)
+    assert len(direct) == 2
+    assert ring.read([(buf, g, CHUNK - 100, 200)]) == [200]  # across two chunks: the ring's way
+    assert bytes(buf[:200]) == expected(files, big, CHUNK - 100, 200) and len(direct) == 2
+    assert ring.read([(buf, f, len(files[small]), 10)]) == [0] and len(direct) == 2  # nothing to read
+    ring.prepare(bytearray(10), f, 0, 10)  # the ring is not idle: its way, in turn
+    assert ring.read([(buf, g, 0, 100)]) == [100] and len(direct) == 2
+    ring.submit()
+    assert len(ring.wait(1, timeout=30)) == 1
+    with pytest.raises(StripefsError, match="destination holds"):
+        ring.read([(bytearray(2), f, 0, 3)])
+    with pytest.raises(StripefsError, match="read-only"):
+        ring.read([(b"abc", f, 0, 3)])
+    assert ring.in_flight == 0
