@@ -158,9 +158,11 @@ class ReplyMessage:
     def from_header(cls: type[RT], header: dict[str, Any]) -> RT:
         """Build and validate this reply from a decoded response header.
 
+        Fields this version does not know are ignored (a newer peer's additions).
+
         Raises:
             StripefsError: PROTOCOL for a header that is not a map, or has
-                missing, extra or mistyped fields (the peer broke the protocol).
+                missing or mistyped fields (the peer broke the protocol).
         """
         if type(header) is dict:
             values = _fast_values(cls._plan, header)
@@ -184,9 +186,8 @@ class ReplyMessage:
                     raise StripefsError(ErrorCode.PROTOCOL, f"{name}: field {field!r}: {exc}") from None
             elif required:
                 raise StripefsError(ErrorCode.PROTOCOL, f"{name}: missing field {field!r}")
-        extra = set(header) - {c[0] for c in cls._codecs}
-        if extra:
-            raise StripefsError(ErrorCode.PROTOCOL, f"{name}: unknown fields {sorted(map(str, extra))}")
+        # A field this version does not know is ignored: a newer peer's advisory addition
+        # (docs/protocol.md, "Versions"), which the fields it does know do without.
         return cls(**kwargs)
 
 
@@ -403,8 +404,8 @@ def decode_reply(request: "Message[RT] | type[Message[RT]]", header: dict[str, A
         The typed reply, e.g. an :class:`AttrReply` for a :class:`GetAttr`.
 
     Raises:
-        StripefsError: PROTOCOL for a header with missing, extra or mistyped
-            fields, or for a message that is never answered.
+        StripefsError: PROTOCOL for a header with missing or mistyped fields
+            (unknown ones are ignored), or for a message that is never answered.
     """
     cls = request.Reply
     if cls is None:
