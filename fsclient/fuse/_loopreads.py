@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import socket
 from typing import Any
 
@@ -156,17 +157,26 @@ class LoopConnection:
                 self.fail(unavailable(self.address, "connection closed"))
 
     async def _connect(self) -> None:
-        sock = self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with trio.fail_after(CONNECT_TIMEOUT):
-            err = sock.connect_ex(self.address)
-            if err not in (0, errno.EINPROGRESS):
-                raise OSError(err, f"connect to {self.address}")
-            await trio.lowlevel.wait_writable(sock)
-            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if err:
-                raise OSError(err, f"connect to {self.address}")
+            # A host name is resolved off the loop (trio runs getaddrinfo on a thread), and
+            # each of its addresses tried in turn, as socket.create_connection does.
+            infos = await trio.socket.getaddrinfo(*self.address, type=socket.SOCK_STREAM)
+            for k, (family, kind, proto, _name, sockaddr) in enumerate(infos):
+                sock = self.sock = socket.socket(family, kind, proto)
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                err = sock.connect_ex(sockaddr)
+                if err == errno.EINPROGRESS:
+                    await trio.lowlevel.wait_writable(sock)
+                    err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if not err:
+                    break
+                sock.close()
+                self.sock = None
+                if k == len(infos) - 1:
+                    raise OSError(err, f"connect to {self.address}: {os.strerror(err)}")
+            assert self.sock is not None
+            sock = self.sock
             while True:
                 event = self.machine.next_event()
                 out = self.machine.data_to_send()

@@ -115,6 +115,30 @@ def test_a_bad_answer_fails_its_read_only(client, testdir: str) -> None:
     trio.run(main)
 
 
+def test_a_server_named_by_host_name_is_reached(client, testdir: str) -> None:
+    """A routing entry that names its server by host name (another machine's, in a
+    deployment) is resolved off the loop, and read from."""
+    data = os.urandom(30_000)
+    client.write_bytes(f"{testdir}/f", data)
+    client.routing()
+    buf = bytearray(len(data))
+    plan = _plan(client, f"{testdir}/f", buf)
+    named = PlannedRead(plan.server_id, ("localhost", plan.address[1]), plan.msg, plan.check, plan.dest)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            reads = _loop_reads(client)
+            reads.attach(nursery)
+            await _connected(reads, [named])
+            read = reads.start(named)
+            assert read is not None
+            await read.wait(10)
+            assert named.finish(read.result()) == len(data) and bytes(buf) == data
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_a_server_that_cannot_be_reached_is_left_alone(client, testdir: str) -> None:
     """A connection refused: the loop goes on, reads go the client's way, and the server is
     not tried again before ``RETRY_AFTER``."""
