@@ -955,36 +955,47 @@ class StripeOperations(pyfuse3.Operations):
         # Page-cache mode: the kernel's readahead sends many requests at once; serve
         # them in parallel, each straight into a reused page-aligned buffer.
         buf = self._rbufs.pop() if self._rbufs and len(self._rbufs[-1]) >= size else mmap.mmap(-1, max(size, 1 << 20))
+        lent = []
         try:
             state.read_from = True
             f = state.file
-            n = await self.aio.read_into(f.ino, f.layout, state.length(), off, memoryview(buf)[:size])
+            dest = memoryview(buf)[:size]
+            # One chunk's range on the loop's connection (no thread), else the client's way.
+            n = await self._loop_read(f, state.length(), off, dest, lambda: lent.append(True))
+            if n is None:
+                n = await self.aio.read_into(f.ino, f.layout, state.length(), off, dest)
         finally:
             # Safe to reuse at once: pyfuse3 replies from the view before any other task runs,
-            # and no thread holds this buffer any more.
-            if len(self._rbufs) < 64:
+            # and nothing lands in it any more (unless a read on the loop was cancelled in flight).
+            if len(self._rbufs) < 64 and not lent:
                 self._rbufs.append(buf)
         return memoryview(buf)[:n]
 
-    async def _loop_read(self, state: OpenFile, f: Any, length: int, dest: memoryview) -> int | None:
-        """``f``'s first ``length`` bytes into ``dest`` (the state's ``whole_buf``) over the
-        loop's connection (``_loopreads``): the bytes read, or None when it cannot or it
-        failed (the caller reads the plain way)."""
-        plan = self.client._core.plan_read(f.ino, f.layout, length, 0, dest)
+    async def _loop_read(self, f: Any, file_size: int, off: int, dest: memoryview, lend: Callable[[], None],
+                         whole: bool = False) -> int | None:
+        """``dest``'s bytes at ``off`` of ``f`` over the loop's connection (``_loopreads``)
+        when one request answers them: the bytes read, or None when it cannot or it failed
+        (the caller reads the plain way; nothing lands in ``dest`` later). Cancelled in
+        flight, it calls ``lend()`` first: the answer may land in ``dest`` yet, so its
+        buffer must not be lent to anyone else. ``whole``: a small file read whole (counted)."""
+        plan = self.client._core.plan_read(f.ino, f.layout, file_size, off, dest)
         read = self.loop_reads.start(plan) if plan is not None else None
         if read is None:
-            WHOLE_READS_CLIENT.inc()
+            if whole:
+                WHOLE_READS_CLIENT.inc()
             return None
         assert plan is not None
-        WHOLE_READS_LOOP.inc()
+        if whole:
+            WHOLE_READS_LOOP.inc()
         try:
             await read.wait(REQUEST_TIMEOUT)
             return plan.finish(read.result())
         except (StripefsError, OSError):
-            WHOLE_READS_REREAD.inc()
+            if whole:
+                WHOLE_READS_REREAD.inc()
             return None  # nothing of it lands later: an error answer has no bytes, a timeout closed it
         except BaseException:
-            state.whole_buf = None  # cancelled in flight: its answer may land yet, the buffer is left to it
+            lend()
             raise
 
     async def _read_whole(self, state: OpenFile) -> memoryview:
@@ -999,7 +1010,10 @@ class StripeOperations(pyfuse3.Operations):
             # and one of them may be read into that one meanwhile.
             state.whole_buf = self._wbufs.pop() if self._wbufs else mmap.mmap(-1, SMALL_FILE)
         dest = memoryview(state.whole_buf)[:length]
-        n = await self._loop_read(state, f, length, dest)
+        def lend() -> None:
+            state.whole_buf = None
+
+        n = await self._loop_read(f, length, 0, dest, lend, whole=True)
         if n is None:  # not on the loop's connection: the client's, with its retries
             n = await self.aio.read_into(f.ino, f.layout, length, 0, dest)
         if state.dirty or state.written or state.file is not f:  # changed while we read

@@ -246,6 +246,30 @@ def test_a_first_read_without_a_read_at_open_reads_the_file_whole(ops: StripeOpe
     run_ops(ops, run, loop)
 
 
+def test_a_random_read_of_a_big_file_is_one_request_on_the_loop(ops: StripeOperations, testdir: str,
+                                                                loop: bool) -> None:
+    """Page-cache mode: a read at an offset no readahead window holds, within one chunk, is
+    one request -- on the loop's connection when the loop has one; a read across chunks
+    goes the client's way. The bytes are the file's either way."""
+    data = os.urandom(3 << 20)
+    ops.client.write_bytes(f"{testdir}/big", data)
+    attr = ops.client.stat(f"{testdir}/big")
+    cs = attr.layout.chunk_size
+    reads = Reads(ops)
+
+    async def run() -> None:
+        fi = await ops.open(attr.ino, os.O_RDONLY, CTX)
+        assert ops.files[attr.ino].ahead is None  # too big to be read whole at OPEN
+        for off, size in ((4 * cs + 12345, 65536), (7 * cs - 1000, 4096), (9 * cs + 5, 8192)):
+            reads.loop = reads.plain = 0
+            assert bytes(await ops.read(fi.fh, off, size)) == data[off:off + size]
+            one_chunk = off // cs == (off + size - 1) // cs
+            assert (reads.loop, reads.plain) == ((1, 0) if loop and one_chunk else (0, 1))
+        await ops.release(fi.fh)
+
+    run_ops(ops, run, loop)
+
+
 def test_a_rewrite_elsewhere_is_read_at_the_next_open(ops: StripeOperations, testdir: str, loop: bool) -> None:
     """Another client rewrites the file at the same size and sets the mtime back after this
     mount read it: the next open drops the kernel's pages and its read sent at OPEN
