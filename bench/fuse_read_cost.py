@@ -37,6 +37,7 @@ from typing import Any, Iterator
 from stripefs.fsclient import Client
 
 from ._local import cluster_and_pids
+from .burst_tail import sched_delta, schedstat
 from ._orchestrate import drop_caches
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -60,10 +61,6 @@ def thread_cpu(pid: int) -> dict[tuple[int, str], tuple[float, float, float]]:
         out[(int(tid), name)] = (ns / 1e9, int(fields[11]) / _TICK, int(fields[12]) / _TICK)
     return out
 
-
-def _process_cpu(pid: int) -> float:
-    """CPU seconds of the threads of ``pid`` alive now (scheduler time, ns resolution)."""
-    return sum(cpu for cpu, _u, _s in thread_cpu(pid).values())
 
 
 def _reader(paths: list[str], out: Any) -> None:
@@ -114,14 +111,14 @@ def _write_round(cluster: str, r: int, files: int) -> list[str]:
     return names
 
 
-def measure(cluster: str, mnt: str, daemon: int, pids: dict[str, int], names: list[str],
+def measure(mnt: str, daemon: int, pids: dict[str, int], names: list[str],
             readers: int) -> dict[str, Any]:
     """One round: ``readers`` processes read ``names`` through ``mnt``, cold."""
     paths = [mnt + name for name in names]
     random.Random(len(paths)).shuffle(paths)
     if not drop_caches():
         raise SystemExit("drop_caches needs root: the reads would not be cold")
-    before, before_threads = {k: _process_cpu(p) for k, p in pids.items()}, thread_cpu(daemon)
+    before, before_threads = {k: schedstat(p) for k, p in pids.items()}, thread_cpu(daemon)
     out = mp.get_context("fork").Queue()
     procs = [mp.get_context("fork").Process(target=_reader, args=(paths[i::readers], out)) for i in range(readers)]
     for p in procs:
@@ -129,7 +126,7 @@ def measure(cluster: str, mnt: str, daemon: int, pids: dict[str, int], names: li
     got = [out.get() for _ in procs]
     for p in procs:
         p.join()
-    after, after_threads = {k: _process_cpu(p) for k, p in pids.items()}, thread_cpu(daemon)
+    after, after_threads = {k: schedstat(p) for k, p in pids.items()}, thread_cpu(daemon)
     n = len(paths)
     threads = []
     for key, (cpu, user, system) in sorted(after_threads.items()):
@@ -143,7 +140,7 @@ def measure(cluster: str, mnt: str, daemon: int, pids: dict[str, int], names: li
         "readers_us": sum(cpu for _wall, cpu in got) / n * 1e6,
         "daemon_us": sum(t["cpu_us"] for t in threads),
         "daemon_threads": threads,
-        "processes_us": {k: (after[k] - before[k]) / n * 1e6 for k in pids},
+        "processes_us": {k: sched_delta(before[k], after[k])["cpu"] / n * 1e3 for k in pids},  # ms -> us
     }
 
 
@@ -174,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
                 rounds = []
                 for r in range(a.rounds):
                     names = _write_round(cluster, r, a.files)
-                    rounds.append(measure(cluster, mnt, daemon, pids, names, a.readers))
+                    rounds.append(measure(mnt, daemon, pids, names, a.readers))
                     _report(rounds[-1])
             if a.json:
                 with open(a.json, "w") as f:

@@ -46,6 +46,14 @@ async def _connected(reads: LoopReads, plans: list[PlannedRead]) -> None:
             await trio.sleep(0.01)
 
 
+async def _read(reads: LoopReads, plan: PlannedRead) -> int:
+    """One read of ``plan`` on its loop connection, which must take it: the bytes read."""
+    read = reads.start(plan)
+    assert read is not None
+    await read.wait(10)
+    return plan.finish(read.result())
+
+
 def test_reads_in_flight_at_once_land_in_their_buffers(client, testdir: str) -> None:
     files = {f"{testdir}/f{k}": os.urandom(1000 + 7919 * k) for k in range(24)}
     for path, data in files.items():
@@ -105,10 +113,7 @@ def test_a_bad_answer_fails_its_read_only(client, testdir: str) -> None:
                 with pytest.raises(StripefsError) as err:
                     read.result()
                 assert err.value.code == code
-                good = reads.start(plan)  # the same connection, still serving
-                assert good is not None
-                await good.wait(10)
-                assert plan.finish(good.result()) == len(data) and bytes(buf) == data
+                assert await _read(reads, plan) == len(data) and bytes(buf) == data  # the same connection, still serving
                 buf[:] = bytes(len(buf))
             nursery.cancel_scope.cancel()
 
@@ -130,10 +135,7 @@ def test_a_server_named_by_host_name_is_reached(client, testdir: str) -> None:
             reads = _loop_reads(client)
             reads.attach(nursery)
             await _connected(reads, [named])
-            read = reads.start(named)
-            assert read is not None
-            await read.wait(10)
-            assert named.finish(read.result()) == len(data) and bytes(buf) == data
+            assert await _read(reads, named) == len(data) and bytes(buf) == data
             nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -203,10 +205,7 @@ def test_a_silent_server_fails_the_reads_in_flight_and_nothing_lands_later(make_
                 assert bytes(buf) == bytes(len(buf))
                 assert reads.start(plan) is None  # a new connection, connecting
                 await _connected(reads, [plan])
-                read = reads.start(plan)
-                assert read is not None
-                await read.wait(10)
-                assert plan.finish(read.result()) == len(data) and bytes(buf) == data
+                assert await _read(reads, plan) == len(data) and bytes(buf) == data
                 nursery.cancel_scope.cancel()
 
         trio.run(main)
