@@ -22,6 +22,7 @@ Caveats:
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -74,7 +75,8 @@ class GlusterRoute(Route):
             raise RouteSkipped("a glusterd is already running here (port 24007)")
         self.p = p = os.path.join(env.workdir, "glusterfs")
         os.makedirs(os.path.join(p, "wd"), exist_ok=True)
-        os.makedirs(os.path.join(p, "mnt"), exist_ok=True)
+        for where in ("mnt", "mnt-ro"):
+            os.makedirs(os.path.join(p, where), exist_ok=True)
         with open("/etc/glusterfs/glusterd.vol") as f:
             vol = f.read()
         lines = [ln for ln in vol.splitlines() if "working-directory" not in ln]
@@ -97,12 +99,14 @@ class GlusterRoute(Route):
                 _run(cli + ["volume", "set", vol_name, option, "off"], f"gluster set {option}")
             _run(cli + ["volume", "start", vol_name], "gluster start")
             self.steps.append(cli + ["volume", "stop", vol_name, "force"])
-            _run(["mount", "-t", "glusterfs", f"{host}:/{vol_name}", f"{p}/mnt"], "gluster mount")
-            self.steps.append(["umount", "-l", f"{p}/mnt"])
+            for where, options in (("mnt", []), ("mnt-ro", ["-o", "ro"])):  # the dataset is read read-only
+                _run(["mount", "-t", "glusterfs", *options, f"{host}:/{vol_name}", f"{p}/{where}"], "gluster mount")
+                self.steps.append(["umount", "-l", f"{p}/{where}"])
         except BaseException:
             self.stop()
             raise
-        return {"kind": "posix", "root": os.path.join(p, "mnt", "bench")}
+        return {"kind": "posix", "root": os.path.join(p, "mnt", "bench"),
+                "dataset_root": os.path.join(p, "mnt-ro", "bench")}
 
     def stop(self) -> None:
         while self.steps:
@@ -120,6 +124,13 @@ class GlusterRoute(Route):
 
 _MFS_IP = "10.77.2.1"
 _MFS_PORTS = {"ml": 19419, "cs": 19420, "cl": 19421}
+
+
+def _mounted(proc: subprocess.Popen[bytes], mnt: str, log: str) -> bool:
+    """Whether ``proc``'s FUSE mount is up at ``mnt``; RouteSkipped once it exited."""
+    if proc.poll() is not None:
+        raise RouteSkipped(f"the mount of {mnt} exited with status {proc.returncode} (see {log})")
+    return os.path.ismount(mnt)
 
 
 def stop_mount(proc: subprocess.Popen, mountpoint: str) -> None:
@@ -140,7 +151,7 @@ class MooseRoute(Route):
     def __init__(self) -> None:
         self.ns = ""
         self.p = ""
-        self.mount: subprocess.Popen[bytes] | None = None
+        self.mounts: list[tuple[subprocess.Popen[bytes], str]] = []
         self.daemons: list[list[str]] = []
 
     def _write(self, name: str, text: str) -> str:
@@ -157,7 +168,7 @@ class MooseRoute(Route):
             raise RouteSkipped(f"moosefs: {empty} missing (moosefs-master install incomplete)")
         self.p = p = os.path.join(env.workdir, "moosefs")
         self.ns = f"mfsbench{env.run_id}"
-        for d in ("master", "cs0", "cs1", "hdd0", "hdd1", "mnt"):
+        for d in ("master", "cs0", "cs1", "hdd0", "hdd1", "mnt", "mnt-ro"):
             os.makedirs(os.path.join(p, d), exist_ok=True)
         shutil.copy(empty, os.path.join(p, "master", "metadata.mfs"))
         common = "WORKING_USER = root\nWORKING_GROUP = root\n"
@@ -184,33 +195,27 @@ class MooseRoute(Route):
                                  f"CSSERV_LISTEN_PORT = {19422 + i}\n")
                 _run(ns + ["mfschunkserver", "-c", cs, "start"], f"mfschunkserver {i}")
                 self.daemons.append(ns + ["mfschunkserver", "-c", cs, "stop"])
-            log = open(os.path.join(p, "mfsmount.log"), "ab")
-            # only the *network* namespace: the FUSE mount lands in ours, visible to clients
+            # only the *network* namespace: the FUSE mounts land in ours, visible to clients;
+            # the dataset is read through a second, read-only mount (as FuseRoute does)
             netns = ["nsenter", f"--net=/run/netns/{self.ns}"]
-            self.mount = subprocess.Popen(netns + ["mfsmount", "-f", f"{p}/mnt", "-H", _MFS_IP,
-                                                   "-P", str(_MFS_PORTS["cl"])],
-                                          stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT)
-            log.close()
-            mount = self.mount
-
-            def mounted() -> bool:
-                if mount.poll() is not None:
-                    raise RouteSkipped(f"mfsmount exited with status {mount.returncode} "
-                                       f"(see {p}/mfsmount.log)")
-                return os.path.ismount(f"{p}/mnt")
-
-            wait_for(mounted, 30, "moosefs mount")
+            for where, options in (("mnt", []), ("mnt-ro", ["-o", "ro"])):
+                with open(os.path.join(p, "mfsmount.log"), "ab") as log:
+                    proc = subprocess.Popen(netns + ["mfsmount", "-f", f"{p}/{where}", "-H", _MFS_IP,
+                                                     "-P", str(_MFS_PORTS["cl"]), *options],
+                                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+                self.mounts.append((proc, f"{p}/{where}"))
+            for proc, mnt in self.mounts:
+                wait_for(functools.partial(_mounted, proc, mnt, f"{p}/mfsmount.log"), 30, "moosefs mount")
             _run(netns + ["mfssetgoal", "-r", "1", f"{p}/mnt"], "mfssetgoal")
         except BaseException:
             self.stop()
             raise
-        return {"kind": "posix", "root": os.path.join(p, "mnt", "bench")}
+        return {"kind": "posix", "root": os.path.join(p, "mnt", "bench"),
+                "dataset_root": os.path.join(p, "mnt-ro", "bench")}
 
     def stop(self) -> None:
-        if self.mount is not None:
-            stop_mount(self.mount, f"{self.p}/mnt")
-            self.mount = None
+        while self.mounts:
+            stop_mount(*self.mounts.pop())
         while self.daemons:
             subprocess.run(self.daemons.pop(), capture_output=True, timeout=60)
 

@@ -6,8 +6,9 @@ this machine raises :class:`RouteSkipped` with the reason, which the report carr
 is ever faked.
 
 Routes: ``native`` (fsclient.Client), ``fsspec`` (fsclient.fsspec.StripeFileSystem),
-``fuse`` (a ``stripefs mount`` this route makes), ``zerocopy`` (fsclient.batchread rings),
-``local_disk`` (the same workloads on a local directory). Peers live in ``bench._peers``.
+``fuse`` (two mounts this route makes: the dataset is read through a read-only one),
+``zerocopy`` (fsclient.batchread rings), ``local_disk`` (the same workloads on a local
+directory). Peers live in ``bench._peers``.
 """
 
 from __future__ import annotations
@@ -65,53 +66,33 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "stripefs.fsclient.fuse", *args]
 
 
-class FuseRoute(Route):
-    """A ``stripefs mount --foreground`` of the cluster, unmounted at ``stop``."""
+class _Mount:
+    """One ``stripefs mount --foreground`` of a cluster at ``mnt`` (``-o options``), its
+    daemon's output in ``log``; ``stop`` unmounts it and waits for the daemon."""
 
-    name = "fuse"
-    on_cluster = True
+    def __init__(self, cluster: str, mnt: str, options: str, log: str):
+        os.makedirs(mnt, exist_ok=True)
+        self.mnt = mnt
+        args = _cli("mount", mnt, "--cluster", cluster, "--foreground") + (["-o", options] if options else [])
+        env = {k: v for k, v in os.environ.items() if k != "STRIPEFS_ATTR_TIMEOUT"}  # the kernel caches here
+        with open(log, "ab") as out:
+            self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+                args, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
 
-    def __init__(self) -> None:
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.mnt: str | None = None
-
-    def start(self, env: RunEnv) -> dict[str, Any]:
-        cluster = self._cluster(env)
-        need_module("pyfuse3", self.name)
-        need_module("stripefs.fsclient.fuse", self.name)
-        if not os.path.exists("/dev/fuse"):
-            raise RouteSkipped("fuse: /dev/fuse is missing")
-        self.mnt = os.path.join(env.workdir, f"fuse-mnt-{env.servers}")
-        os.makedirs(self.mnt, exist_ok=True)
-        log = open(os.path.join(env.workdir, "fuse-mount.log"), "ab")
-        daemon_env = {k: v for k, v in os.environ.items() if k != "STRIPEFS_ATTR_TIMEOUT"}  # the kernel caches here
-        self.proc = subprocess.Popen(_cli("mount", self.mnt, "--cluster", cluster, "--foreground"), env=daemon_env,
-                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        proc = self.proc
-
+    def wait_mounted(self, timeout: float = 30) -> None:
+        """Return once mounted; RouteSkipped when the daemon exits or ``timeout`` passes."""
         def mounted() -> bool:
-            if proc.poll() is not None:
-                raise RouteSkipped(f"fuse: stripefs mount exited with status {proc.returncode} "
-                                   f"(see {env.workdir}/fuse-mount.log)")
-            return os.path.ismount(self.mnt or "")
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RouteSkipped(f"fuse: stripefs mount of {self.mnt} exited with status {self.proc.returncode}")
+            return os.path.ismount(self.mnt)
 
-        try:
-            wait_for(mounted, 30, "fuse mount")
-        except RouteSkipped:
-            self.stop()
-            raise
-        return {"kind": "posix", "root": os.path.join(self.mnt, self._root(env).lstrip("/"))}
-
-    def pids(self) -> list[int]:
-        return [self.proc.pid] if self.proc is not None else []
+        wait_for(mounted, timeout, "fuse mount")
 
     def stop(self) -> None:
-        if self.mnt and os.path.ismount(self.mnt):
+        if os.path.ismount(self.mnt):
             subprocess.run(_cli("umount", self.mnt), capture_output=True, timeout=30)
             if os.path.ismount(self.mnt):
-                subprocess.run(["fusermount3", "-u", "-z", self.mnt], capture_output=True,
-                               timeout=30)
+                subprocess.run(["fusermount3", "-u", "-z", self.mnt], capture_output=True, timeout=30)
         if self.proc is not None:
             try:
                 self.proc.wait(timeout=10)
@@ -123,6 +104,44 @@ class FuseRoute(Route):
                     self.proc.kill()
                     self.proc.wait()
             self.proc = None
+
+
+class FuseRoute(Route):
+    """Two ``stripefs mount``s of the cluster, as a training job mounts it: the dataset
+    read through a read-only one (``-o ro``), everything else through a read-write one;
+    both unmounted at ``stop``."""
+
+    name = "fuse"
+    on_cluster = True
+
+    def __init__(self) -> None:
+        self.mounts: list[_Mount] = []
+
+    def start(self, env: RunEnv) -> dict[str, Any]:
+        cluster = self._cluster(env)
+        need_module("pyfuse3", self.name)
+        need_module("stripefs.fsclient.fuse", self.name)
+        if not os.path.exists("/dev/fuse"):
+            raise RouteSkipped("fuse: /dev/fuse is missing")
+        log = os.path.join(env.workdir, "fuse-mount.log")
+        try:
+            for where, options in ((f"fuse-mnt-{env.servers}", ""), (f"fuse-ro-{env.servers}", "ro")):
+                self.mounts.append(_Mount(cluster, os.path.join(env.workdir, where), options, log))
+            for mount in self.mounts:
+                mount.wait_mounted()
+        except RouteSkipped as exc:
+            self.stop()
+            raise RouteSkipped(f"{exc} (see {log})") from exc
+        root = self._root(env).lstrip("/")
+        rw, ro = (os.path.join(mount.mnt, root) for mount in self.mounts)
+        return {"kind": "posix", "root": rw, "dataset_root": ro}
+
+    def pids(self) -> list[int]:
+        return [mount.proc.pid for mount in self.mounts if mount.proc is not None]
+
+    def stop(self) -> None:
+        while self.mounts:
+            self.mounts.pop().stop()
 
 
 ROUTES = ["native", "fsspec", "fuse", "zerocopy", "local_disk"]

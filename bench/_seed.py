@@ -34,7 +34,9 @@ kvcache              an inference server's KV-cache tier: Zipf batches of fixed-
 ===================  ===================================================================
 
 The dataset is written once per route by ``prepare_dataset`` (untimed, all clients in
-parallel) and kept for later runs of the same benchmark; the caches are dropped before every
+parallel) and kept for later runs of the same benchmark; it is read through the session's
+``datasets`` (on FUSE routes a read-only mount of the same file system, as a training job
+mounts its data); the caches are dropped before every
 timed read (``bench._workloads`` explains how), and dataset files are opened with
 ``direct=True`` so that no file is served by a client-side cache even when a reader wraps
 around its share.
@@ -100,15 +102,16 @@ def prepare_dataset(s: Session, task: dict[str, Any], ctx: ClientContext) -> Non
         ctx.wait()  # every file is complete before the marker says so
         if ctx.index == 0:
             s.touch(ready)
-    evict(s, [dataset_path(n, k) for k in mine], task)
+    evict(s.datasets, [dataset_path(n, k) for k in mine], task)
 
 
 def _read_file(s: Session, ctx: ClientContext, n: int, k: int, size: int, buf: memoryview,
                part: PartResult) -> None:
-    """Open, read whole, close one dataset file (timed as one operation), then verify it."""
+    """Open, read whole, close one dataset file through ``s.datasets`` (timed as one
+    operation), then verify it."""
     path = dataset_path(n, k)
     t = clock()
-    r = s.open_read(path, direct=True)
+    r = s.datasets.open_read(path, direct=True)
     try:
         got = r.pread_into(buf[:size], 0)
     finally:
@@ -153,7 +156,7 @@ def dataloader_batched(s: Session, task: dict[str, Any], ctx: ClientContext) -> 
             views.append(buf[at:at + int(sizes[k])])
             at += int(sizes[k])
         t = clock()
-        got = s.read_batch([dataset_path(n, k) for k in batch], views)
+        got = s.datasets.read_batch([dataset_path(n, k) for k in batch], views)
         part.lat.append(clock() - t)  # per batch
         for k, view, g in zip(batch, views, got):
             path = dataset_path(n, k)

@@ -42,7 +42,11 @@ class Reader(Protocol):
 
 
 class Session(Protocol):
-    """Paths are relative to the route's benchmark directory."""
+    """Paths are relative to the route's benchmark directory. ``datasets`` is the session
+    the dataset workloads read through: the session itself, or one on a read-only mount of
+    the same file system (a training job mounts its dataset read-only)."""
+
+    datasets: "Session"
 
     def makedirs(self, path: str) -> None: ...
     def create(self, path: str) -> Writer: ...
@@ -128,6 +132,7 @@ class NativeSession(_Threads):
         from stripefs.fsclient import Client
 
         self.client = Client(cluster)
+        self.datasets = self
         self.cluster = cluster
         self.root = root
         self.client.makedirs(root)
@@ -302,9 +307,18 @@ class PosixSession(_Threads):
     """Plain system calls under ``root`` (a local directory or a mount point); a batch is
     read by ``BATCH_THREADS`` threads."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, dataset_root: str | None = None):
         self.root = root
         os.makedirs(root, exist_ok=True)
+        # the dataset's reads through another (read-only) mount; made here by its writers
+        self.datasets: Session = self if dataset_root is None else PosixSession._reading(dataset_root)
+
+    @classmethod
+    def _reading(cls, root: str) -> "PosixSession":
+        """A session that only reads under ``root`` (which may be read-only)."""
+        s = cls.__new__(cls)
+        s.root, s.datasets = root, s
+        return s
 
     def _p(self, path: str) -> str:
         return os.path.join(self.root, path)
@@ -369,6 +383,8 @@ class PosixSession(_Threads):
 
     def close(self) -> None:
         self._close_threads()
+        if self.datasets is not self:
+            self.datasets.close()
 
 
 # --- fsspec (our filesystem, s3fs) ---------------------------------------------------------
@@ -423,6 +439,7 @@ class FsspecSession:
                                                                  **options)
         self.root = root
         self.fs.makedirs(root, exist_ok=True)
+        self.datasets = self
 
     def _p(self, path: str) -> str:
         return posixpath.join(self.root, path)
@@ -506,7 +523,7 @@ def open_session(spec: dict[str, Any]) -> Session:
     if kind == "zerocopy":
         return ZerocopySession(spec["cluster"], spec["root"])
     if kind == "posix":
-        return PosixSession(spec["root"])
+        return PosixSession(spec["root"], spec.get("dataset_root"))
     if kind == "fsspec":
         return FsspecSession(spec["cls"], spec["options"], spec["root"])
     raise ValueError(f"unknown session kind {kind!r}")

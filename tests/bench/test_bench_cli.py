@@ -7,8 +7,10 @@ cannot pass. Peers that cannot start are reported as skipped with a reason.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from stripefs.bench import BenchConfig, run_bench
 from stripefs.bench._pattern import Pattern, VerifyError, file_id
 from stripefs.bench._routes import RouteSkipped, RunEnv, make_route
 from stripefs.bench._seed import dataset_sizes
+from stripefs.bench._sessions import open_session
 from stripefs.bench._tasks import BATCH_PARTS, WORKLOADS, record_names
 from stripefs.bench.cli import main
 
@@ -260,6 +263,38 @@ def test_missing_peer_is_skipped_with_reason(tmp_path: Path, monkeypatch: pytest
     assert rep["results"] == [] and rep["errors"] == []
     assert {s["path"] for s in rep["skipped"]} == {"glusterfs", "moosefs"}
     assert all("not installed" in s["reason"] for s in rep["skipped"])
+
+
+def test_the_fuse_route_reads_its_dataset_through_a_read_only_mount(cluster: Any, tmp_path: Path) -> None:
+    """As a training job mounts it: the dataset through ``-o ro``, writes through the other."""
+    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
+        pytest.skip("FUSE mounts need root and /dev/fuse")
+    route = make_route("fuse")
+    spec = route.start(RunEnv(cluster.file, str(tmp_path), "ro1", servers=4))
+    try:
+        assert len(route.pids()) == 2
+        s = open_session(spec)
+        try:
+            assert s.datasets is not s and s.datasets.root == spec["dataset_root"]
+            s.makedirs("dataset/d")
+            w = s.create("dataset/d/f")
+            w.write(memoryview(b"x" * 5000))
+            w.close()
+            buf = bytearray(8192)
+            r = s.datasets.open_read("dataset/d/f", direct=True)
+            try:
+                assert r.pread_into(memoryview(buf), 0) == 5000 and bytes(buf[:5000]) == b"x" * 5000
+            finally:
+                r.close()
+            with pytest.raises(OSError) as err:  # the dataset's mount refuses every change
+                os.open(os.path.join(spec["dataset_root"], "dataset/d/g"), os.O_WRONLY | os.O_CREAT, 0o644)
+            assert err.value.errno == errno.EROFS
+        finally:
+            s.close()
+            shutil.rmtree(os.path.dirname(spec["root"]))  # /bench-ro1 on the shared cluster
+    finally:
+        route.stop()
+    assert route.pids() == [] and not any(os.path.ismount(tmp_path / d) for d in os.listdir(tmp_path))
 
 
 def test_cli_json_and_plot(cluster: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
