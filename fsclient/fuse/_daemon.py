@@ -173,7 +173,7 @@ def serve(mountpoint: str, cluster: str | None, options: list[str], ready_fd: in
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
             try:
                 async with trio.open_nursery() as nursery:
-                    ops.loop_reads.attach(nursery)  # its connections' tasks run until the loop ends
+                    ops.attach(nursery)  # background work (storage connections, listings) until the loop ends
                     nursery.start_soon(announce)
                     nursery.start_soon(signals, sigs)
                     await pyfuse3.main(min_tasks=4, max_tasks=64)

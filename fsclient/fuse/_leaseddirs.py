@@ -7,7 +7,8 @@ to answer), and each was a leased ``Lookup`` round trip to the metadata service 
 of the requests a small file's read made, and most of the service's work for it.
 
 Once lookups in one directory found files there in a row (``core._attrcache.DirStreaks``:
-two round trips within two seconds), the daemon asks for the whole directory at once: one ``Readdir``
+two round trips within two seconds), the daemon asks for the whole directory at once, in a
+task of its own (the lookup that made it due does not wait): one ``Readdir``
 with attributes and layouts under a lease (the service leases the directory and every
 file's attributes it shows: ``metadata/_lease_grants.py``). While that lease lives, and
 nothing changed since as far as this client knows (no invalidation heard, no mutation of

@@ -213,6 +213,7 @@ class StripeOperations(pyfuse3.Operations):
         core = client._core
         # Whole small files read at OPEN, on connections of the loop (the daemon attaches it).
         self.loop_reads = LoopReads(core.config.secret, core.client_id, core.config.role)
+        self.nursery: trio.Nursery | None = None  # the daemon's (attach): background work
         self.config = config or FuseConfig()
         self.files: dict[int, OpenFile] = {}  # ino -> open state
         self.handles: dict[int, int] = {}  # fh -> ino
@@ -246,6 +247,13 @@ class StripeOperations(pyfuse3.Operations):
         self._fresh: dict[int, tuple[Attr, float, tuple[int, int]]] = {}
         if self.config.read_only:
             _refuse_changes(self)
+
+    def attach(self, nursery: trio.Nursery) -> None:
+        """Run background work in ``nursery`` (the daemon's, until its loop ends): the
+        loop's storage connections, listings fetched for lookups. Without one (operations
+        driven by a test), that work is awaited where it starts."""
+        self.nursery = nursery
+        self.loop_reads.attach(nursery)
 
     # -- helpers ------------------------------------------------------------------------
     def _entry(self, attr: Attr, age: float = 0.0) -> pyfuse3.EntryAttributes:
@@ -376,7 +384,13 @@ class StripeOperations(pyfuse3.Operations):
             if not stat.S_ISDIR(attr.mode):  # a directory's lease covers its entry only
                 e.attr_timeout = leased
             if leased > 0 and self.leased_dirs.looked_up(parent_inode, attr):
-                await self._fetch_leased(parent_inode)
+                # This lookup has its answer: it does not wait for the listing (a directory
+                # of thousands of files takes tens of milliseconds to list); the lookups
+                # that come meanwhile ask the service, as before it.
+                if self.nursery is not None:
+                    self.nursery.start_soon(self._fetch_leased_quietly, parent_inode)
+                else:
+                    await self._fetch_leased(parent_inode)
         return e
 
     def _from_listing(self, parent: int, name: bytes, text: str) -> pyfuse3.EntryAttributes | None:
@@ -421,6 +435,14 @@ class StripeOperations(pyfuse3.Operations):
         finally:
             self.leased_dirs.put(ino, attrs, lease_id, left, state if state == self._cache_state() else None,
                                  more=more)
+
+    async def _fetch_leased_quietly(self, ino: int) -> None:
+        """:meth:`_fetch_leased` as a task of its own: what fails is logged (the lookups
+        go on asking the service)."""
+        try:
+            await self._fetch_leased(ino)
+        except Exception:
+            log.exception("fetching the listing of directory %d", ino)
 
     async def _fetch_names(self, ino: int) -> None:
         """Every name of directory ``ino``, which this mount is filling, fetched under a

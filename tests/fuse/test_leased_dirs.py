@@ -116,3 +116,42 @@ def test_the_mounts_own_changes_show_at_once(dataset: Any) -> None:
         assert c.read_bytes("/data/f10") == b"rewritten here"
         c.write_bytes("/data/f11b", b"changed elsewhere")  # the renamed entry is taken back as well
     assert _read(f"{mp}/data/f11b") == b"changed elsewhere"
+
+
+def test_the_lookup_that_calls_for_a_listing_does_not_wait_for_it(cluster: Any, testdir: str) -> None:
+    """The lookup after which a directory is due for its listing answers at once; the
+    listing is fetched in the background (a directory of thousands of files takes tens of
+    milliseconds to list), and the lookups after it are answered from it."""
+    import pyfuse3
+    import trio
+
+    from stripefs.fsclient.fuse._operations import StripeOperations
+
+    client = cluster.client()
+    try:
+        for i in range(3):
+            client.write_bytes(f"{testdir}/f{i}", _body(i))
+        parent = client.stat(testdir).ino
+        ops = StripeOperations(client)
+        ctx = pyfuse3.RequestContext()
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                ops.attach(nursery)
+                kl = ops.kernel_leases
+                assert kl is not None
+                with trio.fail_after(30):
+                    while not kl.asking:  # the client's lease watch is live
+                        await trio.sleep(0.05)
+                await ops.lookup(parent, b"f0", ctx)
+                await ops.lookup(parent, b"f1", ctx)  # the second in a row: the listing is due
+                assert parent not in ops.leased_dirs.dirs  # ... and this lookup did not wait for it
+                with trio.fail_after(30):
+                    while parent not in ops.leased_dirs.dirs:
+                        await trio.sleep(0.01)
+                assert ops._from_listing(parent, b"f2", "f2").st_ino == client.stat(f"{testdir}/f2").ino
+                nursery.cancel_scope.cancel()
+
+        trio.run(main)
+    finally:
+        client.close()
