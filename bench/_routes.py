@@ -66,7 +66,7 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "stripefs.fsclient.fuse", *args]
 
 
-class _Mount:
+class FuseMount:
     """One ``stripefs mount --foreground`` of a cluster at ``mnt`` (``-o options``), its
     daemon's output in ``log``; ``stop`` unmounts it and waits for the daemon."""
 
@@ -115,7 +115,7 @@ class FuseRoute(Route):
     on_cluster = True
 
     def __init__(self) -> None:
-        self.mounts: list[_Mount] = []
+        self.mounts: list[FuseMount] = []
 
     def start(self, env: RunEnv) -> dict[str, Any]:
         cluster = self._cluster(env)
@@ -126,7 +126,7 @@ class FuseRoute(Route):
         log = os.path.join(env.workdir, "fuse-mount.log")
         try:
             for where, options in ((f"fuse-mnt-{env.servers}", ""), (f"fuse-ro-{env.servers}", "ro")):
-                self.mounts.append(_Mount(cluster, os.path.join(env.workdir, where), options, log))
+                self.mounts.append(FuseMount(cluster, os.path.join(env.workdir, where), options, log))
             for mount in self.mounts:
                 mount.wait_mounted()
         except RouteSkipped as exc:

@@ -28,8 +28,6 @@ import mmap
 import multiprocessing as mp
 import os
 import random
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any, Iterator
@@ -39,6 +37,7 @@ from stripefs.fsclient import Client
 from ._local import cluster_and_pids
 from .burst_tail import sched_delta, schedstat
 from ._orchestrate import drop_caches
+from ._routes import RouteSkipped, FuseMount
 
 _TICK = os.sysconf("SC_CLK_TCK")
 MAX_FILE = 256 << 10
@@ -78,26 +77,18 @@ def _reader(paths: list[str], out: Any) -> None:
 @contextlib.contextmanager
 def _mounted(cluster: str, options: str) -> Iterator[tuple[str, int]]:
     """A ``stripefs mount --foreground`` of ``cluster``: (mount point, daemon pid)."""
-    with tempfile.TemporaryDirectory(prefix="fuse-read-cost-") as mnt:
-        args = [sys.executable, "-m", "stripefs.fsclient.fuse", "mount", mnt, "--cluster", cluster, "--foreground"]
-        if options:
-            args += ["-o", options]
-        daemon = subprocess.Popen(args, stdin=subprocess.DEVNULL)
+    with tempfile.TemporaryDirectory(prefix="fuse-read-cost-") as d:
+        mount = FuseMount(cluster, os.path.join(d, "mnt"), options, os.path.join(d, "daemon.log"))
         try:
-            deadline = time.monotonic() + 30
-            while not os.path.ismount(mnt):
-                if daemon.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the mount did not come up (daemon status {daemon.poll()})")
-                time.sleep(0.05)
-            yield mnt, daemon.pid
-        finally:
-            subprocess.run([sys.executable, "-m", "stripefs.fsclient.fuse", "umount", mnt], capture_output=True,
-                           timeout=60)
             try:
-                daemon.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+                mount.wait_mounted()
+            except RouteSkipped as exc:
+                with open(os.path.join(d, "daemon.log"), errors="replace") as f:
+                    raise SystemExit(f"the mount did not come up: {exc}\n{f.read()[-2000:]}") from None
+            assert mount.proc is not None
+            yield mount.mnt, mount.proc.pid
+        finally:
+            mount.stop()
 
 
 def _write_round(cluster: str, r: int, files: int) -> list[str]:
