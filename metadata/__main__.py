@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import json
 import logging
 import os
@@ -17,6 +16,7 @@ import sys
 import trio
 
 from stripefs.rpc import cannot_start
+from stripefs.rpc._settings import quiet_collector
 from stripefs.rpc._metrics import METRICS_ENV, serve_metrics, write_address_file
 
 from ._leasetable import LEASE_TTL
@@ -73,13 +73,7 @@ def run(args: argparse.Namespace, secret: str, cluster_id: str, raw: dict) -> in
     ``args`` holds :func:`add_service_options`' options and ``state``, ``store``, ``host``, ``port``.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s metadata %(levelname)s %(message)s")
-    # Each request leaves a few container objects behind for a while (tasks, events, replies):
-    # with the default threshold (700) the collector ran every few requests and scanned
-    # everything the service holds, ~5% of its CPU. Collect young objects 50x less often, and
-    # never rescan what exists before serving (modules, classes: frozen).
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(35_000, 10, 10)
+    quiet_collector()
     try:
         trio.run(_main, args, secret, cluster_id, raw)
     except (OSError, BaseExceptionGroup) as exc:

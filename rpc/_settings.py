@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import os
 
 from stripefs.wire import StripefsError
 
-__all__ = ["cannot_start", "int_setting"]
+__all__ = ["cannot_start", "int_setting", "quiet_collector"]
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +23,22 @@ def int_setting(env: str, default: int) -> int:
     except ValueError:
         log.warning("%s=%r is not a number: using %d", env, raw, default)
         return default
+
+
+def quiet_collector() -> None:
+    """Tune the garbage collector of a long-running server or daemon, before it serves.
+
+    Each request leaves a few container objects behind for a while (tasks, events,
+    replies): with the default threshold (700) the collector ran every few requests and
+    scanned everything the process holds, ~5% of the metadata service's CPU, and every
+    tenth of its young collections was a full one, which stopped the process for 10-15 ms
+    at a time once it held a few hundred thousand objects (a FUSE daemon's cached
+    attributes and leases: every reader of the mount waited). Collect young objects 50x
+    less often, and never rescan what exists before serving (modules, classes: frozen).
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(35_000, 10, 10)
 
 
 # bind() errors that mean the listen address itself is wrong (in use, not ours, privileged).

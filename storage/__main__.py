@@ -17,6 +17,7 @@ import trio
 
 from stripefs.rpc import BUSY_AFTER, MAX_CLIENT_CONNECTIONS, PAYLOAD_BUDGET, cannot_start
 from stripefs.rpc._metrics import METRICS_ENV, METRICS_FILE, serve_metrics
+from stripefs.rpc._settings import quiet_collector
 
 from ._metalink import parse_addresses
 from ._server import serve_storage
@@ -105,6 +106,7 @@ def run(args: argparse.Namespace, secret: str, cluster_id: str) -> int:
     ``secret`` is the cluster secret or role keys (``wire._auth.role_keys``).
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s storage %(levelname)s %(message)s")
+    quiet_collector()
     try:
         trio.run(_main, args, secret, cluster_id)
     except (OSError, BaseExceptionGroup) as exc:  # a port in use, a root of another cluster: one clear line

@@ -120,6 +120,7 @@ def serve(mountpoint: str, cluster: str | None, options: list[str], ready_fd: in
     client = Client(cluster, qos=cfg.qos)
     ops = StripeOperations(client, cfg)
     from stripefs.rpc._metrics import serve_metrics
+    from stripefs.rpc._settings import quiet_collector
 
     from ..core._accesslog import AccessLog
     from ._observe import observe
@@ -187,6 +188,7 @@ def serve(mountpoint: str, cluster: str | None, options: list[str], ready_fd: in
                 if drained:
                     logging.info("committed %d file(s) still open at exit", drained)
 
+    quiet_collector()  # a full collection stopped every reader of the mount for 10-15 ms
     try:
         trio.run(main)
     except BaseException as exc:
