@@ -168,6 +168,30 @@ def test_a_server_that_cannot_be_reached_is_left_alone(client, testdir: str) -> 
         trio.run(main)
 
 
+def test_the_daemon_connects_to_every_serving_server_before_any_read(cluster) -> None:
+    """``StripeOperations.attach`` opens the loop's storage connections at once: the first
+    files read through a new mount do not go the client's way while they are made."""
+    from stripefs.fsclient.fuse._operations import StripeOperations
+
+    client = cluster.client()
+    try:
+        serving = {(i.server_id, (i.host, i.port)) for i in client.routing().servers.values() if i.state == "serving"}
+        assert len(serving) == 4
+        ops = StripeOperations(client)
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                ops.attach(nursery)
+                with trio.fail_after(10):  # no read asked for any of them
+                    while {k for k, c in ops.loop_reads.conns.items() if c.ready} != serving:
+                        await trio.sleep(0.01)
+                nursery.cancel_scope.cancel()
+
+        trio.run(main)
+    finally:
+        client.close()
+
+
 def test_a_silent_server_fails_the_reads_in_flight_and_nothing_lands_later(make_cluster, monkeypatch) -> None:
     """A storage server stopped (SIGSTOP) under a read: the read fails with TIMEOUT, the
     connection is closed, the buffer stays untouched after the server answers again, and
