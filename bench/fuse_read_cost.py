@@ -35,9 +35,9 @@ from typing import Any, Iterator
 from stripefs.fsclient import Client
 
 from ._local import cluster_and_pids
-from .burst_tail import sched_delta, schedstat
 from ._orchestrate import drop_caches
-from ._routes import RouteSkipped, FuseMount
+from ._routes import FuseMount, RouteSkipped
+from .burst_tail import sched_delta, schedstat
 
 _TICK = os.sysconf("SC_CLK_TCK")
 MAX_FILE = 256 << 10

@@ -29,12 +29,13 @@ def quiet_collector() -> None:
     """Tune the garbage collector of a long-running server or daemon, before it serves.
 
     Each request leaves a few container objects behind for a while (tasks, events,
-    replies): with the default threshold (700) the collector ran every few requests and
-    scanned everything the process holds, ~5% of the metadata service's CPU, and every
-    tenth of its young collections was a full one, which stopped the process for 10-15 ms
-    at a time once it held a few hundred thousand objects (a FUSE daemon's cached
-    attributes and leases: every reader of the mount waited). Collect young objects 50x
-    less often, and never rescan what exists before serving (modules, classes: frozen).
+    replies): with the default threshold (700) the collector ran every few requests, ~5% of
+    the metadata service's CPU, and from time to time (once the objects that survived young
+    collections had grown by a quarter) it made a full collection, which stopped the
+    process for 10-15 ms once it held a few hundred thousand objects (a FUSE daemon's cached
+    attributes and leases: every reader of the mount waited, docs/benchmarks.md). Collect
+    young objects 50x less often, and never rescan what exists before serving (modules,
+    classes: frozen).
     """
     gc.collect()
     gc.freeze()
