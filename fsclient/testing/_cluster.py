@@ -111,16 +111,23 @@ def _wait_ready(proc: subprocess.Popen, ready: str, what: str, log_path: str) ->
     raise StripefsError(ErrorCode.TIMEOUT, f"{what} did not start within {READY_TIMEOUT:.0f}s (see {log_path})")
 
 
-def _port_free(port: int) -> bool:
+def _port_free(port: int, within: float = 0.0) -> bool:
+    """Whether ``port`` can be bound on 127.0.0.1, waiting up to ``within`` seconds for it
+    (a service stopped just now may hold it for a moment)."""
     import socket
 
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
+    deadline = time.monotonic() + within
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+                return True
+            except OSError:
+                pass
+        if time.monotonic() >= deadline:
             return False
+        time.sleep(0.1)
 
 
 def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 << 20, stripe: int = 16,
@@ -220,7 +227,7 @@ def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 <<
         spawned = []
         for i in range(metadata_services):
             old_port = old_ports[i] if i < len(old_ports) else 0
-            port = old_port if old_port and _port_free(old_port) else 0
+            port = old_port if old_port and _port_free(old_port, within=3.0) else 0
             proc, ready, log_path = _spawn_metadata(root, cluster, i, port)
             procs.append(proc)
             spawned.append((i, proc, ready, log_path))
@@ -318,9 +325,7 @@ def _restart_metadata(root: str, cluster: dict[str, Any]) -> None:
         if pid_alive(old.get("pid", -1)):
             continue
         port = int(old["port"])
-        deadline = time.monotonic() + 10
-        while not _port_free(port) and time.monotonic() < deadline:  # TIME_WAIT of the dead one
-            time.sleep(0.1)
+        _port_free(port, within=10.0)  # TIME_WAIT of the dead one
         proc, ready, log_path = _spawn_metadata(root, cluster, i, port)
         addr = _wait_ready(proc, ready, f"metadata service {i}" if i else "metadata service", log_path)
         host, _, mport = addr.rpartition(":")
