@@ -104,18 +104,20 @@ class LeaseGrants:
     def _listing_leased(self, conn: ServerConn, msg: m.Readdir, page: tuple[list[DirEntry], bool],
                         since: int | None) -> m.ReaddirReply:
         """A ``Readdir`` page, with a lease on the directory's attributes when it is a whole
-        listing (a first page with no more after it): its entries change only with them.
-        A listing with attributes and layouts (``plus``, ``layouts``) is leased on its
-        files' attributes too: a client may answer lookups of its names from it (a FUSE
-        daemon, ``fsclient/fuse/_leaseddirs.py``). Its subdirectories' attributes are not
-        leased (they change with every name made in them), nor meant to be relied on."""
+        listing (a first page with no more after it), or any page when the client asked
+        for each (``lease_each_page``: it keeps the pages only if no invalidation came
+        between them): its entries change only with them. A listing with attributes and
+        layouts (``plus``, ``layouts``) is leased on its files' attributes too: a client
+        may answer lookups of its names from it (a FUSE daemon,
+        ``fsclient/fuse/_leaseddirs.py``). Its subdirectories' attributes are not leased
+        (they change with every name made in them), nor meant to be relied on."""
         entries, more = page
-        if more or msg.after:
+        if (more or msg.after) and not msg.lease_each_page:
             return m.ReaddirReply(list(entries), bool(more))
         keys: list[Any] = [msg.ino]
         if msg.plus and msg.layouts:
             keys.extend(e.ino for e in entries if e.attr is not None and not stat.S_ISDIR(e.attr.mode))
-        return m.ReaddirReply(list(entries), False, *self.table.grant(conn.client_id, keys, since))
+        return m.ReaddirReply(list(entries), bool(more), *self.table.grant(conn.client_id, keys, since))
 
     async def watch(self, conn: ServerConn, msg: m.WatchLeases) -> m.WatchLeasesReply:
         """A client's long poll for its invalidations (``LeaseTable.watch``).

@@ -467,9 +467,10 @@ class ReadlinkReply(ReplyMessage):
 @reply
 class ReaddirReply(ReplyMessage):
     """``lease_id``/``lease_ms``: only in the answer to a ``Readdir`` that asked for a lease
-    on a whole listing (the first page, and no more after it): as :class:`AttrReply`'s, on
-    the directory's attributes (every create, unlink or rename in it changes them), and,
-    for a listing with attributes and layouts, on its files' attributes too."""
+    on a whole listing (the first page, and no more after it), or on each page
+    (``lease_each_page``): as :class:`AttrReply`'s, on the directory's attributes (every
+    create, unlink or rename in it changes them), and, for a listing with attributes and
+    layouts, on the page's files' attributes too."""
 
     entries: list[DirEntry]  # on the wire by columns (see dir_columns), or [name, ino, mode, attr or None] each
     more: bool  # another page follows (ask again with after=<last name>)
@@ -760,7 +761,9 @@ class Readdir(Message[ReaddirReply]):
     ``layouts=False`` leaves files' layouts out of those (a FUSE daemon hands the kernel
     attributes only: the layouts are most of a page's bytes and decoding). ``lease``: as
     ``Resolve``'s (sent only when true), granted for a whole listing only (see
-    :class:`ReaddirReply`)."""
+    :class:`ReaddirReply`) -- or for every page with ``lease_each_page`` (a client that
+    fetches a large listing page by page, so that no one page holds the service or the
+    client for long, and keeps it only when no invalidation came between its pages)."""
 
     ino: int
     after: str = ""
@@ -768,7 +771,8 @@ class Readdir(Message[ReaddirReply]):
     plus: bool = False
     layouts: bool = True
     lease: bool = False
-    SPARSE = ("lease",)
+    lease_each_page: bool = False
+    SPARSE = ("lease", "lease_each_page")
 
 
 @message(20, mutates=True)

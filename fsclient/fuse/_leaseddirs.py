@@ -10,11 +10,15 @@ Once lookups in one directory found files there in a row (``core._attrcache.DirS
 two round trips within two seconds), the daemon asks for the whole directory at once, in a
 task of its own (the lookup that made it due does not wait): one ``Readdir``
 with attributes and layouts under a lease (the service leases the directory and every
-file's attributes it shows: ``metadata/_lease_grants.py``). While that lease lives, and
+file's attributes it shows: ``metadata/_lease_grants.py``), page by page (:data:`PAGE`
+entries each, each page under a lease of its own, all kept only when no invalidation came
+between the first page's request and the last page's answer): one page of 1,000 entries
+held the service's loop and the daemon's for ~5 and ~3 ms, and every lookup meanwhile
+with them. While those leases live, and
 nothing changed since as far as this client knows (no invalidation heard, no mutation of
 its own begun: the same test the OPEN after a leased LOOKUP makes), a lookup of a file
 named there is answered from it. The kernel keeps such an answer for what is left of the
-lease, registered under the listing's lease (``KernelLeases.also``): another client's
+lease, registered under its page's lease (``KernelLeases.also``): another client's
 change to the directory or to one of its files takes the lease back, which drops the
 listing here and every entry and attribute told from it in the kernel, before the change
 is acknowledged.
@@ -22,8 +26,8 @@ is acknowledged.
 Caveats:
     * Files only: a subdirectory's attributes change with every name made in it, the
       service does not lease them with the listing, and its lookups go to the service.
-    * Directories of more than :data:`PAGE` entries are not fetched whole (one page):
-      their lookups go to the service, as before.
+    * Directories of more than :data:`MAX_LISTING` entries are not fetched: their
+      lookups go to the service, as before.
     * Any invalidation, or any mutation of this client, ends the use of every listing
       (it is dropped at its next lookup and fetched again when lookups call for it): an
       unrelated change costs one refetch, never a stale answer.
@@ -33,21 +37,21 @@ from __future__ import annotations
 
 import time
 
-from stripefs.fsclient.core._attrcache import LISTING_PAGE as PAGE
 from stripefs.fsclient.core._attrcache import DirStreaks
 from stripefs.wire import Attr
 
-__all__ = ["LeasedDirs", "PAGE"]
+__all__ = ["LeasedDirs", "PAGE", "MAX_LISTING"]
 
+PAGE = 1024  # entries per Readdir page of a listing fetched for its files
+MAX_LISTING = 16_384  # entries at most in such a listing (a larger directory is not fetched)
 MAX_ENTRIES = 200_000  # files' attributes kept in all (past it, everything is forgotten)
 
 
 class _Dir:
-    __slots__ = ("attrs", "expires", "lease_id", "state")
+    __slots__ = ("attrs", "expires", "state")
 
-    def __init__(self, attrs: dict[str, Attr], lease_id: int, expires: float, state: tuple[int, int]):
-        self.attrs = attrs
-        self.lease_id = lease_id
+    def __init__(self, attrs: dict[str, tuple[Attr, int]], expires: float, state: tuple[int, int]):
+        self.attrs = attrs  # name -> (attributes, the lease of the page that showed them)
         self.expires = expires  # monotonic
         self.state = state  # the client's (mutations, invalidations) when it was asked for
 
@@ -71,30 +75,28 @@ class LeasedDirs:
         if state != d.state or d.expires <= time.monotonic():
             self.drop(parent)
             return None
-        attr = d.attrs.get(name)
-        if attr is None:
-            return None
-        return attr, d.lease_id
+        return d.attrs.get(name)
 
     def looked_up(self, parent: int, attr: Attr) -> bool:
         """A lookup in ``parent`` went to the service and found ``attr``: should the
         directory's listing be fetched now (then :meth:`put` follows, whatever happens)?"""
         return attr.is_file and parent not in self.dirs and self.streaks.hit(parent)
 
-    def put(self, parent: int, attrs: dict[str, Attr] | None, lease_id: int, left: float,
+    def put(self, parent: int, attrs: dict[str, tuple[Attr, int]] | None, left: float,
             state: tuple[int, int] | None, *, more: bool = False) -> None:
         """The listing of ``parent`` that :meth:`looked_up` called for came back: keep its
-        files' ``attrs`` for ``left`` seconds under ``lease_id`` (None or ``left`` 0:
-        nothing kept -- an error, no lease, a change meanwhile). ``state``: the client's
-        as it was when the listing was asked for (None: a mutation of its own was in
-        flight, nothing is kept)."""
+        files' attributes (``attrs``: name -> (attributes, their page's lease id)) for
+        ``left`` seconds (None or ``left`` 0: nothing kept -- an error, no lease, a change
+        meanwhile; ``more``: too large to fetch). ``state``: the client's as it was when
+        the listing was asked for (None: a mutation of its own was in flight, nothing is
+        kept)."""
         self.streaks.done(parent, too_big=more)
-        if attrs is None or left <= 0 or state is None or not lease_id:
+        if attrs is None or left <= 0 or state is None:
             return
         if self.entries + len(attrs) > MAX_ENTRIES:
             self.clear()
         self.drop(parent)
-        self.dirs[parent] = _Dir(attrs, lease_id, time.monotonic() + left, state)
+        self.dirs[parent] = _Dir(attrs, time.monotonic() + left, state)
         self.entries += len(attrs)
 
     def drop(self, ino: int) -> None:

@@ -60,6 +60,7 @@ import errno
 import functools
 import itertools
 import logging
+import math
 import mmap
 import os
 import stat
@@ -79,8 +80,8 @@ from ..core._wholefiles import Reservation
 from ._dirattrs import DirAttrs
 from ._dirhandle import OFFSET_BITS, READDIR_PAGE, DirHandle
 from ._kernelleases import KernelLeases
+from ._leaseddirs import MAX_LISTING, LeasedDirs
 from ._leaseddirs import PAGE as LEASED_PAGE
-from ._leaseddirs import LeasedDirs
 from ._listings import Listings, Page
 from ._loopreads import LoopRead, LoopReads
 from ._newfiles import NewFiles
@@ -431,27 +432,42 @@ class StripeOperations(pyfuse3.Operations):
 
     async def _fetch_leased(self, ino: int) -> None:
         """Fetch the files' attributes of directory ``ino``, whose files are being looked
-        up one after another, under one lease (see ``_leaseddirs.py``). Nothing is kept
-        after an error, without a lease, for a listing of more than one page, or when
-        anything changed while it was asked (an invalidation, a mutation of this client)."""
+        up one after another, page by page, each page under a lease (see
+        ``_leaseddirs.py``). Nothing is kept after an error, without a lease, for a listing
+        of more than ``MAX_LISTING`` entries, or when anything changed while it was asked
+        (an invalidation, a mutation of this client: between the first page's request and
+        the last page's answer)."""
         kl = self.kernel_leases
-        attrs: dict[str, Attr] | None = None
-        lease_id, left, more, state = 0, 0.0, False, self._cache_state()
+        attrs: dict[str, tuple[Attr, int]] | None = None
+        expires, more, state = math.inf, False, self._cache_state()
         try:
             if kl is None or not kl.asking:
                 return
-            token, sent = kl.token(), time.monotonic()
-            reply = await self.aio.call(m.Readdir(ino=ino, limit=LEASED_PAGE, plus=True, layouts=True, lease=True))
-            more = reply.more
-            got = kl.timeout(token, reply.lease_id, reply.lease_ms, sent, ino)
-            if got and not more:
-                lease_id, left = reply.lease_id, got
-                attrs = {e.name: e.attr for e in reply.entries if e.attr is not None and e.attr.is_file}
+            token, got, after, listed = kl.token(), {}, "", 0
+            while True:
+                sent = time.monotonic()
+                reply = await self.aio.call(m.Readdir(ino=ino, after=after, limit=LEASED_PAGE, plus=True,
+                                                      layouts=True, lease=True, lease_each_page=True))
+                left = kl.timeout(token, reply.lease_id, reply.lease_ms, sent, ino)
+                if not left:  # no lease, or an invalidation since the first page was asked
+                    return
+                expires = min(expires, time.monotonic() + left)
+                for e in reply.entries:
+                    if e.attr is not None and e.attr.is_file:
+                        got[e.name] = (e.attr, reply.lease_id)
+                if not reply.more or not reply.entries:
+                    attrs = got
+                    return
+                listed += len(reply.entries)
+                if listed >= MAX_LISTING:
+                    more = True
+                    return
+                after = reply.entries[-1].name
         except StripefsError:
             pass  # the lookups go to the service, as before
         finally:
-            self.leased_dirs.put(ino, attrs, lease_id, left, state if state == self._cache_state() else None,
-                                 more=more)
+            self.leased_dirs.put(ino, attrs, expires - time.monotonic(),
+                                 state if state == self._cache_state() else None, more=more)
 
     async def _fetch_leased_quietly(self, ino: int) -> None:
         """:meth:`_fetch_leased` as a task of its own: what fails is logged (the lookups

@@ -13,9 +13,12 @@ from typing import Any
 import pytest
 
 from ..conftest import metadata_requests as _requests, change_files_elsewhere as _change_files, listing_body as _body
+from stripefs.fsclient.fuse._leaseddirs import PAGE
+
 from .conftest import do_mount, do_umount, until_mount_leases
 
 FILES = 60
+BIG = 2 * PAGE + 40
 
 
 @pytest.fixture
@@ -26,11 +29,20 @@ def dataset(metered_cluster: Any, tmp_path: Any) -> Iterator[tuple[Any, str]]:
     under a lease, so "seen at once" checks the leases and nothing else (with the default
     1 s timeouts, an answer given before the watch was live, under a loaded machine, may
     be kept stale for that second by design)."""
-    cluster = metered_cluster
+    yield from _mounted(metered_cluster, tmp_path, FILES)
+
+
+@pytest.fixture
+def big_dataset(metered_cluster: Any, tmp_path: Any) -> Iterator[tuple[Any, str]]:
+    """As ``dataset``, with a listing of three pages (``_leaseddirs.PAGE`` entries each)."""
+    yield from _mounted(metered_cluster, tmp_path, BIG)
+
+
+def _mounted(cluster: Any, tmp_path: Any, files: int) -> Iterator[tuple[Any, str]]:
     with cluster.client() as c:
         c.makedirs("/data")
         c.makedirs("/data/sub")
-        for i in range(FILES):
+        for i in range(files):
             c.write_bytes(f"/data/f{i}", _body(i))
     mp = str(tmp_path / "mnt")
     do_mount(mp, cluster.file, "attr_timeout=0", "entry_timeout=0")
@@ -99,6 +111,32 @@ def test_another_clients_changes_show_at_once_through_a_leased_listing(dataset: 
     for i in range(FILES):  # the others, unchanged
         if i % half not in (3, 4, 5, 6, 7):
             assert _read(f"{mp}/data/f{i}") == _body(i)
+
+
+def test_a_listing_of_several_pages_is_fetched_and_taken_back_page_by_page(big_dataset: Any) -> None:
+    """A directory of three pages: its files' lookups are answered from the listing, one
+    page at a time under a lease each, and another client's change to a file of the second
+    or the last page shows at once (that page's lease, which the kernel's entries of its
+    files were told under, is taken back)."""
+    cluster, mp = big_dataset
+    lookups, listings = _requests(cluster.file, "Lookup"), _requests(cluster.file, "Readdir")
+    for i in range(BIG):
+        assert _read(f"{mp}/data/f{i}") == _body(i)
+    looked_up = _requests(cluster.file, "Lookup") - lookups
+    listed = _requests(cluster.file, "Readdir") - listings
+    assert looked_up <= 10, f"{looked_up:.0f} lookups for {BIG} files"
+    assert 3 <= listed <= 9, listed  # 3 pages (again if a 5 s lease ran out)
+    at = {name: i for i, name in enumerate(sorted(f"f{i}" for i in range(BIG)))}  # the listing's order
+
+    def on_page(page: int) -> int:  # a k whose files f{k}, f{k+1} and f{k+4} are all on that page
+        return next(k for k in range(BIG - 4)
+                    if all(page * PAGE <= at[f"f{k + j}"] < (page + 1) * PAGE for j in (0, 1, 4)))
+
+    for k in (on_page(1), on_page(2)):  # the second page, the last
+        _change_files(cluster, k)
+        assert _read(f"{mp}/data/f{k}") == _body(k).upper()
+        assert os.stat(f"{mp}/data/f{k + 1}").st_size == len(_body(k + 1)) + 6
+        assert os.stat(f"{mp}/data/f{k + 4}").st_mode & 0o777 == 0o600
 
 
 def test_the_mounts_own_changes_show_at_once(dataset: Any) -> None:

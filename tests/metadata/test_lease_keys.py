@@ -405,13 +405,24 @@ def test_a_directorys_lookup_lease_leaves_its_attributes_to_the_listing_lease(tm
                 assert told({d}), "a listing lease covers the directory's attributes"
             partial = await svc._read_reply(Conn(), m.Readdir(ino=d, limit=1, after="", lease=True))
             assert partial.lease_id  # one page that is the whole listing
-            ns.create(d, "g", 0o644, 0, 0, chains=CHAINS)
+            g = ns.create(d, "g", 0o644, 0, 0, chains=CHAINS)[0].ino
             first = await svc._read_reply(Conn(), m.Readdir(ino=d, limit=1, lease=True))
             assert first.more and (first.lease_id, first.lease_ms) == (0, 0)
             rest = await svc._read_reply(Conn(), m.Readdir(ino=d, after="f", lease=True))
             assert not rest.more and (rest.lease_id, rest.lease_ms) == (0, 0)
             unasked = await svc._read_reply(Conn(), m.Readdir(ino=d))
             assert (unasked.lease_id, unasked.lease_ms) == (0, 0)
+            # Asked for each page (a listing fetched page by page): every page is leased,
+            # on the directory and, with attributes and layouts, on the page's files.
+            paged = dict(limit=1, plus=True, lease=True, lease_each_page=True)
+            first = await svc._read_reply(Conn(), m.Readdir(ino=d, **paged))
+            assert first.more and first.lease_id and first.lease_ms
+            assert told({d})
+            first = await svc._read_reply(Conn(), m.Readdir(ino=d, **paged))
+            rest = await svc._read_reply(Conn(), m.Readdir(ino=d, after="f", **paged))
+            assert [e.name for e in rest.entries] == ["g"] and not rest.more and rest.lease_id
+            assert told({g}), "a page's lease covers its files' attributes"
+            assert told({f}), "... and the other page's, which that did not take back, its own"
             nursery.cancel_scope.cancel()
 
     try:
@@ -431,6 +442,9 @@ def test_readdir_lease_fields_are_off_the_wire_at_their_defaults() -> None:
     from stripefs.wire import messages as m
 
     assert "lease" not in m.Readdir(ino=3).to_header()
+    assert "lease_each_page" not in m.Readdir(ino=3, lease=True).to_header()
+    each = m.Readdir(ino=3, lease=True, lease_each_page=True)
+    assert m.decode_message(m.Readdir.MSG_ID, each.to_header()) == each
     assert m.Readdir(ino=3, lease=True).to_header()["lease"] is True
     assert m.decode_message(m.Readdir.MSG_ID, m.Readdir(ino=3, lease=True).to_header()) == m.Readdir(ino=3, lease=True)
     empty = {"name": [], "ino": [], "mode": []}
