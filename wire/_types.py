@@ -366,7 +366,9 @@ def dir_columns(entries: list[DirEntry]) -> dict[str, list] | None:
         columns["target"] = targets
     layouts = [a.layout for a in attrs]  # type: ignore[union-attr]
     if any(lo is not None for lo in layouts):
-        columns["layout"] = [None if lo is None else lo.to_wire() for lo in layouts]
+        wire: dict[Layout, dict] = {}  # a directory's files share a few layouts: each made once
+        columns["layout"] = [None if lo is None else wire.get(lo) or wire.setdefault(lo, lo.to_wire())
+                             for lo in layouts]
     return columns
 
 
@@ -384,6 +386,32 @@ def _int_column(columns: dict, name: str, n: int) -> list:
     if col and (not set(map(type, col)) <= {int} or min(col) < _COLUMN_INT64[0] or max(col) >= _COLUMN_INT64[1]):
         raise _bad(f"listing column {name!r} holds a value that is not a 64-bit integer")
     return col
+
+
+def _layout_column(given: list) -> list[Layout | None]:
+    """A listing page's layouts (``Layout.from_wire`` each): the files of one directory
+    share a few layouts, so each distinct one is decoded and checked once per page. (Keys
+    equal by value -- ``1 == 1.0`` -- share a decoding: ``from_wire`` turns both into the
+    same layout.)"""
+    seen: dict[tuple, Layout] = {}
+    out: list[Layout | None] = []
+    for lo in given:
+        if lo is None:
+            out.append(None)
+            continue
+        chains = lo.get("chains") if type(lo) is dict else None
+        if type(chains) is not list:
+            out.append(Layout.from_wire(lo))
+            continue
+        key = (lo.get("chunk_size"), *chains)
+        try:
+            layout = seen.get(key)
+        except TypeError:  # an unhashable value: from_wire says what is wrong
+            layout = Layout.from_wire(lo)
+        if layout is None:
+            layout = seen[key] = Layout.from_wire(lo)
+        out.append(layout)
+    return out
 
 
 def dir_entries_from_columns(columns: object) -> list[DirEntry]:
@@ -421,7 +449,7 @@ def dir_entries_from_columns(columns: object) -> list[DirEntry]:
     else:
         given = _column(columns, "layout", n)  # type: ignore[arg-type]
         try:
-            layouts = [None if lo is None else Layout.from_wire(lo) for lo in given]
+            layouts = _layout_column(given)
         except StripefsError as exc:
             raise _bad(f"listing column 'layout': {exc.message}") from None
     nlink, uid, gid, size, atime, mtime, ctime, rdev, truncations = ints
