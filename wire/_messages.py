@@ -26,7 +26,7 @@ from typing import Any, Callable, ClassVar, Generic, TypeVar
 
 from ._build import positional_builder
 from ._errors import ErrorCode, StripefsError
-from ._types import Attr, DirEntry, Routing, ServerInfo, dir_columns, dir_entries_from_columns
+from ._types import Attr, DirEntry, ListingPage, Routing, ServerInfo, dir_columns, dir_entries_from_columns
 
 __all__ = [
     "Message", "ReplyMessage", "MESSAGES", "message", "reply", "decode_message", "decode_reply", "encode_fields",
@@ -500,6 +500,28 @@ class ReaddirReply(ReplyMessage):
         rest = ReplyMessage.from_header.__func__(  # type: ignore[attr-defined]
             cls, {k: v for k, v in header.items() if k != "columns"} | {"entries": []})
         return dataclasses.replace(rest, entries=entries)  # type: ignore[no-any-return]
+
+    @classmethod
+    def with_page(cls, header: dict[str, Any]) -> tuple[ReaddirReply, ListingPage]:
+        """The reply with its ``entries`` left empty, and its page, checked as
+        :meth:`from_header` checks it but with the entries not made yet
+        (:class:`ListingPage`: made one at a time, as a client keeping the listing needs them).
+
+        Raises:
+            StripefsError: PROTOCOL, as :meth:`from_header`.
+        """
+        if type(header) is not dict or "columns" not in header:
+            whole = cls.from_header(header)
+            return dataclasses.replace(whole, entries=[]), ListingPage.of(whole.entries)
+        if "entries" in header:
+            raise StripefsError(ErrorCode.PROTOCOL, "ReaddirReply: both 'columns' and 'entries'")
+        try:
+            page = ListingPage.from_columns(header["columns"])
+        except StripefsError as exc:
+            raise StripefsError(ErrorCode.PROTOCOL, f"ReaddirReply: {exc.message}") from None
+        rest = ReplyMessage.from_header.__func__(  # type: ignore[attr-defined]
+            cls, {k: v for k, v in header.items() if k != "columns"} | {"entries": []})
+        return rest, page
 
 
 @reply

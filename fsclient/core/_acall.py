@@ -55,6 +55,18 @@ async def _result(fut: "Future[Reply]", timeout: float) -> Reply:
 
 async def acall(core: "ClientCore", msg: Message[R], timeout: float = 60.0) -> R:
     """:meth:`ClientCore.call` for trio code: same retries (same request id), same errors."""
+    return await _acall(core, msg, timeout, raw=False)  # type: ignore[no-any-return]
+
+
+async def acall_header(core: "ClientCore", msg: Message[Any], timeout: float = 60.0) -> dict[str, Any]:
+    """:func:`acall` of a read, its reply's header returned as it came (not checked): the
+    caller builds the reply (e.g. ``ReaddirReply.with_page``)."""
+    if msg.MUTATES:
+        raise TypeError(f"{type(msg).__name__} changes something: its reply is the client's to read")
+    return await _acall(core, msg, timeout, raw=True)  # type: ignore[no-any-return]
+
+
+async def _acall(core: "ClientCore", msg: Message[Any], timeout: float, raw: bool) -> Any:
     if core.pending.due(msg):  # names this process made are there before anything looks (_pending)
         await trio.to_thread.run_sync(core.pending.settle_for, msg)
     watch = core.attrs if msg.MUTATES else None
@@ -79,6 +91,8 @@ async def acall(core: "ClientCore", msg: Message[R], timeout: float = 60.0) -> R
                 if wait is None:
                     raise
                 await trio.sleep(wait)
+        if raw:
+            return header
         reply = m.decode_reply(msg, header)
         return reply
     finally:

@@ -30,7 +30,7 @@ from stripefs.rpc import BufferPool, Connection
 from stripefs.wire import MAX_PATH, Attr, DirEntry, ErrorCode, Layout, Message, ReplyMessage, Routing, StripefsError, messages as m
 
 from ._config import ClusterConfig, find_cluster
-from ._acall import acall, aread_into
+from ._acall import acall, acall_header, aread_into
 from ._attrcache import LISTING_PAGE, AttrCache, DirStreaks
 from ._core import ClientCore, seconds_setting
 from . import _lease
@@ -932,6 +932,11 @@ class AsyncClient:
         """:meth:`Client.call`: the typed reply of a metadata request, awaited on the
         loop (no worker thread per request; see ``_acall.py``)."""
         return await acall(self.sync._core, msg)
+
+    async def call_header(self, msg: Message[Any]) -> dict[str, Any]:
+        """:meth:`call` of a read, the reply's header returned unchecked (the caller builds
+        the reply from it, e.g. ``ReaddirReply.with_page``)."""
+        return await acall_header(self.sync._core, msg)
 
     async def attr(self, msg: Message[m.AttrReply]) -> Attr:
         """A metadata request answered with attributes (``GetAttr``, ``Lookup``, ``Mkdir``, ...): its ``attr``."""

@@ -14,7 +14,8 @@ file's attributes it shows: ``metadata/_lease_grants.py``), page by page (:data:
 entries each, each page under a lease of its own, all kept only when no invalidation came
 between the first page's request and the last page's answer): one page of 1,000 entries
 held the service's loop and the daemon's for ~5 and ~3 ms, and every lookup meanwhile
-with them. While those leases live, and
+with them. A page is checked as it arrives but its entries are made only as they are
+looked up (``wire.ListingPage``): making a thousand held the daemon's loop ~3 ms. While those leases live, and
 nothing changed since as far as this client knows (no invalidation heard, no mutation of
 its own begun: the same test the OPEN after a leased LOOKUP makes), a lookup of a file
 named there is answered from it. The kernel keeps such an answer for what is left of the
@@ -39,26 +40,27 @@ import time
 
 from stripefs.fsclient.core._attrcache import DirStreaks
 from stripefs.wire import Attr
+from stripefs.wire._types import ListingPage
 
 __all__ = ["LeasedDirs", "PAGE", "MAX_LISTING"]
 
 PAGE = 1024  # entries per Readdir page of a listing fetched for its files
 MAX_LISTING = 16_384  # entries at most in such a listing (a larger directory is not fetched)
-MAX_ENTRIES = 200_000  # files' attributes kept in all (past it, everything is forgotten)
+MAX_ENTRIES = 200_000  # entries kept in all (past it, everything is forgotten)
 
 
 class _Dir:
-    __slots__ = ("attrs", "expires", "state")
+    __slots__ = ("pages", "expires", "state")
 
-    def __init__(self, attrs: dict[str, tuple[Attr, int]], expires: float, state: tuple[int, int]):
-        self.attrs = attrs  # name -> (attributes, the lease of the page that showed them)
+    def __init__(self, pages: list[tuple[dict[str, int], ListingPage, int]], expires: float, state: tuple[int, int]):
+        self.pages = pages  # (name -> row, the page, its lease id) each
         self.expires = expires  # monotonic
         self.state = state  # the client's (mutations, invalidations) when it was asked for
 
 
 class LeasedDirs:
-    """Directory ino -> its files' attributes under one lease (see the module docstring).
-    Used on the trio loop only."""
+    """Directory ino -> its files' attributes under one lease per page (see the module
+    docstring). Used on the trio loop only."""
 
     def __init__(self) -> None:
         self.dirs: dict[int, _Dir] = {}
@@ -68,42 +70,50 @@ class LeasedDirs:
     def get(self, parent: int, name: str, state: tuple[int, int] | None) -> tuple[Attr, int] | None:
         """``(attributes, lease id)`` of file ``name`` in ``parent`` while its listing is
         leased and nothing changed since (``state``: the client's ``(mutations,
-        invalidations)`` now, None while a mutation of its own is unanswered)."""
+        invalidations)`` now, None while a mutation of its own is unanswered); None for a
+        name the listing does not hold, or one that is not a file's. The entry is made
+        from its page now (a page's entries are not made as it arrives: ``ListingPage``)."""
         d = self.dirs.get(parent)
         if d is None or state is None:  # (a mutation of this client in flight: asked, not dropped)
             return None
         if state != d.state or d.expires <= time.monotonic():
             self.drop(parent)
             return None
-        return d.attrs.get(name)
+        for rows, page, lease_id in d.pages:
+            row = rows.get(name)
+            if row is not None:
+                attr = page.entry(row).attr
+                return (attr, lease_id) if attr is not None and attr.is_file else None
+        return None
 
     def looked_up(self, parent: int, attr: Attr) -> bool:
         """A lookup in ``parent`` went to the service and found ``attr``: should the
         directory's listing be fetched now (then :meth:`put` follows, whatever happens)?"""
         return attr.is_file and parent not in self.dirs and self.streaks.hit(parent)
 
-    def put(self, parent: int, attrs: dict[str, tuple[Attr, int]] | None, left: float,
+    def put(self, parent: int, pages: list[tuple[ListingPage, int]] | None, left: float,
             state: tuple[int, int] | None, *, more: bool = False) -> None:
         """The listing of ``parent`` that :meth:`looked_up` called for came back: keep its
-        files' attributes (``attrs``: name -> (attributes, their page's lease id)) for
-        ``left`` seconds (None or ``left`` 0: nothing kept -- an error, no lease, a change
-        meanwhile; ``more``: too large to fetch). ``state``: the client's as it was when
-        the listing was asked for (None: a mutation of its own was in flight, nothing is
-        kept)."""
+        ``pages`` (each with its lease id) for ``left`` seconds (None or ``left`` 0:
+        nothing kept -- an error, no lease, a change meanwhile; ``more``: too large to
+        fetch). ``state``: the client's as it was when the listing was asked for (None: a
+        mutation of its own was in flight, nothing is kept)."""
         self.streaks.done(parent, too_big=more)
-        if attrs is None or left <= 0 or state is None:
+        if pages is None or left <= 0 or state is None:
             return
-        if self.entries + len(attrs) > MAX_ENTRIES:
+        size = sum(len(page) for page, _ in pages)
+        if self.entries + size > MAX_ENTRIES:
             self.clear()
         self.drop(parent)
-        self.dirs[parent] = _Dir(attrs, time.monotonic() + left, state)
-        self.entries += len(attrs)
+        kept = [(dict(zip(page.names, range(len(page)))), page, lease_id) for page, lease_id in pages]
+        self.dirs[parent] = _Dir(kept, time.monotonic() + left, state)
+        self.entries += size
 
     def drop(self, ino: int) -> None:
         """Forget the listing of directory ``ino`` (its lease was taken back, or it aged)."""
         d = self.dirs.pop(ino, None)
         if d is not None:
-            self.entries -= len(d.attrs)
+            self.entries -= sum(len(page) for _, page, _ in d.pages)
 
     def clear(self) -> None:
         self.dirs.clear()

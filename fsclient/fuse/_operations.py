@@ -72,6 +72,7 @@ import trio
 
 from stripefs.rpc._metrics import Lazy
 from stripefs.wire import MAX_NAME, Attr, ErrorCode, StripefsError, messages as m
+from stripefs.wire._types import ListingPage
 
 from ..core import AsyncClient, Client
 from ..core._acall import _result
@@ -438,35 +439,34 @@ class StripeOperations(pyfuse3.Operations):
         (an invalidation, a mutation of this client: between the first page's request and
         the last page's answer)."""
         kl = self.kernel_leases
-        attrs: dict[str, tuple[Attr, int]] | None = None
+        pages: list[tuple[ListingPage, int]] | None = None
         expires, more, state = math.inf, False, self._cache_state()
         try:
             if kl is None or not kl.asking:
                 return
-            token, got, after, listed = kl.token(), {}, "", 0
+            token, got, after, listed = kl.token(), [], "", 0
             while True:
                 sent = time.monotonic()
-                reply = await self.aio.call(m.Readdir(ino=ino, after=after, limit=LEASED_PAGE, plus=True,
-                                                      layouts=True, lease=True, lease_each_page=True))
+                header = await self.aio.call_header(m.Readdir(ino=ino, after=after, limit=LEASED_PAGE, plus=True,
+                                                              layouts=True, lease=True, lease_each_page=True))
+                reply, page = m.ReaddirReply.with_page(header)  # checked; its entries made as looked up
                 left = kl.timeout(token, reply.lease_id, reply.lease_ms, sent, ino)
                 if not left:  # no lease, or an invalidation since the first page was asked
                     return
                 expires = min(expires, time.monotonic() + left)
-                for e in reply.entries:
-                    if e.attr is not None and e.attr.is_file:
-                        got[e.name] = (e.attr, reply.lease_id)
-                if not reply.more or not reply.entries:
-                    attrs = got
+                got.append((page, reply.lease_id))
+                if not reply.more or not len(page):
+                    pages = got
                     return
-                listed += len(reply.entries)
+                listed += len(page)
                 if listed >= MAX_LISTING:
                     more = True
                     return
-                after = reply.entries[-1].name
+                after = page.names[-1]
         except StripefsError:
             pass  # the lookups go to the service, as before
         finally:
-            self.leased_dirs.put(ino, attrs, expires - time.monotonic(),
+            self.leased_dirs.put(ino, pages, expires - time.monotonic(),
                                  state if state == self._cache_state() else None, more=more)
 
     async def _fetch_leased_quietly(self, ino: int) -> None:

@@ -37,19 +37,24 @@ CTX = pyfuse3.RequestContext()  # uid 0, gid 0
 
 
 class Counted:
-    """What a :class:`StripeOperations` sends: metadata requests from the loop (``aio.call``),
-    worker-thread hops (``aio.run``) and requests the blocking client sends on them."""
+    """What a :class:`StripeOperations` sends: metadata requests from the loop (``aio.call``,
+    ``aio.call_header``), worker-thread hops (``aio.run``) and requests the blocking client
+    sends on them."""
 
     def __init__(self, ops: StripeOperations) -> None:
         self.calls: list[str] = []
         self.hops = 0
         self.sync_calls: list[str] = []
         aio, core = ops.aio, ops.client._core
-        call, run, core_call = aio.call, aio.run, core.call
+        call, call_header, run, core_call = aio.call, aio.call_header, aio.run, core.call
 
         async def counted_call(msg: Any) -> Any:
             self.calls.append(type(msg).__name__)
             return await call(msg)
+
+        async def counted_call_header(msg: Any) -> Any:
+            self.calls.append(type(msg).__name__)
+            return await call_header(msg)
 
         async def counted_run(fn: Any, *args: Any, **kw: Any) -> Any:
             self.hops += 1
@@ -59,7 +64,8 @@ class Counted:
             self.sync_calls.append(type(msg).__name__)
             return core_call(msg, *args, **kw)
 
-        aio.call, aio.run, core.call = counted_call, counted_run, counted_core_call  # type: ignore[method-assign]
+        aio.call, aio.call_header, aio.run = counted_call, counted_call_header, counted_run  # type: ignore[method-assign]
+        core.call = counted_core_call  # type: ignore[method-assign]
 
     def reset(self) -> None:
         self.calls.clear()

@@ -3,6 +3,8 @@ bad page is a PROTOCOL error naming what is wrong, never a half-built page."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgpack
 import pytest
 from hypothesis import given, settings
@@ -45,6 +47,19 @@ def test_a_page_by_columns_comes_back_whole(entries: list[DirEntry], more: bool,
     header = reply.to_header()
     assert "columns" in header and "entries" not in header
     assert m.ReaddirReply.from_header(_wire(header)) == reply
+    # ... and taken with its entries made one at a time (a FUSE daemon keeping a listing)
+    rest, page = m.ReaddirReply.with_page(_wire(header))
+    assert rest == m.ReaddirReply([], more, lease_id, lease_ms)
+    assert page.names == [e.name for e in entries] and page.entries() == entries
+    assert [page.entry(i) for i in reversed(range(len(page)))] == entries[::-1]
+
+
+def test_a_page_of_a_map_per_entry_is_taken_one_entry_at_a_time_too() -> None:
+    entries = [DirEntry("d", 5, 0o40755), DirEntry("f", 6, 0o100644, Attr(6, 0o100644, 1, 0, 0, 0, 1, 2, 3))]
+    header = m.ReaddirReply(entries, True).to_header()
+    assert "entries" in header
+    rest, page = m.ReaddirReply.with_page(_wire(header))
+    assert rest == m.ReaddirReply([], True) and page.names == ["d", "f"] and page.entry(1) == entries[1]
 
 
 def test_a_plus_page_carries_one_column_per_field_and_target_and_layout_only_when_used() -> None:
@@ -86,18 +101,22 @@ _PLUS = {**_GOOD, **{k: [0, 0] for k in ("nlink", "uid", "gid", "size", "atime_n
     ({**_PLUS, "gid": [0, "0"]}, "'gid' holds a value that is not a 64-bit integer"),
     ({**_PLUS, "target": [None, 3]}, "'target' holds a value that is neither a string nor nil"),
     ({**_PLUS, "layout": [None, {"chunk_size": 3, "chains": [1]}]}, "layout"),
+    ({**_PLUS, "layout": [{"chunk_size": 1 << 16, "chains": [1]}, {"chunk_size": 1 << 16, "chains": [[1]]}]}, "layout"),
+    ({**_PLUS, "layout": [{"chunk_size": 1 << 16, "chains": [1]}, {"chunk_size": 3, "chains": [1]}]}, "layout"),
 ])
-def test_a_bad_page_is_a_protocol_error_that_names_the_column(columns: object, says: str) -> None:
+@pytest.mark.parametrize("decode", [m.ReaddirReply.from_header, m.ReaddirReply.with_page])
+def test_a_bad_page_is_a_protocol_error_that_names_the_column(columns: object, says: str, decode: Any) -> None:
     with pytest.raises(StripefsError) as err:
-        m.ReaddirReply.from_header({"columns": columns, "more": False})
+        decode({"columns": columns, "more": False})
     assert err.value.code == ErrorCode.PROTOCOL and says in err.value.message
 
 
-def test_columns_and_entries_together_or_a_bad_rest_are_refused() -> None:
+@pytest.mark.parametrize("decode", [m.ReaddirReply.from_header, m.ReaddirReply.with_page])
+def test_columns_and_entries_together_or_a_bad_rest_are_refused(decode: Any) -> None:
     for header in ({"columns": _GOOD, "entries": [], "more": False}, {"columns": _GOOD},
                    {"columns": _GOOD, "more": "yes"}):
         with pytest.raises(StripefsError) as err:
-            m.ReaddirReply.from_header(header)
+            decode(header)
         assert err.value.code == ErrorCode.PROTOCOL
     # A reply field of a newer version is ignored, as for every reply (docs/protocol.md, "Versions").
     assert len(m.ReaddirReply.from_header({"columns": _GOOD, "more": False, "extra": 1}).entries) == 2
