@@ -20,6 +20,7 @@ from typing import Any
 from stripefs.rpc import ServerConn
 from stripefs.wire import Attr, DirEntry, ErrorCode, ReplyMessage, StripefsError
 from stripefs.wire import messages as m
+from stripefs.wire._types import ListingPage
 
 from ._commit import CommitPath
 from ._leasetable import LeaseTable
@@ -112,12 +113,15 @@ class LeaseGrants:
         ``fsclient/fuse/_leaseddirs.py``). Its subdirectories' attributes are not leased
         (they change with every name made in them), nor meant to be relied on."""
         entries, more = page
+        if type(entries) is not ListingPage:
+            entries = list(entries)
         if (more or msg.after) and not msg.lease_each_page:
-            return m.ReaddirReply(list(entries), bool(more))
+            return m.ReaddirReply(entries, bool(more))
         keys: list[Any] = [msg.ino]
         if msg.plus and msg.layouts:
-            keys.extend(e.ino for e in entries if e.attr is not None and not stat.S_ISDIR(e.attr.mode))
-        return m.ReaddirReply(list(entries), bool(more), *self.table.grant(conn.client_id, keys, since))
+            keys.extend(entries.file_inos() if type(entries) is ListingPage else
+                        (e.ino for e in entries if e.attr is not None and not stat.S_ISDIR(e.attr.mode)))
+        return m.ReaddirReply(entries, bool(more), *self.table.grant(conn.client_id, keys, since))
 
     async def watch(self, conn: ServerConn, msg: m.WatchLeases) -> m.WatchLeasesReply:
         """A client's long poll for its invalidations (``LeaseTable.watch``).

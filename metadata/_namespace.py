@@ -431,6 +431,20 @@ class Namespace:
             out.append(e if e.attr is a else DirEntry(e.name, e.ino, a.mode, a))
         return out, len(found) > limit
 
+    def readdir_page(self, ino: int, after: str = "", limit: int = 1000) -> tuple[list[DirEntry], bool]:
+        """:meth:`readdir` with ``plus`` and layouts, its entries a ``wire.ListingPage``
+        made from the store's columns where the store can (``Txn.list_plus_page``: no
+        ``Attr`` or ``DirEntry`` per entry, the listing a client fetches whole to answer
+        its lookups from), the same page otherwise."""
+        if limit < 1:
+            raise _err(ErrorCode.INVALID, "readdir limit must be positive")
+        with self._store.transaction() as txn:
+            self._dir(txn, ino)
+            page = txn.list_plus_page(ino, after, min(limit, MAX_READDIR))
+        if page is None:
+            return self.readdir(ino, after, limit, True, True)
+        return page  # type: ignore[return-value]
+
     def list_names(self, path: str, after: str = "", limit: int = 1000,
                    keys: list[object] | None = None) -> tuple[list[str], bool]:
         """One page of the names in the directory ``path`` resolves to, in name order.

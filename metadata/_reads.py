@@ -67,7 +67,8 @@ READS: dict[type, Callable[[Any], ReadPlan]] = {
 # The reads that may ask for an attribute lease: the ``Namespace`` method, its arguments
 # (``keys``, filled with what the answer depends on, last: one list per path for
 # ``StatMany``, the walk to the directory for ``ListNames``) and its cost. A ``Readdir``
-# page depends on its directory's inode alone: its plan is the plain one and fills no keys.
+# page depends on its directory's inode alone: its plan fills no keys; one with attributes
+# and layouts (a listing fetched to answer lookups from) is read as a page by columns.
 LEASED: dict[type, Callable[[Any, list[Any]], tuple[Callable[..., Any], tuple[Any, ...], int]]] = {
     m.Resolve: lambda q, keys: (Namespace.resolve, (q.path, q.follow, keys), path_cost(q.path)),
     m.Lookup: lambda q, keys: (Namespace.lookup, (q.parent, q.name, keys), 3 * STATEMENT_COST),
@@ -76,5 +77,6 @@ LEASED: dict[type, Callable[[Any, list[Any]], tuple[Callable[..., Any], tuple[An
                                  sum(map(path_cost, q.paths))),
     m.ListNames: lambda q, keys: (Namespace.list_names, (q.path, q.after, q.limit, keys),
                                   path_cost(q.path) + q.limit * NAME_COST),
-    m.Readdir: lambda q, keys: READS[m.Readdir](q)[:3],
+    m.Readdir: lambda q, keys: ((Namespace.readdir_page, (q.ino, q.after, q.limit), READS[m.Readdir](q)[2])
+                                if q.plus and q.layouts else READS[m.Readdir](q)[:3]),
 }

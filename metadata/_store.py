@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
-from stripefs.wire._types import Attr, DirEntry, Layout
+from stripefs.wire._types import Attr, DirEntry, Layout, ListingPage
 
 __all__ = ["DirRow", "GarbageItem", "LockRow", "Txn", "Store"]
 
@@ -158,6 +158,13 @@ class Txn(abc.ABC):
         if not layouts:
             out = [(e, a if a is None or a.layout is None else dataclasses.replace(a, layout=None)) for e, a in out]
         return out
+
+    def list_plus_page(self, parent: int, after: str, limit: int) -> tuple[ListingPage, bool] | None:
+        """``(page, more)``: :meth:`list_dentries_plus`'s page (with layouts) as a
+        :class:`ListingPage` made from the store's own columns, or None where the store
+        has no such path, or an entry has no inode row (the caller then lists entry by
+        entry)."""
+        return None
 
     @abc.abstractmethod
     def get_meta(self, key: str) -> str | None: ...

@@ -472,14 +472,17 @@ class ReaddirReply(ReplyMessage):
     create, unlink or rename in it changes them), and, for a listing with attributes and
     layouts, on the page's files' attributes too."""
 
-    entries: list[DirEntry]  # on the wire by columns (see dir_columns), or [name, ino, mode, attr or None] each
+    # On the wire by columns (see dir_columns), or [name, ino, mode, attr or None] each. A
+    # sender may give a ListingPage made from its own columns (ListingPage.of_rows): sent as is.
+    entries: list[DirEntry]
     more: bool  # another page follows (ask again with after=<last name>)
     lease_id: int = 0
     lease_ms: int = 0
     SPARSE = ("lease_id", "lease_ms")
 
     def to_header(self) -> dict[str, Any]:
-        columns = dir_columns(self.entries)
+        page = self.entries
+        columns = page.wire if type(page) is ListingPage and page.wire is not None else dir_columns(page)
         header: dict[str, Any] = ({"columns": columns} if columns is not None
                                   else {"entries": [e.to_wire() for e in self.entries]})
         header.update(more=self.more, lease_id=self.lease_id, lease_ms=self.lease_ms)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 import stat as _stat
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 from ._build import positional_builder
@@ -431,15 +432,16 @@ class ListingPage:
     (a FUSE daemon) makes only the entries it is asked for -- making a thousand took ~2 ms
     of the daemon's loop, which every request waited for."""
 
-    __slots__ = ("names", "_inos", "_modes", "_attrs", "_made")
+    __slots__ = ("names", "_inos", "_modes", "_attrs", "_made", "wire")
 
     def __init__(self, names: list[str], inos: list[int], modes: list[int], attrs: tuple[list, ...] | None,
-                 made: list[DirEntry] | None = None):
+                 made: list[DirEntry] | None = None, wire: dict[str, list] | None = None):
         self.names = names
         self._inos = inos
         self._modes = modes
         self._attrs = attrs  # nlink .. truncations (_ATTR_COLUMNS), then layouts and targets; None: no attributes
         self._made = made  # the entries themselves (a page that came as a map per entry)
+        self.wire = wire  # the page in dir_columns' form, when the sender made it so (no entries made to send it)
 
     @classmethod
     def of(cls, entries: list[DirEntry]) -> ListingPage:
@@ -487,8 +489,34 @@ class ListingPage:
                 raise _bad(f"listing column 'layout': {exc.message}") from None
         return cls(names, inos, modes, (*ints, layouts, targets))
 
+    @classmethod
+    def of_rows(cls, names: list[str], inos: list[int], modes: list[int], ints: list[list[int]],
+                layouts: list[Layout | None], targets: list[str | None]) -> ListingPage:
+        """A page with attributes made by a sender from its own columns (a store's rows):
+        ``ints`` in :data:`_ATTR_COLUMNS`' order; its wire form made at once, as
+        :func:`dir_columns` would make it of the same entries."""
+        wire: dict[str, list] = {"name": names, "ino": inos, "mode": modes}
+        if names:
+            wire.update(zip(_ATTR_COLUMNS, ints))
+            if any(t is not None for t in targets):
+                wire["target"] = targets
+            if any(lo is not None for lo in layouts):
+                made: dict[Layout, dict] = {}
+                wire["layout"] = [None if lo is None else made.get(lo) or made.setdefault(lo, lo.to_wire())
+                                  for lo in layouts]
+        return cls(names, inos, modes, (*ints, layouts, targets) if names else None, wire=wire)
+
     def __len__(self) -> int:
         return len(self.names)
+
+    def __iter__(self) -> Iterator[DirEntry]:
+        return iter(self.entries())
+
+    def file_inos(self) -> list[int]:
+        """The inodes of the page's entries that are not directories."""
+        if self._made is not None:
+            return [e.ino for e in self._made if not _stat.S_ISDIR(e.mode)]
+        return [ino for ino, mode in zip(self._inos, self._modes) if not _stat.S_ISDIR(mode)]
 
     def entries(self) -> list[DirEntry]:
         """Every entry of the page, in order."""
