@@ -12,13 +12,13 @@ task of its own (the lookup that made it due does not wait): one ``Readdir``
 with attributes and layouts under a lease (the service leases the directory and every
 file's attributes it shows: ``metadata/_lease_grants.py``), page by page (:data:`PAGE`
 entries each, each page under a lease of its own, all kept only when no invalidation came
-between the first page's request and the last page's answer): one page of 1,000 entries
-held the service's loop and the daemon's for ~5 and ~3 ms, and every lookup meanwhile
-with them. A page is checked as it arrives but its entries are made only as they are
-looked up (``wire.ListingPage``): making a thousand held the daemon's loop ~3 ms. While those leases live, and
-nothing changed since as far as this client knows (no invalidation heard, no mutation of
-its own begun: the same test the OPEN after a leased LOOKUP makes), a lookup of a file
-named there is answered from it. The kernel keeps such an answer for what is left of the
+between the first page's request and the last page's answer), so that a directory of up
+to :data:`MAX_LISTING` files is leased and no one request holds the service long. A page
+is checked as it arrives but its entries are made only as they are looked up
+(``wire.ListingPage``): making a thousand held the daemon's loop 2-3 ms, and every
+request of the mount with it. While those leases live, and nothing changed since as far
+as this client knows (no invalidation heard, no mutation of its own begun: the same test
+the OPEN after a leased LOOKUP makes), a lookup of a file named there is answered from it. The kernel keeps such an answer for what is left of the
 lease, registered under its page's lease (``KernelLeases.also``): another client's
 change to the directory or to one of its files takes the lease back, which drops the
 listing here and every entry and attribute told from it in the kernel, before the change
