@@ -77,8 +77,9 @@ CACHE_MISSES = Lazy(*_LOOKUPS, values=("miss",))
 
 STREAK = 2  # lookups of files in one directory within STREAK_WINDOW s that make it due for its listing
 STREAK_WINDOW = 2.0
-LISTING_PAGE = 4096  # entries at most in a listing fetched whole for its files (one page)
-TOO_BIG_AGAIN = 60.0  # seconds before a directory found larger than LISTING_PAGE is tried again
+LISTING_PAGE = 1024  # entries per Readdir page of a listing fetched for its files (each page leased)
+LISTING_MAX = 16_384  # entries at most in such a listing (a larger directory is not fetched)
+TOO_BIG_AGAIN = 60.0  # seconds before a directory found larger than LISTING_MAX is tried again
 # Seconds between two fetches of one directory's listing at least (a lease lives 5 s): a
 # directory whose files another client keeps changing (each change takes the lease back,
 # or the service leases them no more) costs a listing per REFETCH_AFTER, not per 2 opens.

@@ -31,7 +31,7 @@ from stripefs.wire import MAX_PATH, Attr, DirEntry, ErrorCode, Layout, Message, 
 
 from ._config import ClusterConfig, find_cluster
 from ._acall import acall, acall_header, aread_into
-from ._attrcache import LISTING_PAGE, AttrCache, DirStreaks
+from ._attrcache import LISTING_MAX, LISTING_PAGE, AttrCache, DirStreaks
 from ._core import ClientCore, seconds_setting
 from . import _lease
 from ._file import StripeFile, mode_flags
@@ -263,20 +263,30 @@ class Client:
 
     def _lease_files(self, cache: AttrCache, directory: str) -> None:
         """Remember the files of ``directory``, whose files are being opened one after
-        another, from one listing with attributes and layouts under one lease (the
-        service leases it on the directory and each file it shows): the opens of the
-        others then ask nothing. Nothing is kept after an error, for a listing of more than
-        one page, or when anything changed while it was asked (``AttrCache.put_files``)."""
+        another, from its listing with attributes and layouts, page by page
+        (``LISTING_PAGE`` entries, up to ``LISTING_MAX``), each page under a lease of its own
+        (the service leases it on the directory and each file it shows): the opens of the
+        others then ask nothing. A page is kept only if nothing changed since the first
+        page was asked for (``AttrCache.put_files``, all with the token taken then: what an
+        invalidation meanwhile could have made stale is not kept); nothing after an
+        error, and no further page of a listing larger than ``LISTING_MAX``."""
         more = False
         try:
             d = self.stat(directory)
-            token, sent = cache.token(), time.monotonic()
-            reply = self._core.call(m.Readdir(ino=d.ino, limit=LISTING_PAGE, plus=True, layouts=True,
-                                              lease=cache.leasing))
-            more = reply.more
-            if not more:
+            token, after, listed = cache.token(), "", 0
+            while True:
+                sent = time.monotonic()
+                reply = self._core.call(m.Readdir(ino=d.ino, after=after, limit=LISTING_PAGE, plus=True,
+                                                  layouts=True, lease=cache.leasing, lease_each_page=cache.leasing))
                 cache.put_files(directory, [(e.name, e.attr) for e in reply.entries if e.attr is not None],
                                 token, reply.lease_id, reply.lease_ms, sent)
+                listed += len(reply.entries)
+                if not reply.more or not reply.entries or not reply.lease_id or cache.token() != token:
+                    return  # the whole listing, or no page after this one would be kept
+                if listed >= LISTING_MAX:
+                    more = True
+                    return
+                after = reply.entries[-1].name
         except StripefsError:
             pass  # the opens ask for their files one by one, as before
         finally:

@@ -38,14 +38,14 @@ from __future__ import annotations
 
 import time
 
+from stripefs.fsclient.core._attrcache import LISTING_MAX as MAX_LISTING
+from stripefs.fsclient.core._attrcache import LISTING_PAGE as PAGE
 from stripefs.fsclient.core._attrcache import DirStreaks
 from stripefs.wire import Attr
 from stripefs.wire._types import ListingPage
 
 __all__ = ["LeasedDirs", "PAGE", "MAX_LISTING"]
 
-PAGE = 1024  # entries per Readdir page of a listing fetched for its files
-MAX_LISTING = 16_384  # entries at most in such a listing (a larger directory is not fetched)
 MAX_ENTRIES = 200_000  # entries kept in all (past it, everything is forgotten)
 
 

@@ -46,6 +46,32 @@ def test_opening_a_directory_file_by_file_costs_one_listing(dataset: Any) -> Non
     assert 1 <= listed <= 3, listed
 
 
+def test_a_listing_of_several_pages_is_kept_page_by_page(metered_cluster: Any) -> None:
+    """A directory of three pages (``LISTING_PAGE`` entries each): its opens are answered
+    from the listing, each page under its own lease, and another client's change to a file
+    of the last page is seen by the next open."""
+    big = 2 * _attrcache.LISTING_PAGE + 40
+    with metered_cluster.client() as c:
+        c.makedirs("/data")
+        for i in range(big):
+            c.write_bytes(f"/data/f{i}", _body(i))
+    with metered_cluster.client() as reader:
+        resolves = metadata_requests(metered_cluster.file, "Resolve")
+        listings = metadata_requests(metered_cluster.file, "Readdir")
+        for i in range(big):
+            assert _read(reader, f"/data/f{i}") == _body(i)
+        resolved = metadata_requests(metered_cluster.file, "Resolve") - resolves
+        listed = metadata_requests(metered_cluster.file, "Readdir") - listings
+        assert resolved <= big // 10, f"{resolved:.0f} Resolve requests for {big} files"
+        assert 3 <= listed <= 30, listed  # 3 pages (again if a 5 s lease ran out)
+        last = sorted(f"f{i}" for i in range(big))[-1]  # on the last page: "f999"
+        k = int(last[1:]) - 4
+        _change_files(metered_cluster, k)  # f{k}, f{k+1}, f{k+4} ("f995", "f996", "f999")
+        assert _read(reader, f"/data/f{k}") == _body(k).upper()
+        assert reader.stat(f"/data/f{k + 1}").size == len(_body(k + 1)) + 6
+        assert reader.stat(f"/data/f{k + 4}").mode & 0o777 == 0o600
+
+
 def test_another_clients_changes_show_at_once(dataset: Any) -> None:
     half = FILES // 2
     with dataset.client() as reader:
