@@ -360,17 +360,9 @@ def dir_columns(entries: list[DirEntry]) -> dict[str, list] | None:
         return columns if all(a is None for a in attrs) else None
     if None in attrs or any(a.ino != e.ino or a.mode != e.mode for a, e in zip(attrs, entries)):  # type: ignore[union-attr]
         return None
-    for name in _ATTR_COLUMNS:
-        columns[name] = list(map(operator.attrgetter(name), attrs))
-    targets = [a.target for a in attrs]  # type: ignore[union-attr]
-    if any(t is not None for t in targets):
-        columns["target"] = targets
-    layouts = [a.layout for a in attrs]  # type: ignore[union-attr]
-    if any(lo is not None for lo in layouts):
-        wire: dict[Layout, dict] = {}  # a directory's files share a few layouts: each made once
-        columns["layout"] = [None if lo is None else wire.get(lo) or wire.setdefault(lo, lo.to_wire())
-                             for lo in layouts]
-    return columns
+    ints = [list(map(operator.attrgetter(name), attrs)) for name in _ATTR_COLUMNS]
+    return ListingPage.of_rows(columns["name"], columns["ino"], columns["mode"], ints,
+                               [a.layout for a in attrs], [a.target for a in attrs]).wire  # type: ignore[union-attr]
 
 
 def _column(columns: dict, name: str, n: int | None) -> list:
@@ -492,9 +484,10 @@ class ListingPage:
     @classmethod
     def of_rows(cls, names: list[str], inos: list[int], modes: list[int], ints: list[list[int]],
                 layouts: list[Layout | None], targets: list[str | None]) -> ListingPage:
-        """A page with attributes made by a sender from its own columns (a store's rows):
-        ``ints`` in :data:`_ATTR_COLUMNS`' order; its wire form made at once, as
-        :func:`dir_columns` would make it of the same entries."""
+        """A page with attributes made by a sender from its own columns (a store's rows,
+        or :func:`dir_columns`' entries): ``ints`` in :data:`_ATTR_COLUMNS`' order; its
+        wire form made at once (``target`` and ``layout`` only when some entry has one, each
+        distinct layout made once: a directory's files share a few)."""
         wire: dict[str, list] = {"name": names, "ino": inos, "mode": modes}
         if names:
             wire.update(zip(_ATTR_COLUMNS, ints))

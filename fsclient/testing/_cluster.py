@@ -114,20 +114,14 @@ def _wait_ready(proc: subprocess.Popen, ready: str, what: str, log_path: str) ->
 def _port_free(port: int, within: float = 0.0) -> bool:
     """Whether ``port`` can be bound on 127.0.0.1, waiting up to ``within`` seconds for it
     (a service stopped just now may hold it for a moment)."""
-    import socket
+    from ._postgres import _port_is_free
 
     deadline = time.monotonic() + within
-    while True:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(("127.0.0.1", port))
-                return True
-            except OSError:
-                pass
+    while not _port_is_free(port):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.1)
+    return True
 
 
 def up(root: str, *, servers: int = 4, replicas: int = 1, chunk_size: int = 4 << 20, stripe: int = 16,
