@@ -33,8 +33,8 @@ leases" and "Caches"), encoded in :func:`check`:
   changed, ``readdirplus`` entries, names known absent, kept listings -- lives that long;
   leased answers are coherent and lie inside it. Each path component may come from a
   different instant of that window (the kernel caches them one by one), and a listing
-  may join two kept pages of different instants (a kept page refetched "from that entry
-  on");
+  may join two pages of different instants (a kept page up to an entry the kernel was
+  told newer attributes of since, then a fresh page after the last entry served);
 * a mount's *contents* are close-to-open with no window: whatever inode the open
   resolved (``fstat`` tells which), the bytes are those of a version current between
   the open and the end of the read (``keep_cache`` only for the version last seen);
@@ -697,10 +697,13 @@ def _check_one(h: History, rec: Record) -> Violation | None:
 
 
 def _joined(seen: tuple[str, ...], listings: list[tuple[str, ...]]) -> bool:
-    """A listing made of one kept page up to a name and a fresh one from it on."""
+    """A listing made of one kept page up to a name and a fresh one from there on: the
+    names of ``a`` before some cut and those of ``b`` from it. The cut need not be a name
+    seen: the daemon refetches after the last name it served, and the first name of the
+    kept page it did not serve may be gone from the fresh one (it cuts at that name)."""
     for a in listings:
         for b in listings:
-            for cut in {*seen, "\U0010ffff"}:
+            for cut in {*a, *b, "\U0010ffff"}:
                 if tuple(n for n in a if n < cut) + tuple(n for n in b if n >= cut) == seen:
                     return True
     return False
