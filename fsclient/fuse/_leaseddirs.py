@@ -8,7 +8,8 @@ of the requests a small file's read made, and most of the service's work for it.
 
 Once lookups in one directory found files there in a row (``core._attrcache.DirStreaks``:
 two round trips within two seconds), the daemon asks for the whole directory at once, in a
-task of its own (the lookup that made it due does not wait): one ``Readdir``
+task of its own (the lookup that made it due does not wait; the lookups there that come
+while it is in flight wait for its first page, :meth:`LeasedDirs.wait`): one ``Readdir``
 with attributes and layouts under a lease (the service leases the directory and every
 file's attributes it shows: ``metadata/_lease_grants.py``), page by page (:data:`PAGE`
 entries each, each page under a lease of its own, all kept only when no invalidation came
@@ -38,6 +39,8 @@ from __future__ import annotations
 
 import time
 
+import trio
+
 from stripefs.fsclient.core._attrcache import LISTING_MAX as MAX_LISTING
 from stripefs.fsclient.core._attrcache import LISTING_PAGE as PAGE
 from stripefs.fsclient.core._attrcache import DirStreaks
@@ -47,6 +50,7 @@ from stripefs.wire._types import ListingPage
 __all__ = ["LeasedDirs", "PAGE", "MAX_LISTING"]
 
 MAX_ENTRIES = 200_000  # entries kept in all (past it, everything is forgotten)
+WAIT = 0.25  # seconds a lookup waits at most for a listing in flight before it asks the service
 
 
 class _Dir:
@@ -66,6 +70,7 @@ class LeasedDirs:
         self.dirs: dict[int, _Dir] = {}
         self.entries = 0
         self.streaks = DirStreaks()
+        self.pending: dict[int, trio.Event] = {}  # directory ino -> set when its first page is in (see wait)
 
     def get(self, parent: int, name: str, state: tuple[int, int] | None) -> tuple[Attr, int] | None:
         """``(attributes, lease id)`` of file ``name`` in ``parent`` while its listing is
@@ -89,7 +94,31 @@ class LeasedDirs:
     def looked_up(self, parent: int, attr: Attr) -> bool:
         """A lookup in ``parent`` went to the service and found ``attr``: should the
         directory's listing be fetched now (then :meth:`put` follows, whatever happens)?"""
-        return attr.is_file and parent not in self.dirs and self.streaks.hit(parent)
+        due = attr.is_file and parent not in self.dirs and self.streaks.hit(parent)
+        if due:
+            self.pending[parent] = trio.Event()
+        return due
+
+    async def wait(self, parent: int) -> None:
+        """Let a lookup in ``parent`` wait for the listing being fetched, if one is, until
+        its first page is in (a listing of one page: the whole) or :data:`WAIT` passed.
+
+        Lookups of a directory's files that come while its listing is in flight used to
+        ask the service each, racing the listing for the same CPUs: at a dataloader's
+        start every reader's first files did, and were the slowest of the run. Waiting,
+        they are answered from the listing, which the service and the daemon then make
+        without competing lookups; a lookup waits for at most one page (a larger listing
+        lets its waiters go at its first page)."""
+        event = self.pending.get(parent)
+        if event is not None:
+            with trio.move_on_after(WAIT):
+                await event.wait()
+
+    def first_page_in(self, parent: int) -> None:
+        """The listing of ``parent`` has its first page (or ended): its waiters go on."""
+        event = self.pending.pop(parent, None)
+        if event is not None:
+            event.set()
 
     def put(self, parent: int, pages: list[tuple[ListingPage, int]] | None, left: float,
             state: tuple[int, int] | None, *, more: bool = False) -> None:
@@ -99,15 +128,18 @@ class LeasedDirs:
         fetch). ``state``: the client's as it was when the listing was asked for (None: a
         mutation of its own was in flight, nothing is kept)."""
         self.streaks.done(parent, too_big=more)
-        if pages is None or left <= 0 or state is None:
-            return
-        size = sum(len(page) for page, _ in pages)
-        if self.entries + size > MAX_ENTRIES:
-            self.clear()
-        self.drop(parent)
-        kept = [(dict(zip(page.names, range(len(page)))), page, lease_id) for page, lease_id in pages]
-        self.dirs[parent] = _Dir(kept, time.monotonic() + left, state)
-        self.entries += size
+        try:
+            if pages is None or left <= 0 or state is None:
+                return
+            size = sum(len(page) for page, _ in pages)
+            if self.entries + size > MAX_ENTRIES:
+                self.clear()
+            self.drop(parent)
+            kept = [(dict(zip(page.names, range(len(page)))), page, lease_id) for page, lease_id in pages]
+            self.dirs[parent] = _Dir(kept, time.monotonic() + left, state)
+            self.entries += size
+        finally:
+            self.first_page_in(parent)  # the lookups waiting for it go on (see wait)
 
     def drop(self, ino: int) -> None:
         """Forget the listing of directory ``ino`` (its lease was taken back, or it aged)."""

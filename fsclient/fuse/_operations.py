@@ -386,6 +386,9 @@ class StripeOperations(pyfuse3.Operations):
             self.new_files.said_missing(parent_inode, name)
             return missing
         e = self._from_listing(parent_inode, name, text)
+        if e is None and parent_inode in self.leased_dirs.pending:  # its listing is on its way
+            await self.leased_dirs.wait(parent_inode)
+            e = self._from_listing(parent_inode, name, text)
         if e is not None:
             return e
         try:
@@ -405,7 +408,7 @@ class StripeOperations(pyfuse3.Operations):
             if leased > 0 and self.leased_dirs.looked_up(parent_inode, attr):
                 # This lookup has its answer: it does not wait for the listing (a directory
                 # of thousands of files takes tens of milliseconds to list); the lookups
-                # that come meanwhile ask the service, as before it.
+                # that come meanwhile wait for its first page (LeasedDirs.wait).
                 if self.nursery is not None:
                     self.nursery.start_soon(self._fetch_leased_quietly, parent_inode)
                 else:
@@ -458,6 +461,7 @@ class StripeOperations(pyfuse3.Operations):
                 if not reply.more or not len(page):
                     pages = got
                     return
+                self.leased_dirs.first_page_in(ino)  # more pages: the lookups waiting ask the service
                 listed += len(page)
                 if listed >= MAX_LISTING:
                     more = True

@@ -158,6 +158,19 @@ def test_the_mounts_own_changes_show_at_once(dataset: Any) -> None:
     assert _read(f"{mp}/data/f11b") == b"changed elsewhere"
 
 
+async def _leasing(ops: Any, nursery: Any) -> None:
+    """Start the daemon's operations ``ops`` (not mounted: called directly) in ``nursery``,
+    and wait until its client's lease watch is live."""
+    import trio
+
+    ops.attach(nursery)
+    kl = ops.kernel_leases
+    assert kl is not None
+    with trio.fail_after(30):
+        while not kl.asking:
+            await trio.sleep(0.05)
+
+
 def test_the_lookup_that_calls_for_a_listing_does_not_wait_for_it(cluster: Any, testdir: str) -> None:
     """The lookup after which a directory is due for its listing answers at once; the
     listing is fetched in the background (a directory of thousands of files takes tens of
@@ -177,12 +190,7 @@ def test_the_lookup_that_calls_for_a_listing_does_not_wait_for_it(cluster: Any, 
 
         async def main() -> None:
             async with trio.open_nursery() as nursery:
-                ops.attach(nursery)
-                kl = ops.kernel_leases
-                assert kl is not None
-                with trio.fail_after(30):
-                    while not kl.asking:  # the client's lease watch is live
-                        await trio.sleep(0.05)
+                await _leasing(ops, nursery)
                 await ops.lookup(parent, b"f0", ctx)
                 await ops.lookup(parent, b"f1", ctx)  # the second in a row: the listing is due
                 assert parent not in ops.leased_dirs.dirs  # ... and this lookup did not wait for it
@@ -190,6 +198,62 @@ def test_the_lookup_that_calls_for_a_listing_does_not_wait_for_it(cluster: Any, 
                     while parent not in ops.leased_dirs.dirs:
                         await trio.sleep(0.01)
                 assert ops._from_listing(parent, b"f2", "f2").st_ino == client.stat(f"{testdir}/f2").ino
+                nursery.cancel_scope.cancel()
+
+        trio.run(main)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("files", [12, PAGE + 12], ids=["one-page", "two-pages"])
+def test_lookups_that_come_while_the_listing_is_fetched_wait_for_it(metered_cluster: Any, files: int) -> None:
+    """The lookups of a directory's files that come while its listing is in flight wait
+    for its first page and are answered from it, without a round trip each (at a
+    dataloader's start they raced the listing for the same CPUs and were the slowest files
+    of the run); a name the listing lacks, or a subdirectory, is then asked of the service.
+    A listing of more pages lets its waiters go at its first page: they are answered all
+    the same, from the service or from the listing."""
+    import errno
+
+    import pyfuse3
+    import trio
+
+    from stripefs.fsclient.fuse._operations import StripeOperations
+
+    client = metered_cluster.client()
+    try:
+        client.makedirs("/w/sub")
+        for i in range(files):
+            client.write_bytes(f"/w/f{i}", _body(i))
+        parent = client.stat("/w").ino
+        inos = {i: client.stat(f"/w/f{i}").ino for i in (*range(2, 10), files - 1)}
+        ops = StripeOperations(client)
+        ctx = pyfuse3.RequestContext()
+        found: dict[int, int] = {}
+
+        async def look(i: int) -> None:
+            found[i] = (await ops.lookup(parent, f"f{i}".encode(), ctx)).st_ino
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                await _leasing(ops, nursery)
+                await ops.lookup(parent, b"f0", ctx)
+                before = _requests(metered_cluster.file, "Lookup")
+                await ops.lookup(parent, b"f1", ctx)  # the listing is due, fetched in a task of its own
+                assert parent in ops.leased_dirs.pending
+                with trio.fail_after(30):
+                    async with trio.open_nursery() as waiters:  # these come while it is in flight
+                        for i in (*range(2, 10), files - 1):
+                            waiters.start_soon(look, i)
+                asked = _requests(metered_cluster.file, "Lookup") - before - 1
+                assert found == inos
+                if files <= PAGE:
+                    assert asked == 0, f"{asked:.0f} of 9 lookups went to the service"
+                    assert parent in ops.leased_dirs.dirs and not ops.leased_dirs.pending
+                with pytest.raises(pyfuse3.FUSEError) as missing:  # not in the listing: the service says
+                    await ops.lookup(parent, b"nothing-here", ctx)
+                assert missing.value.errno == errno.ENOENT
+                assert (await ops.lookup(parent, b"sub", ctx)).st_ino == client.stat("/w/sub").ino
                 nursery.cancel_scope.cancel()
 
         trio.run(main)
