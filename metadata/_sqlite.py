@@ -28,7 +28,7 @@ from stripefs.wire._build import positional_builder
 from stripefs.wire._errors import ErrorCode, StripefsError
 from stripefs.wire._types import Attr, DirEntry, Layout
 
-from ._sqltxn import _SCHEMA, SCHEMA_VERSION, SqlTxn, _chains_tuple, check_schema_version
+from ._sqltxn import _SCHEMA, SCHEMA_VERSION, SqlTxn, _chains_tuple, _new_layout, check_schema_version
 from ._store import DirRow, Store, Txn, encode_name
 
 __all__ = ["RESERVE", "SYNC_MODES", "SqliteStore", "check_sync"]
@@ -61,7 +61,6 @@ def check_sync(mode: str) -> str:
 
 _new_attr = positional_builder(Attr)
 _new_dir_entry = positional_builder(DirEntry)
-_new_layout = positional_builder(Layout)
 
 # The point reads every path walk runs, as constants: SQLite's statement cache keeps each
 # prepared once per connection.

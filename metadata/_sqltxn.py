@@ -27,6 +27,7 @@ SCHEMA_VERSION = 2
 # Rows are already typed by the schema: build without the frozen dataclasses' per-field setattr.
 _new_attr = positional_builder(Attr)
 _new_dir_entry = positional_builder(DirEntry)
+_new_layout = positional_builder(Layout)
 
 
 def _chains_text(chains: tuple[int, ...]) -> str:
@@ -34,7 +35,7 @@ def _chains_text(chains: tuple[int, ...]) -> str:
 
 
 def _chains_tuple(text: str | None) -> tuple[int, ...]:
-    return tuple(int(c) for c in text.split(",")) if text else ()
+    return tuple(map(int, text.split(","))) if text else ()
 
 
 class SqlTxn(Txn):
@@ -142,10 +143,10 @@ class SqlTxn(Txn):
         if None in cols[3]:
             return None
         # name, ino, mode (of the entry), then the inode's: ino, ftype, mode, nlink, uid, gid,
-        # size, atime, mtime, ctime, chunk_size, chains, target, rdev, truncations
-        seen: dict[tuple[int, str], Layout] = {}
-        layouts = [None if chunk is None else seen.get((chunk, chains)) or seen.setdefault(
-                   (chunk, chains), Layout(chunk, _chains_tuple(chains))) for chunk, chains in zip(cols[13], cols[14])]
+        # size, atime, mtime, ctime, chunk_size, chains, target, rdev, truncations. Each file
+        # has a layout of its own (a shuffled window of chains, Namespace._pick_layout).
+        layouts = [None if chunk is None else _new_layout(chunk, _chains_tuple(chains))
+                   for chunk, chains in zip(cols[13], cols[14])]
         ints = [list(cols[i]) for i in (6, 7, 8, 9, 10, 11, 12, 16, 17)]  # nlink .. ctime, rdev, truncations
         return ListingPage.of_rows(list(map(decode_name, cols[0])), list(cols[1]), list(cols[5]), ints, layouts,
                                    list(cols[15])), more

@@ -382,29 +382,9 @@ def _int_column(columns: dict, name: str, n: int) -> list:
 
 
 def _layout_column(given: list) -> list[Layout | None]:
-    """A listing page's layouts (``Layout.from_wire`` each): the files of one directory
-    share a few layouts, so each distinct one is decoded and checked once per page. (Keys
-    equal by value -- ``1 == 1.0`` -- share a decoding: ``from_wire`` turns both into the
-    same layout.)"""
-    seen: dict[tuple, Layout] = {}
-    out: list[Layout | None] = []
-    for lo in given:
-        if lo is None:
-            out.append(None)
-            continue
-        chains = lo.get("chains") if type(lo) is dict else None
-        if type(chains) is not list:
-            out.append(Layout.from_wire(lo))
-            continue
-        key = (lo.get("chunk_size"), *chains)
-        try:
-            layout = seen.get(key)
-        except TypeError:  # an unhashable value: from_wire says what is wrong
-            layout = Layout.from_wire(lo)
-        if layout is None:
-            layout = seen[key] = Layout.from_wire(lo)
-        out.append(layout)
-    return out
+    """A listing page's layouts, each checked as ``Layout.from_wire`` checks it (a file's
+    layout is its own: a shuffled window of chains, so there is nothing to share)."""
+    return [None if lo is None else (type(lo) is dict and _layout_fast(lo)) or Layout.from_wire(lo) for lo in given]
 
 
 def dir_entries_from_columns(columns: object) -> list[DirEntry]:
@@ -486,17 +466,14 @@ class ListingPage:
                 layouts: list[Layout | None], targets: list[str | None]) -> ListingPage:
         """A page with attributes made by a sender from its own columns (a store's rows,
         or :func:`dir_columns`' entries): ``ints`` in :data:`_ATTR_COLUMNS`' order; its
-        wire form made at once (``target`` and ``layout`` only when some entry has one, each
-        distinct layout made once: a directory's files share a few)."""
+        wire form made at once (``target`` and ``layout`` only when some entry has one)."""
         wire: dict[str, list] = {"name": names, "ino": inos, "mode": modes}
         if names:
             wire.update(zip(_ATTR_COLUMNS, ints))
             if any(t is not None for t in targets):
                 wire["target"] = targets
             if any(lo is not None for lo in layouts):
-                made: dict[Layout, dict] = {}
-                wire["layout"] = [None if lo is None else made.get(lo) or made.setdefault(lo, lo.to_wire())
-                                  for lo in layouts]
+                wire["layout"] = [None if lo is None else lo.to_wire() for lo in layouts]
         return cls(names, inos, modes, (*ints, layouts, targets) if names else None, wire=wire)
 
     def __len__(self) -> int:
