@@ -56,6 +56,8 @@ def soak(minutes: float, first_seed: int, seconds: float, mounts: int, history_d
                 for k, n in s["by_op"].items():
                     totals["by_op"][k] = totals["by_op"].get(k, 0) + n
                 totals["violations"] += [f"seed {seed} ttl {TTLS[seed % len(rigs)]:g}: {v}" for v in violations]
+                if violations:
+                    print(h.context(violations[0]), flush=True)
                 totals["crashes"] += [f"seed {seed}: {c}" for c in h.crashes]
                 if history_dir:
                     os.makedirs(history_dir, exist_ok=True)

@@ -416,6 +416,26 @@ class History:
         first, last = bisect.bisect_left(self.ends, lo), bisect.bisect_right(self.starts, hi) - 1
         return {ino for i in range(max(1, first), last + 1) for ino in self.mutations[i].fuzzy}  # type: ignore[union-attr]
 
+    def context(self, v: Violation, before: float = 1.0) -> str:
+        """What a violation's report needs to be judged without the run: the mutations
+        that overlap ``[start - window - before, end]`` of its observation, one per line,
+        their intervals in seconds from the observation's start, each with what its state
+        held at the observed path (a listing's names, a node's kind and size)."""
+        rec = v.record
+        lo, rel = rec.start - self.window - before, rec.args[0] if rec.args else ""
+        lines = [f"mutations around {rec.actor} #{rec.seq} {rec.op}({rel!r}) at 0 (its window: {self.window:.3f} s):"]
+        for i in self.span(lo, rec.end):
+            m, s = self.mutations[i], self.states[i]
+            at = set()
+            for r in resolve([s], s.root, rel, rec.op != "lstat"):
+                node = s.nodes.get(r) if isinstance(r, int) else None
+                at.add(r if isinstance(r, str) else "ENOENT" if node is None else
+                       s.names(r) if node.kind == "d" else (node.kind, node.size))
+            what = "the state before" if m is None else (
+                f"[{m.start - rec.start:+.3f}, {m.end - rec.start:+.3f}] {m.actor} {m.op}{tuple(m.args)!r}")
+            lines.append(f"  {what} -> {sorted(at, key=repr)}")
+        return "\n".join(lines)
+
     # -- actors ------------------------------------------------------------------------------------
     def run_actor(self, name: str, fs: NativeFS, rng: random.Random, deadline: float) -> None:
         try:

@@ -108,7 +108,7 @@ def assert_inside_windows(rig: Any, seed: int, seconds: float) -> None:
     violations = check(h)
     counts = summary(h, violations)
     assert not h.crashes, h.crashes
-    assert not violations, "\n".join(str(v) for v in violations[:20])
+    assert not violations, "\n".join([*(str(v) for v in violations[:20]), h.context(violations[0])])
     by_op = counts["by_op"]
     assert by_op.get("mount.read", 0) and by_op.get("native.read", 0), by_op
     assert counts["mutations"] >= 10, counts

@@ -93,6 +93,11 @@ def test_a_mount_listing_may_join_a_kept_page_and_a_fresh_one(seen: tuple[str, .
     h.add(Record(3, "m0", True, "listdir", ("",), 1.4, 1.41, ("ok", seen)))
     violations = check(h)
     assert (not violations) == ok, violations
+    if not ok:  # the report says what each state of the window held at the path
+        assert h.context(violations[0]).splitlines()[1:] == [
+            "  the state before -> [('f2', 'f4', 'l0')]",
+            "  [-0.400, -0.300] n0 rename_file('f2', 'f1') -> [('f1', 'f4', 'l0')]",
+            "  [-0.200, -0.100] n0 unlink('f4',) -> [('f1', 'l0')]"]
 
 
 SECONDS = 4.0  # per seed: a few hundred operations on this loaded 2-core machine

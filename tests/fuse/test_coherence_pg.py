@@ -63,7 +63,7 @@ def test_leased_reads_over_three_services_stay_inside_the_windows(rig: Rig) -> N
     h = run_history(rig, 7, SECONDS, LEASED)
     violations = check(h)
     assert not h.crashes, h.crashes
-    assert not violations, "\n".join(str(v) for v in violations[:20])
+    assert not violations, "\n".join([*(str(v) for v in violations[:20]), h.context(violations[0])])
 
 
 def test_the_checker_catches_services_that_ignore_each_others_changes(tmp_path: Path,
