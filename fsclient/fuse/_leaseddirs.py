@@ -19,11 +19,11 @@ is checked as it arrives but its entries are made only as they are looked up
 (``wire.ListingPage``): making a thousand held the daemon's loop 2-3 ms, and every
 request of the mount with it. While those leases live, and nothing changed since as far
 as this client knows (no invalidation heard, no mutation of its own begun: the same test
-the OPEN after a leased LOOKUP makes), a lookup of a file named there is answered from it. The kernel keeps such an answer for what is left of the
-lease, registered under its page's lease (``KernelLeases.also``): another client's
-change to the directory or to one of its files takes the lease back, which drops the
-listing here and every entry and attribute told from it in the kernel, before the change
-is acknowledged.
+the OPEN after a leased LOOKUP makes), a lookup of a file named there is answered from it.
+The kernel keeps such an answer for what is left of the lease, registered under its
+page's lease (``KernelLeases.also``): another client's change to the directory or to one
+of its files takes the lease back, which drops the listing here and every entry and
+attribute told from it in the kernel, before the change is acknowledged.
 
 Caveats:
     * Files only: a subdirectory's attributes change with every name made in it, the

@@ -82,14 +82,14 @@ def test_a_mount_listing_may_join_a_kept_page_and_a_fresh_one(seen: tuple[str, .
     attributes of an entry and goes on from a fresh page after the last entry it served:
     the entry it broke at may be gone from the fresh page (found by the soak, seed 115 on
     three services: the checker allowed only cuts at names seen)."""
-    f = lambda v: Node("f", 4096, 100, 100, blocks=(v,))  # noqa: E731
-    names = {"f2": 10, "f4": 11, "l0": 12}
-    h = History(None, "/x", window=0.5,
-                initial=State(ROOT, {(ROOT, n): i for n, i in names.items()}, {ROOT: Node("d"), 10: f(1), 11: f(2), 12: f(3)}))
-    h.add(Record(1, "n0", False, "rename_file", ("f2", "f1"), 1.0, 1.1, ("ok",)),
-          State(ROOT, {(ROOT, "f1"): 10, (ROOT, "f4"): 11, (ROOT, "l0"): 12}, {ROOT: Node("d"), 10: f(1), 11: f(2), 12: f(3)}))
-    h.add(Record(2, "n0", False, "unlink", ("f4",), 1.2, 1.3, ("ok",)),
-          State(ROOT, {(ROOT, "f1"): 10, (ROOT, "l0"): 12}, {ROOT: Node("d"), 10: f(1), 12: f(3)}))
+    nodes = {ROOT: Node("d"), **{ino: Node("f", 4096, 100, 100, blocks=(ino,)) for ino in (10, 11, 12)}}
+
+    def state(**names: int) -> State:  # name -> inode, all in the root
+        return State(ROOT, {(ROOT, n): i for n, i in names.items()}, {i: nodes[i] for i in (ROOT, *names.values())})
+
+    h = History(None, "/x", window=0.5, initial=state(f2=10, f4=11, l0=12))
+    h.add(Record(1, "n0", False, "rename_file", ("f2", "f1"), 1.0, 1.1, ("ok",)), state(f1=10, f4=11, l0=12))
+    h.add(Record(2, "n0", False, "unlink", ("f4",), 1.2, 1.3, ("ok",)), state(f1=10, l0=12))
     h.add(Record(3, "m0", True, "listdir", ("",), 1.4, 1.41, ("ok", seen)))
     violations = check(h)
     assert (not violations) == ok, violations
