@@ -101,9 +101,10 @@ class DirStreaks:
         self._big: dict[Any, float] = {}  # directory -> monotonic time before which it is not fetched
         self._last: dict[Any, float] = {}  # directory -> when its last fetch began
 
-    def hit(self, key: Any) -> bool:
-        """A lookup of a file in ``key`` went to the service: True when its listing should
-        be fetched now (the caller then calls :meth:`done` once it came back)."""
+    def hit(self, key: Any, lookups: int = 1) -> bool:
+        """``lookups`` of files in ``key`` went (or are about to go) to the service: True when
+        its listing should be fetched now (the caller then calls :meth:`done` once it came
+        back)."""
         now = time.monotonic()
         with self._lock:
             if (key in self._inflight or self._big.get(key, 0.0) > now
@@ -112,10 +113,10 @@ class DirStreaks:
             count, first = self._hits.get(key, (0, now))
             if now - first > STREAK_WINDOW:
                 count, first = 0, now
-            if count + 1 < STREAK:
+            if count + lookups < STREAK:
                 if len(self._hits) >= 4096:
                     self._hits.clear()
-                self._hits[key] = (count + 1, first)
+                self._hits[key] = (count + lookups, first)
                 return False
             self._hits.pop(key, None)
             self._inflight.add(key)

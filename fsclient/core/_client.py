@@ -44,6 +44,7 @@ __all__ = ["Client", "AsyncClient", "normpath", "ROOT_INO"]
 
 ROOT_INO = 1
 STAT_MANY_MAX = 200  # paths per StatMany request (the service's limit: both frames fit in 1 MiB)
+BATCH_LISTINGS = 4  # listings one stat_many fetches at most (its latency: a few round trips each)
 CREATE_MANY_MAX = 200  # paths per CreateMany / UnlinkMany request (the service's limit, likewise)
 PREFIX = "stripefs://"
 ATTR_TIMEOUT_ENV = "STRIPEFS_ATTR_TIMEOUT"  # the attr_timeout of clients that do not pass one
@@ -292,6 +293,39 @@ class Client:
         finally:
             self._streaks.done(directory, too_big=more)
 
+    def _from_listings(self, cache: AttrCache, norm: list[str], todo: list[int],
+                       out: list[Attr | StripefsError | None]) -> list[int]:
+        """``todo`` (indexes of ``norm`` the cache missed) less those a directory's leased
+        listing answers now. A batch that misses k files of one directory counts as k
+        lookups there (``DirStreaks``, the opens' rule in :meth:`_fresh_stat`), so a
+        dataloader's batches over a directory's files cost its listing once instead of a
+        ``StatMany`` entry each. At most :data:`BATCH_LISTINGS` listings per call, those
+        with the most misses first; a directory due beyond them is fetched no sooner than
+        the streaks allow again. Nothing before the client's lease watch is up (a listing
+        then would not be kept, and its directory not fetched again for a while)."""
+        if not cache.leasing:
+            return todo
+        misses: dict[str, int] = {}
+        for i in todo:
+            directory = posixpath.dirname(norm[i])
+            misses[directory] = misses.get(directory, 0) + 1
+        due = [d for d in sorted(misses, key=misses.__getitem__, reverse=True) if self._streaks.hit(d, misses[d])]
+        if not due:
+            return todo
+        for directory in due[BATCH_LISTINGS:]:
+            self._streaks.done(directory)
+        listed = set(due[:BATCH_LISTINGS])
+        for directory in listed:
+            self._lease_files(cache, directory)
+        left = []
+        for i in todo:
+            hit = cache.get(norm[i]) if posixpath.dirname(norm[i]) in listed else None
+            if hit is None:
+                left.append(i)
+            else:
+                out[i] = hit
+        return left
+
     def stat_many(self, paths: "Sequence[str]", *, follow: bool = True) -> list[Attr | StripefsError]:
         """Attributes of many paths in few round trips (200 paths per request).
 
@@ -307,6 +341,8 @@ class Client:
             hits = [cache.get(p) for p in norm]
             out = list(hits)
             todo = [i for i, hit in enumerate(hits) if hit is None]
+            if todo:
+                todo = self._from_listings(cache, norm, todo, out)
         for start in range(0, len(todo), STAT_MANY_MAX):
             index = todo[start:start + STAT_MANY_MAX]
             part = [norm[i] for i in index]

@@ -114,10 +114,10 @@ def _wait_ready(proc: subprocess.Popen, ready: str, what: str, log_path: str) ->
 def _port_free(port: int, within: float = 0.0) -> bool:
     """Whether ``port`` can be bound on 127.0.0.1, waiting up to ``within`` seconds for it
     (a service stopped just now may hold it for a moment)."""
-    from ._postgres import _port_is_free
+    from ._postgres import port_is_free
 
     deadline = time.monotonic() + within
-    while not _port_is_free(port):
+    while not port_is_free(port):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.1)

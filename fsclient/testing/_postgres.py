@@ -27,7 +27,7 @@ from typing import Any
 
 from stripefs.wire import ErrorCode, StripefsError
 
-__all__ = ["LocalPostgres", "postgres_bin"]
+__all__ = ["LocalPostgres", "port_is_free", "postgres_bin"]
 
 DB_USER, DB_NAME = "stripefs", "stripefs"
 
@@ -128,7 +128,7 @@ class LocalPostgres:
             self._init(st)
             self._save(st)
         if not self.running():
-            if not _port_is_free(st["port"]):
+            if not port_is_free(st["port"]):
                 st["port"] = _free_port()
                 self._save(st)
             log = os.path.join(st["data"], "server.log")
@@ -190,7 +190,8 @@ class LocalPostgres:
             os.unlink(self.state_file)
 
 
-def _port_is_free(port: int) -> bool:
+def port_is_free(port: int) -> bool:
+    """Whether ``port`` can be bound on 127.0.0.1 now (as a service of a test cluster binds it)."""
     with socket.socket() as s:
         # As PostgreSQL binds: connections of the last run in TIME_WAIT do not hold the port
         # (without this a restart under load moved to a new port the cluster file did not name).

@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
-from stripefs.fsclient.core import _attrcache
+from stripefs.fsclient.core import _attrcache, _client
 from stripefs.wire import ErrorCode, StripefsError
 
 from ..conftest import metadata_requests, change_files_elsewhere as _change_files, listing_body as _body
+from .test_attr_leases import _watching
 
 FILES = 60
 
@@ -44,6 +45,57 @@ def test_opening_a_directory_file_by_file_costs_one_listing(dataset: Any) -> Non
     # the directory), and the others are answered from it (a refetch if the 5 s lease ended).
     assert resolved <= 8, f"{resolved:.0f} Resolve requests for {FILES} files"
     assert 1 <= listed <= 3, listed
+
+
+def test_batches_of_a_directorys_files_cost_one_listing(dataset: Any) -> None:
+    """``stat_many`` (a ring's ``open_many``, a dataloader's batch): a batch that misses
+    several files of one directory fetches its leased listing, and the batches after it
+    ask nothing; what another client changes there is seen by the next batch all the same."""
+    paths = [f"/data/f{i}" for i in range(FILES)]
+    with dataset.client() as reader:
+        _watching(reader)
+        stats, listings = metadata_requests(dataset.file, "StatMany"), metadata_requests(dataset.file, "Readdir")
+        got = []
+        for start in range(0, FILES, 12):
+            got += reader.stat_many(paths[start:start + 12])
+        assert [a.size for a in got] == [len(_body(i)) for i in range(FILES)]
+        assert all(a.layout is not None for a in got)  # what a ring needs to read them
+        assert metadata_requests(dataset.file, "StatMany") - stats == 0
+        assert metadata_requests(dataset.file, "Readdir") - listings == 1
+
+        _change_files(dataset, 20)  # f20 rewritten in place (same size and mtime), f21 longer, f24 0600
+        with dataset.client() as c:
+            c.remove("/data/f30")
+        again = reader.stat_many(paths)
+        assert isinstance(again[30], FileNotFoundError)
+        assert again[20].mtime_ns == got[20].mtime_ns and again[20].ctime_ns != got[20].ctime_ns
+        assert again[21].size == len(_body(21)) + 6
+        assert again[24].mode & 0o777 == 0o600
+        assert [a.size for k, a in enumerate(again) if k not in (21, 30)] == \
+            [len(_body(i)) for i in range(FILES) if i not in (21, 30)]
+
+
+def test_a_batch_fetches_a_few_listings_at_most(metered_cluster: Any) -> None:
+    """A batch spread over many directories fetches the listings of those it misses most,
+    ``BATCH_LISTINGS`` at most, and asks the service for the rest in one ``StatMany``."""
+    dirs = _client.BATCH_LISTINGS + 3
+    with metered_cluster.client() as c:
+        for d in range(dirs):
+            c.makedirs(f"/many/d{d}")
+            for i in range(d + 2):  # d0 holds 2 files, the last d{dirs-1} the most
+                c.write_bytes(f"/many/d{d}/f{i}", _body(i))
+            c.write_bytes(f"/many/d{d}/unasked", b"u")
+    paths = [f"/many/d{d}/f{i}" for d in range(dirs) for i in range(d + 2)]
+    with metered_cluster.client() as reader:
+        _watching(reader)
+        stats, listings = metadata_requests(metered_cluster.file, "StatMany"), metadata_requests(metered_cluster.file, "Readdir")
+        got = reader.stat_many(paths)
+        assert [a.size for a in got] == [len(_body(int(p.rsplit("f", 1)[1]))) for p in paths]
+        assert metadata_requests(metered_cluster.file, "Readdir") - listings == _client.BATCH_LISTINGS
+        assert metadata_requests(metered_cluster.file, "StatMany") - stats == 1  # the 3 directories with fewest
+        cache = reader._core.lease_cache()  # a file no one asked for is known from its listing only
+        known = [d for d in range(dirs) if cache.get(f"/many/d{d}/unasked", leased=True) is not None]
+        assert known == list(range(dirs - _client.BATCH_LISTINGS, dirs))
 
 
 def test_a_listing_of_several_pages_is_kept_page_by_page(metered_cluster: Any) -> None:
