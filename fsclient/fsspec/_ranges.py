@@ -4,7 +4,9 @@ What dataloaders and torch DCP loads ask for: thousands of small ranges over
 a few files. Done one by one, every range pays a metadata round trip and a
 storage round trip in turn. Here instead:
 
-1. each distinct file is resolved once (concurrently);
+1. the distinct files are resolved together (``Client.stat_many``: from the attribute
+   cache, a directory's leased listing when several of its files are asked, else 200
+   per ``StatMany`` round trip);
 2. the ranges of one file are sorted and those closer than ``max_gap`` are
    merged into one read (never longer than ``max_span``);
 3. the merged reads run on a pool of threads, each a native
@@ -67,7 +69,11 @@ def read_ranges(client: "Client", paths: list[str], starts: list[Any], ends: lis
     unique = list(dict.fromkeys(paths))
     workers = max(1, min(max_workers, len(paths)))
     with ThreadPoolExecutor(workers, thread_name_prefix="stripefs-ranges") as pool:
-        attrs = dict(zip(unique, pool.map(lambda p: _stat(client, p), unique)))
+        try:
+            found: list[Any] = client.stat_many(unique)
+        except OSError:  # refused as a whole (a path it cannot take): each path on its own
+            found = [_stat(client, p) for p in unique]
+        attrs = {p: _file_attr(p, attr) for p, attr in zip(unique, found)}
         by_file: dict[str, list[tuple[int, int, int]]] = {}
         for i, (p, start, end) in enumerate(zip(paths, starts, ends)):
             attr = attrs[p]
@@ -91,9 +97,14 @@ def read_ranges(client: "Client", paths: list[str], starts: list[Any], ends: lis
 
 def _stat(client: "Client", path: str) -> "Attr | OSError":
     try:
-        attr = client.stat(path)
+        return client.stat(path)
     except OSError as exc:
         return exc
+
+
+def _file_attr(path: str, attr: "Attr | OSError") -> "Attr | OSError":
+    if isinstance(attr, OSError):
+        return attr
     if attr.layout is None:
         return StripefsError(ErrorCode.IS_DIR, "is a directory", path)
     return attr

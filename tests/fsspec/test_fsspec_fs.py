@@ -100,6 +100,28 @@ def test_cat_ranges_errors(sfs: StripeFileSystem, root: str) -> None:
         sfs.cat_ranges([f"{root}/ok"], [0, 1], [1])
 
 
+def test_cat_of_many_files_resolves_them_together(metered_cluster: Any) -> None:
+    """``cat``/``cat_ranges`` of a batch of one directory's files resolve them in one
+    ``stat_many`` (its listing, once several are missed), not a ``Resolve`` each."""
+    from tests.conftest import metadata_requests
+    from tests.core.test_attr_leases import _watching
+
+    fs = StripeFileSystem(cluster=metered_cluster.file, skip_instance_cache=True)
+    try:
+        paths = [f"/batch/f{i}" for i in range(24)]
+        for i, p in enumerate(paths):
+            fs.pipe_file(p, b"%03d" % i * 100)
+        _watching(fs.client)
+        resolves = metadata_requests(metered_cluster.file, "Resolve")
+        stats = metadata_requests(metered_cluster.file, "StatMany")
+        assert fs.cat_ranges(paths, 0, 3) == [b"%03d" % i for i in range(24)]
+        assert fs.cat(paths[12:]) == {p: b"%03d" % (12 + i) * 100 for i, p in enumerate(paths[12:])}
+        assert metadata_requests(metered_cluster.file, "Resolve") - resolves <= 1  # the directory's own
+        assert metadata_requests(metered_cluster.file, "StatMany") - stats == 0
+    finally:
+        fs.client.close()
+
+
 def test_transaction_commits_atomically_and_discards(sfs: StripeFileSystem, root: str) -> None:
     sfs.pipe(f"{root}/keep", b"old")
     with sfs.transaction:
