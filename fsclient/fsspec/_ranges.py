@@ -71,8 +71,10 @@ def read_ranges(client: "Client", paths: list[str], starts: list[Any], ends: lis
     with ThreadPoolExecutor(workers, thread_name_prefix="stripefs-ranges") as pool:
         try:
             found: list[Any] = client.stat_many(unique)
-        except OSError:  # refused as a whole (a path it cannot take): each path on its own
-            found = [_stat(client, p) for p in unique]
+        except OSError as exc:  # every range fails with it, as a Resolve each would have
+            # (but a path stat_many refuses before asking anything: each path on its own)
+            invalid = isinstance(exc, StripefsError) and exc.code == ErrorCode.INVALID
+            found = [_stat(client, p) for p in unique] if invalid else [exc] * len(unique)
         attrs = {p: _file_attr(p, attr) for p, attr in zip(unique, found)}
         by_file: dict[str, list[tuple[int, int, int]]] = {}
         for i, (p, start, end) in enumerate(zip(paths, starts, ends)):

@@ -94,6 +94,8 @@ def test_cat_ranges_errors(sfs: StripeFileSystem, root: str) -> None:
     out = sfs.cat_ranges([f"{root}/ok", f"{root}/missing", root], [1, 0, 0], [4, 5, 5])
     assert out[0] == b"123"
     assert isinstance(out[1], FileNotFoundError) and isinstance(out[2], IsADirectoryError)
+    out = sfs.cat_ranges([f"{root}/ok", f"{root}/bad\x00name"], [0, 0], [2, 2])  # a path no request can carry
+    assert out[0] == b"01" and isinstance(out[1], OSError) and out[1].errno == errno.EINVAL
     with pytest.raises(FileNotFoundError):
         sfs.cat_ranges([f"{root}/missing"], [0], [1], on_error="raise")
     with pytest.raises(ValueError):
