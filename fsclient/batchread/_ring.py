@@ -200,6 +200,9 @@ class ReadRing:
         self._inflight = 0
         self._generation = 0
         self._cv = threading.Condition(threading.Lock())
+        # Completed reads the waiting caller needs before it can return (0: none waits, or it
+        # wants every completion): a piece wakes it only then, or when it has pieces to send.
+        self._wake_at = 0
         self._zeros = memoryview(b"")
 
     # -- files ------------------------------------------------------------------------------
@@ -319,7 +322,11 @@ class ReadRing:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     break
-                self._cv.wait(remaining)
+                self._wake_at = want
+                try:
+                    self._cv.wait(remaining)
+                finally:
+                    self._wake_at = 0
         return self._reap()
 
     def read(self, reads: "list[tuple[Any, RegisteredFile, int, int]]", timeout: float | None = None) -> list[int]:
@@ -355,7 +362,8 @@ class ReadRing:
                     nxt += 1
                 self.submit()
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                got = self._wait(1, remaining)
+                # Every read in: nothing to wait for but all of them (one wake-up, not one each).
+                got = self._wait(1 if nxt < len(reads) else left, remaining)
                 mine = [c for owner, c in got if owner is token]
                 self._stash.extend(c for owner, c in got if owner is not token)
                 if not mine and deadline is not None and time.monotonic() >= deadline:
@@ -554,7 +562,8 @@ class ReadRing:
             s.pending -= 1
             if s.pending == 0:
                 self._done.append(i)
-            self._cv.notify()
+            if len(self._done) >= self._wake_at or self._queue:  # else the waiter would only wait again
+                self._cv.notify()
 
     def _may_retry(self, key: tuple[int, int, int, int], attempt: int) -> bool:
         """Within the retry budget: ``retries`` attempts, or by default the client's ``retry_for``."""
