@@ -60,8 +60,9 @@ def test_batches_of_a_directorys_files_cost_one_listing(dataset: Any) -> None:
             got += reader.stat_many(paths[start:start + 12])
         assert [a.size for a in got] == [len(_body(i)) for i in range(FILES)]
         assert all(a.layout is not None for a in got)  # what a ring needs to read them
-        assert metadata_requests(dataset.file, "StatMany") - stats == 0
-        assert metadata_requests(dataset.file, "Readdir") - listings == 1
+        # One listing (again if its 5 s lease ran out on a slow machine; without this: 5 StatMany, 0 listings).
+        assert metadata_requests(dataset.file, "StatMany") - stats <= 1
+        assert 1 <= metadata_requests(dataset.file, "Readdir") - listings <= 2
 
         _change_files(dataset, 20)  # f20 rewritten in place (same size and mtime), f21 longer, f24 0600
         with dataset.client() as c:
