@@ -13,7 +13,8 @@ import pytest
 from fsspec.callbacks import Callback
 
 from stripefs.fsclient.fsspec import StripeFileSystem, StripeFsFile
-from tests.conftest import TEST_CHUNK
+from tests.conftest import TEST_CHUNK, metadata_requests
+from tests.core.test_attr_leases import _watching
 
 
 def test_registered_through_entry_point(cluster: Any, cluster_env: str) -> None:
@@ -105,9 +106,6 @@ def test_cat_ranges_errors(sfs: StripeFileSystem, root: str) -> None:
 def test_cat_of_many_files_resolves_them_together(metered_cluster: Any) -> None:
     """``cat``/``cat_ranges`` of a batch of one directory's files resolve them in one
     ``stat_many`` (its listing, once several are missed), not a ``Resolve`` each."""
-    from tests.conftest import metadata_requests
-    from tests.core.test_attr_leases import _watching
-
     fs = StripeFileSystem(cluster=metered_cluster.file, skip_instance_cache=True)
     try:
         paths = [f"/batch/f{i}" for i in range(24)]
