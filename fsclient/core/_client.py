@@ -305,9 +305,9 @@ class Client:
         then would not be kept, and its directory not fetched again for a while)."""
         if not cache.leasing:
             return todo
+        dirs = [posixpath.dirname(norm[i]) for i in todo]
         misses: dict[str, int] = {}
-        for i in todo:
-            directory = posixpath.dirname(norm[i])
+        for directory in dirs:
             misses[directory] = misses.get(directory, 0) + 1
         due = [d for d in sorted(misses, key=misses.__getitem__, reverse=True) if self._streaks.hit(d, misses[d])]
         if not due:
@@ -318,8 +318,8 @@ class Client:
         for directory in listed:
             self._lease_files(cache, directory)
         left = []
-        for i in todo:
-            hit = cache.get(norm[i]) if posixpath.dirname(norm[i]) in listed else None
+        for i, directory in zip(todo, dirs):
+            hit = cache.get(norm[i]) if directory in listed else None
             if hit is None:
                 left.append(i)
             else:
