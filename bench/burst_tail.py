@@ -4,7 +4,10 @@ Starts a local cluster (or uses ``--cluster``), writes a dataset of ``--files`` 
 64-256 KiB and reads it once (the page cache stays warm: the disk is out of the picture),
 then ``--readers`` processes read random files of it one at a time while one writer
 process writes a ``--size`` MiB file in 4 MiB pieces (``--rate``: paced to that many GB/s)
-and syncs it. It prints, for the readers' files before the burst and during it: the
+and syncs it (``--staged``: saves a state of ``--size`` MiB in 16 tensors with
+``staging.save`` and waits for its commit, as a training job checkpoints: the snapshot, the
+local copy, then the in-process mover's upload in the background traffic class; ``--rate``
+is then the mover's bandwidth cap). It prints, for the readers' files before the burst and during it: the
 latency p50/p99, how many took longer than ``--slow`` ms and how their time splits between
 open, read and close; and, for every process of ours, the CPU it ran and the time its
 threads waited in the kernel's run queue for a CPU during the burst (``/proc/<pid>/task/
@@ -97,6 +100,29 @@ def _writer(cluster: str, size: int, rate: float, out: Any) -> None:
         c.unlink("/burst_tail/ckpt")
 
 
+def _staged_writer(cluster: str, size: int, rate: float, out: Any) -> None:
+    import tempfile
+
+    import torch
+
+    from stripefs import staging
+    from stripefs.staging import MoverOptions
+    from stripefs.staging._mover import remove_tree
+
+    count = 16
+    state = {f"layer{i:02d}": torch.rand(max(1, size // count // 4)) for i in range(count)}
+    options = MoverOptions(bandwidth=rate or None)
+    with tempfile.TemporaryDirectory(prefix="burst-tail-staging-") as sdir:
+        t0 = time.perf_counter()
+        h = staging.save(state, "stripefs:///burst_tail/ck/step-1", staging_dir=sdir, cluster=cluster,
+                         keep_local=1, options=options)
+        blocked = time.perf_counter() - t0
+        h.wait()
+        out.put((t0, time.perf_counter(), blocked))
+    with Client(cluster) as c:
+        remove_tree(c, "/burst_tail/ck")
+
+
 def _phase(rows: list[tuple[float, ...]], slow: float) -> dict[str, Any]:
     if not rows:
         return {"files": 0}
@@ -111,7 +137,7 @@ def _phase(rows: list[tuple[float, ...]], slow: float) -> dict[str, Any]:
 
 
 def measure(cluster: str, names: list[str], pids: dict[str, int], *, size: int, readers: int,
-            rate: float, slow: float) -> dict[str, Any]:
+            rate: float, slow: float, staged: bool = False) -> dict[str, Any]:
     """One burst beside ``readers`` reading processes; see the module docstring."""
     ctx = mp.get_context("spawn")
     stop, rq, wq = ctx.Event(), ctx.Queue(), ctx.Queue()
@@ -121,7 +147,7 @@ def measure(cluster: str, names: list[str], pids: dict[str, int], *, size: int, 
     try:
         time.sleep(SETTLE)
         watched = {**pids, **{f"reader {k}": p.pid for k, p in enumerate(procs)}}
-        writer = ctx.Process(target=_writer, args=(cluster, size, rate, wq))
+        writer = ctx.Process(target=_staged_writer if staged else _writer, args=(cluster, size, rate, wq))
         w0 = time.perf_counter()
         before = {name: schedstat(pid) for name, pid in watched.items()}
         writer.start()
@@ -129,7 +155,7 @@ def measure(cluster: str, names: list[str], pids: dict[str, int], *, size: int, 
         before["writer"] = schedstat(writer.pid)  # its imports and connecting count too
         while True:
             try:
-                t0, t1 = wq.get(timeout=1.0)
+                t0, t1, *blocked = wq.get(timeout=1.0)
                 break
             except queue.Empty:
                 if not writer.is_alive():
@@ -146,8 +172,11 @@ def measure(cluster: str, names: list[str], pids: dict[str, int], *, size: int, 
     # and connecting take CPU too). perf_counter is CLOCK_MONOTONIC: one clock for all processes.
     alone = [r for r in rows if w0 - SETTLE + 0.5 < r[0] and r[0] + sum(r[1:]) < w0]
     during = [r for r in rows if r[0] >= t0 and r[0] + sum(r[1:]) <= t1]
+    burst = {"bytes": size, "seconds": t1 - t0, "gb_per_s": size / (t1 - t0) / 1e9}
+    if blocked:
+        burst["save_blocked_s"] = blocked[0]
     return {
-        "burst": {"bytes": size, "seconds": t1 - t0, "gb_per_s": size / (t1 - t0) / 1e9},
+        "burst": burst,
         "alone": _phase(alone, slow), "during": _phase(during, slow),
         "sched_window_s": window,  # the burst, and the writer's start (imports, connecting) before it
         "sched_during_ms": {name: sched_delta(before[name], after[name]) for name in watched},
@@ -168,7 +197,8 @@ def _dataset(cluster: str, files: int) -> list[str]:
 
 def _report(r: dict[str, Any]) -> None:
     b = r["burst"]
-    print(f"burst: {b['bytes'] >> 20} MiB in {b['seconds']:.2f} s ({b['gb_per_s']:.3f} GB/s)")
+    print(f"burst: {b['bytes'] >> 20} MiB in {b['seconds']:.2f} s ({b['gb_per_s']:.3f} GB/s)"
+          + (f", save() blocked {b['save_blocked_s'] * 1e3:.0f} ms" if "save_blocked_s" in b else ""))
     for phase in ("alone", "during"):
         x = r[phase]
         if not x["files"]:
@@ -190,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--readers", type=int, default=1, help="reading processes")
     ap.add_argument("--size", type=int, default=1024, help="MiB the burst writes")
     ap.add_argument("--rate", type=float, default=0.0, help="GB/s the burst is paced to (0: as fast as it goes)")
+    ap.add_argument("--staged", action="store_true",
+                    help="the burst is a staging.save of a state of --size MiB, waited for until committed")
     ap.add_argument("--slow", type=float, default=3.0, help="ms past which a file read counts as slow")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--json", help="write the results there")
@@ -202,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
             runs = []
             for _ in range(a.repeat):
                 runs.append(measure(path, names, pids, size=a.size << 20, readers=a.readers,
-                                    rate=a.rate * 1e9, slow=a.slow / 1e3))
+                                    rate=a.rate * 1e9, slow=a.slow / 1e3, staged=a.staged))
                 _report(runs[-1])
             if a.json:
                 with open(a.json, "w") as f:

@@ -32,6 +32,20 @@ def test_a_small_burst_beside_a_reader_is_measured_and_cleaned_up(cluster: Any, 
         assert not c.exists("/burst_tail")  # the dataset and the burst's file are gone
 
 
+def test_a_staged_checkpoint_is_the_burst_when_asked(cluster: Any, tmp_path: Path) -> None:
+    out = tmp_path / "bt.json"
+    burst_tail.main(["--cluster", cluster.file, "--files", "20", "--size", "24", "--rate", "0.05", "--staged",
+                     "--json", str(out)])
+    run = json.loads(out.read_text())["runs"][0]
+    burst = run["burst"]
+    # The window runs from save() to the commit: the upload, capped at 50 MB/s, is in it.
+    assert burst["bytes"] == 24 << 20 and burst["gb_per_s"] <= 0.06
+    assert 0 < burst["save_blocked_s"] < burst["seconds"]
+    assert run["during"]["files"] > 0 and run["sched_during_ms"]["writer"]["cpu"] > 0
+    with Client(cluster.file) as c:
+        assert not c.exists("/burst_tail")  # the checkpoint went with the dataset
+
+
 def test_schedstat_counts_this_process() -> None:
     threads = burst_tail.schedstat(os.getpid())
     assert threads and sum(r for r, _w, _n in threads.values()) > 0
