@@ -28,6 +28,7 @@ checkpoint already committed under the URL fail the checkpoint for good.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import mmap
 import os
@@ -227,6 +228,59 @@ class _Throttle:
             time.sleep(ahead)
 
 
+# The local copy is written (staging._save) and read back for the upload with O_DIRECT where
+# its buffers allow: ``STRIPEFS_DIRECT_IO=0`` (the storage servers' knob too): never.
+DIRECT_LOCAL = os.environ.get("STRIPEFS_DIRECT_IO", "1") != "0"
+
+
+class _StagedFile:
+    """A staged file read piece by piece into page-aligned buffers: with ``O_DIRECT`` where the
+    file system takes it (the local copy was written so, and is not in the page cache: a
+    buffered read would fill the cache with it and copy it once more), else buffered."""
+
+    def __init__(self, path: str):
+        self.name = path
+        self.fd = os.open(path, os.O_RDONLY)
+        self.direct: int | None = None
+        if DIRECT_LOCAL:
+            try:
+                self.direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:  # EINVAL: no direct I/O here (tmpfs)
+                    os.close(self.fd)
+                    raise
+
+    def read_into(self, buf: mmap.mmap, off: int, n: int) -> int:
+        """Bytes ``[off, off + n)`` into the start of ``buf`` (a mapping of at least ``n`` bytes
+        rounded up to a page); how many there were (fewer: the file is shorter)."""
+        whole = -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+        if self.direct is not None and off % mmap.PAGESIZE == 0 and whole <= len(buf):
+            try:
+                return min(n, _pread_all(self.direct, memoryview(buf)[:whole], off))
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                os.close(self.direct)
+                self.direct = None
+        return _pread_all(self.fd, memoryview(buf)[:n], off)
+
+    def close(self) -> None:
+        os.close(self.fd)
+        if self.direct is not None:
+            os.close(self.direct)
+
+
+def _pread_all(fd: int, view: memoryview, off: int) -> int:
+    """``preadv`` until ``view`` is full or the file ends; how many bytes were read."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], off + done)
+        if got == 0:
+            break
+        done += got
+    return done
+
+
 class SnapshotViews:
     """The snapshot buffer's file views (file index -> memoryview), lent to an upload.
 
@@ -401,11 +455,10 @@ class Uploader:
                         loan, buf = (_Loan(self.buffers) if view is not None else None), None  # type: ignore[arg-type]
                         if view is None:
                             if local is None:
-                                local = open(os.path.join(self.row.local_dir, f.name), "rb")
+                                local = _StagedFile(os.path.join(self.row.local_dir, f.name))
                             buf = spare.pop() if spare else mmap.mmap(-1, piece)
                             view = memoryview(buf)[:n]
-                            local.seek(off)
-                            if local.readinto(view) != n:
+                            if local.read_into(buf, off, n) != n:
                                 raise ChecksumError(f"staged file {f.name} is shorter than recorded", local.name)
                             _verify(view, off, f, local.name)
                         try:

@@ -37,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import crc32c
+import numpy as np
 
 from stripefs.fsclient import normpath
 
@@ -45,7 +46,7 @@ from ._format import (CHECK_CHUNK, DEFAULT_SHARD, FORMAT, MANIFEST, chunk_crcs, 
 from ._durable import publish_dir
 from ._journal import CkptRow, FileRow, Journal, fault_point
 from . import _ranks
-from ._mover import MoverOptions, SnapshotViews, Uploader, client_for, remote_paths, remove_tree
+from ._mover import DIRECT_LOCAL, MoverOptions, SnapshotViews, Uploader, client_for, remote_paths, remove_tree
 from ._replicas import Durability
 from ._service import Mover, apply_retention
 from ._snapshot import POOL, snapshot, yield_to_snapshots
@@ -711,6 +712,49 @@ def _yielding_chunk_crcs(view: memoryview) -> tuple[int, list[int]]:
     return total, crcs
 
 
+# The local copy's whole 4 KiB blocks are written with O_DIRECT when its bytes sit in the
+# page-aligned snapshot buffer: by DMA, not copied into the page cache and written back from
+# there, which cost 0.8-2.7 s of kernel CPU per GiB on a virtual machine (direct: 0.03 s;
+# local durability 1.4-3.3 s -> 0.6 s) and pushed a dataloader's cached pages out.
+# ``STRIPEFS_DIRECT_IO=0`` (staging._mover.DIRECT_LOCAL): never.
+DIRECT_ALIGN = 4096
+DIRECT_MIN = 1 << 20  # smaller files go through the page cache
+_WRITE_STEP = 256 << 20  # bytes per write(2) of the local copy
+
+
+def _address(view: memoryview) -> int:
+    """Where ``view``'s bytes start in memory (read-only views too)."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def _write_direct(path: str, view: memoryview) -> int:
+    """Write the whole 4 KiB blocks at the start of ``view`` into the new file ``path`` with
+    ``O_DIRECT``; how many bytes (0: not aligned, too small, or a file system without direct
+    I/O, such as tmpfs). The caller writes the rest through the page cache and fsyncs both."""
+    n = len(view) - len(view) % DIRECT_ALIGN
+    if not DIRECT_LOCAL or n < DIRECT_MIN or _address(view) % DIRECT_ALIGN:
+        return 0
+    try:
+        dfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return 0
+    done = 0
+    try:
+        while done < n:
+            try:
+                done += os.pwrite(dfd, view[done : min(n, done + _WRITE_STEP)], done)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:  # refused (EINVAL): the page cache takes the rest
+                    raise
+                break
+            fault_point("local_write")
+    finally:
+        os.close(dfd)
+    return done - done % DIRECT_ALIGN  # a short write's odd tail is written again, buffered
+
+
 def write_local_dir(final: str, files: list[tuple[str, Any]], manifest: bytes) -> None:
     """Write files + manifest into ``.tmp-<name>``, fsync everything, rename to ``final`` durably.
 
@@ -722,12 +766,14 @@ def write_local_dir(final: str, files: list[tuple[str, Any]], manifest: bytes) -
     os.makedirs(tmp, exist_ok=True)
     try:
         for fname, data in files + [(MANIFEST, memoryview(manifest))]:
+            path = os.path.join(tmp, fname)
             # 0666: the umask decides, as for any file the trainer writes.
-            fd = os.open(os.path.join(tmp, fname), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
             try:
-                view, off = memoryview(data), 0
+                view = memoryview(data).cast("B")
+                off = _write_direct(path, view)
                 while off < len(view):
-                    off += os.write(fd, view[off : off + (256 << 20)])
+                    off += os.pwrite(fd, view[off : off + _WRITE_STEP], off)
                     fault_point("local_write")
                 os.fsync(fd)
             finally:
