@@ -176,6 +176,8 @@ def _burst_ratios(recs: list[dict[str, Any]]) -> None:
         during["p50_ratio"] = during["latency_p50_ms"] / alone["latency_p50_ms"]
         if "burst_write" in by:
             during["burst_gbps"] = by["burst_write"]["gbps"]
+            if by.get("burst_write_alone", {}).get("gbps"):  # the burst beside readers / alone
+                during["burst_ratio"] = by["burst_write"]["gbps"] / by["burst_write_alone"]["gbps"]
 
 
 class _NullDisplay:

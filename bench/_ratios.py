@@ -34,9 +34,10 @@ HEADLINE: dict[str, tuple[str, Callable[[dict[str, Any]], float], Callable[[dict
     "dataloader_batched": ("files/s (GB/s)", _ops, lambda r: f"{_ops(r):,.0f} ({r['gbps']:.3f})"),
     "small_writes": ("files/s (GB/s)", _ops, lambda r: f"{_ops(r):,.0f} ({r['gbps']:.3f})"),
     "small_writes_one_dir": ("files/s (GB/s)", _ops, lambda r: f"{_ops(r):,.0f} ({r['gbps']:.3f})"),
-    "burst_interference": ("p99 during / alone (burst GB/s)", _inv_p99_ratio,
+    "burst_interference": ("p99 during / alone (burst GB/s, × alone)", _inv_p99_ratio,
                            lambda r: f"{r.get('p99_ratio', float('nan')):.2f} "
-                                     f"({r.get('burst_gbps', float('nan')):.3f})"),
+                                     f"({r.get('burst_gbps', float('nan')):.3f}, "
+                                     f"{r.get('burst_ratio', float('nan')):.2f}×)"),
     "rand_read_4k": ("ops/s", _ops, lambda r: f"{_ops(r):,.0f}"),
     "rand_read_4k_cached": ("ops/s", _ops, lambda r: f"{_ops(r):,.0f}"),
     "meta_create": ("ops/s", _ops, lambda r: f"{_ops(r):,.0f}"),
@@ -49,7 +50,7 @@ HEADLINE: dict[str, tuple[str, Callable[[dict[str, Any]], float], Callable[[dict
     "meta_unlink_batch": ("files/s, 200 per call", _ops, lambda r: f"{_ops(r):,.0f}"),
 }
 DEFAULT = ("GB/s", _gbps, lambda r: f"{r['gbps']:.3f}")
-SKIP = {"transfer", "burst_alone", "burst_write"}  # shown inside other tables or as floors
+SKIP = {"transfer", "burst_alone", "burst_write", "burst_write_alone"}  # shown inside other tables or as floors
 
 
 def headline(r: dict[str, Any]) -> float:

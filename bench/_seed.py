@@ -15,12 +15,13 @@ small_writes         every client creates ``sw_files`` files of 4-64 KiB: create
 small_writes_one_dir the same, every client's files in ONE directory (a checkpoint of many
                      small files written by all ranks at once: 8 clients x 1,250 files
                      make the 10,000-file checkpoint of docs/benchmarks.md)
-burst_interference   the first half of the clients (rounded up; all but
-                     ``--burst-writers`` of them) read the dataset alone for
-                     ``duration`` s (``burst_alone``), then go on reading while the other
-                     clients write a checkpoint burst of ``size`` bytes each
+burst_interference   the other clients (half, rounded down, or ``--burst-writers``)
+                     first write a checkpoint burst of ``size`` bytes each with nobody
+                     reading (``burst_write_alone``); then the first clients read the
+                     dataset alone for ``duration`` s (``burst_alone``), then go on
+                     reading while the writers write the burst again
                      (``burst_interference``, with the p99 ratio during/alone, and
-                     ``burst_write``, the burst's throughput)
+                     ``burst_write``, the burst's throughput, with its ratio to alone)
 restore              every client restores a model state of ``size`` bytes saved by the route's
                      own way (untimed, then the caches dropped): ``staging.save``/``load``
                      from the store on native and zerocopy, ``torch.save``/``torch.load``
@@ -246,6 +247,7 @@ def burst_interference(s: Session, task: dict[str, Any],
         part.t1 = clock()
 
     ctx.wait()
+    ctx.wait()  # the writers' burst alone is over
     end = clock() + task["duration"]
     read_until(alone, lambda: clock() >= end or at >= len(mine) // 2)
     ctx.wait()  # the burst starts now
@@ -353,12 +355,14 @@ def _restore_cleanup(s: Session, task: dict[str, Any], ctx: ClientContext) -> No
 
 def _burst_writer(s: Session, task: dict[str, Any], ctx: ClientContext,
                   writers: int) -> dict[str, PartResult]:
-    tag, part = task["tag"], PartResult()
+    tag, part, solo = task["tag"], PartResult(), PartResult()
     s.makedirs(f"ckpt/{tag}")
+    ctx.wait()
+    write_burst(s, ctx, task, tag, solo, alone=True)  # the same burst with nobody reading
     ctx.wait()
     ctx.wait()  # the readers' solo phase is over
     write_burst(s, ctx, task, tag, part)
-    return {"burst_write": part}
+    return {"burst_write_alone": solo, "burst_write": part}
 
 
 SEED = {"dataloader": dataloader, "dataloader_batched": dataloader_batched, "small_writes": small_writes,

@@ -26,7 +26,7 @@ FINISH = dict(SEED_FINISH)
 BATCH_PARTS = ["meta_create_batch", "meta_stat_batch", "meta_unlink_batch"]
 _PARTS = {"metadata": ["meta_create", "meta_stat", "meta_readdir", "meta_unlink", *BATCH_PARTS],
           "mixed": ["mixed_read", "mixed_write"],
-          "burst_interference": ["burst_alone", "burst_interference", "burst_write"], **SEED_PARTS}
+          "burst_interference": ["burst_alone", "burst_interference", "burst_write_alone", "burst_write"], **SEED_PARTS}
 
 
 def record_names(workload: str) -> list[str]:

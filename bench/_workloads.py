@@ -468,15 +468,18 @@ def mixed(s: Session, task: dict[str, Any], ctx: ClientContext) -> dict[str, Par
     return {"mixed_write": part}
 
 
-def write_burst(s: Session, ctx: ClientContext, task: dict[str, Any], tag: str, part: PartResult) -> None:
-    """A writer's timed checkpoint burst beside readers: the readers are told when it
-    ends (also when it failed); the files are checked and removed afterwards, untimed."""
+def write_burst(s: Session, ctx: ClientContext, task: dict[str, Any], tag: str, part: PartResult,
+                *, alone: bool = False) -> None:
+    """A writer's timed checkpoint burst beside readers, who are told when it ends (also
+    when it failed), or ``alone`` (nobody reads meanwhile: the burst's own throughput);
+    the files are checked and removed afterwards, untimed."""
     part.t0 = clock()
     try:
         files = checkpoint_files(s, ctx, task, tag, part)
     finally:
-        with ctx.writers_done.get_lock():  # readers stop even if this writer failed
-            ctx.writers_done.value += 1
+        if not alone:
+            with ctx.writers_done.get_lock():  # readers stop even if this writer failed
+                ctx.writers_done.value += 1
     part.t1 = clock()
     for path, n in files:
         check_size(s, path, n)

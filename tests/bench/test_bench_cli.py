@@ -158,12 +158,14 @@ def test_burst_interference_reports_the_latency_ratio(report: dict[str, Any]) ->
         [alone] = records(report, path, "burst_alone")
         [during] = records(report, path, "burst_interference")
         [burst] = records(report, path, "burst_write")
-        assert alone["clients"] == during["clients"] == 1 and burst["clients"] == 1
+        [solo] = records(report, path, "burst_write_alone")
+        assert alone["clients"] == during["clients"] == 1 and burst["clients"] == solo["clients"] == 1
         assert alone["ops"] >= 1 and during["ops"] >= 1
-        assert burst["bytes"] == SIZE  # one writer, one checkpoint of ``size`` bytes
+        assert burst["bytes"] == solo["bytes"] == SIZE  # one writer, one checkpoint of ``size`` bytes, twice
         assert during["p99_ratio"] == pytest.approx(during["latency_p99_ms"]
                                                     / alone["latency_p99_ms"])
         assert during["burst_gbps"] == burst["gbps"]
+        assert during["burst_ratio"] == pytest.approx(burst["gbps"] / solo["gbps"])
 
 
 def test_restore_loads_every_state_whole_and_checks_it(report: dict[str, Any]) -> None:
@@ -214,8 +216,9 @@ def test_burst_writers_sets_how_many_clients_write_the_burst(cluster: Any, tmp_p
     [alone] = records(run, "native", "burst_alone")
     [during] = records(run, "native", "burst_interference")
     [burst] = records(run, "native", "burst_write")
-    assert alone["clients"] == during["clients"] == 3 and burst["clients"] == 1
-    assert burst["bytes"] == SIZE
+    [solo] = records(run, "native", "burst_write_alone")
+    assert alone["clients"] == during["clients"] == 3 and burst["clients"] == solo["clients"] == 1
+    assert burst["bytes"] == solo["bytes"] == SIZE
 
 
 def test_burst_writers_must_leave_a_reader() -> None:
