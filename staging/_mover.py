@@ -233,6 +233,19 @@ class _Throttle:
 DIRECT_LOCAL = os.environ.get("STRIPEFS_DIRECT_IO", "1") != "0"
 
 
+def open_direct(path: str, flags: int) -> int | None:
+    """``path`` opened with ``flags | O_DIRECT``; None when direct I/O is off
+    (:data:`DIRECT_LOCAL`) or the file system takes none (EINVAL: tmpfs)."""
+    if not DIRECT_LOCAL:
+        return None
+    try:
+        return os.open(path, flags | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return None
+
+
 class _StagedFile:
     """A staged file read piece by piece into page-aligned buffers: with ``O_DIRECT`` where the
     file system takes it (the local copy was written so, and is not in the page cache: a
@@ -241,14 +254,11 @@ class _StagedFile:
     def __init__(self, path: str):
         self.name = path
         self.fd = os.open(path, os.O_RDONLY)
-        self.direct: int | None = None
-        if DIRECT_LOCAL:
-            try:
-                self.direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:  # EINVAL: no direct I/O here (tmpfs)
-                    os.close(self.fd)
-                    raise
+        try:
+            self.direct = open_direct(path, os.O_RDONLY)
+        except BaseException:
+            os.close(self.fd)
+            raise
 
     def read_into(self, buf: mmap.mmap, off: int, n: int) -> int:
         """Bytes ``[off, off + n)`` into the start of ``buf`` (a mapping of at least ``n`` bytes

@@ -46,7 +46,7 @@ from ._format import (CHECK_CHUNK, DEFAULT_SHARD, FORMAT, MANIFEST, chunk_crcs, 
 from ._durable import publish_dir
 from ._journal import CkptRow, FileRow, Journal, fault_point
 from . import _ranks
-from ._mover import DIRECT_LOCAL, MoverOptions, SnapshotViews, Uploader, client_for, remote_paths, remove_tree
+from ._mover import DIRECT_LOCAL, MoverOptions, SnapshotViews, Uploader, client_for, open_direct, remote_paths, remove_tree
 from ._replicas import Durability
 from ._service import Mover, apply_retention
 from ._snapshot import POOL, snapshot, yield_to_snapshots
@@ -734,11 +734,8 @@ def _write_direct(path: str, view: memoryview) -> int:
     n = len(view) - len(view) % DIRECT_ALIGN
     if not DIRECT_LOCAL or n < DIRECT_MIN or _address(view) % DIRECT_ALIGN:
         return 0
-    try:
-        dfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
+    dfd = open_direct(path, os.O_WRONLY)
+    if dfd is None:
         return 0
     done = 0
     try:
